@@ -1,0 +1,44 @@
+"""entmax_fast: sparse (α-entmax) mappings and attention for PyTorch.
+
+Drop-in for the ``entmax`` package (same names, arguments and defaults) plus
+scaled-dot-product entmax attention with ``torch.nn.functional.scaled_dot_product_attention``'s
+signature. Every op dispatches between Triton kernels, the C++ extension and the exact
+plain-torch reference; :func:`backend_info` says which exist here and which each op used.
+"""
+from . import dispatch
+from .attention import entmax_attention, sparsemax_attention
+from .dispatch import use_backend
+from .losses import (Entmax15Loss, EntmaxBisectLoss, SparsemaxBisectLoss, SparsemaxLoss, entmax15_loss,
+                     entmax_bisect_loss, sparsemax_bisect_loss, sparsemax_loss)
+from .mappings import entmax15, entmax_bisect, sparsemax, sparsemax_bisect
+from .nn import Entmax15, EntmaxBisect, Sparsemax, SparsemaxBisect
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "sparsemax", "entmax15", "entmax_bisect", "sparsemax_bisect",
+    "Sparsemax", "Entmax15", "EntmaxBisect", "SparsemaxBisect",
+    "sparsemax_loss", "entmax15_loss", "sparsemax_bisect_loss", "entmax_bisect_loss",
+    "SparsemaxLoss", "Entmax15Loss", "SparsemaxBisectLoss", "EntmaxBisectLoss",
+    "entmax_attention", "sparsemax_attention",
+    "backend_info", "use_backend",
+]
+
+
+def backend_info() -> dict:
+    """Which backends exist on this machine (and why not), what is forced, and which
+    backend every op used on its last call, with the reason.
+
+    >>> info = backend_info(); info["backends"]["cpp"]  # doctest: +SKIP
+    {'available': False, 'reason': 'the C++ extension entmax_fast._C is not built (...)'}
+    """
+    backends = {}
+    for name in dispatch.BACKENDS:
+        ok, why = dispatch.availability(name)
+        backends[name] = {"available": ok, "reason": why}
+    last = {}
+    for op in dispatch.registered_ops():
+        choice = dispatch.last_choice(op)
+        last[op] = None if choice is None else {"backend": choice.backend, "reason": choice.reason}
+    return {"backends": backends, "forced": dispatch.forced_backend(), "ops": dispatch.registered_ops(),
+            "last_choice": last}

@@ -1,0 +1,124 @@
+"""Public scaled-dot-product entmax attention, with the signature and layout of
+``torch.nn.functional.scaled_dot_product_attention``.
+
+Layers: :func:`entmax_attention` (validates, normalises) → ``dispatch`` (op
+``"attention"``: Triton fused kernels on CUDA, the C++ op on CPU when built, else the
+chunked plain-torch reference) → that backend's differentiable implementation.
+
+Causal masks are aligned top-left, as in SDPA: query i attends to keys j ≤ i, whatever
+Lq and Lk. For Lq = 3, Lk = 5 (``x`` = attended)::
+
+        keys  0 1 2 3 4
+    query 0   x . . . .
+    query 1   x x . . .
+    query 2   x x x . .
+
+and for Lq = 5, Lk = 3 the last queries see every key::
+
+        keys  0 1 2
+    query 0   x . .
+    query 1   x x .
+    query 2   x x x
+    query 3   x x x
+    query 4   x x x
+
+(For bottom-right alignment, e.g. decoding with a KV cache, pass an explicit bool mask.)
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import dispatch
+from ._validation import check_alpha_float, check_alpha_tensor, check_floating
+
+__all__ = ["entmax_attention", "sparsemax_attention"]
+
+
+def _check_attention_args(query, key, value, attn_mask, dropout_p, scale, enable_gqa, alpha):
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        check_floating(name, tensor)
+        if tensor.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (B, H, L, E), got shape {tuple(tensor.shape)}")
+    for name, tensor in (("key", key), ("value", value)):
+        if tensor.dtype != query.dtype:
+            raise TypeError(f"{name} must have query's dtype {query.dtype}, got {tensor.dtype}")
+        if tensor.device != query.device:
+            raise ValueError(f"{name} must be on query's device {query.device}, got {tensor.device}")
+    if key.shape[0] != query.shape[0] or value.shape[0] != query.shape[0]:
+        raise ValueError(f"query, key and value must have the same batch size, got {query.shape[0]}, "
+                         f"{key.shape[0]}, {value.shape[0]}")
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(f"key's last dim (E) must equal query's {query.shape[-1]}, got {key.shape[-1]}")
+    if value.shape[-2] != key.shape[-2]:
+        raise ValueError(f"value's length (dim -2) must equal key's {key.shape[-2]}, got {value.shape[-2]}")
+    if value.shape[1] != key.shape[1]:
+        raise ValueError(f"key and value must have the same number of heads, got {key.shape[1]} and {value.shape[1]}")
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if kv_heads != heads:
+        if not enable_gqa:
+            raise ValueError(f"key/value have {kv_heads} heads but query has {heads}; pass enable_gqa=True "
+                             "for grouped-query attention")
+        if heads % kv_heads != 0:
+            raise ValueError(f"query heads ({heads}) must be divisible by key/value heads ({kv_heads}) "
+                             "for grouped-query attention")
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError(f"attn_mask must be a tensor or None, got {type(attn_mask).__name__}")
+        if attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
+            raise TypeError(f"attn_mask must be bool or have query's dtype {query.dtype}, got {attn_mask.dtype}")
+        if attn_mask.device != query.device:
+            raise ValueError(f"attn_mask must be on query's device {query.device}, got {attn_mask.device}")
+        target = (query.shape[0], heads, query.shape[2], key.shape[2])
+        try:
+            if attn_mask.dim() > 4 or torch.broadcast_shapes(attn_mask.shape, target) != target:
+                raise RuntimeError
+        except RuntimeError:
+            raise ValueError(f"attn_mask must be broadcastable to (B, H, Lq, Lk) = {target}, "
+                             f"got shape {tuple(attn_mask.shape)}") from None
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if scale is not None and not (math.isfinite(float(scale)) and float(scale) > 0):
+        raise ValueError(f"scale must be a finite number > 0 or None, got {scale}")
+    if isinstance(alpha, torch.Tensor):
+        if alpha.dim() > 1 or (alpha.dim() == 1 and alpha.shape[0] != heads):
+            raise ValueError(f"alpha must be a float, a 0-d tensor or a tensor of shape (H,) = ({heads},), "
+                             f"got shape {tuple(alpha.shape)}")
+        check_alpha_tensor(alpha, 1.0, inclusive=True, like=query)
+        return alpha
+    return check_alpha_float(alpha, 1.0, inclusive=True)
+
+
+def entmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                     enable_gqa=False, *, alpha=1.5):
+    """Scaled-dot-product attention with α-entmax weights: ``entmax_α(QKᵀ·scale + mask) V``.
+
+    Args:
+        query: (B, H, Lq, E). key: (B, Hkv, Lk, E). value: (B, Hkv, Lk, Ev).
+        attn_mask: bool (True = attend) or float (added to the scores), broadcastable to
+            (B, H, Lq, Lk). May be combined with ``is_causal``.
+        dropout_p: dropout on the attention weights (training only; pass 0 in eval).
+        is_causal: top-left aligned causal mask (module docstring draws it).
+        scale: score scale, default 1/sqrt(E).
+        enable_gqa: allow Hkv < H with H divisible by Hkv (grouped-query attention).
+        alpha: float ≥ 1 or tensor of shape (H,) (per head, learnable: it gets a gradient).
+            1 is softmax attention, 1.5 is 1.5-entmax, 2 is sparsemax.
+
+    Returns (B, H, Lq, Ev) in query's dtype. Rows whose keys are all masked give zeros.
+    """
+    alpha = _check_attention_args(query, key, value, attn_mask, dropout_p, scale, enable_gqa, alpha)
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    options = {"alpha": alpha if isinstance(alpha, float) else "tensor", "dropout_p": float(dropout_p),
+               "head_dim": max(query.shape[-1], value.shape[-1]), "is_causal": bool(is_causal),
+               "mask": None if attn_mask is None else attn_mask.dtype}
+    implementation, _ = dispatch.select("attention", dispatch.Request(query.device, query.dtype, options))
+    return implementation(query, key, value, attn_mask=attn_mask, dropout_p=float(dropout_p),
+                          is_causal=bool(is_causal), scale=float(scale), enable_gqa=bool(enable_gqa), alpha=alpha)
+
+
+def sparsemax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                        enable_gqa=False):
+    """:func:`entmax_attention` with α = 2 (sparsemax weights)."""
+    return entmax_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alpha=2.0)

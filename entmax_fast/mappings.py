@@ -1,0 +1,107 @@
+"""Public row-wise mappings, drop-in for the ``entmax`` package.
+
+Layers: public function (validates) → :class:`EntmaxFunction` (autograd; flattens to rows)
+→ the backend picked by ``dispatch`` for op ``"entmax"`` (reference, Triton or C++), whose
+contract is ``entmax_rowwise_forward(x (R, n), alpha float | tensor (R,)) -> p`` and
+``entmax_rowwise_backward(p, grad, alpha, need_alpha_grad) -> (dx, dalpha (R,) | None)``.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import dispatch
+from ._validation import check_dim, check_floating, mapping_alpha
+from .reference.mappings import compute_dtype
+
+__all__ = ["sparsemax", "entmax15", "entmax_bisect", "sparsemax_bisect", "EntmaxFunction"]
+
+
+def _to_rows(X: torch.Tensor, dim: int):
+    moved = X.movedim(dim, -1)
+    return moved.reshape(-1, moved.shape[-1]), moved.shape
+
+
+def _from_rows(rows: torch.Tensor, moved_shape, dim: int):
+    return rows.reshape(moved_shape).movedim(-1, dim)
+
+
+class EntmaxFunction(torch.autograd.Function):
+    """α-entmax along ``dim`` with gradients for X and (tensor) α, on the dispatched backend."""
+
+    @staticmethod
+    def forward(ctx, X, alpha, dim):
+        x_rows, moved_shape = _to_rows(X, dim)
+        alpha_rows = alpha
+        if isinstance(alpha, torch.Tensor):
+            alpha_rows = _to_rows(alpha, dim)[0].reshape(-1).to(compute_dtype(X.dtype))
+        request = dispatch.Request(X.device, X.dtype, {"alpha": alpha if isinstance(alpha, float) else "tensor"})
+        (forward, backward), _ = dispatch.select("entmax", request)
+        p_rows = forward(x_rows, alpha_rows)
+        ctx.backward_impl = backward
+        ctx.dim = dim
+        ctx.moved_shape = moved_shape
+        ctx.alpha_float = None if isinstance(alpha, torch.Tensor) else alpha
+        ctx.alpha_shape = alpha.shape if isinstance(alpha, torch.Tensor) else None
+        ctx.save_for_backward(p_rows, alpha_rows if isinstance(alpha, torch.Tensor) else None)
+        return _from_rows(p_rows, moved_shape, dim)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        p_rows, alpha_rows = ctx.saved_tensors
+        alpha = ctx.alpha_float if alpha_rows is None else alpha_rows
+        need_alpha_grad = alpha_rows is not None and ctx.needs_input_grad[1]
+        g_rows, _ = _to_rows(grad_output, ctx.dim)
+        dx_rows, dalpha_rows = ctx.backward_impl(p_rows, g_rows.contiguous(), alpha, need_alpha_grad)
+        dX = _from_rows(dx_rows, ctx.moved_shape, ctx.dim) if ctx.needs_input_grad[0] else None
+        dalpha = None
+        if need_alpha_grad:
+            moved = list(ctx.moved_shape)
+            moved[-1] = 1
+            dalpha = dalpha_rows.reshape(moved).movedim(-1, ctx.dim).to(alpha_rows.dtype)
+        return dX, dalpha, None
+
+
+def _entmax(X, alpha, dim):
+    check_floating("X", X)
+    dim = check_dim("X", X, dim)
+    alpha = mapping_alpha(alpha, X, dim)
+    if X.shape[dim] == 0:
+        return X.clone()
+    if isinstance(alpha, torch.Tensor):
+        # Gradients flow to the caller's α through `expand`, which sums over broadcast dims.
+        alpha = alpha.to(compute_dtype(X.dtype))
+    return EntmaxFunction.apply(X, alpha, dim)
+
+
+def sparsemax(X, dim=-1, k=None):
+    """sparsemax: ``argmin_{p ∈ Δ} ‖p − X‖²`` along ``dim`` (exact, by sorting).
+
+    ``k`` is accepted for compatibility with ``entmax.sparsemax``; results never depend on it.
+    """
+    return _entmax(X, 2.0, dim)
+
+
+def entmax15(X, dim=-1, k=None):
+    """1.5-entmax: ``argmax_{p ∈ Δ} pᵀX + H_{1.5}(p)`` along ``dim`` (exact, by sorting).
+
+    ``k`` is accepted for compatibility with ``entmax.entmax15``; results never depend on it.
+    """
+    return _entmax(X, 1.5, dim)
+
+
+def entmax_bisect(X, alpha=1.5, dim=-1, n_iter=50, ensure_sum_one=True):
+    """α-entmax: ``argmax_{p ∈ Δ} pᵀX + H_α(p)`` with the Tsallis α-entropy, along ``dim``.
+
+    ``alpha``: float > 0 or a tensor broadcastable to X with size 1 along ``dim`` (per row,
+    per head); it receives a gradient. α = 1 is softmax, α = 2 sparsemax, 0 < α < 1 dense.
+    The threshold is found to a tolerance, then the output is normalised exactly on the
+    found support, so ``n_iter`` and ``ensure_sum_one`` (kept for compatibility with
+    ``entmax.entmax_bisect``) do not change the result.
+    """
+    return _entmax(X, alpha, dim)
+
+
+def sparsemax_bisect(X, dim=-1, n_iter=50, ensure_sum_one=True):
+    """sparsemax (``entmax_bisect`` at α = 2); ``n_iter``/``ensure_sum_one`` as there."""
+    return _entmax(X, 2.0, dim)
+

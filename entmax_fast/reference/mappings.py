@@ -1,0 +1,264 @@
+"""Plain-torch reference of the α-entmax mappings: the ground truth for every backend.
+
+Every mapping solves, row by row, ``p = argmax_{p ∈ Δ} pᵀz + H_α(p)`` with the Tsallis
+α-entropy ``H_α(p) = (1 − Σ p_i^α) / (α(α − 1))`` (Shannon's entropy at α = 1).
+
+The threshold is kept in a shift-invariant form that is continuous at α = 1:
+
+    u = z − max(z),    p_i = [1 + (α − 1)(u_i − μ)]_+ ^ (1/(α − 1)),
+
+with ``μ ∈ [0, (1 − n^{1−α}) / (α − 1)]`` (n = number of finite entries) chosen so that
+``Σ p = 1``. At α → 1 this is ``exp(u_i − μ)`` with μ the log-sum-exp. MATH.md's τ is
+``(α − 1)(max z + μ) − 1``.
+
+- α = 2 and α = 1.5 (python floats): exact, by sorting (``sparsemax_threshold``,
+  ``entmax15_threshold``).
+- any other α > 0, α ≠ 1 (float or one per row): safeguarded Newton on μ to a tolerance,
+  then exact normalisation on the found support (``entmax_threshold_root``).
+- α = 1: ``torch.softmax``.
+
+Arithmetic is float64 for float64 input and float32 otherwise; the output has the input's
+dtype. −inf entries get zero weight; a row with no finite entry gives zeros (and zero
+gradients). Nothing here syncs with the host when the input lives on a GPU.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "compute_dtype",
+    "sparsemax_threshold",
+    "entmax15_threshold",
+    "entmax_threshold_root",
+    "entmax_forward",
+    "entmax_backward",
+    "entmax_rowwise_forward",
+    "entmax_rowwise_backward",
+    "tsallis_entropy",
+]
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _shifted(X: torch.Tensor, dim: int):
+    """u = X − max(X) in the compute dtype; rows without a finite entry are flagged."""
+    X = X.to(compute_dtype(X.dtype))
+    row_max = X.amax(dim=dim, keepdim=True)
+    empty_row = torch.isneginf(row_max)
+    # An all −inf row would give (−inf) − (−inf) = NaN; shift it by 0 and zero it later.
+    u = X - torch.where(empty_row, torch.zeros_like(row_max), row_max)
+    return u, empty_row
+
+
+def _alpha_like(alpha, ref: torch.Tensor) -> torch.Tensor:
+    if isinstance(alpha, torch.Tensor):
+        return alpha.to(device=ref.device, dtype=ref.dtype)
+    return torch.tensor(float(alpha), device=ref.device, dtype=ref.dtype)
+
+
+def sparsemax_threshold(X: torch.Tensor, dim: int = -1):
+    """Exact sparsemax threshold by sorting.
+
+    Returns ``(tau, support_size)`` with ``sparsemax(X) = [X − tau]_+`` (tau in the
+    compute dtype, keepdim along ``dim``). Rows without finite entries get support 0.
+    """
+    u, empty_row = _shifted(X, dim)
+    u_sorted = torch.sort(u, dim=dim, descending=True).values
+    # Only entries above max − 1 can be in the support; masking the rest keeps −inf and
+    # huge magnitudes out of the prefix sums.
+    candidate = u_sorted > -1
+    u_cand = torch.where(candidate, u_sorted, torch.zeros_like(u_sorted))
+    prefix_sum = u_cand.cumsum(dim)
+    shape = [1] * u.dim()
+    shape[dim] = -1
+    k = torch.arange(1, u.shape[dim] + 1, device=u.device, dtype=u.dtype).view(shape)
+    in_support = candidate & (1 + k * u_sorted > prefix_sum)
+    support_size = in_support.sum(dim=dim, keepdim=True)
+    last = (support_size - 1).clamp(min=0)
+    tau_shifted = (prefix_sum.gather(dim, last) - 1) / support_size.clamp(min=1).to(u.dtype)
+    row_max = X.to(u.dtype).amax(dim=dim, keepdim=True)
+    tau = torch.where(empty_row, torch.zeros_like(tau_shifted), tau_shifted + torch.where(empty_row, 0, row_max))
+    return tau, support_size
+
+
+def entmax15_threshold(X: torch.Tensor, dim: int = -1):
+    """Exact 1.5-entmax threshold by sorting (MATH.md §1).
+
+    Returns ``(tau, support_size)`` with ``entmax15(X) = [X/2 − tau]_+²``.
+    """
+    u, empty_row = _shifted(X, dim)
+    y_sorted = torch.sort(u / 2, dim=dim, descending=True).values
+    candidate = y_sorted > -1
+    y_cand = torch.where(candidate, y_sorted, torch.zeros_like(y_sorted))
+    shape = [1] * u.dim()
+    shape[dim] = -1
+    k = torch.arange(1, u.shape[dim] + 1, device=u.device, dtype=u.dtype).view(shape)
+    mean = y_cand.cumsum(dim) / k
+    mean_sq = (y_cand * y_cand).cumsum(dim) / k
+    ss = k * (mean_sq - mean * mean)
+    delta = ((1 - ss) / k).clamp(min=0)
+    tau_k = mean - torch.sqrt(delta)
+    in_support = candidate & (tau_k <= y_sorted)
+    support_size = in_support.sum(dim=dim, keepdim=True)
+    tau_shifted = tau_k.gather(dim, (support_size - 1).clamp(min=0))
+    row_max = X.to(u.dtype).amax(dim=dim, keepdim=True)
+    tau = torch.where(empty_row, torch.zeros_like(tau_shifted), tau_shifted + torch.where(empty_row, 0, row_max) / 2)
+    return tau, support_size
+
+
+def _max_root_iterations(dtype: torch.dtype) -> int:
+    # Every fourth step is a forced bisection, so the bracket at least halves every four
+    # steps; this bound takes any bracket below the dtype's resolution.
+    return 4 * (160 if dtype == torch.float64 else 80)
+
+
+def entmax_threshold_root(X: torch.Tensor, alpha, dim: int = -1, tol: float | None = None):
+    """μ of α-entmax (module docstring) by safeguarded Newton iteration.
+
+    Stops per row when ``|Σp − 1| ≤ tol`` (default: 2·n·eps of the compute dtype) or when
+    the bracket is below the dtype's resolution. Newton steps that leave the bracket, and
+    every fourth step, are replaced by bisection, which bounds the number of steps.
+    α must be > 0 and ≠ 1 (broadcastable to X with size 1 along ``dim``).
+    Returns ``(mu, u, empty_row)``.
+    """
+    u, empty_row = _shifted(X, dim)
+    a = _alpha_like(alpha, u)
+    am1 = a - 1
+    exponent = 1 / am1
+    n_valid = (~torch.isneginf(u)).sum(dim=dim, keepdim=True).clamp(min=1).to(u.dtype)
+    lo = torch.zeros_like(n_valid * am1)
+    hi = (1 - n_valid.pow(-am1)) / am1
+    eps = torch.finfo(u.dtype).eps
+    if tol is None:
+        tol = 2 * eps * n_valid
+    mu = lo.clone()
+    done = torch.zeros_like(lo, dtype=torch.bool) | empty_row
+    check_every = 8 if u.device.type == "cpu" and not torch.compiler.is_compiling() else 0
+    for it in range(_max_root_iterations(u.dtype)):
+        q = (1 + am1 * (u - mu)).clamp(min=0)
+        p = q.pow(exponent)
+        f = p.sum(dim=dim, keepdim=True) - 1
+        slope = -torch.where(q > 0, q.pow(exponent - 1), torch.zeros_like(q)).sum(dim=dim, keepdim=True)
+        lo = torch.where(f > 0, mu, lo)
+        hi = torch.where(f > 0, hi, mu)
+        converged = (f.abs() <= tol) | (hi - lo <= 4 * eps * mu.abs().clamp(min=1))
+        done = done | converged
+        newton = mu - f / torch.where(slope < 0, slope, -torch.ones_like(slope))
+        use_newton = (slope < 0) & (newton > lo) & (newton < hi) & (it % 4 != 3)
+        step = torch.where(use_newton, newton, (lo + hi) / 2)
+        mu = torch.where(done, mu, step)
+        # CPU only: stopping early costs no device sync there; on a GPU the loop runs its
+        # bounded length so that the op stays capturable.
+        if check_every and it % check_every == check_every - 1 and bool(done.all()):
+            break
+    return mu, u, empty_row
+
+
+def _softmax(X: torch.Tensor, dim: int) -> torch.Tensor:
+    u, empty_row = _shifted(X, dim)
+    p = torch.softmax(u, dim=dim)
+    return torch.where(empty_row, torch.zeros_like(p), p)
+
+
+def _entmax_root(X: torch.Tensor, alpha, dim: int) -> torch.Tensor:
+    mu, u, empty_row = entmax_threshold_root(X, alpha, dim)
+    a = _alpha_like(alpha, u)
+    p = (1 + (a - 1) * (u - mu)).clamp(min=0).pow(1 / (a - 1))
+    total = p.sum(dim=dim, keepdim=True)
+    p = p / torch.where(total > 0, total, torch.ones_like(total))
+    return torch.where(empty_row, torch.zeros_like(p), p)
+
+
+def entmax_forward(X: torch.Tensor, alpha=1.5, dim: int = -1) -> torch.Tensor:
+    """α-entmax of X along ``dim``; ``alpha`` a float or a tensor broadcastable to X with
+    size 1 along ``dim`` (any value > 0; 1 is softmax). Output in X's dtype."""
+    out_dtype = X.dtype
+    if not isinstance(alpha, torch.Tensor):
+        alpha = float(alpha)
+        if alpha == 2.0:
+            tau, support = sparsemax_threshold(X, dim)
+            p = (X.to(tau.dtype) - tau).clamp(min=0)
+            p = torch.where(support > 0, p, torch.zeros_like(p))
+        elif alpha == 1.5:
+            tau, support = entmax15_threshold(X, dim)
+            p = (X.to(tau.dtype) / 2 - tau).clamp(min=0).square()
+            p = torch.where(support > 0, p, torch.zeros_like(p))
+        elif alpha == 1.0:
+            p = _softmax(X, dim)
+        else:
+            p = _entmax_root(X, alpha, dim)
+        return p.to(out_dtype)
+    a = alpha.to(device=X.device, dtype=compute_dtype(X.dtype))
+    is_softmax = a == 1
+    p = _entmax_root(X, torch.where(is_softmax, torch.full_like(a, 2.0), a), dim)
+    p = torch.where(is_softmax, _softmax(X, dim), p)
+    return p.to(out_dtype)
+
+
+def _weights_of_jacobian(p: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """s = p^(2−α) on the support, 0 elsewhere (MATH.md §2)."""
+    positive = p > 0
+    return torch.where(positive, p.clamp(min=torch.finfo(p.dtype).tiny).pow(2 - a), torch.zeros_like(p))
+
+
+def entmax_backward(p: torch.Tensor, grad: torch.Tensor, alpha=1.5, dim: int = -1,
+                    need_alpha_grad: bool = True):
+    """Vector–Jacobian products of α-entmax from its output ``p`` (MATH.md §2).
+
+    Returns ``(dX, dalpha)``: dX like ``grad`` (in p's compute dtype cast back to grad's
+    dtype), dalpha keepdim along ``dim`` (un-reduced over broadcast dimensions of alpha) or
+    None. At α = 1 dalpha is the exact limit ``∂p/∂α = −½ (p ⊙ log²p − p Σ_j p_j log² p_j)``.
+    """
+    cdt = compute_dtype(p.dtype)
+    p = p.to(cdt)
+    g = grad.to(cdt)
+    a = _alpha_like(alpha, p)
+    s = _weights_of_jacobian(p, a)
+    s_sum = s.sum(dim=dim, keepdim=True)
+    s_sum_safe = torch.where(s_sum > 0, s_sum, torch.ones_like(s_sum))
+    dX = s * g - s * (s * g).sum(dim=dim, keepdim=True) / s_sum_safe
+    dalpha = None
+    if need_alpha_grad:
+        log_p = torch.where(p > 0, torch.log(p.clamp(min=torch.finfo(cdt).tiny)), torch.zeros_like(p))
+        is_softmax = a == 1
+        am1 = torch.where(is_softmax, torch.ones_like(a), a - 1)
+        p_skewed = s / s_sum_safe
+        h = -p * log_p
+        dp_dalpha = (p - p_skewed) / am1.square() + (h - p_skewed * h.sum(dim=dim, keepdim=True)) / am1
+        p_log_sq = p * log_p.square()
+        dp_dalpha_at_1 = -0.5 * (p_log_sq - p * p_log_sq.sum(dim=dim, keepdim=True))
+        dp_dalpha = torch.where(is_softmax, dp_dalpha_at_1, dp_dalpha)
+        dalpha = (g * dp_dalpha).sum(dim=dim, keepdim=True)
+    return dX.to(grad.dtype), dalpha
+
+
+def entmax_rowwise_forward(x: torch.Tensor, alpha) -> torch.Tensor:
+    """Backend contract of the row-wise op: x (R, n), alpha float or tensor (R,)."""
+    if isinstance(alpha, torch.Tensor):
+        alpha = alpha.view(-1, 1)
+    return entmax_forward(x, alpha, dim=-1)
+
+
+def entmax_rowwise_backward(p: torch.Tensor, grad: torch.Tensor, alpha, need_alpha_grad: bool):
+    """Backend contract of the row-wise op: returns (dx (R, n), dalpha (R,) or None)."""
+    if isinstance(alpha, torch.Tensor):
+        alpha = alpha.view(-1, 1)
+    dx, dalpha = entmax_backward(p, grad, alpha, dim=-1, need_alpha_grad=need_alpha_grad)
+    return dx, (dalpha.view(-1) if dalpha is not None else None)
+
+
+def tsallis_entropy(p: torch.Tensor, alpha, dim: int = -1) -> torch.Tensor:
+    """H_α(p) = (1 − Σ p^α)/(α(α−1)); Shannon's −Σ p log p at α = 1. Differentiable in α."""
+    cdt = compute_dtype(p.dtype)
+    p = p.to(cdt)
+    a = _alpha_like(alpha, p)
+    is_shannon = a == 1
+    a_safe = torch.where(is_shannon, torch.full_like(a, 2.0), a)
+    p_pow = torch.where(p > 0, p.clamp(min=torch.finfo(cdt).tiny).pow(a_safe), torch.zeros_like(p))
+    tsallis = (1 - p_pow.sum(dim=dim, keepdim=True)) / (a_safe * (a_safe - 1))
+    log_p = torch.where(p > 0, torch.log(p.clamp(min=torch.finfo(cdt).tiny)), torch.zeros_like(p))
+    shannon = -(p * log_p).sum(dim=dim, keepdim=True)
+    return torch.where(is_shannon, shannon, tsallis).squeeze(dim)
+
