@@ -1,0 +1,564 @@
+"""Row-wise α-entmax kernels: forward (threshold by sorting or by root finding) and backward.
+
+Every row of ``x`` (R, n) is mapped to ``p = α-entmax(x_row)``, in the threshold form of
+``entmax_fast.reference.mappings`` written multiplicatively so that the iteration variable
+keeps full fp32 resolution where the support is small:
+
+    u = x − max(x),  t = α − 1,
+    α ≠ 1:  p_i = [c + t·u_i]_+ ^ (1/t),   c = 1 − t·μ
+    α = 1:  p_i = c · exp(u_i),            c = exp(−μ)
+
+(μ as in the reference; ``c`` is the support's largest ``[·]_+`` base, which for a sparse
+row is a small number that fp32 holds to 1e-7 relative, while μ ≈ 1/t would lose it).
+``F(c) = Σ p_i − 1`` is increasing in c for t ≥ 0 and decreasing for t < 0, with the
+root in ``c ∈ [min(1, n^{−t}), max(1, n^{−t})]`` (``[1/n, 1]`` at t = 0).
+
+Two ways to find c:
+
+- sort (`_entmax_fwd_sort_kernel`, α = 2 and α = 1.5 given as python floats, rows that fit
+  one block): ``tl.sort`` + prefix sums give the support and c in closed form (MATH.md §1),
+  exact, one read of the row.
+- root finding (`_entmax_fwd_root_kernel`, any α > 0, float or one per row, any length;
+  rows longer than BLOCK are swept in chunks). Passes over the row:
+    1. max and count of finite entries (softmax: online log-sum-exp, then done);
+    2. (t > 0) a histogram of v = t·u over the only range that can reach the support,
+       v ∈ (−1, 0], in NBINS bins. Putting every entry of a bin at the bin's upper / lower
+       edge bounds F from above / below, so bisection on these NBINS-term sums (registers
+       only) gives a bracket [lo, hi] around c that is about one bin wide, and the root of
+       the bin-centre sum a starting point c0 inside it;
+    3+. each pass evaluates F, F', F'' at c (one read), shrinks the bracket, and takes a
+       Halley step, falling back to Newton and then to bisection when a step leaves the
+       bracket; it stops when |F(c)| ≤ tol, when the step no longer moves c (fp32
+       resolution), or after max_passes.
+  The output pass (not counted) writes p(c) / Σp(c) with Σp(c) from the last evaluation,
+  so the output sums to one to rounding.
+
+Choice per call (`choose_method`): sort when α ∈ {2, 1.5} (python float) and
+n ≤ SORT_MAX_COLS, root finding otherwise. Why that bound: see SORT_MAX_COLS.
+
+Layout contract of the launchers: 2-D input (R, n); the row stride is free, the last
+dimension must have stride 1 (a tensor whose last stride is not 1 is copied once with
+``.contiguous()``, documented, not silent: see `entmax_rowwise_forward`). Outputs are
+contiguous. Input may hold −inf (weight 0); a row with no finite entry gives zeros. +inf
+and NaN inputs are not supported.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "entmax_rowwise_forward",
+    "entmax_rowwise_backward",
+    "entmax_rowwise_threshold",
+    "choose_method",
+    "aot_configs",
+    "SORT_MAX_COLS",
+]
+
+KIND_GENERAL = 0  # α read per row from a fp32 pointer (one value, or one per row)
+KIND_SPARSEMAX = 1  # α = 2
+KIND_ENTMAX15 = 2  # α = 1.5
+KIND_SOFTMAX = 3  # α = 1
+# the same values as constexprs, the form a @triton.jit function may read from globals
+_K_SPARSEMAX = tl.constexpr(KIND_SPARSEMAX)
+_K_ENTMAX15 = tl.constexpr(KIND_ENTMAX15)
+_K_SOFTMAX = tl.constexpr(KIND_SOFTMAX)
+
+# Histogram resolution of pass 2: measured by bench/bench_rowwise_passes.py (64 bins gave
+# 5 passes on the worst α = 3 rows, 128 bins brings every case to ≤ 4).
+NBINS = 128
+ROOT_BLOCKS = (128, 1024, 4096)
+# Largest row the sort kernel takes. tl.sort is a bitonic network: log2(B)(log2(B)+1)/2
+# compare-exchange stages over the whole block, i.e. for B = 1024 55 stages (each a few
+# shuffles/selects per element) against the root kernel's ≤ 4 cheap passes; it is exact,
+# though, and for B ≤ 1024 compiles without spills on sm_80/sm_90 (the AOT table, see
+# triton_kernels/aot.py). Above 1024 the network's cost (66, 78 stages) grows past
+# ~4 element-passes of root finding and register pressure rises, so longer rows go to
+# root finding. No GPU was available to time the crossover; this is the bound from the
+# compiled-code table and the stage count, to be re-measured where a GPU is lent.
+SORT_MAX_COLS = 1024
+SORT_BLOCKS = (128, 256, 512, 1024)
+DEFAULT_TOL = 1e-6
+DEFAULT_MAX_PASSES = 40
+
+_IO_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@triton.jit
+def _pmap(b_u, c, t, e, KIND: tl.constexpr):
+    """p, dp/dc and d²p/dc² of entries u at threshold c.  [BLOCK] each."""
+    if KIND == _K_SOFTMAX:
+        b_eu = tl.exp(b_u)
+        b_p = c * b_eu
+        b_dp = b_eu
+        b_d2p = tl.zeros_like(b_eu)
+    elif KIND == _K_SPARSEMAX:
+        b_d = c + b_u
+        b_pos = b_d > 0
+        b_p = tl.where(b_pos, b_d, 0.0)
+        b_dp = tl.where(b_pos, 1.0, 0.0)
+        b_d2p = tl.zeros_like(b_d)
+    elif KIND == _K_ENTMAX15:
+        b_d = tl.maximum(c + 0.5 * b_u, 0.0)
+        b_p = b_d * b_d
+        b_dp = 2.0 * b_d
+        b_d2p = tl.where(b_d > 0, 2.0, 0.0)
+    else:
+        b_d = c + t * b_u
+        b_pos = b_d > 0
+        # −inf entries: t > 0 gives d = −inf (excluded); t < 0 gives d = +inf and
+        # exp2(e·inf) = exp2(−inf) = 0, so no NaN reaches the sums.
+        b_ld = tl.log2(tl.where(b_pos, b_d, 1.0))
+        b_p = tl.where(b_pos, tl.exp2(e * b_ld), 0.0)
+        b_dp = tl.where(b_pos, e * b_p / b_d, 0.0)
+        b_d2p = tl.where(b_pos, (e - 1.0) * b_dp / b_d, 0.0)
+        # α = 1 rows of a per-row α: the exponential form (e = inf above is discarded).
+        b_eu = tl.exp(b_u)
+        b_p = tl.where(t == 0.0, c * b_eu, b_p)
+        b_dp = tl.where(t == 0.0, b_eu, b_dp)
+        b_d2p = tl.where(t == 0.0, 0.0, b_d2p)
+    return b_p, b_dp, b_d2p
+
+
+@triton.jit
+def _alpha_of_row(alpha_ptr, row, alpha_stride, KIND: tl.constexpr):
+    if KIND == _K_SPARSEMAX:
+        alpha = tl.full((), 2.0, tl.float32)
+    elif KIND == _K_ENTMAX15:
+        alpha = tl.full((), 1.5, tl.float32)
+    elif KIND == _K_SOFTMAX:
+        alpha = tl.full((), 1.0, tl.float32)
+    else:
+        alpha = tl.load(alpha_ptr + row * alpha_stride).to(tl.float32)
+    return alpha
+
+
+@triton.jit
+def _hist_excess(b_cnt, b_edge, c, e, KIND: tl.constexpr):
+    """Σ_bins count · [c + edge]_+^e − 1: F with every entry of a bin moved to `edge`."""
+    b_d = tl.maximum(c + b_edge, 0.0)
+    if KIND == _K_SPARSEMAX:
+        b_p = b_d
+    elif KIND == _K_ENTMAX15:
+        b_p = b_d * b_d
+    else:
+        b_p = tl.where(b_d > 0, tl.exp2(e * tl.log2(tl.where(b_d > 0, b_d, 1.0))), 0.0)
+    return tl.sum(b_cnt * b_p, axis=0) - 1.0
+
+
+@triton.jit
+def _hist_bisect(b_cnt, b_edge, lo, hi, e, KIND: tl.constexpr, ITERS: tl.constexpr):
+    """Bisection for the root of the (increasing) histogram bound; returns its bracket."""
+    for _ in range(ITERS):
+        mid = 0.5 * (lo + hi)
+        below = _hist_excess(b_cnt, b_edge, mid, e, KIND) < 0
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    return lo, hi
+
+
+@triton.jit
+def _entmax_fwd_root_kernel(
+    x_ptr, p_ptr, c_ptr, passes_ptr, alpha_ptr,
+    n_cols, stride_x_row, stride_p_row, alpha_stride, tol, max_passes,
+    BLOCK: tl.constexpr, NBINS: tl.constexpr, KIND: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    p_x = x_ptr + row * stride_x_row
+    p_p = p_ptr + row * stride_p_row
+    alpha = _alpha_of_row(alpha_ptr, row, alpha_stride, KIND)
+    t = alpha - 1.0
+    e = 1.0 / t
+    o_col = tl.arange(0, BLOCK)
+
+    # pass 1: max, number of finite entries; for softmax also the online sum of exp.
+    b_max = tl.full([BLOCK], float("-inf"), tl.float32)
+    b_fin = tl.zeros([BLOCK], tl.int32)
+    b_sum = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        m_col = start + o_col < n_cols
+        b_x = tl.load(p_x + start + o_col, mask=m_col, other=float("-inf")).to(tl.float32)
+        b_new = tl.maximum(b_max, b_x)
+        if KIND == _K_SOFTMAX:
+            # a lane that has seen only −inf keeps sum 0 (avoids −inf − (−inf)).
+            b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)
+            b_sum = b_sum * tl.exp(b_max - b_ref) + tl.exp(b_x - b_ref)
+        b_max = b_new
+        b_fin += (b_x > float("-inf")).to(tl.int32)
+    x_max = tl.max(b_max, axis=0)
+    n_fin = tl.sum(b_fin, axis=0)
+    x_shift = tl.where(n_fin > 0, x_max, 0.0)
+    passes = tl.full((), 1, tl.int32)
+    s0 = tl.full((), 1.0, tl.float32)
+
+    if KIND == _K_SOFTMAX:
+        total = tl.sum(b_sum * tl.exp(b_max - x_shift), axis=0)
+        c = tl.where(total > 0, 1.0 / total, 0.0)
+    else:
+        n_fin_f = tl.maximum(n_fin, 1).to(tl.float32)
+        n_pow = tl.exp2(-t * tl.log2(n_fin_f))  # n^{-t}
+        lo = tl.minimum(n_pow, 1.0)
+        hi = tl.maximum(n_pow, 1.0)
+        c = tl.full((), 1.0, tl.float32)
+        if t > 0:
+            # pass 2: histogram of v = t·u over (−1, 0]; v ≤ −1 never reaches the support.
+            b_hist = tl.zeros([NBINS], tl.int32)
+            for start in range(0, n_cols, BLOCK):
+                m_col = start + o_col < n_cols
+                b_x = tl.load(p_x + start + o_col, mask=m_col, other=float("-inf")).to(tl.float32)
+                b_v = t * (b_x - x_shift)
+                b_bin = tl.minimum(tl.maximum((b_v + 1.0) * NBINS, 0.0), NBINS - 1.0).to(tl.int32)
+                b_hist += tl.histogram(b_bin, NBINS, mask=m_col & (b_v > -1.0))
+            passes += 1
+            b_cnt = b_hist.to(tl.float32)
+            b_lower = -1.0 + tl.arange(0, NBINS).to(tl.float32) / NBINS  # [NBINS]
+            # entries at their bins' upper edges overestimate F: its root is below c*.
+            c_lo, _ = _hist_bisect(b_cnt, b_lower + 1.0 / NBINS, lo, hi, e, KIND, 14)
+            _, c_hi = _hist_bisect(b_cnt, b_lower, lo, hi, e, KIND, 14)
+            lo = tl.maximum(lo, c_lo)
+            hi = tl.minimum(hi, c_hi)
+            mid_lo, mid_hi = _hist_bisect(b_cnt, b_lower + 0.5 / NBINS, lo, hi, e, KIND, 16)
+            c = 0.5 * (mid_lo + mid_hi)
+
+        done = n_fin == 0
+        while (passes < max_passes) & (done == 0):
+            b_s0 = tl.zeros([BLOCK], tl.float32)
+            b_s1 = tl.zeros([BLOCK], tl.float32)
+            b_s2 = tl.zeros([BLOCK], tl.float32)
+            for start in range(0, n_cols, BLOCK):
+                m_col = start + o_col < n_cols
+                b_x = tl.load(p_x + start + o_col, mask=m_col, other=float("-inf")).to(tl.float32)
+                b_p, b_dp, b_d2p = _pmap(b_x - x_shift, c, t, e, KIND)
+                b_s0 += b_p
+                b_s1 += b_dp
+                b_s2 += b_d2p
+            passes += 1
+            s0 = tl.sum(b_s0, axis=0)
+            s1 = tl.sum(b_s1, axis=0)
+            s2 = tl.sum(b_s2, axis=0)
+            f = s0 - 1.0
+            # F increases with c for t ≥ 0, decreases for t < 0.
+            c_above = (f > 0) == (t >= 0)
+            hi = tl.where(c_above, c, hi)
+            lo = tl.where(c_above, lo, c)
+            c_halley = c - 2.0 * f * s1 / (2.0 * s1 * s1 - f * s2)
+            c_newton = c - f / s1
+            # NaN/inf steps (s1 = 0, overflow of s2) fail both tests and fall to bisection.
+            halley_ok = (c_halley >= lo) & (c_halley <= hi)
+            newton_ok = (c_newton >= lo) & (c_newton <= hi)
+            c_next = tl.where(halley_ok, c_halley, tl.where(newton_ok, c_newton, 0.5 * (lo + hi)))
+            done = (tl.abs(f) <= tol) | (c_next == c)
+            c = tl.where(done, c, c_next)
+
+    inv_s0 = tl.where(s0 > 0, 1.0 / s0, 0.0)
+    for start in range(0, n_cols, BLOCK):
+        m_col = start + o_col < n_cols
+        b_x = tl.load(p_x + start + o_col, mask=m_col, other=float("-inf")).to(tl.float32)
+        b_p, _, _ = _pmap(b_x - x_shift, c, t, e, KIND)
+        tl.store(p_p + start + o_col, (b_p * inv_s0).to(p_ptr.dtype.element_ty), mask=m_col)
+    tl.store(c_ptr + row, c)
+    tl.store(passes_ptr + row, passes)
+
+
+@triton.jit
+def _entmax_fwd_sort_kernel(
+    x_ptr, p_ptr, c_ptr, passes_ptr,
+    n_cols, stride_x_row, stride_p_row,
+    BLOCK: tl.constexpr, KIND: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    o_col = tl.arange(0, BLOCK)
+    m_col = o_col < n_cols
+    b_x = tl.load(x_ptr + row * stride_x_row + o_col, mask=m_col, other=float("-inf")).to(tl.float32)
+    m_fin = b_x > float("-inf")
+    n_fin = tl.sum(m_fin.to(tl.int32), axis=0)
+    x_shift = tl.where(n_fin > 0, tl.max(b_x, axis=0), 0.0)
+    if KIND == _K_SPARSEMAX:
+        b_v = b_x - x_shift
+    else:
+        b_v = 0.5 * (b_x - x_shift)
+    b_sorted = tl.sort(b_v, descending=True)  # [BLOCK], −inf last
+    b_sorted0 = tl.where(b_sorted > float("-inf"), b_sorted, 0.0)
+    b_k = (o_col + 1).to(tl.float32)
+    b_mean = tl.cumsum(b_sorted0, axis=0) / b_k
+    if KIND == _K_SPARSEMAX:
+        # Σ_{j≤k} (c + v_j) = 1
+        b_ck = 1.0 / b_k - b_mean
+    else:
+        # Σ_{j≤k} (c + v_j)² = 1  →  c = −M + sqrt(M² − mean(v²) + 1/k)
+        b_mean_sq = tl.cumsum(b_sorted0 * b_sorted0, axis=0) / b_k
+        b_ck = -b_mean + tl.sqrt(tl.maximum(b_mean * b_mean - b_mean_sq + 1.0 / b_k, 0.0))
+    m_support = (b_ck + b_sorted > 0) & (o_col < n_fin)
+    last = tl.max(tl.where(m_support, o_col, -1), axis=0)
+    c = tl.sum(tl.where(o_col == last, b_ck, 0.0), axis=0)
+    b_d = tl.maximum(c + b_v, 0.0)
+    if KIND == _K_SPARSEMAX:
+        b_p = b_d
+    else:
+        b_p = b_d * b_d
+    tl.store(p_ptr + row * stride_p_row + o_col, b_p.to(p_ptr.dtype.element_ty), mask=m_col)
+    tl.store(c_ptr + row, c)
+    tl.store(passes_ptr + row, 1)
+
+
+@triton.jit
+def _jacobian_weight(b_p, t, KIND: tl.constexpr):
+    """s = p^(2−α) on the support, 0 elsewhere.  [BLOCK]"""
+    b_pos = b_p > 0
+    if KIND == _K_SPARSEMAX:
+        b_s = tl.where(b_pos, 1.0, 0.0)
+    elif KIND == _K_ENTMAX15:
+        b_s = tl.sqrt(b_p)
+    elif KIND == _K_SOFTMAX:
+        b_s = b_p
+    else:
+        b_s = tl.where(b_pos, tl.exp2((1.0 - t) * tl.log2(tl.where(b_pos, b_p, 1.0))), 0.0)
+    return b_s
+
+
+@triton.jit
+def _entmax_bwd_kernel(
+    p_ptr, g_ptr, dx_ptr, dalpha_ptr, alpha_ptr,
+    n_cols, stride_p_row, stride_g_row, stride_dx_row, alpha_stride,
+    BLOCK: tl.constexpr, KIND: tl.constexpr, NEED_DALPHA: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    p_p = p_ptr + row * stride_p_row
+    p_g = g_ptr + row * stride_g_row
+    p_dx = dx_ptr + row * stride_dx_row
+    t = _alpha_of_row(alpha_ptr, row, alpha_stride, KIND) - 1.0
+    o_col = tl.arange(0, BLOCK)
+
+    b_s_sum = tl.zeros([BLOCK], tl.float32)
+    b_sg_sum = tl.zeros([BLOCK], tl.float32)
+    b_gp_sum = tl.zeros([BLOCK], tl.float32)
+    b_h_sum = tl.zeros([BLOCK], tl.float32)
+    b_gh_sum = tl.zeros([BLOCK], tl.float32)
+    b_pl2_sum = tl.zeros([BLOCK], tl.float32)
+    b_gpl2_sum = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        m_col = start + o_col < n_cols
+        b_p = tl.load(p_p + start + o_col, mask=m_col, other=0.0).to(tl.float32)
+        b_g = tl.load(p_g + start + o_col, mask=m_col, other=0.0).to(tl.float32)
+        b_s = _jacobian_weight(b_p, t, KIND)
+        b_s_sum += b_s
+        b_sg_sum += b_s * b_g
+        if NEED_DALPHA:
+            b_logp = tl.log(tl.where(b_p > 0, b_p, 1.0))
+            b_h = -b_p * b_logp
+            b_gp_sum += b_g * b_p
+            b_h_sum += b_h
+            b_gh_sum += b_g * b_h
+            b_pl2 = b_p * b_logp * b_logp
+            b_pl2_sum += b_pl2
+            b_gpl2_sum += b_g * b_pl2
+    s_sum = tl.sum(b_s_sum, axis=0)
+    # Σ g p̃ with the escort p̃ = s / Σs; an empty support gives 0.
+    g_escort = tl.where(s_sum > 0, tl.sum(b_sg_sum, axis=0) / tl.where(s_sum > 0, s_sum, 1.0), 0.0)
+
+    for start in range(0, n_cols, BLOCK):
+        m_col = start + o_col < n_cols
+        b_p = tl.load(p_p + start + o_col, mask=m_col, other=0.0).to(tl.float32)
+        b_g = tl.load(p_g + start + o_col, mask=m_col, other=0.0).to(tl.float32)
+        b_s = _jacobian_weight(b_p, t, KIND)
+        tl.store(p_dx + start + o_col, (b_s * (b_g - g_escort)).to(dx_ptr.dtype.element_ty), mask=m_col)
+
+    if NEED_DALPHA:
+        gp = tl.sum(b_gp_sum, axis=0)
+        # α = 1: the limit −½ Σ g (p log²p − p Σ p log²p) (the general form divides by 0).
+        d_at_one = -0.5 * (tl.sum(b_gpl2_sum, axis=0) - gp * tl.sum(b_pl2_sum, axis=0))
+        t_safe = tl.where(t == 0.0, 1.0, t)
+        d_general = ((gp - g_escort) / (t_safe * t_safe)
+                     + (tl.sum(b_gh_sum, axis=0) - g_escort * tl.sum(b_h_sum, axis=0)) / t_safe)
+        tl.store(dalpha_ptr + row, tl.where(t == 0.0, d_at_one, d_general))
+
+
+# ----------------------------------------------------------------------------- host side
+
+def _num_warps(block: int) -> int:
+    return 8 if block >= 4096 else 4
+
+
+def _root_block(n: int) -> int:
+    for block in ROOT_BLOCKS:
+        if n <= block:
+            return block
+    return ROOT_BLOCKS[-1]
+
+
+def _sort_block(n: int) -> int:
+    for block in SORT_BLOCKS:
+        if n <= block:
+            return block
+    raise ValueError(f"sort method takes rows of at most {SORT_BLOCKS[-1]} entries, got {n}")
+
+
+def _alpha_args(alpha, n_rows: int, device):
+    """(KIND, fp32 alpha tensor, stride) for the kernels; validates alpha."""
+    if isinstance(alpha, torch.Tensor):
+        if alpha.shape != (n_rows,):
+            raise ValueError(f"alpha tensor must have shape ({n_rows},) (one per row), got {tuple(alpha.shape)}")
+        if alpha.device != device:
+            raise ValueError(f"alpha must be on {device}, got {alpha.device}")
+        return KIND_GENERAL, alpha.to(torch.float32).contiguous(), 1
+    alpha = float(alpha)
+    if not (alpha > 0 and math.isfinite(alpha)):
+        raise ValueError(f"alpha must be a finite number > 0, got {alpha}")
+    kind = {2.0: KIND_SPARSEMAX, 1.5: KIND_ENTMAX15, 1.0: KIND_SOFTMAX}.get(alpha, KIND_GENERAL)
+    return kind, torch.full((1,), alpha, dtype=torch.float32, device=device), 0
+
+
+def _check_rows(name: str, x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be a 2-D tensor (rows, n), got {got}")
+    if x.dtype not in _IO_DTYPES:
+        raise ValueError(f"{name} dtype must be float32, float16 or bfloat16, got {x.dtype}")
+    # Kernels index columns with unit stride; another last stride costs one copy.
+    return x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()
+
+
+def choose_method(n_cols: int, alpha) -> str:
+    """'sort' for α ∈ {2, 1.5} (python float) rows of ≤ SORT_MAX_COLS, else 'root'."""
+    if not isinstance(alpha, torch.Tensor) and float(alpha) in (2.0, 1.5) and n_cols <= SORT_MAX_COLS:
+        return "sort"
+    return "root"
+
+
+def _forward(x: torch.Tensor, alpha, method: str = "auto", tol: float = DEFAULT_TOL,
+             max_passes: int = DEFAULT_MAX_PASSES):
+    """Returns (p, c, passes): output, threshold in c-form (module docstring), passes per row."""
+    x = _check_rows("x", x)
+    n_rows, n_cols = x.shape
+    kind, alpha_t, alpha_stride = _alpha_args(alpha, n_rows, x.device)
+    if method == "auto":
+        method = choose_method(n_cols, alpha)
+    if method not in ("sort", "root"):
+        raise ValueError(f"method must be 'auto', 'sort' or 'root', got {method!r}")
+    if method == "sort" and kind not in (KIND_SPARSEMAX, KIND_ENTMAX15):
+        raise ValueError(f"method 'sort' needs alpha 2.0 or 1.5 given as a python float, got {alpha!r}")
+    p = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    c = torch.empty((n_rows,), dtype=torch.float32, device=x.device)
+    passes = torch.empty((n_rows,), dtype=torch.int32, device=x.device)
+    if n_rows == 0 or n_cols == 0:
+        return p, c.fill_(1.0), passes.fill_(0)
+    if method == "sort":
+        block = _sort_block(n_cols)
+        _entmax_fwd_sort_kernel[(n_rows,)](
+            x, p, c, passes, n_cols, x.stride(0), p.stride(0),
+            BLOCK=block, KIND=kind, num_warps=_num_warps(block), num_stages=1)
+    else:
+        block = _root_block(n_cols)
+        _entmax_fwd_root_kernel[(n_rows,)](
+            x, p, c, passes, alpha_t, n_cols, x.stride(0), p.stride(0), alpha_stride,
+            float(tol), int(max_passes),
+            BLOCK=block, NBINS=NBINS, KIND=kind, num_warps=_num_warps(block), num_stages=1)
+    return p, c, passes
+
+
+def entmax_rowwise_forward(x: torch.Tensor, alpha) -> torch.Tensor:
+    """α-entmax of every row of ``x``.
+
+    x: (R, n) float32/float16/bfloat16; row stride free, last stride 1 expected (else one
+    ``.contiguous()`` copy). alpha: python float > 0, or float tensor (R,) of values > 0
+    (not checked on the device, to avoid a host sync). Returns p (R, n) in x's dtype,
+    computed in fp32. Method per `choose_method`.
+    """
+    return _forward(x, alpha)[0]
+
+
+def entmax_rowwise_threshold(x: torch.Tensor, alpha, method: str = "auto", tol: float = DEFAULT_TOL,
+                             max_passes: int = DEFAULT_MAX_PASSES):
+    """(mu, passes): the reference's μ per row (fp32, (R,)) and passes over the row (int32).
+
+    Passes count reads of the row before the output pass: 1 for sort and softmax; for root
+    finding 1 (max) + 1 (histogram, α > 1) + one per evaluation of F.
+    """
+    _, c, passes = _forward(x, alpha, method, tol, max_passes)
+    n_rows = x.shape[0]
+    if isinstance(alpha, torch.Tensor):
+        t = alpha.to(torch.float32) - 1
+    else:
+        t = torch.full((n_rows,), float(alpha) - 1, dtype=torch.float32, device=x.device)
+    t_safe = torch.where(t == 0, torch.ones_like(t), t)
+    mu = torch.where(t == 0, -torch.log(c), (1 - c) / t_safe)
+    return mu, passes
+
+
+def entmax_rowwise_backward(p: torch.Tensor, grad: torch.Tensor, alpha, need_alpha_grad: bool):
+    """(dx, dalpha or None) of α-entmax from its output p (MATH.md §2).
+
+    p, grad: (R, n), float32/float16/bfloat16 (last stride 1 expected). dx has grad's dtype;
+    dalpha is fp32 (R,). At α = 1 dalpha uses the exact limit of ∂p/∂α.
+    """
+    p = _check_rows("p", p)
+    grad = _check_rows("grad", grad)
+    if grad.shape != p.shape:
+        raise ValueError(f"grad must have p's shape {tuple(p.shape)}, got {tuple(grad.shape)}")
+    n_rows, n_cols = p.shape
+    kind, alpha_t, alpha_stride = _alpha_args(alpha, n_rows, p.device)
+    dx = torch.empty((n_rows, n_cols), dtype=grad.dtype, device=p.device)
+    dalpha = torch.zeros((n_rows,), dtype=torch.float32, device=p.device) if need_alpha_grad else None
+    if n_rows == 0 or n_cols == 0:
+        return dx, dalpha
+    block = _root_block(n_cols)
+    _entmax_bwd_kernel[(n_rows,)](
+        p, grad, dx, dalpha if need_alpha_grad else alpha_t, alpha_t,
+        n_cols, p.stride(0), grad.stride(0), dx.stride(0), alpha_stride,
+        BLOCK=block, KIND=kind, NEED_DALPHA=bool(need_alpha_grad),
+        num_warps=_num_warps(block), num_stages=1)
+    return dx, dalpha
+
+
+# ----------------------------------------------------------------------------- AOT contract
+
+def aot_configs() -> list[dict]:
+    """Every (kernel, specialisation) the launchers above can choose, for triton_kernels/aot.py.
+
+    Integer arguments are listed as i32 (what the JIT picks for row lengths and strides
+    below 2³¹); the row index is widened to int64 inside the kernels.
+    """
+    configs = []
+    for dt_name in _IO_DTYPES.values():
+        io = f"*{dt_name}"
+        for kind in (KIND_GENERAL, KIND_SPARSEMAX, KIND_ENTMAX15, KIND_SOFTMAX):
+            for block in ROOT_BLOCKS:
+                configs.append({
+                    "name": f"fwd_root_{dt_name}_k{kind}_b{block}",
+                    "fn": _entmax_fwd_root_kernel,
+                    "signature": {"x_ptr": io, "p_ptr": io, "c_ptr": "*fp32", "passes_ptr": "*i32",
+                                  "alpha_ptr": "*fp32", "n_cols": "i32", "stride_x_row": "i32",
+                                  "stride_p_row": "i32", "alpha_stride": "i32", "tol": "fp32",
+                                  "max_passes": "i32", "BLOCK": "constexpr", "NBINS": "constexpr",
+                                  "KIND": "constexpr"},
+                    "constexprs": {"BLOCK": block, "NBINS": NBINS, "KIND": kind},
+                    "num_warps": _num_warps(block), "num_stages": 1,
+                })
+                for need in (False, True):
+                    configs.append({
+                        "name": f"bwd_{dt_name}_k{kind}_b{block}_da{int(need)}",
+                        "fn": _entmax_bwd_kernel,
+                        "signature": {"p_ptr": io, "g_ptr": io, "dx_ptr": io, "dalpha_ptr": "*fp32",
+                                      "alpha_ptr": "*fp32", "n_cols": "i32", "stride_p_row": "i32",
+                                      "stride_g_row": "i32", "stride_dx_row": "i32",
+                                      "alpha_stride": "i32", "BLOCK": "constexpr", "KIND": "constexpr",
+                                      "NEED_DALPHA": "constexpr"},
+                        "constexprs": {"BLOCK": block, "KIND": kind, "NEED_DALPHA": need},
+                        "num_warps": _num_warps(block), "num_stages": 1,
+                    })
+        for kind in (KIND_SPARSEMAX, KIND_ENTMAX15):
+            for block in SORT_BLOCKS:
+                configs.append({
+                    "name": f"fwd_sort_{dt_name}_k{kind}_b{block}",
+                    "fn": _entmax_fwd_sort_kernel,
+                    "signature": {"x_ptr": io, "p_ptr": io, "c_ptr": "*fp32", "passes_ptr": "*i32",
+                                  "n_cols": "i32", "stride_x_row": "i32", "stride_p_row": "i32",
+                                  "BLOCK": "constexpr", "KIND": "constexpr"},
+                    "constexprs": {"BLOCK": block, "KIND": kind},
+                    "num_warps": _num_warps(block), "num_stages": 1,
+                })
+    return configs
