@@ -117,8 +117,8 @@ def _max_root_iterations(dtype: torch.dtype) -> int:
 def entmax_threshold_root(X: torch.Tensor, alpha, dim: int = -1, tol: float | None = None):
     """μ of α-entmax (module docstring) by safeguarded Newton iteration.
 
-    Stops per row when ``|Σp − 1| ≤ tol`` (default: 2·n·eps of the compute dtype) or when
-    the bracket is below the dtype's resolution. Newton steps that leave the bracket, and
+    Stops per row when ``|Σp − 1| ≤ tol`` (default: 4·eps of the compute dtype), when the
+    Newton step or the bracket is below the dtype's resolution at μ. Newton steps that leave the bracket, and
     every fourth step, are replaced by bisection, which bounds the number of steps.
     α must be > 0 and ≠ 1 (broadcastable to X with size 1 along ``dim``).
     Returns ``(mu, u, empty_row)``.
@@ -132,7 +132,7 @@ def entmax_threshold_root(X: torch.Tensor, alpha, dim: int = -1, tol: float | No
     hi = (1 - n_valid.pow(-am1)) / am1
     eps = torch.finfo(u.dtype).eps
     if tol is None:
-        tol = 2 * eps * n_valid
+        tol = 4 * eps
     mu = lo.clone()
     done = torch.zeros_like(lo, dtype=torch.bool) | empty_row
     check_every = 8 if u.device.type == "cpu" and not torch.compiler.is_compiling() else 0
@@ -143,9 +143,10 @@ def entmax_threshold_root(X: torch.Tensor, alpha, dim: int = -1, tol: float | No
         slope = -torch.where(q > 0, q.pow(exponent - 1), torch.zeros_like(q)).sum(dim=dim, keepdim=True)
         lo = torch.where(f > 0, mu, lo)
         hi = torch.where(f > 0, hi, mu)
-        converged = (f.abs() <= tol) | (hi - lo <= 4 * eps * mu.abs().clamp(min=1))
-        done = done | converged
         newton = mu - f / torch.where(slope < 0, slope, -torch.ones_like(slope))
+        resolution = 2 * eps * mu.abs().clamp(min=1)
+        converged = (f.abs() <= tol) | ((newton - mu).abs() <= resolution) | (hi - lo <= 2 * resolution)
+        done = done | converged
         use_newton = (slope < 0) & (newton > lo) & (newton < hi) & (it % 4 != 3)
         step = torch.where(use_newton, newton, (lo + hi) / 2)
         mu = torch.where(done, mu, step)

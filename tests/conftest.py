@@ -1,0 +1,43 @@
+"""Test setup shared by every test file.
+
+- TRITON_INTERPRET=1 before anything imports triton, so forcing the `triton` backend on
+  CPU tensors runs the kernels in the Triton interpreter.
+- `torch.empty`/`torch.empty_like` return NaN-filled float tensors, so an output a kernel
+  or launcher forgets to write fails loudly instead of passing on lucky zeros.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+_empty = torch.empty
+_empty_like = torch.empty_like
+
+
+def _nan_filled(tensor):
+    if tensor.is_floating_point() and tensor.device.type == "cpu" and tensor.numel() > 0:
+        tensor.fill_(float("nan"))
+    return tensor
+
+
+def _empty_nan(*args, **kwargs):
+    return _nan_filled(_empty(*args, **kwargs))
+
+
+def _empty_like_nan(*args, **kwargs):
+    return _nan_filled(_empty_like(*args, **kwargs))
+
+
+@pytest.fixture(autouse=True)
+def nan_filled_empty(monkeypatch):
+    monkeypatch.setattr(torch, "empty", _empty_nan)
+    monkeypatch.setattr(torch, "empty_like", _empty_like_nan)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    torch.manual_seed(0)
+    yield

@@ -1,0 +1,71 @@
+"""Float64 oracles, computed by methods independent of the reference's.
+
+- entmax: plain bisection on the MATH.md threshold τ (no sorting, no Newton), 200 halvings
+  of the bracket [max x − 1, max x − n^{1−α}] in float64, then normalisation.
+- attention: the dense composition scores → oracle entmax → weights @ V in float64.
+"""
+import math
+
+import torch
+
+
+def oracle_entmax(X: torch.Tensor, alpha, dim: int = -1) -> torch.Tensor:
+    """α-entmax of X along dim in float64; alpha float or tensor broadcastable (size 1 on dim)."""
+    X = X.to(torch.float64).movedim(dim, -1)
+    if isinstance(alpha, torch.Tensor):
+        a = alpha.to(torch.float64).movedim(dim, -1).expand(*X.shape[:-1], 1)
+    else:
+        a = torch.full((*X.shape[:-1], 1), float(alpha), dtype=torch.float64)
+    finite = torch.isfinite(X)
+    n = finite.sum(-1, keepdim=True).clamp(min=1).to(torch.float64)
+    row_max = torch.where(finite, X, torch.full_like(X, -math.inf)).amax(-1, keepdim=True)
+    empty = torch.isneginf(row_max)
+    row_max = torch.where(empty, torch.zeros_like(row_max), row_max)
+    softmax = torch.softmax(X - row_max, dim=-1)
+    is_softmax = a == 1
+    a_safe = torch.where(is_softmax, torch.full_like(a, 2.0), a)
+    x = (a_safe - 1) * (X - row_max)
+    lo = torch.minimum(-torch.ones_like(a), -n.pow(1 - a_safe))
+    hi = torch.maximum(-torch.ones_like(a), -n.pow(1 - a_safe))
+
+    def mass(tau):
+        # α < 1: every finite entry is inside (inner > 0); −inf entries give inf^(neg) = 0.
+        inner = (x - tau).clamp(min=0)
+        return torch.where(inner > 0, inner.pow(1 / (a_safe - 1)), torch.zeros_like(inner))
+
+    # f(τ) = Σ mass − 1 is decreasing in τ for α > 1 and increasing for α < 1.
+    increasing = a_safe < 1
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        f = mass(mid).sum(-1, keepdim=True) - 1
+        go_right = (f > 0) ^ increasing
+        lo = torch.where(go_right, mid, lo)
+        hi = torch.where(go_right, hi, mid)
+    p = mass((lo + hi) / 2)
+    p = p / p.sum(-1, keepdim=True).clamp(min=1e-300)
+    p = torch.where(is_softmax, softmax, p)
+    p = torch.where(empty, torch.zeros_like(p), p)
+    return p.movedim(-1, dim)
+
+
+def oracle_attention(query, key, value, attn_mask=None, is_causal=False, scale=None, alpha=1.5):
+    """Dense float64 entmax attention (no dropout); GQA by repeating key/value heads."""
+    q, k, v = (t.to(torch.float64) for t in (query, key, value))
+    heads = q.shape[1]
+    if k.shape[1] != heads:
+        k = k.repeat_interleave(heads // k.shape[1], dim=1)
+        v = v.repeat_interleave(heads // v.shape[1], dim=1)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = q @ k.transpose(-1, -2) * scale
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, -math.inf)
+        else:
+            scores = scores + attn_mask.to(torch.float64)
+    if is_causal:
+        lq, lk = scores.shape[-2:]
+        causal = torch.ones(lq, lk, dtype=torch.bool).tril()
+        scores = scores.masked_fill(~causal, -math.inf)
+    if isinstance(alpha, torch.Tensor):
+        alpha = alpha.to(torch.float64).reshape(-1).expand(heads).view(1, -1, 1, 1)
+    return oracle_entmax(scores, alpha, dim=-1) @ v
