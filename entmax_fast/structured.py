@@ -1,0 +1,253 @@
+"""fusedmax and oscarmax (Niculae & Blondel, NIPS 2017): structured sparse attention.
+
+    fusedmax(z; lam)  = argmax_{p ∈ Δ} pᵀz − ½‖p‖² − lam Σ_i |p_{i+1} − p_i|
+                      = sparsemax(prox_TV(z; lam))
+    oscarmax(z; beta) = argmax_{p ∈ Δ} pᵀz − ½‖p‖² − beta Σ_{i<j} max(|p_i|, |p_j|)
+                      = sparsemax(prox_OWL(z; w)),  w_i = beta (n − i)
+
+fusedmax fuses neighbouring positions into groups of equal weight; oscarmax groups equal
+weights anywhere. lam = 0 / beta = 0 give sparsemax; a large lam gives the uniform
+distribution over the valid positions. MATH.md §4 has the algorithms and the backward.
+
+Backends: the C++ operators of ``entmax_fast._C`` (CPU; CUDA where the extension was built
+with CUDA) or the plain-torch reference. :func:`structured_backend` says which one a tensor
+gets and why; :func:`last_backend` says which one the last call of an op used.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .reference import structured as _reference
+
+__all__ = [
+    "fusedmax",
+    "oscarmax",
+    "fusedmax_attention",
+    "oscarmax_attention",
+    "Fusedmax",
+    "Oscarmax",
+    "structured_backend",
+    "last_backend",
+]
+
+_OP_NAMES = ("fusedmax_forward", "fusedmax_backward", "oscarmax_forward", "oscarmax_backward")
+_LAST: dict[str, tuple[str, str]] = {}
+
+
+# ---------------------------------------------------------------------------------------
+# Extension loading and the torch.library registrations (fake kernels, autograd).
+
+def _register_python_side() -> None:
+    ops = torch.ops.entmax_fast
+
+    def fake_forward(x, reg, lengths=None):
+        return torch.empty_like(x), torch.empty_like(x)
+
+    def fake_backward(grad, p, y, reg):
+        return torch.empty_like(p)
+
+    for name in ("fusedmax_forward", "oscarmax_forward"):
+        torch.library.register_fake(f"entmax_fast::{name}")(fake_forward)
+    for name in ("fusedmax_backward", "oscarmax_backward"):
+        torch.library.register_fake(f"entmax_fast::{name}")(fake_backward)
+
+    def setup_context(ctx, inputs, output):
+        _, reg, _ = inputs
+        p, y = output
+        ctx.save_for_backward(p, y)
+        ctx.reg = reg
+        # y (the prox output) is returned for the backward and for inspection only.
+        ctx.mark_non_differentiable(y)
+
+    def make_backward(backward_op):
+        def backward(ctx, grad_p, grad_y):
+            p, y = ctx.saved_tensors
+            return backward_op(grad_p.contiguous(), p, y, ctx.reg), None, None
+        return backward
+
+    torch.library.register_autograd("entmax_fast::fusedmax_forward", make_backward(ops.fusedmax_backward),
+                                    setup_context=setup_context)
+    torch.library.register_autograd("entmax_fast::oscarmax_forward", make_backward(ops.oscarmax_backward),
+                                    setup_context=setup_context)
+
+
+# (loaded, reason, device types with a kernel); filled on first use. Plain module state, so
+# that torch.compile reads it as a constant instead of tracing the loading.
+_EXTENSION: tuple[bool, str, frozenset] | None = None
+
+
+def _load_extension() -> tuple[bool, str, frozenset]:
+    try:
+        import entmax_fast._C  # noqa: F401  (loading it registers the operators)
+    except ImportError as exc:
+        return False, f"entmax_fast._C is not importable ({exc})", frozenset()
+    missing = [name for name in _OP_NAMES if not hasattr(torch.ops.entmax_fast, name)]
+    if missing:
+        return False, f"entmax_fast._C lacks the operators {missing} (built from older sources?)", frozenset()
+    _register_python_side()
+    devices = frozenset(device for device, key in (("cpu", "CPU"), ("cuda", "CUDA"))
+                        if torch._C._dispatch_has_kernel_for_dispatch_key("entmax_fast::fusedmax_forward", key))
+    return True, "entmax_fast._C loaded", devices
+
+
+def _extension_status() -> tuple[bool, str, frozenset]:
+    """(loaded, reason, device types with a kernel) of the C++ structured operators."""
+    global _EXTENSION
+    if _EXTENSION is None:
+        _EXTENSION = _load_extension()
+    return _EXTENSION
+
+
+def structured_backend(X: torch.Tensor) -> tuple[str, str]:
+    """The backend ("cpp" or "reference") that fusedmax/oscarmax use for ``X``, and why."""
+    loaded, reason, devices = _extension_status()
+    if not loaded:
+        return "reference", f"C++ operators unavailable: {reason}"
+    if X.device.type not in devices:
+        return "reference", f"entmax_fast._C has no structured kernel for device {X.device.type!r}"
+    return "cpp", f"C++ {X.device.type.upper()} operator"
+
+
+def last_backend(op: str = "fusedmax") -> tuple[str, str] | None:
+    """(backend, reason) of the last call of ``op`` ("fusedmax" or "oscarmax"), or None."""
+    return _LAST.get(op)
+
+
+# ---------------------------------------------------------------------------------------
+# Public mappings.
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _structured(name: str, X, reg, reg_name: str, dim: int, lengths, op_name: str, reference_fn):
+    # Value checks (NaN/+inf, lengths range) run inside the operators, on the CPU; on CUDA
+    # they would need a host sync, so there a NaN input gives NaN weights and lengths are
+    # clamped to [0, n].
+    _reference.check_mapping_args(name, X, reg, reg_name, dim, lengths, check_values=False)
+    backend, reason = structured_backend(X)
+    _LAST[name] = (backend, reason)
+    if backend == "reference":
+        return reference_fn(X, float(reg), dim=dim, lengths=lengths)
+    Z = X.movedim(dim, -1).to(_compute_dtype(X.dtype)).contiguous()
+    p, _ = getattr(torch.ops.entmax_fast, op_name)(Z, float(reg), lengths)
+    return p.to(X.dtype).movedim(-1, dim)
+
+
+def fusedmax(X: torch.Tensor, lam: float = 1.0, dim: int = -1, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """fusedmax along ``dim``: p = sparsemax(prox_TV(z; lam)), i.e.
+
+        p = argmax_{p ∈ Δ} pᵀz − ½‖p‖² − lam Σ_i |p_{i+1} − p_i|
+
+    over the valid positions of each slice. Differentiable in X (not in lam).
+
+    Args:
+        X: scores, any floating dtype (fp16/bf16 are computed in fp32); −inf marks masked
+            positions, which get weight 0 and are skipped by the fused chain (the valid
+            neighbours on either side are linked). Other non-finite values are an error.
+        lam: fusion strength, a Python float >= 0. 0 gives sparsemax.
+        dim: the dimension to map.
+        lengths: optional integer tensor of X's shape without ``dim``: only the first
+            ``lengths[...]`` positions of each slice are valid.
+
+    Returns: weights of X's shape and dtype, summing to 1 over each slice with a valid
+    position (0 where no position is valid).
+    """
+    return _structured("fusedmax", X, lam, "lam", dim, lengths, "fusedmax_forward", _reference.fusedmax)
+
+
+def oscarmax(X: torch.Tensor, beta: float = 1.0, dim: int = -1, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """oscarmax along ``dim``: p = sparsemax(prox_OWL(z; w)), w_i = beta (n − i), i.e.
+
+        p = argmax_{p ∈ Δ} pᵀz − ½‖p‖² − beta Σ_{i<j} max(|p_i|, |p_j|)
+
+    over the n valid positions of each slice; groups equal weights regardless of position.
+    Differentiable in X (not in beta). Arguments as :func:`fusedmax`, with ``beta`` >= 0
+    (0 gives sparsemax).
+    """
+    return _structured("oscarmax", X, beta, "beta", dim, lengths, "oscarmax_forward", _reference.oscarmax)
+
+
+# ---------------------------------------------------------------------------------------
+# Attention.
+
+def fusedmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                       enable_gqa=False, *, lam: float = 1.0):
+    """Scaled-dot-product attention with fusedmax(·; lam) over the keys instead of softmax.
+
+    Same arguments as ``torch.nn.functional.scaled_dot_product_attention``:
+    query (B, H, Lq, E), key (B, Hkv, Lk, E), value (B, Hkv, Lk, Ev) -> (B, H, Lq, Ev)
+    (any leading dims). ``attn_mask``: bool (True = attend) or float (added to the scores),
+    broadcastable to (B, H, Lq, Lk); masked keys are skipped by the fused chain.
+    ``is_causal`` is top-left aligned, for Lq != Lk too — query i sees keys j <= i::
+
+        Lq=3, Lk=5:   k0 k1 k2 k3 k4
+                  q0   x  .  .  .  .
+                  q1   x  x  .  .  .
+                  q2   x  x  x  .  .
+
+    A query row with every key masked gets zero weights and a zero output.
+
+    Memory: the scores are materialised one query chunk at a time (at most 4M entries per
+    chunk), not fused into a flash-style kernel; autograd keeps every chunk's weights, so
+    training memory is O(B·H·Lq·Lk).
+    """
+    _check_reg("fusedmax_attention", lam, "lam")
+    return _reference.structured_attention(lambda scores: fusedmax(scores, lam, dim=-1), query, key, value,
+                                           attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def oscarmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                       enable_gqa=False, *, beta: float = 1.0):
+    """Scaled-dot-product attention with oscarmax(·; beta) over the keys instead of softmax.
+
+    Arguments, masking, causal alignment and memory as :func:`fusedmax_attention` (scores
+    materialised one query chunk at a time).
+    """
+    _check_reg("oscarmax_attention", beta, "beta")
+    return _reference.structured_attention(lambda scores: oscarmax(scores, beta, dim=-1), query, key, value,
+                                           attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _check_reg(name: str, reg, reg_name: str) -> None:
+    if isinstance(reg, bool) or not isinstance(reg, (int, float)):
+        raise TypeError(f"{name}: {reg_name} must be a Python float >= 0, got {type(reg).__name__}")
+    if not math.isfinite(reg) or reg < 0:
+        raise ValueError(f"{name}: {reg_name} must be finite and >= 0, got {reg}")
+
+
+# ---------------------------------------------------------------------------------------
+# Modules.
+
+class Fusedmax(torch.nn.Module):
+    """Module form of :func:`fusedmax`: ``Fusedmax(lam, dim)(X, lengths=None)``."""
+
+    def __init__(self, lam: float = 1.0, dim: int = -1):
+        super().__init__()
+        _check_reg("Fusedmax", lam, "lam")
+        self.lam = float(lam)
+        self.dim = dim
+
+    def forward(self, X: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        return fusedmax(X, self.lam, dim=self.dim, lengths=lengths)
+
+    def extra_repr(self) -> str:
+        return f"lam={self.lam}, dim={self.dim}"
+
+
+class Oscarmax(torch.nn.Module):
+    """Module form of :func:`oscarmax`: ``Oscarmax(beta, dim)(X, lengths=None)``."""
+
+    def __init__(self, beta: float = 1.0, dim: int = -1):
+        super().__init__()
+        _check_reg("Oscarmax", beta, "beta")
+        self.beta = float(beta)
+        self.dim = dim
+
+    def forward(self, X: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        return oscarmax(X, self.beta, dim=self.dim, lengths=lengths)
+
+    def extra_repr(self) -> str:
+        return f"beta={self.beta}, dim={self.dim}"

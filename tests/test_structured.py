@@ -1,0 +1,463 @@
+"""fusedmax / oscarmax: C++ operators vs the plain-torch reference vs a float64 QP oracle.
+
+The oracle solves each prox as a bounded least-squares dual by scipy's BVLS (an active-set
+method, exact up to rounding), a different algorithm from Condat's / PAV used by both the C++
+operators and the reference.
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.optimize import lsq_linear
+
+import entmax_fast.structured as S
+from entmax_fast.reference import structured as R
+
+NEG_INF = float("-inf")
+HAS_CPP = S.structured_backend(torch.zeros(1))[0] == "cpp"
+needs_cpp = pytest.mark.skipif(not HAS_CPP, reason="entmax_fast._C structured operators not built")
+OPS = torch.ops.entmax_fast
+
+BACKENDS = [pytest.param("cpp", marks=needs_cpp, id="cpp"), pytest.param("reference", id="reference")]
+MAPPINGS = [pytest.param("fused", id="fusedmax"), pytest.param("oscar", id="oscarmax")]
+# (dtype, atol, rtol) of a backend against the float64 oracle.
+DTYPE_TOLS = [
+    pytest.param(torch.float64, 1e-9, 1e-9, id="float64"),
+    pytest.param(torch.float32, 2e-5, 1e-5, id="float32"),
+]
+
+
+# ---------------------------------------------------------------------------------------
+# float64 oracle.
+
+def oracle_tv_prox(z: np.ndarray, lam: float) -> np.ndarray:
+    """argmin_y ½‖y − z‖² + lam ‖Dy‖₁ through its dual min_{|u|≤lam} ½‖z − Dᵀu‖², y = z − Dᵀu."""
+    n = z.size
+    if n <= 1 or lam == 0:
+        return z.copy()
+    D = np.zeros((n - 1, n))
+    D[np.arange(n - 1), np.arange(n - 1)] = -1.0
+    D[np.arange(n - 1), np.arange(1, n)] = 1.0
+    u = lsq_linear(D.T, z, bounds=(-lam, lam), method="bvls", tol=1e-14).x
+    return z - D.T @ u
+
+
+def oracle_oscar_prox(z: np.ndarray, beta: float) -> np.ndarray:
+    """argmin_y ½‖y − z‖² + beta Σ_{i<j} max(|y_i|, |y_j|) (= OWL with w_i = beta (n − i)).
+
+    With y = sign(z)·t, t ≥ 0, and max(t_i, t_j) = max_{λ∈[0,1]} λ t_i + (1 − λ) t_j, the dual
+    is min ‖β(Bλ + d) − ν − |z|‖² over λ ∈ [0,1]^pairs, ν ≥ 0, and t = −residual."""
+    n = z.size
+    if n == 0 or beta == 0:
+        return z.copy()
+    a = np.abs(z)
+    pairs = [(i, j) for i in range(n) for j in range(i + 1, n)]
+    B = np.zeros((n, len(pairs)))
+    for c, (i, j) in enumerate(pairs):
+        B[i, c], B[j, c] = 1.0, -1.0
+    A = np.hstack([beta * B, -np.eye(n)])
+    b = a - beta * np.arange(n, dtype=np.float64)
+    lower = np.zeros(A.shape[1])
+    upper = np.concatenate([np.ones(len(pairs)), np.full(n, np.inf)])
+    x = lsq_linear(A, b, bounds=(lower, upper), method="bvls", tol=1e-14).x
+    t = np.maximum(b - A @ x, 0.0)
+    return np.sign(z) * t
+
+
+def oracle_sparsemax(y: np.ndarray) -> np.ndarray:
+    if y.size == 0:
+        return y.copy()
+    ordered = np.sort(y)[::-1]
+    cumulative = np.cumsum(ordered)
+    k = np.arange(1, y.size + 1)
+    support = k[1 + k * ordered > cumulative].max()
+    tau = (cumulative[support - 1] - 1) / support
+    return np.maximum(y - tau, 0.0)
+
+
+def oracle_rows(X: torch.Tensor, reg: float, kind: str, lengths=None):
+    """(p, y) of every row of a 2-D tensor over its valid entries; y is −inf where masked."""
+    prox = oracle_tv_prox if kind == "fused" else oracle_oscar_prox
+    Xn = X.double().numpy()
+    P = np.zeros_like(Xn)
+    Y = np.full_like(Xn, NEG_INF)
+    for r, row in enumerate(Xn):
+        length = row.size if lengths is None else int(lengths[r])
+        valid = np.isfinite(row) & (np.arange(row.size) < length)
+        y = prox(row[valid], reg)
+        Y[r, valid] = y
+        P[r, valid] = oracle_sparsemax(y)
+    return torch.from_numpy(P), torch.from_numpy(Y)
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers.
+
+def mapping(kind: str, backend: str):
+    if backend == "reference":
+        return R.fusedmax if kind == "fused" else R.oscarmax
+    return S.fusedmax if kind == "fused" else S.oscarmax
+
+
+def prox(kind: str, backend: str, X, reg, lengths=None):
+    if backend == "reference":
+        return (R.tv1d_prox if kind == "fused" else R.oscar_prox)(X, reg, lengths=lengths)
+    return (OPS.tv1d_prox if kind == "fused" else OPS.oscar_prox)(X, reg, lengths)
+
+
+@pytest.fixture
+def force_reference(monkeypatch):
+    monkeypatch.setattr(S, "_extension_status", lambda: (False, "forced by test", frozenset()))
+
+
+def ragged_scores(rows: int, n: int, dtype, generator_seed: int = 0, scale: float = 1.0):
+    """Random scores with a few −inf masks, one fully masked row, and lengths in [0, n]."""
+    gen = torch.Generator().manual_seed(generator_seed)
+    X = (torch.randn(rows, n, generator=gen, dtype=torch.float64) * scale).to(dtype)
+    drop = torch.rand(rows, n, generator=gen) < 0.15
+    X = X.masked_fill(drop, NEG_INF)
+    X[min(1, rows - 1)] = NEG_INF
+    lengths = torch.randint(0, n + 1, (rows,), generator=gen)
+    lengths[0] = n
+    return X, lengths
+
+
+# ---------------------------------------------------------------------------------------
+# Values from the issue and MATH.md §4.
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_issue_check_value(backend):
+    x = torch.tensor([1.0, 2.1, 1.9], dtype=torch.float64)
+    p = mapping("fused", backend)(x, 0.1)
+    torch.testing.assert_close(p, torch.tensor([0.0, 0.5, 0.5], dtype=torch.float64), atol=1e-12, rtol=0)
+    y = prox("fused", backend, x.unsqueeze(0), 0.1)[0]
+    torch.testing.assert_close(y, torch.tensor([1.1, 1.95, 1.95], dtype=torch.float64), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", MAPPINGS)
+def test_zero_regularisation_is_sparsemax(kind, backend):
+    from entmax import sparsemax
+
+    X = torch.randn(6, 11, dtype=torch.float64, requires_grad=True)
+    X_ref = X.detach().clone().requires_grad_()
+    p = mapping(kind, backend)(X, 0.0)
+    expected = sparsemax(X_ref, dim=-1)
+    torch.testing.assert_close(p, expected, atol=1e-12, rtol=0)
+    grad = torch.randn_like(p)
+    p.backward(grad)
+    expected.backward(grad)
+    torch.testing.assert_close(X.grad, X_ref.grad, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", MAPPINGS)
+def test_large_regularisation_is_uniform_over_valid(kind, backend):
+    X, lengths = ragged_scores(5, 9, torch.float64)
+    p = mapping(kind, backend)(X, 1e4, lengths=lengths)
+    valid = torch.isfinite(X) & (torch.arange(9) < lengths.unsqueeze(-1))
+    count = valid.sum(-1, keepdim=True).double()
+    expected = torch.where(valid, 1.0 / count.clamp_min(1), torch.zeros_like(X))
+    torch.testing.assert_close(p, expected, atol=1e-12, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------
+# Against the oracle.
+
+def test_oracle_is_sound():
+    # Hand-solved cases: the issue's prox; OSCAR z = [3, 1], beta = 1: v = |z| − w = [2, 1]
+    # is already non-increasing, y = [2, 1]; z = [3, −1], beta = 2: v = [1, 1] pools to 1.
+    np.testing.assert_allclose(oracle_tv_prox(np.array([1.0, 2.1, 1.9]), 0.1), [1.1, 1.95, 1.95], atol=1e-12)
+    np.testing.assert_allclose(oracle_oscar_prox(np.array([3.0, 1.0]), 1.0), [2.0, 1.0], atol=1e-12)
+    np.testing.assert_allclose(oracle_oscar_prox(np.array([3.0, -1.0]), 2.0), [1.0, -1.0], atol=1e-12)
+    np.testing.assert_allclose(oracle_sparsemax(np.array([1.1, 1.95, 1.95])), [0.0, 0.5, 0.5], atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n", [1, 2, 7, 33])
+@pytest.mark.parametrize("lam", [0.03, 0.3, 1.5])
+def test_tv_prox_matches_oracle(backend, n, lam):
+    X = torch.randn(4, n, dtype=torch.float64) * 2
+    y = prox("fused", backend, X, lam)
+    _, expected = oracle_rows(X, lam, "fused")
+    torch.testing.assert_close(y, expected, atol=1e-9, rtol=1e-9)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n", [1, 2, 5, 7])
+@pytest.mark.parametrize("beta", [0.05, 0.3, 2.0])
+def test_oscar_prox_matches_oracle(backend, n, beta):
+    X = torch.randn(4, n, dtype=torch.float64) * 2
+    y = prox("oscar", backend, X, beta)
+    _, expected = oracle_rows(X, beta, "oscar")
+    torch.testing.assert_close(y, expected, atol=1e-9, rtol=1e-9)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPE_TOLS)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind,reg,n", [
+    pytest.param("fused", 0.1, 23, id="fused-0.1"),
+    pytest.param("fused", 0.7, 40, id="fused-0.7"),
+    pytest.param("oscar", 0.05, 7, id="oscar-0.05"),
+    pytest.param("oscar", 0.4, 6, id="oscar-0.4"),
+])
+def test_mapping_matches_oracle_on_ragged_rows(kind, reg, n, backend, dtype, atol, rtol):
+    X, lengths = ragged_scores(7, n, dtype, scale=2.0)
+    p = mapping(kind, backend)(X, reg, lengths=lengths)
+    expected, _ = oracle_rows(X, reg, kind, lengths)
+    assert p.dtype == dtype
+    torch.testing.assert_close(p.double(), expected, atol=atol, rtol=rtol)
+
+
+# ---------------------------------------------------------------------------------------
+# C++ vs reference (forward, prox and backward).
+
+@needs_cpp
+@pytest.mark.parametrize("dtype,atol,rtol", [
+    pytest.param(torch.float64, 1e-12, 1e-12, id="float64"),
+    pytest.param(torch.float32, 2e-6, 1e-5, id="float32"),
+])
+@pytest.mark.parametrize("kind,reg", [("fused", 0.05), ("fused", 0.5), ("oscar", 0.02), ("oscar", 0.2)])
+@pytest.mark.parametrize("n", [1, 63, 129])
+def test_cpp_matches_reference_forward_backward(kind, reg, n, dtype, atol, rtol):
+    X, lengths = ragged_scores(9, n, dtype, generator_seed=n, scale=3.0)
+    X_cpp = X.clone().requires_grad_()
+    X_ref = X.clone().requires_grad_()
+    p_cpp = mapping(kind, "cpp")(X_cpp, reg, lengths=lengths)
+    p_ref = mapping(kind, "reference")(X_ref, reg, lengths=lengths)
+    torch.testing.assert_close(p_cpp, p_ref, atol=atol, rtol=rtol)
+    grad = torch.randn(X.shape, dtype=dtype)
+    p_cpp.backward(grad)
+    p_ref.backward(grad)
+    torch.testing.assert_close(X_cpp.grad, X_ref.grad, atol=10 * atol, rtol=10 * rtol)
+    assert torch.isfinite(X_cpp.grad).all()
+    assert (X_cpp.grad[1] == 0).all()  # the fully masked row
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind,reg", [("fused", 0.2), ("oscar", 0.1)])
+def test_gradcheck_float64(kind, reg, backend):
+    gen = torch.Generator().manual_seed(3)
+    X = (torch.randn(3, 8, generator=gen, dtype=torch.float64) * 3)
+    X[2, 4] = NEG_INF
+    lengths = torch.tensor([8, 5, 8])
+    X.requires_grad_()
+    fn = mapping(kind, backend)
+    assert torch.autograd.gradcheck(lambda x: fn(x, reg, lengths=lengths), (X,), eps=1e-7, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", MAPPINGS)
+def test_masked_columns_equal_slicing(kind, backend):
+    # A −inf column is sliced away: the fused chain links its two valid neighbours.
+    X = torch.randn(4, 10, dtype=torch.float64) * 2
+    keep = torch.tensor([1, 1, 0, 1, 0, 0, 1, 1, 1, 0], dtype=torch.bool)
+    X_masked = X.masked_fill(~keep, NEG_INF).requires_grad_()
+    X_sliced = X[:, keep].clone().requires_grad_()
+    fn = mapping(kind, backend)
+    p_masked = fn(X_masked, 0.3)
+    p_sliced = fn(X_sliced, 0.3)
+    torch.testing.assert_close(p_masked[:, keep], p_sliced, atol=1e-12, rtol=0)
+    assert (p_masked[:, ~keep] == 0).all()
+    grad = torch.randn(4, 10, dtype=torch.float64)
+    p_masked.backward(grad)
+    p_sliced.backward(grad[:, keep])
+    torch.testing.assert_close(X_masked.grad[:, keep], X_sliced.grad, atol=1e-12, rtol=0)
+    assert (X_masked.grad[:, ~keep] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", MAPPINGS)
+def test_lengths_equal_trailing_masks_and_empty_rows(kind, backend):
+    X = torch.randn(3, 6, dtype=torch.float64)
+    lengths = torch.tensor([6, 2, 0], dtype=torch.int32)
+    X_len = X.clone().requires_grad_()
+    X_inf = X.masked_fill(torch.arange(6) >= lengths.unsqueeze(-1), NEG_INF).requires_grad_()
+    fn = mapping(kind, backend)
+    p_len = fn(X_len, 0.3, lengths=lengths)
+    p_inf = fn(X_inf, 0.3)
+    torch.testing.assert_close(p_len, p_inf, atol=1e-12, rtol=0)
+    assert (p_len[2] == 0).all() and (p_len[1, 2:] == 0).all()
+    grad = torch.randn(3, 6, dtype=torch.float64)
+    p_len.backward(grad)
+    p_inf.backward(grad)
+    torch.testing.assert_close(X_len.grad, X_inf.grad, atol=1e-12, rtol=0)
+    assert (X_len.grad[2] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", MAPPINGS)
+def test_dim_argument(kind, backend):
+    X = torch.randn(5, 3, 4, dtype=torch.float64)
+    lengths = torch.tensor([[5, 3, 1, 0]] * 3)
+    fn = mapping(kind, backend)
+    p = fn(X, 0.2, dim=0, lengths=lengths.T.contiguous().T)
+    expected = fn(X.movedim(0, -1), 0.2, dim=-1, lengths=lengths).movedim(-1, 0)
+    torch.testing.assert_close(p, expected, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", MAPPINGS)
+def test_half_precision_computed_in_float32(kind, dtype, backend):
+    X = (torch.randn(4, 12) * 3).to(dtype)
+    X[0, 0] = -1000.0
+    X[1] = X[1] + 1000.0
+    p = mapping(kind, backend)(X, 0.1)
+    assert p.dtype == dtype and torch.isfinite(p).all()
+    expected = mapping(kind, backend)(X.float(), 0.1).to(dtype)
+    torch.testing.assert_close(p, expected, atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------
+# torch.library registration.
+
+@needs_cpp
+@pytest.mark.parametrize("name", ["fusedmax", "oscarmax"])
+def test_opcheck(name):
+    X, lengths = ragged_scores(4, 13, torch.float64, scale=2.0)
+    forward = getattr(OPS, f"{name}_forward")
+    backward = getattr(OPS, f"{name}_backward")
+    torch.library.opcheck(forward, (X.clone().requires_grad_(), 0.3, lengths))
+    torch.library.opcheck(forward, (X.clone().requires_grad_(), 0.3, None))
+    p, y = forward(X, 0.3, lengths)
+    torch.library.opcheck(backward, (torch.randn_like(p), p, y, 0.3))
+
+
+@needs_cpp
+def test_torch_compile_sees_the_op():
+    X = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
+    compiled = torch.compile(lambda x: S.fusedmax(x, 0.2) * 2, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(X), S.fusedmax(X, 0.2) * 2)
+
+
+# ---------------------------------------------------------------------------------------
+# Backend choice.
+
+@needs_cpp
+def test_backend_choice_cpp_on_cpu():
+    X = torch.randn(2, 5)
+    assert S.structured_backend(X)[0] == "cpp"
+    S.fusedmax(X, 0.1)
+    assert S.last_backend("fusedmax")[0] == "cpp"
+
+
+def test_backend_falls_back_to_reference(force_reference):
+    X = torch.randn(2, 5, dtype=torch.float64)
+    backend, reason = S.structured_backend(X)
+    assert backend == "reference" and "forced by test" in reason
+    p = S.oscarmax(X, 0.1)
+    assert S.last_backend("oscarmax") == ("reference", "C++ operators unavailable: forced by test")
+    torch.testing.assert_close(p, R.oscarmax(X, 0.1), atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------
+# Bad input.
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind,reg_name", [("fused", "lam"), ("oscar", "beta")])
+def test_bad_input_errors(kind, reg_name, backend):
+    fn = mapping(kind, backend)
+    X = torch.randn(2, 4)
+    with pytest.raises(ValueError, match=f"{reg_name} must be finite and >= 0, got -0.1"):
+        fn(X, -0.1)
+    with pytest.raises(ValueError, match=reg_name):
+        fn(X, float("nan"))
+    with pytest.raises(TypeError, match=reg_name):
+        fn(X, torch.tensor(0.1))
+    for bad in (float("nan"), float("inf")):
+        X_bad = X.clone()
+        X_bad[1, 2] = bad
+        with pytest.raises((ValueError, RuntimeError), match="finite except for -inf"):
+            fn(X_bad, 0.1)
+    with pytest.raises(ValueError, match=r"lengths must have shape \(2,\) .* got \(2, 1\)"):
+        fn(X, 0.1, lengths=torch.tensor([[1], [2]]))
+    with pytest.raises((ValueError, RuntimeError), match=r"lengths must lie in \[0, 4\]"):
+        fn(X, 0.1, lengths=torch.tensor([1, 5]))
+    with pytest.raises(TypeError, match="lengths must have an integer dtype"):
+        fn(X, 0.1, lengths=torch.tensor([1.0, 2.0]))
+    with pytest.raises(TypeError, match="X must have a floating dtype"):
+        fn(torch.ones(2, 4, dtype=torch.int64), 0.1)
+
+
+@needs_cpp
+def test_cpp_op_argument_errors():
+    with pytest.raises(RuntimeError, match="lam must be finite and >= 0"):
+        OPS.fusedmax_forward(torch.randn(2, 3), -1.0, None)
+    with pytest.raises(RuntimeError, match=r"lengths must have shape \[2\]"):
+        OPS.oscarmax_forward(torch.randn(2, 3), 0.1, torch.tensor([1, 2, 3]))
+    with pytest.raises(RuntimeError, match="X must be float32 or float64"):
+        OPS.fusedmax_forward(torch.randn(2, 3).half(), 0.1, None)
+    with pytest.raises(RuntimeError, match="same shape"):
+        OPS.fusedmax_backward(torch.randn(2, 3), torch.rand(2, 3), torch.rand(2, 4), 0.1)
+
+
+# ---------------------------------------------------------------------------------------
+# Attention forms and modules.
+
+def dense_attention(kind, q, k, v, reg, mask=None, is_causal=False, scale=None):
+    """Unchunked attention with the reference mapping (a check of the chunking and masks)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = q @ k.transpose(-1, -2) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, NEG_INF) if mask.dtype == torch.bool else scores + mask
+    if is_causal:
+        scores = scores.masked_fill(torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).triu(1), NEG_INF)
+    return mapping(kind, "reference")(scores, reg) @ v
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", MAPPINGS)
+@pytest.mark.parametrize("masking", ["none", "bool", "float", "causal"])
+def test_attention_matches_dense(kind, masking, backend, request):
+    if backend == "reference":
+        request.getfixturevalue("force_reference")
+    attention = S.fusedmax_attention if kind == "fused" else S.oscarmax_attention
+    reg_kw = {"lam": 0.3} if kind == "fused" else {"beta": 0.05}
+    q = torch.randn(2, 2, 5, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 7, 4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, 7, 3, dtype=torch.float64, requires_grad=True)
+    mask = None
+    if masking == "bool":
+        mask = torch.rand(5, 7) > 0.3
+        mask[2] = False  # a fully masked query row
+    elif masking == "float":
+        mask = torch.randn(2, 1, 5, 7, dtype=torch.float64)
+    out = attention(q, k, v, attn_mask=mask, is_causal=masking == "causal", **reg_kw)
+    expected = dense_attention(kind, q, k, v, next(iter(reg_kw.values())), mask, masking == "causal")
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+    if masking == "bool":
+        assert (out[:, :, 2] == 0).all()
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
+
+
+def test_attention_chunks_gqa_and_dropout():
+    q = torch.randn(1, 4, 9, 8, dtype=torch.float64)
+    k = torch.randn(1, 2, 6, 8, dtype=torch.float64)
+    v = torch.randn(1, 2, 6, 5, dtype=torch.float64)
+    whole = R.structured_attention(lambda s: S.fusedmax(s, 0.2), q, k, v, enable_gqa=True)
+    chunked = R.structured_attention(lambda s: S.fusedmax(s, 0.2), q, k, v, enable_gqa=True, chunk_elements=13)
+    torch.testing.assert_close(chunked, whole, atol=1e-12, rtol=0)
+    expected = dense_attention("fused", q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), 0.2)
+    torch.testing.assert_close(S.fusedmax_attention(q, k, v, enable_gqa=True, lam=0.2), expected, atol=1e-12, rtol=0)
+    dropped = S.oscarmax_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), dropout_p=0.5, beta=0.1)
+    assert dropped.shape == (1, 4, 9, 5) and torch.isfinite(dropped).all()
+    with pytest.raises(ValueError, match="lam must be finite and >= 0"):
+        S.fusedmax_attention(q, k, v, enable_gqa=True, lam=-1.0)
+    with pytest.raises(ValueError, match="multiple of the key/value heads"):
+        S.fusedmax_attention(q, torch.randn(1, 3, 6, 8, dtype=torch.float64),
+                             torch.randn(1, 3, 6, 5, dtype=torch.float64), enable_gqa=True)
+
+
+def test_modules():
+    X = torch.randn(3, 6, 5)
+    lengths = torch.tensor([[6, 3, 0, 1, 2]] * 3)
+    torch.testing.assert_close(S.Fusedmax(0.3, dim=1)(X, lengths), S.fusedmax(X, 0.3, dim=1, lengths=lengths))
+    torch.testing.assert_close(S.Oscarmax(0.1)(X), S.oscarmax(X, 0.1))
+    assert "lam=0.3" in repr(S.Fusedmax(0.3))
+    with pytest.raises(ValueError, match="beta must be finite and >= 0"):
+        S.Oscarmax(-2.0)
