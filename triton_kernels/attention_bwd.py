@@ -1,0 +1,311 @@
+"""Fused entmax attention, backward kernels (deterministic: no atomics).
+
+From q, k, v, dO, the row statistics of the forward (score max m, tau, weight sum l) and
+the D-vector ``D = sum_j s_j v_j / sum_j s_j`` (MATH.md section 3), one row's weights are
+``p_j = [(alpha-1)(z_j - m) - tau]_+^(1/(alpha-1)) / l`` and, with
+``g_j = dO . v_j`` (times the dropout factor) and ``delta = dO . D``:
+
+    dV_j += p_j dO,   dz_j = s_j (g_j - delta),   dQ = scale sum_j dz_j k_j,
+    dK_j += scale dz_j q,   s_j = p_j^(2 - alpha).
+
+Two kernels, each writing its outputs exactly once:
+- `entmax_attn_bwd_dq_kernel`, one program per query block: dQ, delta per row, and the
+  per-row term of d(alpha) (Correia et al. 2019, MATH.md section 2);
+- `entmax_attn_bwd_dkdv_kernel`, one program per key block of one key/value head: dK and
+  dV, summing over the query heads of its group (GQA) in a fixed order.
+Both visit only the tiles the forward flagged as holding non-zero weight.
+"""
+import itertools
+
+import triton
+import triton.language as tl
+
+from .attention_fwd import (_BLOCK_ES, _DTYPES, ALPHA_15, ALPHA_2, ALPHA_GENERAL,
+                            MASK_ADDITIVE, MASK_BOOL, MASK_NONE, _dropout_scale, _mask_type,
+                            _safe_log2,
+                            _score_from_kt, _score_tile, _sensitivity, _weights, block_sizes)
+
+# rows of the backward's per-row buffer
+ROW_DELTA, ROW_DALPHA = 0, 1
+NUM_ROWS = 2
+ROW_DELTA_C = tl.constexpr(ROW_DELTA)
+ROW_DALPHA_C = tl.constexpr(ROW_DALPHA)
+
+
+@triton.jit
+def _row_weights(b_z, b_m, b_tau, b_l, am1, inv_am1, ALPHA_KIND: tl.constexpr):
+    """Normalised weights p, sensitivities s = p^(2-alpha) and d = [u - tau]_+. [BM, BN]"""
+    b_d = tl.maximum(am1 * (b_z - b_m[:, None]) - b_tau[:, None], 0.0)
+    b_p = _weights(b_d, inv_am1, ALPHA_KIND) / b_l[:, None]
+    # s = (d^e / l)^(2 - alpha) = d^(e - 1) * l^(alpha - 2)
+    b_s = _sensitivity(b_d, inv_am1, ALPHA_KIND) * tl.exp2((am1 - 1.0) * tl.log2(b_l))[:, None]
+    return b_d, b_p, b_s
+
+
+@triton.jit
+def entmax_attn_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, dq_ptr, dvec_ptr, stats_ptr, rows_ptr, flags_ptr,
+    mask_ptr, alpha_ptr, seed_ptr, cu_q_ptr, cu_k_ptr,
+    stride_qb, stride_qh, stride_ql,
+    stride_kb, stride_kh, stride_kl,
+    stride_vb, stride_vh, stride_vl,
+    stride_ob, stride_oh, stride_ol,
+    stride_mb, stride_mh, stride_mq, stride_mk,
+    stride_sb, stride_sh, stride_stat, stride_row,
+    n_heads, kv_group, seqlen_q, seqlen_k, n_qblocks, n_kblocks, head_e, head_ev,
+    scale, dropout_p, is_causal, need_alpha_grad,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_EV: tl.constexpr, ALPHA_KIND: tl.constexpr, MASK_KIND: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):
+    """dQ for one query block; q, dq share strides, and o, do, dvec share strides."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    i_b = (pid_bh // n_heads).to(tl.int64)
+    i_h = (pid_bh % n_heads).to(tl.int64)
+    i_hk = i_h // kv_group
+    if IS_VARLEN:
+        q_start = tl.load(cu_q_ptr + i_b).to(tl.int64)
+        q_len = tl.load(cu_q_ptr + i_b + 1).to(tl.int32) - q_start.to(tl.int32)
+        k_start = tl.load(cu_k_ptr + i_b).to(tl.int64)
+        k_len = tl.load(cu_k_ptr + i_b + 1).to(tl.int32) - k_start.to(tl.int32)
+    else:
+        q_start = i_b * 0
+        q_len = seqlen_q
+        k_start = i_b * 0
+        k_len = seqlen_k
+    start_m = pid_m * BLOCK_M
+    if start_m >= q_len:
+        return
+    o_m = start_m + tl.arange(0, BLOCK_M)
+    o_e = tl.arange(0, BLOCK_E)
+    o_ev = tl.arange(0, BLOCK_EV)
+    m_m = o_m < q_len
+    m_qe = m_m[:, None] & (o_e[None, :] < head_e)
+    m_qev = m_m[:, None] & (o_ev[None, :] < head_ev)
+
+    q_off = i_b * stride_qb + i_h * stride_qh + q_start * stride_ql
+    o_off = i_b * stride_ob + i_h * stride_oh + q_start * stride_ol
+    p_k = k_ptr + i_b * stride_kb + i_hk * stride_kh + k_start * stride_kl
+    p_v = v_ptr + i_b * stride_vb + i_hk * stride_vh + k_start * stride_vl
+    p_mask = mask_ptr + i_b * stride_mb + i_h * stride_mh
+    p_flags = flags_ptr + (pid_bh.to(tl.int64) * n_qblocks + pid_m) * n_kblocks
+    p_stats = stats_ptr + i_b * stride_sb + i_h * stride_sh + q_start + o_m
+    p_rows = rows_ptr + i_b * stride_sb + i_h * stride_sh + q_start + o_m
+
+    b_q = tl.load(q_ptr + q_off + o_m[:, None] * stride_ql + o_e[None, :], mask=m_qe, other=0.0)
+    b_do = tl.load(do_ptr + o_off + o_m[:, None] * stride_ol + o_ev[None, :], mask=m_qev,
+                   other=0.0)  # [BM, BEV]
+    b_dvec = tl.load(dvec_ptr + o_off + o_m[:, None] * stride_ol + o_ev[None, :], mask=m_qev,
+                     other=0.0)
+    b_delta = tl.sum(b_do.to(tl.float32) * b_dvec, 1)  # [BM]
+    b_m = tl.load(p_stats + 0 * stride_stat, mask=m_m, other=0.0)
+    b_tau = tl.load(p_stats + 1 * stride_stat, mask=m_m, other=0.0)
+    b_l = tl.load(p_stats + 2 * stride_stat, mask=m_m, other=0.0)
+    b_l = tl.where(b_l > 0, b_l, 1.0)
+    alpha = tl.load(alpha_ptr + i_h).to(tl.float32)
+    am1 = alpha - 1.0
+    inv_am1 = 1.0 / am1
+    seed = tl.load(seed_ptr)
+
+    kv_end = k_len
+    if is_causal != 0:
+        kv_end = tl.minimum(k_len, start_m + BLOCK_M)
+    b_dq = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
+    b_gh = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum_j g_j h_j for d(alpha)
+    for start_n in range(0, kv_end, BLOCK_N):
+        if tl.load(p_flags + start_n // BLOCK_N) != 0:
+            o_n = start_n + tl.arange(0, BLOCK_N)
+            b_z = _score_tile(b_q, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_n,
+                              q_len, k_len, head_e, scale, is_causal, BLOCK_N, BLOCK_E,
+                              MASK_KIND)
+            b_d, b_p, b_s = _row_weights(b_z, b_m, b_tau, b_l, am1, inv_am1, ALPHA_KIND)
+            b_vt = tl.load(p_v + o_n[None, :] * stride_vl + o_ev[:, None],
+                           mask=(o_n[None, :] < k_len) & (o_ev[:, None] < head_ev),
+                           other=0.0)  # [BEV, BN]
+            b_drop = _dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
+                                    BLOCK_M, BLOCK_N)
+            b_g = tl.dot(b_do, b_vt, input_precision="ieee") * b_drop  # dL/dp [BM, BN]
+            b_dz = b_s * (b_g - b_delta[:, None])
+            b_k = tl.load(p_k + o_n[:, None] * stride_kl + o_e[None, :],
+                          mask=(o_n[:, None] < k_len) & (o_e[None, :] < head_e),
+                          other=0.0)  # [BN, BE]
+            b_dq += tl.dot(b_dz.to(b_k.dtype), b_k, input_precision="ieee")
+            if need_alpha_grad != 0:
+                # h = -p log p with log p = log(d) / (alpha - 1) - log l
+                b_logp = (_safe_log2(b_d) * inv_am1 - tl.log2(b_l)[:, None]) * 0.6931471805599453
+                b_gh -= tl.sum(tl.where(b_d > 0, b_p * b_logp, 0.0) * b_g, 1)
+    tl.store(dq_ptr + q_off + o_m[:, None] * stride_ql + o_e[None, :],
+             (b_dq * scale).to(dq_ptr.dtype.element_ty), mask=m_qe)
+    tl.store(p_rows + ROW_DELTA_C * stride_row, b_delta, mask=m_m)
+    if need_alpha_grad != 0:
+        # dalpha = sum_i g_i dp_i/dalpha with sum g p = dO.o, sum g p~ = delta (MATH.md s.2)
+        b_o = tl.load(o_ptr + o_off + o_m[:, None] * stride_ol + o_ev[None, :], mask=m_qev,
+                      other=0.0)
+        b_gp = tl.sum(b_do.to(tl.float32) * b_o.to(tl.float32), 1)
+        b_entropy = tl.load(p_stats + 3 * stride_stat, mask=m_m, other=0.0)
+        b_dalpha = (b_gp - b_delta) * inv_am1 * inv_am1 + (b_gh - b_delta * b_entropy) * inv_am1
+        tl.store(p_rows + ROW_DALPHA_C * stride_row, b_dalpha, mask=m_m)
+
+
+@triton.jit
+def entmax_attn_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, stats_ptr, rows_ptr, flags_ptr,
+    mask_ptr, alpha_ptr, seed_ptr, cu_q_ptr, cu_k_ptr,
+    stride_qb, stride_qh, stride_ql,
+    stride_kb, stride_kh, stride_kl,
+    stride_vb, stride_vh, stride_vl,
+    stride_ob, stride_oh, stride_ol,
+    stride_mb, stride_mh, stride_mq, stride_mk,
+    stride_sb, stride_sh, stride_stat, stride_row,
+    n_heads, n_kv_heads, kv_group, seqlen_q, seqlen_k, n_qblocks, n_kblocks, head_e, head_ev,
+    scale, dropout_p, is_causal,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_EV: tl.constexpr, ALPHA_KIND: tl.constexpr, MASK_KIND: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):
+    """dK, dV for one key block of one key/value head; k, dk and v, dv share strides."""
+    pid_n = tl.program_id(0)
+    pid_bhk = tl.program_id(1)
+    i_b = (pid_bhk // n_kv_heads).to(tl.int64)
+    i_hk = (pid_bhk % n_kv_heads).to(tl.int64)
+    if IS_VARLEN:
+        q_start = tl.load(cu_q_ptr + i_b).to(tl.int64)
+        q_len = tl.load(cu_q_ptr + i_b + 1).to(tl.int32) - q_start.to(tl.int32)
+        k_start = tl.load(cu_k_ptr + i_b).to(tl.int64)
+        k_len = tl.load(cu_k_ptr + i_b + 1).to(tl.int32) - k_start.to(tl.int32)
+    else:
+        q_start = i_b * 0
+        q_len = seqlen_q
+        k_start = i_b * 0
+        k_len = seqlen_k
+    start_n = pid_n * BLOCK_N
+    if start_n >= k_len:
+        return
+    o_n = start_n + tl.arange(0, BLOCK_N)
+    o_e = tl.arange(0, BLOCK_E)
+    o_ev = tl.arange(0, BLOCK_EV)
+    m_n = o_n < k_len
+    m_ke = (o_e[:, None] < head_e) & m_n[None, :]
+    m_kev = (o_ev[:, None] < head_ev) & m_n[None, :]
+    k_off = i_b * stride_kb + i_hk * stride_kh + k_start * stride_kl
+    v_off = i_b * stride_vb + i_hk * stride_vh + k_start * stride_vl
+    b_kt = tl.load(k_ptr + k_off + o_n[None, :] * stride_kl + o_e[:, None], mask=m_ke,
+                   other=0.0)  # [BE, BN]
+    b_vt = tl.load(v_ptr + v_off + o_n[None, :] * stride_vl + o_ev[:, None], mask=m_kev,
+                   other=0.0)  # [BEV, BN]
+    seed = tl.load(seed_ptr)
+
+    m_begin = 0
+    if is_causal != 0:
+        # query i sees key j only when j <= i: earlier query blocks are all masked
+        m_begin = (start_n // BLOCK_M) * BLOCK_M
+    b_dk = tl.zeros([BLOCK_N, BLOCK_E], dtype=tl.float32)
+    b_dv = tl.zeros([BLOCK_N, BLOCK_EV], dtype=tl.float32)
+    for i_g in range(0, kv_group):
+        i_h = i_hk * kv_group + i_g
+        pid_bh = i_b * n_heads + i_h
+        alpha = tl.load(alpha_ptr + i_h).to(tl.float32)
+        am1 = alpha - 1.0
+        inv_am1 = 1.0 / am1
+        p_q = q_ptr + i_b * stride_qb + i_h * stride_qh + q_start * stride_ql
+        p_do = do_ptr + i_b * stride_ob + i_h * stride_oh + q_start * stride_ol
+        p_mask = mask_ptr + i_b * stride_mb + i_h * stride_mh
+        p_flags = flags_ptr + pid_bh * n_qblocks * n_kblocks + pid_n
+        p_stats = stats_ptr + i_b * stride_sb + i_h * stride_sh + q_start
+        p_rows = rows_ptr + i_b * stride_sb + i_h * stride_sh + q_start
+        for start_m in range(m_begin, q_len, BLOCK_M):
+            if tl.load(p_flags + (start_m // BLOCK_M) * n_kblocks) != 0:
+                o_m = start_m + tl.arange(0, BLOCK_M)
+                m_m = o_m < q_len
+                b_q = tl.load(p_q + o_m[:, None] * stride_ql + o_e[None, :],
+                              mask=m_m[:, None] & (o_e[None, :] < head_e), other=0.0)
+                b_do = tl.load(p_do + o_m[:, None] * stride_ol + o_ev[None, :],
+                               mask=m_m[:, None] & (o_ev[None, :] < head_ev), other=0.0)
+                b_m = tl.load(p_stats + o_m + 0 * stride_stat, mask=m_m, other=0.0)
+                b_tau = tl.load(p_stats + o_m + 1 * stride_stat, mask=m_m, other=0.0)
+                b_l = tl.load(p_stats + o_m + 2 * stride_stat, mask=m_m, other=0.0)
+                b_l = tl.where(b_l > 0, b_l, 1.0)
+                b_delta = tl.load(p_rows + o_m + ROW_DELTA_C * stride_row, mask=m_m, other=0.0)
+                b_z = _score_from_kt(b_q, b_kt, p_mask, stride_mq, stride_mk, o_m, start_n,
+                                     q_len, k_len, scale, is_causal, BLOCK_N, MASK_KIND)
+                b_d, b_p, b_s = _row_weights(b_z, b_m, b_tau, b_l, am1, inv_am1, ALPHA_KIND)
+                b_drop = _dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
+                                        BLOCK_M, BLOCK_N)
+                b_g = tl.dot(b_do, b_vt, input_precision="ieee") * b_drop  # [BM, BN]
+                b_dz = b_s * (b_g - b_delta[:, None])
+                b_dv += tl.dot(tl.trans((b_p * b_drop).to(b_do.dtype)), b_do,
+                               input_precision="ieee")
+                b_dk += tl.dot(tl.trans(b_dz.to(b_q.dtype)), b_q, input_precision="ieee")
+    tl.store(dk_ptr + k_off + o_n[:, None] * stride_kl + o_e[None, :],
+             (b_dk * scale).to(dk_ptr.dtype.element_ty),
+             mask=m_n[:, None] & (o_e[None, :] < head_e))
+    tl.store(dv_ptr + v_off + o_n[:, None] * stride_vl + o_ev[None, :],
+             b_dv.to(dv_ptr.dtype.element_ty), mask=m_n[:, None] & (o_ev[None, :] < head_ev))
+
+
+def _stride_signature():
+    sig = {}
+    for name in ("stride_qb", "stride_qh", "stride_ql", "stride_kb", "stride_kh", "stride_kl",
+                 "stride_vb", "stride_vh", "stride_vl", "stride_ob", "stride_oh", "stride_ol",
+                 "stride_mb", "stride_mh", "stride_mq", "stride_mk",
+                 "stride_sb", "stride_sh", "stride_stat", "stride_row"):
+        sig[name] = "i32"
+    return sig
+
+
+def dq_signature(dtype_key, mask_kind):
+    t = _DTYPES[dtype_key]
+    sig = {"q_ptr": t, "k_ptr": t, "v_ptr": t, "o_ptr": t, "do_ptr": t, "dq_ptr": t,
+           "dvec_ptr": "*fp32", "stats_ptr": "*fp32", "rows_ptr": "*fp32", "flags_ptr": "*i8",
+           "mask_ptr": _mask_type(dtype_key, mask_kind), "alpha_ptr": "*fp32",
+           "seed_ptr": "*i64", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}
+    sig.update(_stride_signature())
+    for name in ("n_heads", "kv_group", "seqlen_q", "seqlen_k", "n_qblocks", "n_kblocks",
+                 "head_e", "head_ev"):
+        sig[name] = "i32"
+    sig.update({"scale": "fp32", "dropout_p": "fp32", "is_causal": "i32",
+                "need_alpha_grad": "i32"})
+    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_E", "BLOCK_EV", "ALPHA_KIND", "MASK_KIND",
+                 "IS_VARLEN"):
+        sig[name] = "constexpr"
+    return sig
+
+
+def dkdv_signature(dtype_key, mask_kind):
+    t = _DTYPES[dtype_key]
+    sig = {"q_ptr": t, "k_ptr": t, "v_ptr": t, "do_ptr": t, "dk_ptr": t, "dv_ptr": t,
+           "stats_ptr": "*fp32", "rows_ptr": "*fp32", "flags_ptr": "*i8",
+           "mask_ptr": _mask_type(dtype_key, mask_kind), "alpha_ptr": "*fp32",
+           "seed_ptr": "*i64", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}
+    sig.update(_stride_signature())
+    for name in ("n_heads", "n_kv_heads", "kv_group", "seqlen_q", "seqlen_k", "n_qblocks",
+                 "n_kblocks", "head_e", "head_ev"):
+        sig[name] = "i32"
+    sig.update({"scale": "fp32", "dropout_p": "fp32", "is_causal": "i32"})
+    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_E", "BLOCK_EV", "ALPHA_KIND", "MASK_KIND",
+                 "IS_VARLEN"):
+        sig[name] = "constexpr"
+    return sig
+
+
+def aot_configs():
+    """Every backward configuration the launcher in attention.py can choose."""
+    configs = []
+    for dtype_key, block_e, alpha_kind, mask_kind, varlen in itertools.product(
+            _DTYPES, _BLOCK_ES, (ALPHA_GENERAL, ALPHA_15, ALPHA_2),
+            (MASK_NONE, MASK_BOOL, MASK_ADDITIVE), (False, True)):
+        if varlen and mask_kind != MASK_NONE:
+            continue
+        block_m, block_n, num_warps, num_stages = block_sizes(block_e)
+        constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_E": block_e,
+                      "BLOCK_EV": block_e, "ALPHA_KIND": alpha_kind, "MASK_KIND": mask_kind,
+                      "IS_VARLEN": int(varlen)}
+        suffix = f"{dtype_key}_e{block_e}_a{alpha_kind}_m{mask_kind}{'_varlen' if varlen else ''}"
+        for name, fn, signature in (
+                ("dq", entmax_attn_bwd_dq_kernel, dq_signature(dtype_key, mask_kind)),
+                ("dkdv", entmax_attn_bwd_dkdv_kernel, dkdv_signature(dtype_key, mask_kind))):
+            configs.append({"name": f"entmax_attn_bwd_{name}_{suffix}", "fn": fn,
+                            "signature": signature, "constexprs": constexprs,
+                            "num_warps": num_warps, "num_stages": num_stages})
+    return configs
