@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -98,38 +99,81 @@ void tv1d_prox_inplace(T* w, int64_t width, T lambda) {
   }
 }
 
-// Order of the m entries by |v|, decreasing. float keys are packed with their index into
-// one uint64 (the bits of a non-negative float order like the float), which sorts ~3x
-// faster than (value, index) pairs.
-inline void order_by_abs_desc(const float* v, int64_t m, std::vector<uint64_t>& keys, int64_t* order) {
-  keys.resize(m);
-  for (int64_t i = 0; i < m; ++i) {
-    const float a = std::fabs(v[i]);
-    uint32_t bits;
-    std::memcpy(&bits, &a, sizeof(bits));
-    keys[i] = (static_cast<uint64_t>(bits) << 32) | static_cast<uint32_t>(i);
-  }
-  std::sort(keys.begin(), keys.end(), std::greater<uint64_t>());
-  for (int64_t i = 0; i < m; ++i) order[i] = static_cast<int64_t>(keys[i] & 0xffffffffu);
+// Bit pattern of |v| whose unsigned order is the order of |v| (non-negative IEEE floats
+// order like their bits), complemented so that an ascending sort gives decreasing |v|.
+inline uint32_t descending_abs_key(float v) {
+  const float a = std::fabs(v);
+  uint32_t bits;
+  std::memcpy(&bits, &a, sizeof(bits));
+  return ~bits;
 }
-
-inline void order_by_abs_desc(const double* v, int64_t m, std::vector<uint64_t>&, int64_t* order) {
-  for (int64_t i = 0; i < m; ++i) order[i] = i;
-  std::sort(order, order + m, [v](int64_t a, int64_t b) { return std::fabs(v[a]) > std::fabs(v[b]); });
+inline uint64_t descending_abs_key(double v) {
+  const double a = std::fabs(v);
+  uint64_t bits;
+  std::memcpy(&bits, &a, sizeof(bits));
+  return ~bits;
 }
 
 template <typename T>
 struct OscarScratch {
-  std::vector<int64_t> order;
+  using Key = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
+  std::vector<Key> keys, keys_tmp;
+  std::vector<uint32_t> order, order_tmp;
   std::vector<T> block_sum;
   std::vector<int64_t> block_len;
-  std::vector<uint64_t> keys;
   void reserve(int64_t n) {
+    keys.resize(n);
+    keys_tmp.resize(n);
     order.resize(n);
+    order_tmp.resize(n);
     block_sum.resize(n);
     block_len.resize(n);
   }
 };
+
+// Indices of v[0..m) by decreasing |v|: LSD radix sort on the key bytes (passes whose byte
+// is the same for every key are skipped). For rows of a few hundred entries this is ~4x
+// faster than std::sort. Returns a pointer into s.order or s.order_tmp.
+template <typename T>
+const uint32_t* order_by_abs_desc(const T* v, int64_t m, OscarScratch<T>& s) {
+  using Key = typename OscarScratch<T>::Key;
+  Key* keys = s.keys.data();
+  Key* keys_tmp = s.keys_tmp.data();
+  uint32_t* order = s.order.data();
+  uint32_t* order_tmp = s.order_tmp.data();
+  for (int64_t i = 0; i < m; ++i) {
+    keys[i] = descending_abs_key(v[i]);
+    order[i] = static_cast<uint32_t>(i);
+  }
+  if (m < 48) {
+    for (int64_t i = 1; i < m; ++i) {  // insertion sort
+      const Key key = keys[i];
+      const uint32_t index = order[i];
+      int64_t j = i - 1;
+      for (; j >= 0 && keys[j] > key; --j) {
+        keys[j + 1] = keys[j];
+        order[j + 1] = order[j];
+      }
+      keys[j + 1] = key;
+      order[j + 1] = index;
+    }
+    return order;
+  }
+  for (unsigned shift = 0; shift < 8 * sizeof(Key); shift += 8) {
+    int64_t count[257] = {0};
+    for (int64_t i = 0; i < m; ++i) ++count[((keys[i] >> shift) & 0xff) + 1];
+    if (count[((keys[0] >> shift) & 0xff) + 1] == m) continue;
+    for (int d = 0; d < 256; ++d) count[d + 1] += count[d];
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t at = count[(keys[i] >> shift) & 0xff]++;
+      keys_tmp[at] = keys[i];
+      order_tmp[at] = order[i];
+    }
+    std::swap(keys, keys_tmp);
+    std::swap(order, order_tmp);
+  }
+  return order;
+}
 
 // prox of the OSCAR-weighted OWL norm: sort |v| decreasingly, subtract w_r = beta (m-1-r),
 // non-increasing isotonic regression by pool-adjacent-violators, clip at 0, restore order
@@ -137,10 +181,9 @@ struct OscarScratch {
 template <typename T>
 void oscar_prox_inplace(T* v, int64_t m, T beta, OscarScratch<T>& s) {
   if (m == 0 || beta == T(0)) return;
-  int64_t* order = s.order.data();
+  const uint32_t* order = order_by_abs_desc(v, m, s);
   T* bsum = s.block_sum.data();
   int64_t* blen = s.block_len.data();
-  order_by_abs_desc(v, m, s.keys, order);
   int64_t nb = 0;
   for (int64_t r = 0; r < m; ++r) {
     bsum[nb] = std::fabs(v[order[r]]) - beta * T(m - 1 - r);
@@ -167,18 +210,20 @@ void oscar_prox_inplace(T* v, int64_t m, T beta, OscarScratch<T>& s) {
 // {v > max - 1} (a superset of the support), then drop entries <= tau until none is
 // dropped; tau only increases, so the support is never lost. Expected linear time.
 template <typename T>
-T simplex_threshold(const T* v, int64_t m, T* scratch) {
+T simplex_threshold(const T* v, int64_t m, std::vector<T>& candidates) {
   T vmax = v[0];
   for (int64_t i = 1; i < m; ++i) vmax = std::max(vmax, v[i]);
   T tau = vmax - T(1);
-  int64_t count = 0;
+  candidates.clear();
   T sum = 0;
   for (int64_t i = 0; i < m; ++i) {
     if (v[i] > tau) {
-      scratch[count++] = v[i];
+      candidates.push_back(v[i]);
       sum += v[i];
     }
   }
+  T* scratch = candidates.data();
+  int64_t count = static_cast<int64_t>(candidates.size());
   tau = (sum - T(1)) / T(count);
   for (;;) {
     int64_t kept = 0;
@@ -257,7 +302,7 @@ void forward_rows(Prox kind, bool project, const T* x, const int64_t* lengths, T
                   T reg, std::atomic<bool>& found_bad) {
   const T neg_inf = -std::numeric_limits<T>::infinity();
   at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
-    std::vector<T> values(n), scratch(n);
+    std::vector<T> candidates;
     OscarScratch<T> oscar;
     if (kind == Prox::kOSCAR) oscar.reserve(n);
     for (int64_t row = begin; row < end; ++row) {
@@ -265,25 +310,27 @@ void forward_rows(Prox kind, bool project, const T* x, const int64_t* lengths, T
       T* y_row = y + row * n;
       T* p_row = project ? p + row * n : nullptr;
       const int64_t len = lengths ? lengths[row] : n;
+      // The valid entries are packed at the front of y_row, where the prox works in place.
       int64_t m = 0;
       bool bad = false;
       for (int64_t j = 0; j < len; ++j) {
         const T v = x_row[j];
         if (v == neg_inf) continue;
         bad |= !std::isfinite(v);
-        values[m++] = v;
+        y_row[m++] = v;
       }
       if (bad) found_bad.store(true, std::memory_order_relaxed);
       if (kind == Prox::kTV) {
-        tv1d_prox_inplace(values.data(), m, reg);
+        tv1d_prox_inplace(y_row, m, reg);
       } else {
-        oscar_prox_inplace(values.data(), m, reg, oscar);
+        oscar_prox_inplace(y_row, m, reg, oscar);
       }
-      const T tau = (project && m > 0) ? simplex_threshold(values.data(), m, scratch.data()) : T(0);
-      int64_t k = 0;
-      for (int64_t j = 0; j < n; ++j) {
+      const T tau = (project && m > 0) ? simplex_threshold(y_row, m, candidates) : T(0);
+      // Unpack from the end: packed index k <= j, so no packed entry is overwritten unread.
+      int64_t k = m;
+      for (int64_t j = n - 1; j >= 0; --j) {
         const bool valid = j < len && x_row[j] != neg_inf;
-        const T v = valid ? values[k++] : neg_inf;
+        const T v = valid ? y_row[--k] : neg_inf;
         y_row[j] = v;
         if (project) p_row[j] = valid ? std::max(v - tau, T(0)) : T(0);
       }
