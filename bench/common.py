@@ -1,0 +1,86 @@
+"""Shared measuring tools for bench/ scripts: timing, peak memory, tables, machine info."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def time_call(fn, repeats: int = 5, warmup: int = 1, min_time: float = 0.0) -> float:
+    """Median wall time of ``fn()`` in seconds (CUDA-synchronised when a GPU is used)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    start_all = time.perf_counter()
+    while len(times) < repeats or time.perf_counter() - start_all < min_time:
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_memory_child(script: str, *args: str) -> dict:
+    """Runs ``script args`` in a fresh process, which prints one JSON line; returns it."""
+    out = subprocess.run([sys.executable, script, *args], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure_peak_rss(fn) -> int:
+    """Bytes by which the process's peak RSS grew while ``fn()`` ran. Meaningful only in a
+    fresh process whose earlier peak was no higher than its current RSS (see
+    ``peak_memory_child``)."""
+    before = _rss_bytes()
+    fn()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return max(0, peak - before)
+
+
+def machine() -> str:
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
+    return (f"{device}; {platform.processor() or platform.machine()}; torch {torch.__version__}; "
+            f"threads {torch.get_num_threads()}; python {platform.python_version()}")
+
+
+def print_table(rows: list[dict], title: str = "") -> None:
+    if title:
+        print(f"\n## {title}")
+    if not rows:
+        print("(no rows)")
+        return
+    cols = list(rows[0])
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols}
+    print(" | ".join(c.ljust(widths[c]) for c in cols))
+    print("-|-".join("-" * widths[c] for c in cols))
+    for r in rows:
+        print(" | ".join(_fmt(r.get(c)).ljust(widths[c]) for c in cols))
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def write_csv(rows: list[dict], path: str) -> None:
+    import csv
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
