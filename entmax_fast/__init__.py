@@ -8,18 +8,18 @@ plain-torch reference; :func:`backend_info` says which exist here and which each
 from . import dispatch
 from .attention import entmax_attention, sparsemax_attention
 from .dispatch import use_backend
-from .losses import (Entmax15Loss, EntmaxBisectLoss, SparsemaxBisectLoss, SparsemaxLoss, entmax15_loss,
-                     entmax_bisect_loss, sparsemax_bisect_loss, sparsemax_loss)
-from .mappings import entmax15, entmax_bisect, sparsemax, sparsemax_bisect
-from .nn import Entmax15, EntmaxBisect, Sparsemax, SparsemaxBisect
+from .losses import (Entmax15Loss, EntmaxBisectLoss, NormmaxBisectLoss, SparsemaxBisectLoss, SparsemaxLoss,
+                     entmax15_loss, entmax_bisect_loss, normmax_bisect_loss, sparsemax_bisect_loss, sparsemax_loss)
+from .mappings import budget_bisect, entmax15, entmax_bisect, normmax_bisect, sparsemax, sparsemax_bisect
+from .nn import BudgetBisect, Entmax15, EntmaxBisect, NormmaxBisect, Sparsemax, SparsemaxBisect
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "sparsemax", "entmax15", "entmax_bisect", "sparsemax_bisect",
-    "Sparsemax", "Entmax15", "EntmaxBisect", "SparsemaxBisect",
-    "sparsemax_loss", "entmax15_loss", "sparsemax_bisect_loss", "entmax_bisect_loss",
-    "SparsemaxLoss", "Entmax15Loss", "SparsemaxBisectLoss", "EntmaxBisectLoss",
+    "sparsemax", "entmax15", "entmax_bisect", "sparsemax_bisect", "normmax_bisect", "budget_bisect",
+    "Sparsemax", "Entmax15", "EntmaxBisect", "SparsemaxBisect", "NormmaxBisect", "BudgetBisect",
+    "sparsemax_loss", "entmax15_loss", "sparsemax_bisect_loss", "entmax_bisect_loss", "normmax_bisect_loss",
+    "SparsemaxLoss", "Entmax15Loss", "SparsemaxBisectLoss", "EntmaxBisectLoss", "NormmaxBisectLoss",
     "entmax_attention", "sparsemax_attention",
     "backend_info", "use_backend",
 ]

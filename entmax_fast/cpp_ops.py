@@ -70,7 +70,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def _attention_fwd_fake(query, key, value, attn_mask, alpha, scale, is_causal):
     B, H, Lq, _ = query.shape
     out = query.new_empty((B, H, Lq, value.shape[-1]))
-    stats = query.new_empty((B, H, Lq, 2), dtype=_compute_dtype(query.dtype))
+    stats = query.new_empty((B, H, Lq, 2), dtype=torch.float64)
     return out, stats
 
 
@@ -212,7 +212,7 @@ def entmax_attention_cpp(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
     ``enable_gqa`` (then H % Hk == 0, query head h uses key/value head h // (H // Hk)).
     ``attn_mask``: bool (True = attend) or float (added to the scores), broadcastable to
     (B, H, Lq, Lk); not differentiated. ``is_causal``: top-left aligned, query i sees keys
-    j <= i, e.g. Lq = 3, Lk = 5::
+    j <= i (combined with ``attn_mask`` when both are given), e.g. Lq = 3, Lk = 5::
 
         1 0 0 0 0
         1 1 0 0 0
@@ -248,9 +248,6 @@ def entmax_attention_cpp(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
     if enable_gqa and H % Hk != 0:
         raise ValueError(f"enable_gqa: query heads ({H}) must be a multiple of key/value heads ({Hk})")
     if attn_mask is not None:
-        if is_causal:
-            raise ValueError("attn_mask and is_causal=True are mutually exclusive (as in "
-                             "scaled_dot_product_attention)")
         if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
             raise ValueError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
         try:

@@ -254,6 +254,8 @@ register("entmax", "triton", ".triton_kernels.rowwise", ("entmax_rowwise_forward
          _triton_rowwise_supports)
 register("entmax", "cpp", ".cpp_ops", ("entmax_rowwise_forward", "entmax_rowwise_backward"),
          _cpp_supports_float_types)
+register("normmax", "reference", ".reference.normmax_budget", ("normmax_forward", "normmax_backward"))
+register("budget", "reference", ".reference.normmax_budget", ("budget_forward", "budget_backward"))
 register("attention", "reference", ".reference.attention", "entmax_attention")
 register("attention", "triton", ".triton_kernels.attention", "entmax_attention_triton",
          _triton_attention_supports)

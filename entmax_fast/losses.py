@@ -11,16 +11,16 @@ import torch
 from torch import nn
 
 from ._validation import check_floating, mapping_alpha
-from .mappings import _entmax
+from .mappings import _entmax, normmax_bisect
 from .reference.mappings import tsallis_entropy
 
 __all__ = [
-    "sparsemax_loss", "sparsemax_bisect_loss", "entmax15_loss", "entmax_bisect_loss",
-    "SparsemaxLoss", "SparsemaxBisectLoss", "Entmax15Loss", "EntmaxBisectLoss",
+    "sparsemax_loss", "sparsemax_bisect_loss", "entmax15_loss", "entmax_bisect_loss", "normmax_bisect_loss",
+    "SparsemaxLoss", "SparsemaxBisectLoss", "Entmax15Loss", "EntmaxBisectLoss", "NormmaxBisectLoss",
 ]
 
 
-def _fy_loss(X: torch.Tensor, target: torch.Tensor, alpha) -> torch.Tensor:
+def _check_loss_args(X, target):
     check_floating("X", X)
     if X.dim() != 2:
         raise ValueError(f"X must be 2-D (n_samples, n_classes), got shape {tuple(X.shape)}")
@@ -30,13 +30,21 @@ def _fy_loss(X: torch.Tensor, target: torch.Tensor, alpha) -> torch.Tensor:
         raise ValueError(f"target must have shape ({X.shape[0]},), got {tuple(target.shape)}")
     if target.device != X.device:
         raise ValueError(f"target must be on X's device {X.device}, got {target.device}")
+
+
+def _one_hot_term(p_star, X, target):
+    one_hot = torch.zeros_like(p_star).scatter_(1, target.long().clamp(min=0).unsqueeze(1), 1.0)
+    return ((p_star - one_hot) * X).sum(dim=1)
+
+
+def _fy_loss(X: torch.Tensor, target: torch.Tensor, alpha) -> torch.Tensor:
+    _check_loss_args(X, target)
     alpha = mapping_alpha(alpha, X, 1)
     with torch.no_grad():
         p_star = _entmax(X.detach(), alpha.detach() if isinstance(alpha, torch.Tensor) else alpha, 1)
     p_star = p_star.to(X.dtype)
     entropy = tsallis_entropy(p_star, alpha, dim=1).to(X.dtype)
-    one_hot = torch.zeros_like(p_star).scatter_(1, target.long().clamp(min=0).unsqueeze(1), 1.0)
-    return entropy + ((p_star - one_hot) * X).sum(dim=1)
+    return entropy + _one_hot_term(p_star, X, target)
 
 
 def sparsemax_loss(X, target, k=None):
@@ -56,6 +64,14 @@ def entmax15_loss(X, target, k=None):
 def entmax_bisect_loss(X, target, alpha=1.5, n_iter=50):
     """α-entmax loss; ``alpha`` a float or per-row tensor (it receives a gradient)."""
     return _fy_loss(X, target, alpha)
+
+
+def normmax_bisect_loss(X, target, alpha=2, n_iter=50):
+    """α-normmax Fenchel–Young loss: ``1 − ‖p*‖_α + (p* − e_y)ᵀX``."""
+    _check_loss_args(X, target)
+    with torch.no_grad():
+        p_star = normmax_bisect(X.detach(), alpha, dim=1)
+    return 1 - p_star.pow(float(alpha)).sum(dim=1).pow(1 / float(alpha)) + _one_hot_term(p_star, X, target)
 
 
 class _GenericLoss(nn.Module):
@@ -116,3 +132,13 @@ class EntmaxBisectLoss(_GenericLoss):
 
     def loss(self, X, target):
         return entmax_bisect_loss(X, target, self.alpha, self.n_iter)
+
+
+class NormmaxBisectLoss(_GenericLoss):
+    def __init__(self, alpha=2, n_iter=50, ignore_index=-100, reduction="elementwise_mean"):
+        super().__init__(ignore_index, reduction)
+        self.alpha = alpha
+        self.n_iter = n_iter
+
+    def loss(self, X, target):
+        return normmax_bisect_loss(X, target, self.alpha, self.n_iter)

@@ -13,7 +13,8 @@ from . import dispatch
 from ._validation import check_dim, check_floating, mapping_alpha
 from .reference.mappings import compute_dtype
 
-__all__ = ["sparsemax", "entmax15", "entmax_bisect", "sparsemax_bisect", "EntmaxFunction"]
+__all__ = ["sparsemax", "entmax15", "entmax_bisect", "sparsemax_bisect", "normmax_bisect", "budget_bisect",
+           "EntmaxFunction"]
 
 
 def _to_rows(X: torch.Tensor, dim: int):
@@ -105,3 +106,56 @@ def sparsemax_bisect(X, dim=-1, n_iter=50, ensure_sum_one=True):
     """sparsemax (``entmax_bisect`` at α = 2); ``n_iter``/``ensure_sum_one`` as there."""
     return _entmax(X, 2.0, dim)
 
+
+
+class _RowwiseFunction(torch.autograd.Function):
+    """normmax / budget along ``dim`` on the dispatched backend (rows flattened)."""
+
+    @staticmethod
+    def forward(ctx, X, parameter, dim, op):
+        x_rows, moved_shape = _to_rows(X, dim)
+        (forward, backward), _ = dispatch.select(op, dispatch.Request(X.device, X.dtype, {}))
+        p_rows = forward(x_rows, parameter)
+        ctx.save_for_backward(p_rows)
+        ctx.backward_impl, ctx.parameter, ctx.dim, ctx.moved_shape = backward, parameter, dim, moved_shape
+        return _from_rows(p_rows, moved_shape, dim)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (p_rows,) = ctx.saved_tensors
+        g_rows, _ = _to_rows(grad_output, ctx.dim)
+        dx_rows = ctx.backward_impl(p_rows, g_rows, ctx.parameter)
+        return _from_rows(dx_rows, ctx.moved_shape, ctx.dim), None, None, None
+
+
+def normmax_bisect(X, alpha=2, dim=-1, n_iter=50):
+    """α-normmax: ``argmax_{p ∈ Δ} pᵀX − ‖p‖_α`` along ``dim`` (α > 1, a float).
+
+    The threshold is found to a tolerance; ``n_iter`` is kept for compatibility.
+    """
+    check_floating("X", X)
+    dim = check_dim("X", X, dim)
+    if isinstance(alpha, torch.Tensor):
+        raise TypeError("alpha must be a python float for normmax_bisect, got a tensor")
+    alpha = float(alpha)
+    if not alpha > 1:
+        raise ValueError(f"alpha must be > 1 for normmax_bisect, got {alpha}")
+    return _RowwiseFunction.apply(X, alpha, dim, "normmax")
+
+
+def budget_bisect(X, budget=2, dim=-1, n_iter=50):
+    """budget-sparsemax: ``argmax_{0 ≤ p ≤ 1, Σp = budget} pᵀX − ½‖p‖²`` along ``dim``.
+
+    ``budget`` a float > 0 (at most the number of finite entries per row); ``n_iter`` is kept
+    for compatibility (the threshold is exact on the final active set).
+    """
+    check_floating("X", X)
+    dim = check_dim("X", X, dim)
+    if isinstance(budget, torch.Tensor):
+        raise TypeError("budget must be a python float for budget_bisect, got a tensor")
+    budget = float(budget)
+    if not budget > 0:
+        raise ValueError(f"budget must be > 0, got {budget}")
+    if budget > X.shape[dim]:
+        raise ValueError(f"budget must be at most the size of dim {dim} ({X.shape[dim]}), got {budget}")
+    return _RowwiseFunction.apply(X, budget, dim, "budget")

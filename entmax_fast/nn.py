@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from .mappings import entmax15, entmax_bisect, sparsemax, sparsemax_bisect
+from .mappings import budget_bisect, entmax15, entmax_bisect, normmax_bisect, sparsemax, sparsemax_bisect
 
-__all__ = ["Sparsemax", "Entmax15", "EntmaxBisect", "SparsemaxBisect"]
+__all__ = ["Sparsemax", "Entmax15", "EntmaxBisect", "SparsemaxBisect", "NormmaxBisect", "BudgetBisect"]
 
 
 class Sparsemax(nn.Module):
@@ -50,3 +50,25 @@ class SparsemaxBisect(nn.Module):
     def forward(self, X):
         return sparsemax_bisect(X, dim=self.dim)
 
+
+
+class NormmaxBisect(nn.Module):
+    def __init__(self, alpha=2, dim=-1, n_iter=50):
+        super().__init__()
+        self.alpha = alpha
+        self.dim = dim
+        self.n_iter = n_iter
+
+    def forward(self, X):
+        return normmax_bisect(X, alpha=self.alpha, dim=self.dim)
+
+
+class BudgetBisect(nn.Module):
+    def __init__(self, budget=2, dim=-1, n_iter=50):
+        super().__init__()
+        self.budget = budget
+        self.dim = dim
+        self.n_iter = n_iter
+
+    def forward(self, X):
+        return budget_bisect(X, budget=self.budget, dim=self.dim)

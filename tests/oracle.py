@@ -69,3 +69,31 @@ def oracle_attention(query, key, value, attn_mask=None, is_causal=False, scale=N
     if isinstance(alpha, torch.Tensor):
         alpha = alpha.to(torch.float64).reshape(-1).expand(heads).view(1, -1, 1, 1)
     return oracle_entmax(scores, alpha, dim=-1) @ v
+
+
+def _bisect_decreasing(f, lo, hi, iterations=200):
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        positive = f(mid) > 0
+        lo = torch.where(positive, mid, lo)
+        hi = torch.where(positive, hi, mid)
+    return (lo + hi) / 2
+
+
+def oracle_normmax(X: torch.Tensor, alpha: float) -> torch.Tensor:
+    """α-normmax along the last dim in float64: bisection on Σ [z − τ]_+^{α/(α−1)} = 1."""
+    z = X.to(torch.float64)
+    top = z.amax(-1, keepdim=True)
+    power = alpha / (alpha - 1)
+    tau = _bisect_decreasing(lambda t: (z - t).clamp(min=0).pow(power).sum(-1, keepdim=True) - 1,
+                             top - 1, top + 0 * top)
+    r = (z - tau).clamp(min=0).pow(1 / (alpha - 1))
+    return r / r.sum(-1, keepdim=True)
+
+
+def oracle_budget(X: torch.Tensor, budget: float) -> torch.Tensor:
+    """budget-sparsemax along the last dim in float64: bisection on Σ clip(z − τ, 0, 1) = b."""
+    z = X.to(torch.float64)
+    tau = _bisect_decreasing(lambda t: (z - t).clamp(0, 1).sum(-1, keepdim=True) - budget,
+                             z.amin(-1, keepdim=True) - 1, z.amax(-1, keepdim=True))
+    return (z - tau).clamp(0, 1)

@@ -134,3 +134,41 @@ def test_loss_modules_reduction_and_ignore_index():
                                        theirs(reduction=reduction, ignore_index=1)(X, y), atol=1e-5, rtol=0)
     torch.testing.assert_close(entmax_fast.EntmaxBisectLoss(alpha=1.7)(X, y),
                                entmax_pkg.EntmaxBisectLoss(alpha=1.7)(X, y), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("alpha", [1.5, 2.0, 3.0])
+def test_normmax_matches_oracle_entmax_package_and_gradcheck(alpha):
+    from oracle import oracle_normmax
+
+    X = torch.randn(6, 17, dtype=torch.float64) * 2
+    p = entmax_fast.normmax_bisect(X, alpha)
+    torch.testing.assert_close(p, oracle_normmax(X, alpha), atol=1e-12, rtol=0)
+    torch.testing.assert_close(p.float(), entmax_pkg.normmax_bisect(X.float(), alpha), atol=1e-5, rtol=0)
+    assert torch.autograd.gradcheck(lambda x: entmax_fast.normmax_bisect(x, alpha, dim=0),
+                                    (X[:, :5].clone().requires_grad_(),))
+    y = torch.randint(0, 17, (6,))
+    torch.testing.assert_close(entmax_fast.NormmaxBisectLoss(alpha=alpha, reduction="none")(X, y),
+                               entmax_pkg.NormmaxBisectLoss(alpha=alpha, reduction="none")(X, y), atol=1e-8, rtol=0)
+
+
+@pytest.mark.parametrize("budget", [1.0, 2.0, 3.5])
+def test_budget_matches_oracle_entmax_package_and_gradcheck(budget):
+    from oracle import oracle_budget
+
+    X = torch.randn(6, 17, dtype=torch.float64) * 2
+    p = entmax_fast.budget_bisect(X, budget)
+    torch.testing.assert_close(p, oracle_budget(X, budget), atol=1e-12, rtol=0)
+    torch.testing.assert_close(p.sum(-1), torch.full((6,), budget, dtype=torch.float64), atol=1e-12, rtol=0)
+    torch.testing.assert_close(p.float(), entmax_pkg.budget_bisect(X.float(), budget), atol=1e-5, rtol=0)
+    assert torch.autograd.gradcheck(lambda x: entmax_fast.budget_bisect(x, budget),
+                                    (X.clone().requires_grad_(),))
+    torch.testing.assert_close(entmax_fast.BudgetBisect(budget=budget, dim=0)(X.T), p.T)
+
+
+def test_normmax_and_budget_errors():
+    with pytest.raises(ValueError, match="alpha must be > 1 for normmax_bisect"):
+        entmax_fast.normmax_bisect(torch.randn(2, 3), alpha=1.0)
+    with pytest.raises(ValueError, match="budget must be > 0"):
+        entmax_fast.budget_bisect(torch.randn(2, 3), budget=0)
+    with pytest.raises(ValueError, match=r"budget must be at most the size of dim 1 \(3\), got 4.0"):
+        entmax_fast.budget_bisect(torch.randn(2, 3), budget=4)

@@ -1,0 +1,110 @@
+"""Plain-torch reference of the two other mappings of the ``entmax`` package.
+
+- α-normmax: ``argmax_{p ∈ Δ} pᵀz − ‖p‖_α`` (α > 1). Stationarity gives
+  ``p = r / Σr`` with ``r_i = [z_i − τ]_+^{1/(α−1)}`` and ``Σ r_i^α = 1``.
+- budget-sparsemax: ``argmax_{0 ≤ p ≤ 1, Σp = b} pᵀz − ½‖p‖²`` → ``p = clip(z − τ, 0, 1)``.
+
+Both thresholds come from safeguarded Newton iteration on a monotone function of τ, stopped
+at a tolerance (like ``mappings.entmax_threshold_root``). For budget the function is
+piecewise linear, so the last Newton step is exact on the found active set.
+Rows are along the last dimension; arithmetic in float64 for float64 input, else float32.
+"""
+from __future__ import annotations
+
+import torch
+
+from .mappings import compute_dtype
+
+__all__ = ["normmax_forward", "normmax_backward", "budget_forward", "budget_backward"]
+
+
+def _safeguarded_newton(value_and_slope, lo, hi, start, max_iter, eps):
+    """Root of a decreasing function on [lo, hi] per row (keepdim tensors)."""
+    tau = start
+    done = torch.zeros_like(tau, dtype=torch.bool)
+    for it in range(max_iter):
+        f, slope = value_and_slope(tau)
+        lo = torch.where(f > 0, tau, lo)
+        hi = torch.where(f > 0, hi, tau)
+        newton = tau - f / torch.where(slope < 0, slope, -torch.ones_like(slope))
+        resolution = 2 * eps * tau.abs().clamp(min=1)
+        done = done | (f == 0) | ((newton - tau).abs() <= resolution) | (hi - lo <= 2 * resolution)
+        use_newton = (slope < 0) & (newton >= lo) & (newton <= hi) & (it % 4 != 3)
+        tau = torch.where(done, tau, torch.where(use_newton, newton, (lo + hi) / 2))
+        if tau.device.type == "cpu" and it % 8 == 7 and bool(done.all()):
+            break
+    return tau
+
+
+def normmax_forward(X: torch.Tensor, alpha: float) -> torch.Tensor:
+    cdt = compute_dtype(X.dtype)
+    z = X.to(cdt)
+    row_max = z.amax(-1, keepdim=True)
+    empty_row = torch.isneginf(row_max)
+    u = z - torch.where(empty_row, torch.zeros_like(row_max), row_max)
+    power = alpha / (alpha - 1)
+    n = (~torch.isneginf(u)).sum(-1, keepdim=True).clamp(min=1).to(cdt)
+
+    def value_and_slope(tau):
+        d = (u - tau).clamp(min=0)
+        return d.pow(power).sum(-1, keepdim=True) - 1, -power * d.pow(power - 1).sum(-1, keepdim=True)
+
+    lo = -torch.ones_like(row_max)
+    hi = -n.pow(-1 / power)
+    eps = torch.finfo(cdt).eps
+    tau = _safeguarded_newton(value_and_slope, lo, hi, lo.clone(), 4 * (160 if cdt == torch.float64 else 80), eps)
+    r = (u - tau).clamp(min=0).pow(1 / (alpha - 1))
+    total = r.sum(-1, keepdim=True)
+    p = r / torch.where(total > 0, total, torch.ones_like(total))
+    return torch.where(empty_row, torch.zeros_like(p), p).to(X.dtype)
+
+
+def normmax_backward(p: torch.Tensor, grad: torch.Tensor, alpha: float) -> torch.Tensor:
+    """VJP of normmax from its output, by implicit differentiation of the stationarity
+    conditions on the support (same closed form as the ``entmax`` package)."""
+    cdt = compute_dtype(p.dtype)
+    p, g = p.to(cdt), grad.to(cdt)
+    a = torch.where(p > 0, p, torch.zeros_like(p))
+    b = torch.where(p > 0, p.clamp(min=torch.finfo(cdt).tiny).pow(2 - alpha), torch.zeros_like(p))
+    dX = g * b
+    dX = dX - dX.sum(-1, keepdim=True) * a
+    dX = dX - (g * a).sum(-1, keepdim=True) * (b - b.sum(-1, keepdim=True) * a)
+    dX = dX * a.pow(alpha).sum(-1, keepdim=True).pow((alpha - 1) / alpha) / (alpha - 1)
+    return dX.to(grad.dtype)
+
+
+def budget_forward(X: torch.Tensor, budget) -> torch.Tensor:
+    cdt = compute_dtype(X.dtype)
+    z = X.to(cdt)
+    b = budget.to(cdt) if isinstance(budget, torch.Tensor) else torch.tensor(float(budget), dtype=cdt,
+                                                                            device=z.device)
+    finite = ~torch.isneginf(z)
+    n = finite.sum(-1, keepdim=True).to(cdt)
+    big = torch.finfo(cdt).max
+    row_max = torch.where(finite, z, torch.full_like(z, -big)).amax(-1, keepdim=True)
+    row_min = torch.where(finite, z, torch.full_like(z, big)).amin(-1, keepdim=True)
+    n_safe = n.clamp(min=1)
+
+    def value_and_slope(tau):
+        p = (z - tau).clamp(0, 1)
+        active = (z - tau > 0) & (z - tau < 1)
+        return p.sum(-1, keepdim=True) - b, -active.sum(-1, keepdim=True).to(cdt)
+
+    lo = row_min - b / n_safe
+    hi = row_max - b / n_safe
+    eps = torch.finfo(cdt).eps
+    tau = _safeguarded_newton(value_and_slope, lo, hi, lo.clone(), 4 * (160 if cdt == torch.float64 else 80), eps)
+    p = (z - tau).clamp(0, 1)
+    empty = n == 0
+    return torch.where(empty, torch.zeros_like(p), p).to(X.dtype)
+
+
+def budget_backward(p: torch.Tensor, grad: torch.Tensor, budget=None) -> torch.Tensor:
+    """VJP of budget-sparsemax; the Jacobian depends only on the active set (0 < p < 1), so
+    ``budget`` is accepted for the uniform backend contract and not needed."""
+    cdt = compute_dtype(p.dtype)
+    p, g = p.to(cdt), grad.to(cdt)
+    active = (p > 0) & (p < 1)
+    count = active.sum(-1, keepdim=True).to(cdt)
+    mean = torch.where(active, g, torch.zeros_like(g)).sum(-1, keepdim=True) / count.clamp(min=1)
+    return torch.where(active, g - mean, torch.zeros_like(g)).to(grad.dtype)
