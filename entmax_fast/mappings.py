@@ -18,8 +18,12 @@ __all__ = ["sparsemax", "entmax15", "entmax_bisect", "sparsemax_bisect", "normma
 
 
 def _to_rows(X: torch.Tensor, dim: int):
+    """(R, n) rows with a unit-stride last dim, as every backend's contract requires."""
     moved = X.movedim(dim, -1)
-    return moved.reshape(-1, moved.shape[-1]), moved.shape
+    rows = moved.reshape(-1, moved.shape[-1])
+    if rows.stride(-1) != 1 and rows.shape[-1] > 1:
+        rows = rows.contiguous()
+    return rows, moved.shape
 
 
 def _from_rows(rows: torch.Tensor, moved_shape, dim: int):
@@ -52,7 +56,7 @@ class EntmaxFunction(torch.autograd.Function):
         alpha = ctx.alpha_float if alpha_rows is None else alpha_rows
         need_alpha_grad = alpha_rows is not None and ctx.needs_input_grad[1]
         g_rows, _ = _to_rows(grad_output, ctx.dim)
-        dx_rows, dalpha_rows = ctx.backward_impl(p_rows, g_rows.contiguous(), alpha, need_alpha_grad)
+        dx_rows, dalpha_rows = ctx.backward_impl(p_rows, g_rows, alpha, need_alpha_grad)
         dX = _from_rows(dx_rows, ctx.moved_shape, ctx.dim) if ctx.needs_input_grad[0] else None
         dalpha = None
         if need_alpha_grad:

@@ -172,3 +172,11 @@ def test_normmax_and_budget_errors():
         entmax_fast.budget_bisect(torch.randn(2, 3), budget=0)
     with pytest.raises(ValueError, match=r"budget must be at most the size of dim 1 \(3\), got 4.0"):
         entmax_fast.budget_bisect(torch.randn(2, 3), budget=4)
+
+
+def test_strided_and_noncontiguous_inputs():
+    base = torch.randn(6, 40, dtype=torch.float64)
+    strided = base[:, ::2]
+    transposed = base.T
+    for X, dim in ((strided, -1), (transposed, 0), (transposed, 1)):
+        torch.testing.assert_close(entmax_fast.entmax15(X, dim=dim), oracle_entmax(X, 1.5, dim=dim), atol=1e-12, rtol=0)
