@@ -1,0 +1,341 @@
+"""``MultiheadEntmaxAttention``: a drop-in for ``torch.nn.MultiheadAttention`` whose
+attention weights come from softmax, sparsemax, 1.5-entmax, a fixed α, a learned α per
+head, or fusedmax; and :func:`replace_attention`, which swaps it into an existing model.
+
+It subclasses ``nn.MultiheadAttention``, so the constructor, the parameters, their
+initialisation and the ``state_dict`` keys are torch's own: weights copy both ways (a
+learned α adds one key, ``alpha_logit``). Only ``forward`` is new: projections as torch,
+then :func:`entmax_fast.entmax_attention` (dispatched to the fused kernels) or, when the
+weights are asked for, the explicit mapping over the score matrix.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import entmax_attention
+from .mappings import entmax15, entmax_bisect, sparsemax
+
+__all__ = ["MultiheadEntmaxAttention", "replace_attention", "ATTENTION_KINDS"]
+
+ATTENTION_KINDS = ("softmax", "sparsemax", "entmax15", "learned", "fusedmax")
+
+# A learned α = 1 + sigmoid(w) is kept away from 1, where the entmax gradient w.r.t. α is
+# undefined (MATH.md §2).
+LEARNED_ALPHA_MIN = 1.01
+
+
+def _keep_torch_fast_paths_off(module, args, kwargs):
+    """Forward pre-hook whose presence alone matters: ``nn.TransformerEncoderLayer`` skips
+    its fused inference kernel (which hard-codes softmax and reads ``in_proj_weight``
+    directly) when any submodule has a hook. Returns None: the inputs are unchanged."""
+    return None
+
+
+def _normalise_attention(attention) -> Union[str, float]:
+    if isinstance(attention, bool):
+        raise TypeError(f"attention must be one of {ATTENTION_KINDS} or a float alpha >= 1, got {attention!r}")
+    if isinstance(attention, (int, float)):
+        alpha = float(attention)
+        if not (math.isfinite(alpha) and alpha >= 1.0):
+            raise ValueError(f"attention given as a float alpha must be finite and >= 1, got {attention!r}")
+        return alpha
+    if isinstance(attention, str) and attention in ATTENTION_KINDS:
+        return attention
+    raise ValueError(f"attention must be one of {ATTENTION_KINDS} or a float alpha >= 1, got {attention!r}")
+
+
+def _mask_to_float(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """torch's convention for MultiheadAttention masks: bool True = masked out."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
+    return mask.to(dtype)
+
+
+class MultiheadEntmaxAttention(nn.MultiheadAttention):
+    r"""Multi-head attention with sparse (α-entmax) weights; a drop-in for
+    :class:`torch.nn.MultiheadAttention` (same constructor and ``forward`` arguments, same
+    return values, same ``state_dict`` keys).
+
+    Args (besides torch's ``embed_dim, num_heads, dropout, bias, add_bias_kv,
+    add_zero_attn, kdim, vdim, batch_first, device, dtype``):
+        attention: the mapping from scores to weights:
+            ``"softmax"`` (identical to ``nn.MultiheadAttention``), ``"sparsemax"`` (α = 2),
+            ``"entmax15"`` (α = 1.5, the default), a float α ≥ 1 (fixed α-entmax),
+            ``"learned"`` (one α per head, α = 1 + sigmoid(w) clamped to [1.01, 2], trained
+            with the rest of the model) or ``"fusedmax"`` (sparsemax of the
+            total-variation prox of the scores over the key order).
+        alpha_init: initial α of every head for ``attention="learned"``, in (1.01, 2).
+        lam: fusedmax's total-variation strength (``attention="fusedmax"`` only), > 0.
+
+    Masks follow ``nn.MultiheadAttention``: bool ``key_padding_mask`` / ``attn_mask`` mark
+    the positions to *ignore* with True; float masks are added to the scores. ``is_causal``
+    is a hint that ``attn_mask`` is the causal mask (it must be given, as in torch); it
+    lets the fused kernels skip the masked tiles.
+
+    Difference from torch: a query whose keys are all masked gets zero weights and a zero
+    output (torch's softmax gives NaN). With ``need_weights=True`` (torch's default) the
+    full score matrix is built, as torch does; pass ``need_weights=False`` for the fused
+    kernels and O(L) memory.
+    """
+
+    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
+                 kdim=None, vdim=None, batch_first=False, device=None, dtype=None, *,
+                 attention="entmax15", alpha_init: float = 1.5, lam: float = 1.0):
+        super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias, add_bias_kv=add_bias_kv,
+                         add_zero_attn=add_zero_attn, kdim=kdim, vdim=vdim, batch_first=batch_first,
+                         device=device, dtype=dtype)
+        self.attention = _normalise_attention(attention)
+        self.lam = float(lam)
+        if self.attention == "fusedmax" and not (math.isfinite(self.lam) and self.lam > 0):
+            raise ValueError(f"lam must be a finite number > 0, got {lam!r}")
+        if self.attention == "learned":
+            alpha_init = float(alpha_init)
+            if not LEARNED_ALPHA_MIN < alpha_init < 2.0:
+                raise ValueError(f"alpha_init must be in ({LEARNED_ALPHA_MIN}, 2) for attention='learned', "
+                                 f"got {alpha_init}")
+            logit = math.log((alpha_init - 1.0) / (2.0 - alpha_init))
+            self.alpha_logit = nn.Parameter(torch.full((num_heads,), logit, device=device, dtype=dtype))
+        else:
+            self.register_parameter("alpha_logit", None)
+        self.register_forward_pre_hook(_keep_torch_fast_paths_off, with_kwargs=True)
+
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention, *, attention="entmax15", alpha_init: float = 1.5,
+                   lam: float = 1.0) -> "MultiheadEntmaxAttention":
+        """A copy of ``module`` (configuration, weights, device, dtype, train/eval mode)
+        with the given attention mapping."""
+        if not isinstance(module, nn.MultiheadAttention):
+            raise TypeError(f"module must be an nn.MultiheadAttention, got {type(module).__name__}")
+        reference = module.out_proj.weight
+        new = cls(module.embed_dim, module.num_heads, dropout=module.dropout,
+                  bias=module.in_proj_bias is not None, add_bias_kv=module.bias_k is not None,
+                  add_zero_attn=module.add_zero_attn, kdim=module.kdim, vdim=module.vdim,
+                  batch_first=module.batch_first, device=reference.device, dtype=reference.dtype,
+                  attention=attention, alpha_init=alpha_init, lam=lam)
+        new.load_state_dict(module.state_dict(), strict=False)
+        missing = set(new.state_dict()) - set(module.state_dict()) - {"alpha_logit"}
+        if missing:
+            raise RuntimeError(f"cannot copy {type(module).__name__}: its state_dict lacks {sorted(missing)}")
+        new.train(module.training)
+        return new
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # A checkpoint of a plain nn.MultiheadAttention has no alpha_logit: keep the initial α.
+        had_alpha = prefix + "alpha_logit" in state_dict
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if not had_alpha and prefix + "alpha_logit" in missing_keys:
+            missing_keys.remove(prefix + "alpha_logit")
+
+    @property
+    def alpha(self) -> Optional[Union[float, torch.Tensor]]:
+        """The α of the mapping: a float, a tensor (H,) when learned, None for fusedmax."""
+        if self.attention == "learned":
+            return (1.0 + torch.sigmoid(self.alpha_logit)).clamp(LEARNED_ALPHA_MIN, 2.0)
+        return {"softmax": 1.0, "sparsemax": 2.0, "entmax15": 1.5, "fusedmax": None}.get(self.attention,
+                                                                                        self.attention)
+
+    def extra_repr(self) -> str:
+        extra = f"attention={self.attention!r}"
+        if self.attention == "fusedmax":
+            extra += f", lam={self.lam}"
+        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}, {extra}"
+
+    # ---------------------------------------------------------------------------------
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False):
+        """Same arguments and returns as ``nn.MultiheadAttention.forward``:
+        ``(attn_output, attn_weights)``; ``attn_weights`` is None unless ``need_weights``,
+        else (N, L, S) averaged over heads or (N, H, L, S) with
+        ``average_attn_weights=False`` (unbatched inputs drop N)."""
+        for name, tensor in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+            if tensor.is_nested:
+                raise ValueError(f"{name} is a nested tensor, which MultiheadEntmaxAttention does not take; "
+                                 "build nn.TransformerEncoder with enable_nested_tensor=False (replace_attention "
+                                 "does this for you)")
+        if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
+            raise ValueError(f"query, key and value must all be 3-D (batched) or 2-D (unbatched), got shapes "
+                             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+        if is_causal and attn_mask is None:
+            raise RuntimeError("Need attn_mask if specifying the is_causal hint. You may use the Transformer "
+                               "module method `generate_square_subsequent_mask` to create this mask.")
+        unbatched = query.dim() == 2
+        if unbatched:
+            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        elif not self.batch_first:
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+        batch, tgt_len, embed = query.shape
+        if embed != self.embed_dim:
+            raise ValueError(f"query's embedding size must be embed_dim={self.embed_dim}, got {embed}")
+        if key.shape[:2] != value.shape[:2] or key.shape[0] != batch:
+            raise ValueError(f"key and value must have query's batch size {batch} and the same length, got "
+                             f"shapes {tuple(key.shape)} and {tuple(value.shape)} (batch-first view)")
+
+        q, k, v = self._project(query, key, value)
+        if self.bias_k is not None:
+            k = torch.cat([k, self.bias_k.expand(batch, 1, -1)], dim=1)
+            v = torch.cat([v, self.bias_v.expand(batch, 1, -1)], dim=1)
+            attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, 1))
+            key_padding_mask = None if key_padding_mask is None else F.pad(key_padding_mask, (0, 1))
+        heads, head_dim = self.num_heads, self.head_dim
+        q = q.view(batch, tgt_len, heads, head_dim).transpose(1, 2)
+        k = k.view(batch, k.shape[1], heads, head_dim).transpose(1, 2)
+        v = v.view(batch, v.shape[1], heads, head_dim).transpose(1, 2)
+        if self.add_zero_attn:
+            k = torch.cat([k, k.new_zeros(batch, heads, 1, head_dim)], dim=2)
+            v = torch.cat([v, v.new_zeros(batch, heads, 1, head_dim)], dim=2)
+            attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, 1))
+            key_padding_mask = None if key_padding_mask is None else F.pad(key_padding_mask, (0, 1))
+        src_len = k.shape[2]
+
+        use_causal_kernel = is_causal and not need_weights
+        mask = self._merge_masks(None if use_causal_kernel else attn_mask, key_padding_mask, batch, tgt_len,
+                                 src_len, q.dtype)
+        dropout_p = self.dropout if self.training else 0.0
+        if need_weights:
+            out, weights = self._explicit_attention(q, k, v, mask, dropout_p)
+        else:
+            out, weights = self._fused_attention(q, k, v, mask, dropout_p, use_causal_kernel), None
+
+        out = self.out_proj(out.transpose(1, 2).reshape(batch, tgt_len, embed))
+        if weights is not None and average_attn_weights:
+            weights = weights.mean(dim=1)
+        if unbatched:
+            return out.squeeze(0), None if weights is None else weights.squeeze(0)
+        if not self.batch_first:
+            out = out.transpose(0, 1)
+        return out, weights
+
+    def _project(self, query, key, value):
+        embed = self.embed_dim
+        if self._qkv_same_embed_dim:
+            w_q, w_k, w_v = self.in_proj_weight.chunk(3)
+        else:
+            w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+        b_q = b_k = b_v = None
+        if self.in_proj_bias is not None:
+            b_q, b_k, b_v = self.in_proj_bias.chunk(3)
+        if self._qkv_same_embed_dim and query is key and key is value:
+            # Self-attention: one matmul with the packed weight, as torch does.
+            return F.linear(query, self.in_proj_weight, self.in_proj_bias).split(embed, dim=-1)
+        return F.linear(query, w_q, b_q), F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)
+
+    def _merge_masks(self, attn_mask, key_padding_mask, batch, tgt_len, src_len, dtype):
+        """One mask broadcastable to (N, H, L, S) in ``entmax_attention``'s convention
+        (bool True = attend, float added), or None."""
+        heads = self.num_heads
+        parts = []
+        if attn_mask is not None:
+            if attn_mask.dim() == 2 and attn_mask.shape == (tgt_len, src_len):
+                parts.append(attn_mask.view(1, 1, tgt_len, src_len))
+            elif attn_mask.dim() == 3 and attn_mask.shape == (batch * heads, tgt_len, src_len):
+                parts.append(attn_mask.view(batch, heads, tgt_len, src_len))
+            elif attn_mask.dim() == 3 and batch == 1 and attn_mask.shape == (heads, tgt_len, src_len):
+                parts.append(attn_mask.view(1, heads, tgt_len, src_len))
+            else:
+                raise ValueError(f"attn_mask must have shape (L, S) = {(tgt_len, src_len)} or (N*num_heads, L, S) = "
+                                 f"{(batch * heads, tgt_len, src_len)}, got {tuple(attn_mask.shape)}")
+        if key_padding_mask is not None:
+            if key_padding_mask.shape != (batch, src_len):
+                raise ValueError(f"key_padding_mask must have shape (N, S) = {(batch, src_len)}, got "
+                                 f"{tuple(key_padding_mask.shape)}")
+            parts.append(key_padding_mask.view(batch, 1, 1, src_len))
+        for part in parts:
+            if part.dtype != torch.bool and not part.is_floating_point():
+                raise TypeError(f"attn_mask and key_padding_mask must be bool or floating point, got {part.dtype}")
+        if not parts:
+            return None
+        if all(part.dtype == torch.bool for part in parts):
+            attend = ~parts[0]
+            for part in parts[1:]:
+                attend = attend & ~part
+            return attend
+        merged = _mask_to_float(parts[0], dtype)
+        for part in parts[1:]:
+            merged = merged + _mask_to_float(part, dtype)
+        return merged
+
+    def _fused_attention(self, q, k, v, mask, dropout_p, is_causal):
+        if self.attention == "softmax":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+        if self.attention == "fusedmax":
+            from .structured import fusedmax_attention
+
+            return fusedmax_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                                      lam=self.lam)
+        alpha = self.alpha
+        if isinstance(alpha, torch.Tensor):
+            alpha = alpha.to(q.dtype)
+        return entmax_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, alpha=alpha)
+
+    def _explicit_attention(self, q, k, v, mask, dropout_p):
+        """The (N, H, L, S) weights are needed: build the scores, as torch does."""
+        scores = (q * (1.0 / math.sqrt(q.shape[-1]))) @ k.transpose(-2, -1)
+        if mask is not None:
+            if mask.dtype == torch.bool:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            else:
+                scores = scores + mask
+        weights = self._weights(scores)
+        if dropout_p > 0.0:
+            weights = F.dropout(weights, p=dropout_p)
+        return weights @ v, weights
+
+    def _weights(self, scores):
+        if self.attention == "softmax":
+            return torch.softmax(scores, dim=-1)
+        if self.attention == "sparsemax":
+            return sparsemax(scores, dim=-1)
+        if self.attention == "entmax15":
+            return entmax15(scores, dim=-1)
+        if self.attention == "fusedmax":
+            from .structured import fusedmax
+
+            return fusedmax(scores, self.lam, dim=-1)
+        alpha = self.alpha
+        if isinstance(alpha, torch.Tensor):
+            alpha = alpha.to(scores.dtype).view(1, -1, 1, 1)
+        return entmax_bisect(scores, alpha=alpha, dim=-1)
+
+
+def replace_attention(model: nn.Module, attention="entmax15", *, alpha_init: float = 1.5, lam: float = 1.0,
+                      include_ours: bool = False) -> nn.Module:
+    """Swap every ``nn.MultiheadAttention`` inside ``model`` (in place) for a
+    :class:`MultiheadEntmaxAttention` with the same configuration and weights; returns
+    ``model``.
+
+    Works for ``nn.Transformer``, ``nn.TransformerEncoder``/``Decoder`` and their layers:
+    the encoder's nested-tensor fast path (which would hand nested tensors to the
+    attention) is switched off, and each layer's fused softmax kernel is bypassed.
+    ``include_ours=True`` also re-creates modules that are already entmax attention
+    (to change their mapping); otherwise they are left as they are. ::
+
+        encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4, batch_first=True), 2)
+        replace_attention(encoder, attention="learned")
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(model, nn.MultiheadAttention):
+        raise TypeError("model is itself an nn.MultiheadAttention: use MultiheadEntmaxAttention.from_torch(model)")
+    _normalise_attention(attention)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.MultiheadAttention):
+                continue
+            if isinstance(child, MultiheadEntmaxAttention) and not include_ours:
+                continue
+            setattr(parent, name, MultiheadEntmaxAttention.from_torch(child, attention=attention,
+                                                                      alpha_init=alpha_init, lam=lam))
+        if isinstance(parent, nn.TransformerEncoder):
+            parent.use_nested_tensor = False
+    return model
