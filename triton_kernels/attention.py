@@ -118,6 +118,8 @@ def _mask_args(attn_mask, geo, q):
         return _fwd.MASK_NONE, torch.zeros(1, dtype=torch.int8, device=q.device), (0, 0, 0, 0)
     if attn_mask.dtype == torch.bool:
         kind = _fwd.MASK_BOOL
+        # same bytes, a pointer type every triton version (and the interpreter) loads
+        attn_mask = attn_mask.view(torch.int8)
     else:
         kind = _fwd.MASK_ADDITIVE
         # SDPA's rule: a float mask has the query's dtype

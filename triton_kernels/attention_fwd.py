@@ -54,10 +54,10 @@ def block_sizes(block_e):
     backward, so both must tile the same way.
     """
     if block_e <= 64:
-        return 64, 64, 4, 2
+        return 64, 64, 8, 2
     if block_e <= 128:
-        return 64, 32, 4, 2
-    return 32, 32, 4, 1
+        return 64, 32, 8, 2
+    return 32, 32, 8, 1
 
 
 @triton.jit
@@ -81,7 +81,9 @@ def _score_from_kt(b_q, b_kt, p_mask_base, stride_mq, stride_mk, o_m, start_n, q
     b_z = tl.dot(b_q, b_kt, input_precision="ieee") * scale
     m_valid = (o_n[None, :] < k_len) & (o_m[:, None] < q_len)
     # top-left aligned causal mask: query i sees keys j <= i
-    m_valid = m_valid & ((o_n[None, :] <= o_m[:, None]) | (is_causal == 0))
+    # (without is_causal the limit lies past every key; integer arithmetic because the
+    # interpreter cannot load under a mask built from a scalar boolean)
+    m_valid = m_valid & (o_n[None, :] <= (o_m + (1 - is_causal) * k_len)[:, None])
     if MASK_KIND == 1:
         b_keep = tl.load(p_mask_base + o_m[:, None] * stride_mq + o_n[None, :] * stride_mk,
                          mask=m_valid, other=0)
@@ -354,11 +356,9 @@ _BLOCK_ES = (16, 32, 64, 128, 256)
 
 
 def _mask_type(dtype_key, mask_kind):
-    """Additive masks have the query's dtype (SDPA's rule), boolean ones are torch.bool."""
+    """Additive masks have the query's dtype (SDPA's rule); boolean ones are read as int8."""
     if mask_kind == MASK_ADDITIVE:
         return _DTYPES[dtype_key]
-    if mask_kind == MASK_BOOL:
-        return "*i1"
     return "*i8"
 
 

@@ -1,0 +1,309 @@
+"""Fused Triton entmax attention (triton_kernels/attention*.py) in the Triton interpreter.
+
+Forward against the float64 dense oracle, gradients against the reference run in float64
+(itself checked against the oracle in test_attention_reference.py). Errors are measured
+relative to the magnitude of the expected tensor (at least 1).
+"""
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from entmax_fast.reference.attention import entmax_attention as reference_attention
+from entmax_fast.reference.mappings import entmax_backward, entmax_forward
+from entmax_fast.triton_kernels import attention as tri
+from entmax_fast.triton_kernels import attention_fwd as fwd_kernels
+from oracle import oracle_attention
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def _err(got, expected):
+    expected = expected.to(torch.float64)
+    scale = expected.abs().max().clamp(min=1.0) if expected.numel() else 1.0
+    return ((got.to(torch.float64) - expected).abs().max() / scale).item() if expected.numel() else 0.0
+
+
+def _inputs(b, h, hkv, lq, lk, e, dtype, ev=None):
+    q = (torch.randn(b, h, lq, e) * 1.5).to(dtype)
+    k = torch.randn(b, hkv, lk, e).to(dtype)
+    v = torch.randn(b, hkv, lk, ev or e).to(dtype)
+    return q, k, v
+
+
+def _alpha(spec, heads):
+    if spec == "per-head":
+        return torch.linspace(1.2, 1.9, heads, dtype=torch.float32)
+    return spec
+
+
+def _mask(spec, b, h, lq, lk):
+    if spec is None:
+        return None
+    if spec == "key-padding":
+        # (B, 1, 1, Lk): the second batch element ignores its last 20 keys
+        keep = torch.ones(b, 1, 1, lk, dtype=torch.bool)
+        keep[-1, ..., lk - 20:] = False
+        return keep
+    if spec == "bool-empty-rows":
+        keep = torch.rand(1, h, lq, lk) > 0.3
+        keep[:, :, 3] = False  # fully masked rows
+        return keep
+    if spec == "additive":
+        return torch.randn(1, 1, lq, lk) - 1000.0 * (torch.rand(1, 1, lq, lk) > 0.7)
+    raise ValueError(spec)
+
+
+def _grads(fn, inputs, grad_out):
+    leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    out = fn(*leaves)
+    out.backward(grad_out.to(out.dtype))
+    return out.detach(), [t.grad for t in leaves]
+
+
+# (B, H, H_kv, Lq, Lk, E, alpha, is_causal, mask): each line adds features to the lengths
+# 1 / 63 / 130 / 257 and head dims 16 / 64 / 80 / 128 without multiplying the matrix.
+CASES = [
+    pytest.param(1, 2, 2, 63, 130, 64, 1.5, False, None, id="Lq63-Lk130-E64-a1.5"),
+    pytest.param(1, 4, 2, 130, 63, 80, 2.0, True, None, id="Lq130-Lk63-E80-a2-causal-gqa"),
+    pytest.param(2, 2, 1, 1, 1, 16, 1.25, False, None, id="L1-E16-a1.25-mqa"),
+    pytest.param(1, 2, 2, 257, 257, 16, "per-head", True, None, id="L257-E16-perhead-causal"),
+    pytest.param(2, 2, 2, 63, 63, 128, 1.5, False, "key-padding", id="L63-E128-keypad"),
+    pytest.param(1, 2, 2, 70, 130, 16, 1.75, True, "bool-empty-rows",
+                 id="Lq70-Lk130-E16-a1.75-bool-emptyrows-causal"),
+    pytest.param(1, 2, 2, 63, 63, 64, "per-head", False, "additive", id="L63-E64-additive"),
+]
+
+
+@pytest.mark.parametrize("b,h,hkv,lq,lk,e,alpha_spec,is_causal,mask_spec", CASES)
+@pytest.mark.parametrize("dtype,fwd_tol,grad_tol", [(torch.float32, 1e-5, 1e-4)])
+def test_fp32_forward_and_backward(b, h, hkv, lq, lk, e, alpha_spec, is_causal, mask_spec,
+                                   dtype, fwd_tol, grad_tol):
+    q, k, v = _inputs(b, h, hkv, lq, lk, e, dtype)
+    alpha = _alpha(alpha_spec, h)
+    mask = _mask(mask_spec, b, h, lq, lk)
+    grad_out = torch.randn(b, h, lq, e)
+    learn_alpha = isinstance(alpha, torch.Tensor)
+    inputs = [q, k, v] + ([alpha] if learn_alpha else [])
+
+    def kernel(q_, k_, v_, *a):
+        return tri.entmax_attention_triton(q_, k_, v_, attn_mask=mask, is_causal=is_causal,
+                                           enable_gqa=True, alpha=a[0] if a else alpha)
+
+    def reference(q_, k_, v_, *a):
+        return reference_attention(q_, k_, v_, attn_mask=mask, is_causal=is_causal,
+                                   enable_gqa=True, alpha=a[0] if a else alpha)
+
+    out, grads = _grads(kernel, inputs, grad_out)
+    expected = oracle_attention(q, k, v, attn_mask=mask, is_causal=is_causal, alpha=alpha)
+    assert out.dtype == dtype and out.shape == (b, h, lq, e)
+    assert _err(out, expected) <= fwd_tol
+    _, ref_grads = _grads(reference, [t.to(torch.float64) for t in inputs], grad_out)
+    for name, got, want in zip(("dq", "dk", "dv", "dalpha"), grads, ref_grads):
+        assert got.shape == want.shape, name
+        assert _err(got, want) <= grad_tol, name
+    if mask_spec == "bool-empty-rows":
+        assert torch.equal(out[:, :, 3], torch.zeros_like(out[:, :, 3]))
+        assert torch.equal(grads[0][:, :, 3], torch.zeros_like(grads[0][:, :, 3]))
+
+
+class _PlainTorchEntmax(torch.autograd.Function):
+    """Reference mapping with its exact backward, used inside the plain-torch low-precision run."""
+
+    @staticmethod
+    def forward(ctx, scores, alpha):
+        p = entmax_forward(scores, alpha)
+        ctx.save_for_backward(p)
+        ctx.alpha = alpha
+        return p
+
+    @staticmethod
+    def backward(ctx, grad):
+        (p,) = ctx.saved_tensors
+        return entmax_backward(p, grad, ctx.alpha, need_alpha_grad=False)[0], None
+
+
+def _plain_torch_attention(q, k, v, is_causal, alpha, attn_mask=None):
+    """What a user gets composing torch ops in q's dtype: low-precision matmuls, the entmax
+    mapping in fp32 (the reference upcasts), weights rounded back to q's dtype."""
+    scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    if attn_mask is not None:
+        scores = scores + attn_mask
+    if is_causal:
+        lq, lk = scores.shape[-2:]
+        scores = scores.masked_fill(~torch.ones(lq, lk, dtype=torch.bool).tril(), -math.inf)
+    p = _PlainTorchEntmax.apply(scores.float(), alpha).to(q.dtype)
+    return p @ v
+
+
+@pytest.mark.parametrize("lq,lk,e,alpha,is_causal", [
+    pytest.param(130, 63, 64, 1.5, True, id="Lq130-Lk63-E64-a1.5-causal"),
+    pytest.param(63, 257, 80, 1.25, False, id="Lq63-Lk257-E80-a1.25"),
+])
+@pytest.mark.parametrize("dtype,ratio", [(torch.float16, 2.0)])
+def test_low_precision_error_at_most_twice_plain_torch(lq, lk, e, alpha, is_causal, dtype, ratio):
+    q, k, v = _inputs(1, 2, 2, lq, lk, e, dtype)
+    grad_out = torch.randn(1, 2, lq, e).to(dtype)
+    out, grads = _grads(lambda *t: tri.entmax_attention_triton(*t, is_causal=is_causal,
+                                                               alpha=alpha), [q, k, v], grad_out)
+    base_out, base_grads = _grads(lambda *t: _plain_torch_attention(*t, is_causal, alpha),
+                                  [q, k, v], grad_out)
+    ref_out, ref_grads = _grads(lambda *t: reference_attention(*t, is_causal=is_causal,
+                                                               alpha=alpha),
+                                [t.to(torch.float64) for t in (q, k, v)], grad_out)
+    expected = oracle_attention(q, k, v, is_causal=is_causal, alpha=alpha)
+    assert out.dtype == dtype
+    assert _err(out, expected) <= ratio * _err(base_out, expected)
+    for name, got, base, want in zip(("dq", "dk", "dv"), grads, base_grads, ref_grads):
+        assert _err(got, want) <= ratio * _err(base, want), name
+
+
+@pytest.mark.parametrize("dtype,ratio", [(torch.float16, 2.0), (torch.float32, 2.0)])
+def test_huge_and_offset_scores_stay_finite(dtype, ratio):
+    q, k, v = _inputs(1, 1, 1, 63, 63, 16, dtype)
+    q = (q * 40).to(dtype)  # scores in the hundreds: rounding of the scores dominates
+    mask = (torch.full((63, 63), -1000.0).triu(1) + 500.0).to(dtype)
+    out, grads = _grads(lambda *t: tri.entmax_attention_triton(*t, attn_mask=mask, alpha=1.5),
+                        [q, k, v], torch.randn(1, 1, 63, 16))
+    expected = oracle_attention(q, k, v, attn_mask=mask, alpha=1.5)
+    baseline = _plain_torch_attention(q, k, v, False, 1.5, attn_mask=mask)
+    assert all(torch.isfinite(t).all() for t in [out] + grads)
+    assert _err(out, expected) <= ratio * _err(baseline, expected)
+
+
+def test_fully_masked_rows_and_batches_give_zeros():
+    q, k, v = _inputs(2, 2, 2, 63, 63, 16, torch.float32)
+    keep = torch.ones(2, 1, 1, 63, dtype=torch.bool)
+    keep[1] = False  # every key of the second batch element is padding
+    out, (dq, dk, dv) = _grads(lambda *t: tri.entmax_attention_triton(*t, attn_mask=keep),
+                               [q, k, v], torch.randn(2, 2, 63, 16))
+    for t in (out[1], dq[1], dk[1], dv[1]):
+        assert torch.equal(t, torch.zeros_like(t))
+    assert _err(out[0], oracle_attention(q[:1], k[:1], v[:1])[0]) <= 1e-5
+
+
+@triton.jit
+def _dropout_factors_kernel(out_ptr, seed_ptr, n_heads, seqlen_q, seqlen_k, dropout_p,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    seed = tl.load(seed_ptr)
+    for start_m in range(0, seqlen_q, BLOCK_M):
+        o_m = start_m + tl.arange(0, BLOCK_M)
+        for start_n in range(0, seqlen_k, BLOCK_N):
+            o_n = start_n + tl.arange(0, BLOCK_N)
+            b_drop = fwd_kernels._dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k,
+                                                dropout_p, BLOCK_M, BLOCK_N)
+            p_out = out_ptr + (pid_bh * seqlen_q + o_m[:, None]) * seqlen_k + o_n[None, :]
+            tl.store(p_out, b_drop, mask=(o_m[:, None] < seqlen_q) & (o_n[None, :] < seqlen_k))
+
+
+def test_dropout_mask_is_regenerated_in_backward():
+    b, h, lq, lk, e, alpha, dropout_p = 1, 2, 63, 70, 16, 1.5, 0.3
+    q, k, v = _inputs(b, h, h, lq, lk, e, torch.float32)
+    grad_out = torch.randn(b, h, lq, e)
+    torch.manual_seed(7)
+    out, grads = _grads(lambda *t: tri.entmax_attention_triton(*t, dropout_p=dropout_p,
+                                                               alpha=alpha), [q, k, v], grad_out)
+    torch.manual_seed(7)
+    seed = tri._seed(dropout_p, q.device)
+    factors = torch.zeros(b * h, lq, lk)
+    _dropout_factors_kernel[(b * h,)](factors, seed, h, lq, lk, dropout_p, BLOCK_M=32, BLOCK_N=32)
+    factors = factors.view(b, h, lq, lk).double()
+    assert 0.6 < (factors > 0).double().mean() < 0.8
+    # dense float64 composition with the kernel's own mask and the reference mapping
+    q64, k64, v64, g64 = (t.double() for t in (q, k, v, grad_out))
+    scale = 1 / math.sqrt(e)
+    p = entmax_forward(q64 @ k64.transpose(-1, -2) * scale, alpha)
+    expected_out = (p * factors) @ v64
+    dz = entmax_backward(p, (g64 @ v64.transpose(-1, -2)) * factors, alpha,
+                         need_alpha_grad=False)[0]
+    expected = [scale * dz @ k64, scale * dz.transpose(-1, -2) @ q64,
+                (p * factors).transpose(-1, -2) @ g64]
+    assert _err(out, expected_out) <= 1e-5
+    for name, got, want in zip(("dq", "dk", "dv"), grads, expected):
+        assert _err(got, want) <= 1e-4, name
+
+
+def test_varlen_matches_each_sequence_alone():
+    lens_q, lens_k = [5, 63, 70], [7, 63, 40]
+    h, hkv, e, alpha = 2, 1, 16, "per-head"
+    alpha = _alpha(alpha, h)
+    cu_q = torch.tensor([0] + lens_q, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu_k = torch.tensor([0] + lens_k, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    q = torch.randn(sum(lens_q), h, e) * 1.5
+    k = torch.randn(sum(lens_k), hkv, e)
+    v = torch.randn(sum(lens_k), hkv, e)
+    grad_out = torch.randn(sum(lens_q), h, e)
+    out, grads = _grads(
+        lambda q_, k_, v_, a_: tri.entmax_attention_varlen(
+            q_, k_, v_, cu_q, cu_k, max(lens_q), max(lens_k), is_causal=True, alpha=a_),
+        [q, k, v, alpha], grad_out)
+    expected_grads = [torch.zeros_like(t, dtype=torch.float64) for t in (q, k, v)]
+    expected_dalpha = torch.zeros(h, dtype=torch.float64)
+    for i in range(len(lens_q)):
+        sq, sk = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        # (L, H, E) -> (1, H, L, E)
+        seq = [t[s].transpose(0, 1).unsqueeze(0) for t, s in ((q, sq), (k, sk), (v, sk))]
+        expected = oracle_attention(*seq, is_causal=True, alpha=alpha)[0].transpose(0, 1)
+        assert _err(out[sq], expected) <= 1e-5
+        _, ref = _grads(lambda q_, k_, v_, a_: reference_attention(
+            q_, k_, v_, is_causal=True, enable_gqa=True, alpha=a_),
+            [t.double() for t in seq] + [alpha.double()],
+            grad_out[sq].transpose(0, 1).unsqueeze(0))
+        for acc, g, s in zip(expected_grads, ref[:3], (sq, sk, sk)):
+            acc[s] = g[0].transpose(0, 1)
+        expected_dalpha += ref[3]
+    for name, got, want in zip(("dq", "dk", "dv", "dalpha"), grads,
+                               expected_grads + [expected_dalpha]):
+        assert _err(got, want) <= 1e-4, name
+
+
+class _LargestAllocation(TorchDispatchMode):
+    """Largest number of elements of any tensor an op produces while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_no_lq_by_lk_allocation():
+    lq = lk = 257
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 1, 1, lq, lk, 16, torch.float32))
+    with _LargestAllocation() as mode:
+        out = tri.entmax_attention_triton(q, k, v, is_causal=True)
+        out.backward(torch.ones_like(out))
+    assert 0 < mode.largest <= lq * 16 < lq * lk // 8
+
+
+def test_custom_op_opcheck_and_compile():
+    q, k, v = _inputs(1, 2, 1, 20, 33, 16, torch.float32)
+    alpha = torch.tensor([1.3, 1.6])
+    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), None,
+            alpha.requires_grad_(), torch.zeros(1, dtype=torch.int64), None, None, 0, 0, 0.0,
+            True, 0.25, fwd_kernels.ALPHA_GENERAL, True)
+    torch.library.opcheck(torch.ops.entmax_fast.triton_attention_fwd.default, args)
+
+    class Block(torch.nn.Module):
+        def forward(self, q_, k_, v_):
+            return tri.entmax_attention_triton(q_, k_, v_, is_causal=True, enable_gqa=True,
+                                               alpha=1.5)
+
+    eager = Block()(q, k, v)
+    compiled = torch.compile(Block(), fullgraph=True, backend="aot_eager")(q, k, v)
+    assert torch.equal(eager, compiled)
+
+
+def test_gqa_without_enable_gqa_is_rejected():
+    q, k, v = _inputs(1, 4, 2, 5, 5, 16, torch.float32)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        tri.entmax_attention_triton(q, k, v)
