@@ -508,3 +508,125 @@ TORCH_LIBRARY_IMPL(entmax_fast, CPU, m) {
   m.impl("tv1d_prox", &entmax_fast::structured_cpu::tv1d_prox);
   m.impl("oscar_prox", &entmax_fast::structured_cpu::oscar_prox);
 }
+
+// ---------------------------------------------------------------------------------------
+// CUDA operators: host side. The kernels are in csrc/cuda/structured.cu, which includes no
+// torch header (it compiles in seconds); this part is built only with CUDA.
+#ifdef ENTMAX_FAST_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+namespace entmax_fast {
+namespace structured_cuda {
+
+template <typename T>
+cudaError_t launch_forward(int kind, bool project, const T* x, const int64_t* lengths, T* p, T* y, int64_t rows,
+                           int64_t n, T reg, void* keys, int32_t* order, T* block_sum, int32_t* block_len,
+                           cudaStream_t stream);
+template <typename T>
+cudaError_t launch_backward(int kind, bool grouped, const T* g, const T* p, const T* y, T* dz, int64_t rows,
+                            int64_t n, void* keys, int32_t* order, cudaStream_t stream);
+
+using structured_cpu::Prox;
+
+std::vector<at::Tensor> cuda_forward_impl(const char* op, Prox kind, bool project, const at::Tensor& x_in, double reg,
+                                     const char* reg_name, const c10::optional<at::Tensor>& lengths_in) {
+  structured_cpu::check_forward_args(op, x_in, reg, reg_name, lengths_in);
+  TORCH_CHECK(x_in.is_cuda(), op, ": CUDA implementation called with a ", x_in.device(), " tensor");
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous();
+  const int64_t n = x.size(-1);
+  const int64_t rows = n == 0 ? 0 : x.numel() / n;
+  // No range check of lengths here (it would sync with the host): the kernel clamps them.
+  const at::Tensor lengths = lengths_in.has_value() ? lengths_in->to(at::kLong).contiguous() : at::Tensor();
+  at::Tensor y = at::empty_like(x);
+  at::Tensor p = project ? at::empty_like(x) : at::Tensor();
+  const bool oscar = kind == Prox::kOSCAR;
+  at::Tensor keys, order, block_sum, block_len;
+  if (oscar && rows > 0) {
+    keys = at::empty({rows, n}, x.options().dtype(x.scalar_type() == at::kFloat ? at::kInt : at::kLong));
+    order = at::empty({rows, n}, x.options().dtype(at::kInt));
+    block_sum = at::empty({rows, n}, x.options());
+    block_len = at::empty({rows, n}, x.options().dtype(at::kInt));
+  }
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "structured_forward_cuda", [&] {
+    C10_CUDA_CHECK(launch_forward<scalar_t>(
+        oscar ? 1 : 0, project, x.data_ptr<scalar_t>(), lengths.defined() ? lengths.data_ptr<int64_t>() : nullptr,
+        project ? p.data_ptr<scalar_t>() : nullptr, y.data_ptr<scalar_t>(), rows, n, static_cast<scalar_t>(reg),
+        keys.defined() ? keys.data_ptr() : nullptr, order.defined() ? order.data_ptr<int32_t>() : nullptr,
+        block_sum.defined() ? block_sum.data_ptr<scalar_t>() : nullptr,
+        block_len.defined() ? block_len.data_ptr<int32_t>() : nullptr, stream));
+  });
+  if (project) return {p, y};
+  return {y};
+}
+
+at::Tensor cuda_backward_impl(const char* op, Prox kind, const at::Tensor& grad_in, const at::Tensor& p_in,
+                         const at::Tensor& y_in, double reg, const char* reg_name) {
+  structured_cpu::check_backward_args(op, grad_in, p_in, y_in, reg, reg_name);
+  TORCH_CHECK(p_in.is_cuda() && grad_in.device() == p_in.device() && y_in.device() == p_in.device(), op,
+              ": grad, p and y must be on the same CUDA device, got ", grad_in.device(), ", ", p_in.device(), ", ",
+              y_in.device());
+  const c10::cuda::CUDAGuard guard(p_in.device());
+  const at::Tensor grad = grad_in.contiguous(), p = p_in.contiguous(), y = y_in.contiguous();
+  const int64_t n = p.size(-1);
+  const int64_t rows = n == 0 ? 0 : p.numel() / n;
+  at::Tensor dz = at::empty_like(p);
+  const bool grouped = reg > 0;
+  const bool sort = grouped && kind == Prox::kOSCAR;
+  at::Tensor keys, order;
+  if (sort && rows > 0) {
+    keys = at::empty({rows, n}, p.options().dtype(p.scalar_type() == at::kFloat ? at::kInt : at::kLong));
+    order = at::empty({rows, n}, p.options().dtype(at::kInt));
+  }
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "structured_backward_cuda", [&] {
+    C10_CUDA_CHECK(launch_backward<scalar_t>(
+        kind == Prox::kOSCAR ? 1 : 0, grouped, grad.data_ptr<scalar_t>(), p.data_ptr<scalar_t>(),
+        y.data_ptr<scalar_t>(), dz.data_ptr<scalar_t>(), rows, n, keys.defined() ? keys.data_ptr() : nullptr,
+        order.defined() ? order.data_ptr<int32_t>() : nullptr, stream));
+  });
+  return dz;
+}
+
+std::tuple<at::Tensor, at::Tensor> fusedmax_forward(const at::Tensor& x, double lam,
+                                                    const c10::optional<at::Tensor>& lengths) {
+  auto out = cuda_forward_impl("fusedmax", Prox::kTV, true, x, lam, "lam", lengths);
+  return {out[0], out[1]};
+}
+
+at::Tensor fusedmax_backward(const at::Tensor& grad, const at::Tensor& p, const at::Tensor& y, double lam) {
+  return cuda_backward_impl("fusedmax_backward", Prox::kTV, grad, p, y, lam, "lam");
+}
+
+std::tuple<at::Tensor, at::Tensor> oscarmax_forward(const at::Tensor& x, double beta,
+                                                    const c10::optional<at::Tensor>& lengths) {
+  auto out = cuda_forward_impl("oscarmax", Prox::kOSCAR, true, x, beta, "beta", lengths);
+  return {out[0], out[1]};
+}
+
+at::Tensor oscarmax_backward(const at::Tensor& grad, const at::Tensor& p, const at::Tensor& y, double beta) {
+  return cuda_backward_impl("oscarmax_backward", Prox::kOSCAR, grad, p, y, beta, "beta");
+}
+
+at::Tensor tv1d_prox(const at::Tensor& x, double lam, const c10::optional<at::Tensor>& lengths) {
+  return cuda_forward_impl("tv1d_prox", Prox::kTV, false, x, lam, "lam", lengths)[0];
+}
+
+at::Tensor oscar_prox(const at::Tensor& x, double beta, const c10::optional<at::Tensor>& lengths) {
+  return cuda_forward_impl("oscar_prox", Prox::kOSCAR, false, x, beta, "beta", lengths)[0];
+}
+
+}  // namespace structured_cuda
+}  // namespace entmax_fast
+
+TORCH_LIBRARY_IMPL(entmax_fast, CUDA, m) {
+  m.impl("fusedmax_forward", &entmax_fast::structured_cuda::fusedmax_forward);
+  m.impl("fusedmax_backward", &entmax_fast::structured_cuda::fusedmax_backward);
+  m.impl("oscarmax_forward", &entmax_fast::structured_cuda::oscarmax_forward);
+  m.impl("oscarmax_backward", &entmax_fast::structured_cuda::oscarmax_backward);
+  m.impl("tv1d_prox", &entmax_fast::structured_cuda::tv1d_prox);
+  m.impl("oscar_prox", &entmax_fast::structured_cuda::oscar_prox);
+}
+#endif  // ENTMAX_FAST_WITH_CUDA
