@@ -34,7 +34,7 @@ def _extension_kwargs():
     if not cpp_sources:
         return {}
     with_cuda = torch.version.cuda is not None and CUDA_HOME is not None
-    cxx_flags = ["-O3", "-std=c++17", "-fopenmp"] if sys.platform != "win32" else ["/O2"]
+    cxx_flags = ["-O3", "-std=c++20", "-fopenmp"] if sys.platform != "win32" else ["/O2"]
     if with_cuda:
         ext = CUDAExtension(
             "entmax_fast._C",
