@@ -1,0 +1,187 @@
+"""Hugging Face integration: tiny randomly initialised Llama (causal, GQA) and BERT
+(bidirectional) models built from configs with attn_implementation="entmax"/"sparsemax",
+checked against the same models running a dense float64 oracle attention registered in
+this file; padding, generation with a KV cache, gradients, per-module α."""
+import math
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers", minversion="5.0",
+                                   reason="transformers >= 5 is not installed (pip install transformers)")
+
+import entmax_fast.hf  # noqa: E402  (registers "entmax" and "sparsemax")
+from transformers import AttentionInterface  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
+
+from oracle import oracle_entmax  # noqa: E402
+
+# float64 models: our op vs the float64 oracle through the whole network.
+TOL64 = {"atol": 1e-9, "rtol": 1e-7}
+
+
+def _oracle_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                              is_causal=None, alpha=1.5, **kwargs):
+    """Dense oracle: scores → oracle_entmax → weights @ V, with HF's (SDPA-style) masks."""
+    if key.shape[1] != query.shape[1]:
+        repeat = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+    scaling = 1 / math.sqrt(query.shape[-1]) if scaling is None else scaling
+    scores = (query.double() @ key.double().transpose(-1, -2)) * scaling
+    lq, lk = scores.shape[-2:]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if attention_mask is None and causal and lq > 1:
+        attention_mask = torch.ones(lq, lk, dtype=torch.bool).tril()
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, -math.inf)
+        else:
+            scores = scores + attention_mask.double()
+    module_alpha = getattr(module, "entmax_alpha", None)
+    if module_alpha is not None:
+        alpha = module_alpha.detach().double().view(1, -1, 1, 1) if isinstance(module_alpha, torch.Tensor) \
+            else module_alpha
+    weights = oracle_entmax(scores, alpha)
+    return (weights @ value.double()).to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _register_oracle(name, alpha):
+    AttentionInterface.register(name, lambda *args, **kwargs: _oracle_attention_forward(*args, alpha=alpha, **kwargs))
+    AttentionMaskInterface.register(name, sdpa_mask)
+
+
+_register_oracle("oracle_entmax15", 1.5)
+_register_oracle("oracle_sparsemax", 2.0)
+_register_oracle("oracle_alpha1.3", 1.3)
+entmax_fast.hf.register("entmax_1.3", alpha=1.3)
+entmax_fast.hf.register("entmax_softmax", alpha=1.0)
+
+IMPLEMENTATIONS = [pytest.param("entmax", "oracle_entmax15", id="entmax"),
+                   pytest.param("sparsemax", "oracle_sparsemax", id="sparsemax"),
+                   pytest.param("entmax_1.3", "oracle_alpha1.3", id="alpha1.3")]
+
+
+def _llama(attn_implementation):
+    config = transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.float64)
+    model.set_attn_implementation(attn_implementation)
+    return model.eval()
+
+
+def _bert(attn_implementation):
+    config = transformers.BertConfig(vocab_size=53, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=48, max_position_embeddings=64,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).to(torch.float64)
+    model.set_attn_implementation(attn_implementation)
+    return model.eval()
+
+
+def _batch(vocab):
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, vocab, (2, 11), generator=generator)
+    mask = torch.ones(2, 11, dtype=torch.long)
+    mask[1, :4] = 0  # left padding
+    return ids, mask
+
+
+def test_from_config_uses_the_registered_implementation():
+    config = transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sparsemax")
+    assert model.config._attn_implementation == "sparsemax"
+    calls = []
+    original = AttentionInterface._global_mapping["sparsemax"]
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    AttentionInterface.register("sparsemax", counting)
+    try:
+        model(torch.tensor([[1, 2, 3]]))
+    finally:
+        AttentionInterface.register("sparsemax", original)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("ours,oracle", IMPLEMENTATIONS)
+def test_llama_logits_match_the_dense_oracle(ours, oracle):
+    ids, mask = _batch(61)
+    with torch.no_grad():
+        got = _llama(ours)(input_ids=ids, attention_mask=mask).logits
+        expected = _llama(oracle)(input_ids=ids, attention_mask=mask).logits
+        sdpa = _llama("sdpa")(input_ids=ids, attention_mask=mask).logits
+    keep = mask.bool()
+    torch.testing.assert_close(got[keep], expected[keep], **TOL64)
+    assert (got[keep] - sdpa[keep]).abs().max() > 1e-4  # really not softmax
+
+
+def test_alpha_one_equals_sdpa():
+    ids, mask = _batch(61)
+    with torch.no_grad():
+        got = _llama("entmax_softmax")(input_ids=ids, attention_mask=mask).logits
+        expected = _llama("sdpa")(input_ids=ids, attention_mask=mask).logits
+    keep = mask.bool()
+    torch.testing.assert_close(got[keep], expected[keep], **TOL64)
+
+
+@pytest.mark.parametrize("ours,oracle", IMPLEMENTATIONS[:2])
+def test_bert_bidirectional_with_padding(ours, oracle):
+    ids, mask = _batch(53)
+    with torch.no_grad():
+        got = _bert(ours)(input_ids=ids, attention_mask=mask).last_hidden_state
+        expected = _bert(oracle)(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(got, expected, **TOL64)
+
+
+def test_generate_with_kv_cache_matches_oracle():
+    ids = torch.tensor([[5, 9, 3, 17, 2]])
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        got = _llama("entmax").generate(ids, **kwargs)
+        expected = _llama("oracle_entmax15").generate(ids, **kwargs)
+        # Every step's logits, not only the argmax: the cached decoding path attends all keys.
+        logits = _llama("entmax")(got[:, :-1]).logits
+        expected_logits = _llama("oracle_entmax15")(got[:, :-1]).logits
+    assert torch.equal(got, expected)
+    torch.testing.assert_close(logits, expected_logits, **TOL64)
+
+
+def test_config_alpha_module_alpha_and_gradients():
+    ids, mask = _batch(61)
+    model = _llama("entmax")
+    model.config.entmax_alpha = 1.3
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask).logits
+        expected = _llama("oracle_alpha1.3")(input_ids=ids, attention_mask=mask).logits
+    keep = mask.bool()
+    torch.testing.assert_close(got[keep], expected[keep], **TOL64)
+
+    model = _llama("sparsemax").train()
+    oracle = _llama("oracle_sparsemax")
+    per_head = torch.tensor([1.2, 1.5, 1.8, 2.0], dtype=torch.float64)
+    for layer, oracle_layer in zip(model.model.layers, oracle.model.layers):
+        layer.self_attn.entmax_alpha = torch.nn.Parameter(per_head.clone())
+        oracle_layer.self_attn.entmax_alpha = per_head
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    with torch.no_grad():
+        expected = oracle(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(logits[keep], expected[keep], **TOL64)
+    logits[keep].square().mean().backward()
+    alpha_grad = model.model.layers[0].self_attn.entmax_alpha.grad
+    assert alpha_grad is not None and torch.isfinite(alpha_grad).all() and alpha_grad.abs().max() > 0
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_register_errors():
+    with pytest.raises(ValueError, match="alpha must be a finite float >= 1"):
+        entmax_fast.hf.register("bad", alpha=0.5)
+    with pytest.raises(ValueError, match="name must be a non-empty string"):
+        entmax_fast.hf.register("", alpha=1.5)
