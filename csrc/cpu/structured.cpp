@@ -366,8 +366,8 @@ template <typename T>
 void backward_rows(Prox kind, const T* g, const T* p, const T* y, T* dz, int64_t rows, int64_t n, bool grouped) {
   const T neg_inf = -std::numeric_limits<T>::infinity();
   at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
-    std::vector<T> u(n);
-    std::vector<std::pair<T, int64_t>> by_abs;
+    std::vector<T> u(n), group_value, group_sum;
+    std::vector<int64_t> group_count;
     for (int64_t row = begin; row < end; ++row) {
       const T* g_row = g + row * n;
       const T* p_row = p + row * n;
@@ -414,29 +414,31 @@ void backward_rows(Prox kind, const T* g, const T* p, const T* y, T* dz, int64_t
         if (run_len > 0) flush(n);
       } else {
         // Groups: valid entries with equal |y| != 0; dz_i = sign(y_i) mean_G sign(y_j) u_j.
-        by_abs.clear();
+        // u vanishes off the support, so only groups holding a support entry can give a
+        // non-zero dz: their values are found by binary search among the support's |y|
+        // (O(n log |S|) instead of sorting the whole row).
+        group_value.clear();
+        for (int64_t j = 0; j < n; ++j)
+          if (p_row[j] > T(0) && y_row[j] != T(0)) group_value.push_back(std::fabs(y_row[j]));
+        std::sort(group_value.begin(), group_value.end());
+        group_value.erase(std::unique(group_value.begin(), group_value.end()), group_value.end());
+        group_sum.assign(group_value.size(), T(0));
+        group_count.assign(group_value.size(), 0);
+        auto group_of = [&](T value) -> int64_t {
+          const auto it = std::lower_bound(group_value.begin(), group_value.end(), std::fabs(value));
+          return it != group_value.end() && *it == std::fabs(value) ? it - group_value.begin() : -1;
+        };
         for (int64_t j = 0; j < n; ++j) {
-          dz_row[j] = T(0);
-          if (y_row[j] != neg_inf && y_row[j] != T(0)) by_abs.emplace_back(std::fabs(y_row[j]), j);
+          if (y_row[j] == neg_inf || y_row[j] == T(0)) continue;
+          const int64_t group = group_of(y_row[j]);
+          if (group < 0) continue;
+          group_sum[group] += y_row[j] > T(0) ? u[j] : -u[j];
+          ++group_count[group];
         }
-        std::sort(by_abs.begin(), by_abs.end(),
-                  [](const std::pair<T, int64_t>& a, const std::pair<T, int64_t>& b) { return a.first < b.first; });
-        const int64_t count = static_cast<int64_t>(by_abs.size());
-        for (int64_t a = 0; a < count;) {
-          int64_t b = a;
-          T sum = 0;
-          while (b < count && by_abs[b].first == by_abs[a].first) {
-            const int64_t j = by_abs[b].second;
-            sum += y_row[j] > T(0) ? u[j] : -u[j];
-            ++b;
-          }
-          const T mean = sum / T(b - a);
-          if (mean != T(0))
-            for (int64_t c = a; c < b; ++c) {
-              const int64_t j = by_abs[c].second;
-              dz_row[j] = y_row[j] > T(0) ? mean : -mean;
-            }
-          a = b;
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t group = (y_row[j] == neg_inf || y_row[j] == T(0)) ? -1 : group_of(y_row[j]);
+          const T mean = group < 0 ? T(0) : group_sum[group] / T(group_count[group]);
+          dz_row[j] = y_row[j] > T(0) ? mean : -mean;
         }
       }
     }
