@@ -133,11 +133,11 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
   at::Tensor mask_holder;
   const MaskView<T> mask_view = make_mask_view<T>(mask, s, mask_holder);
   const T scale = static_cast<T>(scale_d);
-  T* stats_ptr = stats.data_ptr<T>();
+  double* stats_ptr = stats.data_ptr<double>();
   const int64_t total = s.B * s.H * s.n_tiles;
   at::parallel_for(0, total, 1, [&](int64_t begin, int64_t end) {
     at::Tensor buffer = at::empty({kQueryTile * s.Lk}, q.options());
-    std::vector<T> work(s.Lk);
+    std::vector<double> work(s.Lk);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t tile = task % s.n_tiles;
       const int64_t h = (task / s.n_tiles) % s.H;
@@ -147,12 +147,12 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
       const int64_t tq = std::min(kQueryTile, s.Lq - q0);
       const int64_t kend = is_causal ? std::min(s.Lk, q0 + tq) : s.Lk;
       at::Tensor out_tile = out.select(0, b).select(0, h).narrow(0, q0, tq);
-      T* st = stats_ptr + ((b * s.H + h) * s.Lq + q0) * 2;
+      double* st = stats_ptr + ((b * s.H + h) * s.Lq + q0) * 2;
       if (kend == 0) {
         out_tile.zero_();
         for (int64_t i = 0; i < tq; ++i) {
-          st[2 * i] = -std::numeric_limits<T>::infinity();
-          st[2 * i + 1] = T(0);
+          st[2 * i] = -std::numeric_limits<double>::infinity();
+          st[2 * i + 1] = 0.0;
         }
         continue;
       }
@@ -173,7 +173,7 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
   });
 }
 
-// Returns (out in the input dtype, stats (B, H, Lq, 2) = (row max, mu) in the compute dtype).
+// Returns (out in the input dtype, stats (B, H, Lq, 2) = (row max, mu) in float64).
 std::tuple<at::Tensor, at::Tensor> entmax_attention_fwd_cpu(const at::Tensor& query, const at::Tensor& key,
                                                             const at::Tensor& value,
                                                             const std::optional<at::Tensor>& attn_mask,
@@ -186,7 +186,7 @@ std::tuple<at::Tensor, at::Tensor> entmax_attention_fwd_cpu(const at::Tensor& qu
   const at::Tensor v = value.detach().to(ct).contiguous();
   const at::Tensor alpha = alpha_in.detach().to(at::kDouble).contiguous();
   at::Tensor out = at::empty({s.B, s.H, s.Lq, s.Ev}, q.options());
-  at::Tensor stats = at::empty({s.B, s.H, s.Lq, 2}, q.options());
+  at::Tensor stats = at::empty({s.B, s.H, s.Lq, 2}, q.options().dtype(at::kDouble));
   if (out.numel() > 0 || stats.numel() > 0) {
     if (s.Lk == 0) {
       out.zero_();
@@ -211,7 +211,7 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
   at::Tensor mask_holder;
   const MaskView<T> mask_view = make_mask_view<T>(mask, s, mask_holder);
   const T scale = static_cast<T>(scale_d);
-  const T* stats_ptr = stats.const_data_ptr<T>();
+  const double* stats_ptr = stats.const_data_ptr<double>();
   // One task per (batch, key/value head): the query heads of a GQA group accumulate into
   // the same dK/dV, so they stay in one task and no two tasks write the same memory.
   at::parallel_for(0, s.B * s.Hk, 1, [&](int64_t begin, int64_t end) {
@@ -236,7 +236,7 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
           const int64_t tq = std::min(kQueryTile, s.Lq - q0);
           const int64_t kend = is_causal ? std::min(s.Lk, q0 + tq) : s.Lk;
           if (kend == 0) continue;
-          const T* st = stats_ptr + ((b * s.H + h) * s.Lq + q0) * 2;
+          const double* st = stats_ptr + ((b * s.H + h) * s.Lq + q0) * 2;
           at::Tensor probs = masked_scores<T>(prob_buffer, q_bh, k_bh, q0, tq, kend, scale, mask_view, b, h);
           at::Tensor dprobs = grad_buffer.view(-1).narrow(0, 0, tq * kend).view({tq, kend});
           const at::Tensor do_tile = do_bh.narrow(0, q0, tq);
@@ -247,8 +247,8 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
             T* p = pz + i * kend;
             T* g = gz + i * kend;
             const int64_t len = row_length(is_causal, q0 + i, kend);
-            const T zmax = st[2 * i];
-            const T mu = st[2 * i + 1];
+            const T zmax = static_cast<T>(st[2 * i]);
+            const double mu = st[2 * i + 1];
             if (!(zmax > -std::numeric_limits<T>::infinity())) {
               std::fill(p, p + kend, T(0));
               std::fill(g, g + kend, T(0));
@@ -258,9 +258,8 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
             // the scaled, masked scores are still in the row.
             double p_total = 0;
             for (int64_t j = 0; j < len; ++j) {
-              const T u = p[j] - zmax;
-              const T pj = prm.prob(u, mu);
-              weights[j] = prm.jacobian_weight(u, mu, pj);
+              const T pj = prm.prob(p[j], zmax, mu);
+              weights[j] = prm.jacobian_weight(p[j], zmax, mu, pj);
               p[j] = pj;
               p_total += pj;
             }
@@ -268,13 +267,13 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
             if (prm.kind == RowKind::General && p_total > 0) {
               // The forward renormalised p exactly; (p/c)^(2-alpha) = p^(2-alpha) c^(alpha-2).
               const T inv = static_cast<T>(1.0 / p_total);
-              const T weight_factor = static_cast<T>(std::pow(p_total, static_cast<double>(prm.alpha) - 2.0));
+              const T weight_factor = static_cast<T>(std::pow(p_total, prm.alpha - 2.0));
               for (int64_t j = 0; j < len; ++j) {
                 p[j] *= inv;
                 weights[j] *= weight_factor;
               }
             }
-            if (need_alpha_grad) dalpha_acc += row_alpha_grad(p, g, len, static_cast<double>(prm.alpha));
+            if (need_alpha_grad) dalpha_acc += row_alpha_grad(p, g, len, prm.alpha);
             double s_total = 0, sg_total = 0;
             for (int64_t j = 0; j < len; ++j) {
               s_total += weights[j];
@@ -315,7 +314,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> entmax_attention_bwd_
   const at::Tensor k = key.detach().to(ct).contiguous();
   const at::Tensor v = value.detach().to(ct).contiguous();
   const at::Tensor g = grad_out.detach().to(ct).contiguous();
-  const at::Tensor stats = stats_in.detach().to(ct).contiguous();
+  const at::Tensor stats = stats_in.detach().to(at::kDouble).contiguous();
   const at::Tensor alpha = alpha_in.detach().to(at::kDouble).contiguous();
   at::Tensor dq = at::zeros_like(q);
   at::Tensor dk = at::zeros_like(k);

@@ -22,63 +22,68 @@ inline RowKind row_kind(double alpha) {
   return RowKind::General;
 }
 
+// mu is kept in double: for alpha > 2 near a uniform row, base = 1 + (alpha-1)(u - mu) is a
+// tiny difference of O(1) numbers and a float mu would lose most of its digits.
 template <typename T>
 struct RowStats {
   T max;
-  T mu;
+  double mu;
 };
 
 // Everything needed to evaluate p_i and s_i = p_i^(2-alpha) for one alpha.
 template <typename T>
 struct EntmaxParams {
   RowKind kind;
-  T alpha;
-  T am1;       // alpha - 1
-  T exponent;  // 1 / (alpha - 1)
+  double alpha;
+  double am1;       // alpha - 1
+  double exponent;  // 1 / (alpha - 1)
 
   explicit EntmaxParams(double a)
-      : kind(row_kind(a)),
-        alpha(static_cast<T>(a)),
-        am1(static_cast<T>(a - 1.0)),
-        exponent(a == 1.0 ? T(0) : static_cast<T>(1.0 / (a - 1.0))) {}
+      : kind(row_kind(a)), alpha(a), am1(a - 1.0), exponent(a == 1.0 ? 0.0 : 1.0 / (a - 1.0)) {}
 
-  // p from a shifted score u (<= 0, may be -inf); unnormalised for the General kind.
-  inline T prob(T u, T mu) const {
+  // The General kind's base 1 + (alpha-1)(u - mu), in double; <= 0 outside the support.
+  inline double general_base(T z, T zmax, double mu) const {
+    return 1.0 + am1 * ((static_cast<double>(z) - static_cast<double>(zmax)) - mu);
+  }
+
+  // p of a score z in a row with maximum zmax; unnormalised for the General kind.
+  inline T prob(T z, T zmax, double mu) const {
+    const T mu_t = static_cast<T>(mu);
     switch (kind) {
       case RowKind::Softmax:
-        return std::exp(u - mu);
+        return std::exp(z - zmax - mu_t);
       case RowKind::Sparsemax: {
-        T b = u - mu + T(1);
+        T b = z - zmax - mu_t + T(1);
         return b > T(0) ? b : T(0);
       }
       case RowKind::Entmax15: {
-        T b = T(1) + T(0.5) * (u - mu);
+        T b = T(1) + T(0.5) * (z - zmax - mu_t);
         return b > T(0) ? b * b : T(0);
       }
       default: {
-        T b = am1 * (u - mu);
-        // b <= -1 is outside the support; -inf scores land here for alpha > 1 and give
+        // base <= 0 is outside the support; -inf scores land there for alpha > 1 and give
         // exp(-inf) = 0 for alpha < 1.
-        return b > T(-1) ? std::exp(std::log1p(b) * exponent) : T(0);
+        const double b = general_base(z, zmax, mu) - 1.0;
+        return b > -1.0 ? static_cast<T>(std::exp(std::log1p(b) * exponent)) : T(0);
       }
     }
   }
 
   // s = p^(2-alpha) on the support (the Jacobian weights of MATH.md §2), 0 elsewhere.
-  inline T jacobian_weight(T u, T mu, T p) const {
+  inline T jacobian_weight(T z, T zmax, double mu, T p) const {
     switch (kind) {
       case RowKind::Softmax:
         return p;
       case RowKind::Sparsemax:
         return p > T(0) ? T(1) : T(0);
       case RowKind::Entmax15: {
-        T b = T(1) + T(0.5) * (u - mu);
+        T b = T(1) + T(0.5) * (z - zmax - static_cast<T>(mu));
         return b > T(0) ? b : T(0);
       }
       default: {
         // p^(2-alpha) = base^(1/(alpha-1) - 1) = p / base.
-        T base = T(1) + am1 * (u - mu);
-        return (p > T(0) && base > T(0)) ? p / base : T(0);
+        const double base = general_base(z, zmax, mu);
+        return (p > T(0) && base > 0.0) ? static_cast<T>(static_cast<double>(p) / base) : T(0);
       }
     }
   }
@@ -102,7 +107,7 @@ inline T row_max(const T* z, int64_t n) {
 // entries <= t, repeat. Starting from a superset of the support t only grows and the
 // loop ends, exactly, when no entry is dropped. Returns mu = t + 1.
 template <typename T>
-inline T sparsemax_mu(const T* z, int64_t n, T zmax, T* work) {
+inline double sparsemax_mu(const T* z, int64_t n, T zmax, double* work) {
   int64_t k = 0;
   double sum = 0;
   for (int64_t j = 0; j < n; ++j) {
@@ -118,7 +123,7 @@ inline T sparsemax_mu(const T* z, int64_t n, T zmax, T* work) {
     int64_t kept = 0;
     double kept_sum = 0;
     for (int64_t i = 0; i < k; ++i) {
-      T u = work[i];
+      const double u = work[i];
       if (u > t) {
         work[kept++] = u;
         kept_sum += u;
@@ -129,7 +134,7 @@ inline T sparsemax_mu(const T* z, int64_t n, T zmax, T* work) {
     k = kept;
     t = (kept_sum - 1.0) / static_cast<double>(k);
   }
-  return static_cast<T>(t + 1.0);
+  return t + 1.0;
 }
 
 // 1.5-entmax threshold on y = u/2, p = [y - t]_+^2 (t = mu/2 - 1).
@@ -138,7 +143,7 @@ inline T sparsemax_mu(const T* z, int64_t n, T zmax, T* work) {
 // For the current S the closed-form root of sum_S (y - t)^2 = 1 is exact as soon as every
 // entry of S lies above it (then S is the support).
 template <typename T>
-inline T entmax15_mu(const T* z, int64_t n, T zmax, T* work) {
+inline double entmax15_mu(const T* z, int64_t n, T zmax, double* work) {
   int64_t k = 0;
   for (int64_t j = 0; j < n; ++j) {
     T y = T(0.5) * (z[j] - zmax);
@@ -150,12 +155,12 @@ inline T entmax15_mu(const T* z, int64_t n, T zmax, T* work) {
     double s1 = 0, s2 = 0;
     double ymin = std::numeric_limits<double>::infinity();
     for (int64_t i = 0; i < k; ++i) {
-      T y = work[i];
+      const double y = work[i];
       if (y > t) {
         work[kept++] = y;
         s1 += y;
-        s2 += static_cast<double>(y) * y;
-        ymin = std::min(ymin, static_cast<double>(y));
+        s2 += y * y;
+        ymin = std::min(ymin, y);
       }
     }
     k = kept;
@@ -173,60 +178,57 @@ inline T entmax15_mu(const T* z, int64_t n, T zmax, T* work) {
     if (!(next > t)) break;  // rounding floor reached: t is the root to working precision
     t = next;
   }
-  return static_cast<T>(2.0 * (t + 1.0));
+  return 2.0 * (t + 1.0);
 }
 
 // Softmax: returns mu = log sum exp(u) and leaves exp(u) in p.
 template <typename T>
-inline T softmax_mu(const T* z, int64_t n, T zmax, T* p) {
+inline double softmax_mu(const T* z, int64_t n, T zmax, T* p) {
   double sum = 0;
   for (int64_t j = 0; j < n; ++j) {
     T e = std::exp(z[j] - zmax);
     p[j] = e;
     sum += e;
   }
-  return static_cast<T>(std::log(sum));
+  return std::log(sum);
 }
 
 // Any alpha > 0, alpha != 1: safeguarded Newton on mu within the bracket
-// [0, (1 - n^(1-alpha))/(alpha-1)], f(mu) = sum p - 1 (decreasing), f'(mu) = -sum p/base.
-// Newton steps leaving the bracket, and every fourth step, are bisections. For alpha > 1
-// the candidates shrink to those that can be in the support at the lower bracket end.
+// [0, (1 - n^(1-alpha))/(alpha-1)], f(mu) = sum p - 1 (decreasing), f'(mu) = -sum p/base,
+// all in double. Newton steps leaving the bracket, and every fourth step, are bisections.
+// For alpha > 1 an entry outside the support at the bracket's left end stays outside (the
+// support shrinks as mu grows), so the candidates are compacted as the left end moves.
 template <typename T>
-inline T general_mu(const T* z, int64_t n, T zmax, const EntmaxParams<T>& prm, T* work) {
-  const double am1 = static_cast<double>(prm.am1);
+inline double general_mu(const T* z, int64_t n, T zmax, const EntmaxParams<T>& prm, double* work) {
+  const double am1 = prm.am1;
   int64_t k = 0;
   int64_t n_finite = 0;
   for (int64_t j = 0; j < n; ++j) {
-    T u = z[j] - zmax;
-    if (u == -std::numeric_limits<T>::infinity()) continue;
+    if (z[j] == -std::numeric_limits<T>::infinity()) continue;
     ++n_finite;
-    // For alpha > 1 entries with (alpha-1) u <= -1 are outside the support for any mu >= 0.
-    if (am1 < 0 || prm.am1 * u > T(-1)) work[k++] = u;
+    const double u = static_cast<double>(z[j]) - static_cast<double>(zmax);
+    if (am1 < 0 || am1 * u > -1.0) work[k++] = u;
   }
   double lo = 0.0;
   double hi = (1.0 - std::pow(static_cast<double>(n_finite), -am1)) / am1;
   double mu = 0.0;
-  const double eps = std::numeric_limits<T>::epsilon();
+  // Converged to double precision even for float rows: Newton's last steps are cheap and
+  // the float output then only carries its own rounding.
+  const double eps = std::numeric_limits<double>::epsilon();
   const double tol = 2.0 * eps * static_cast<double>(std::max<int64_t>(n_finite, 1));
-  const T exponent = prm.exponent;
+  const double resolution = 4.0 * eps;
   for (int iter = 0; iter < 400; ++iter) {
-    const T mu_t = static_cast<T>(mu);
     double f = -1.0, slope = 0.0;
     int64_t kept = 0;
-    const bool can_drop = am1 > 0 && mu >= lo;
     for (int64_t i = 0; i < k; ++i) {
-      T u = work[i];
-      T b = prm.am1 * (u - mu_t);
-      if (b > T(-1)) {
-        T base = T(1) + b;
-        T p = std::exp(std::log1p(b) * exponent);
+      const double u = work[i];
+      const double b = am1 * (u - mu);
+      if (b > -1.0) {
+        const double p = std::exp(std::log1p(b) * prm.exponent);
         f += p;
-        slope += p / base;
+        slope += p / (1.0 + b);
       }
-      // mu only moves right of lo, so for alpha > 1 an entry out of the support at mu = lo
-      // stays out; keep the rest.
-      if (!can_drop || prm.am1 * (u - static_cast<T>(lo)) > T(-1)) work[kept++] = u;
+      if (am1 < 0 || am1 * (u - lo) > -1.0) work[kept++] = u;
     }
     k = kept;
     if (f > 0) {
@@ -234,50 +236,44 @@ inline T general_mu(const T* z, int64_t n, T zmax, const EntmaxParams<T>& prm, T
     } else {
       hi = mu;
     }
-    if (std::abs(f) <= tol || hi - lo <= 4.0 * eps * std::max(1.0, std::abs(mu))) break;
+    if (std::abs(f) <= tol || hi - lo <= resolution * std::max(1.0, std::abs(mu))) break;
     double next = mu + f / slope;
     if (!(slope > 0) || !(next > lo && next < hi) || iter % 4 == 3) next = 0.5 * (lo + hi);
     mu = next;
   }
-  return static_cast<T>(mu);
+  return mu;
 }
 
 // Solves one row in place: on entry z holds scores (any may be -inf), on exit p.
 // `work` must hold n elements. A row without a finite entry gives zeros and max = -inf.
 template <typename T>
-inline RowStats<T> entmax_row_inplace(T* z, int64_t n, const EntmaxParams<T>& prm, T* work) {
+inline RowStats<T> entmax_row_inplace(T* z, int64_t n, const EntmaxParams<T>& prm, double* work) {
   const T zmax = row_max(z, n);
   if (!(zmax > -std::numeric_limits<T>::infinity())) {
     std::fill(z, z + n, T(0));
-    return {-std::numeric_limits<T>::infinity(), T(0)};
+    return {-std::numeric_limits<T>::infinity(), 0.0};
   }
-  T mu;
+  double mu;
   switch (prm.kind) {
     case RowKind::Softmax: {
       mu = softmax_mu(z, n, zmax, z);
-      const T inv = std::exp(-mu);
+      const T inv = static_cast<T>(std::exp(-mu));
       for (int64_t j = 0; j < n; ++j) z[j] *= inv;
       return {zmax, mu};
     }
     case RowKind::Sparsemax:
       mu = sparsemax_mu(z, n, zmax, work);
-      for (int64_t j = 0; j < n; ++j) {
-        T b = z[j] - zmax - mu + T(1);
-        z[j] = b > T(0) ? b : T(0);
-      }
+      for (int64_t j = 0; j < n; ++j) z[j] = prm.prob(z[j], zmax, mu);
       return {zmax, mu};
     case RowKind::Entmax15:
       mu = entmax15_mu(z, n, zmax, work);
-      for (int64_t j = 0; j < n; ++j) {
-        T b = T(1) + T(0.5) * (z[j] - zmax - mu);
-        z[j] = b > T(0) ? b * b : T(0);
-      }
+      for (int64_t j = 0; j < n; ++j) z[j] = prm.prob(z[j], zmax, mu);
       return {zmax, mu};
     default: {
       mu = general_mu(z, n, zmax, prm, work);
       double total = 0;
       for (int64_t j = 0; j < n; ++j) {
-        T p = prm.prob(z[j] - zmax, mu);
+        T p = prm.prob(z[j], zmax, mu);
         z[j] = p;
         total += p;
       }

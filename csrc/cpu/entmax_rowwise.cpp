@@ -39,7 +39,7 @@ at::Tensor entmax_rowwise_fwd_cpu(const at::Tensor& x_in, const at::Tensor& alph
     const scalar_t* x_ptr = x.const_data_ptr<scalar_t>();
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
     at::parallel_for(0, R, rows_per_task(n), [&](int64_t begin, int64_t end) {
-      std::vector<acc_t> work(n);
+      std::vector<double> work(n);
       std::vector<acc_t> row(std::is_same<acc_t, scalar_t>::value ? 0 : n);
       for (int64_t r = begin; r < end; ++r) {
         const EntmaxParams<acc_t> prm(alpha_ptr[r]);

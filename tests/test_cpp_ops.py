@@ -1,0 +1,345 @@
+"""C++ CPU backend (csrc/cpu, entmax_fast.cpp_ops) vs the plain-torch reference vs the
+float64 oracle: row-wise α-entmax and entmax attention, forward and backward, ragged shapes,
+masks, α float / per row / per head (incl. 1, 1.5, 2, 3 and α < 1), fully masked rows,
+torch.library.opcheck. Skipped, with the reason, when the extension is not built."""
+import math
+
+import pytest
+import torch
+
+from entmax_fast import _ext, cpp_ops, dispatch
+from entmax_fast.reference.attention import entmax_attention as reference_attention
+from entmax_fast.reference.mappings import entmax_backward as reference_backward
+from entmax_fast.reference.mappings import entmax_forward as reference_forward
+from oracle import oracle_attention, oracle_entmax
+
+_AVAILABLE, _REASON = cpp_ops.is_available()
+pytestmark = pytest.mark.skipif(not _AVAILABLE, reason=f"C++ CPU ops unavailable: {_REASON}")
+
+INF = math.inf
+
+ALPHAS = [pytest.param(a, id=f"a{a}") for a in (1.0, 1.5, 2.0, 1.25, 3.0, 0.75)]
+
+# (dtype, atol): an error allowance added to twice the reference's own error vs the oracle.
+DTYPES = [
+    pytest.param(torch.float64, 1e-12, id="f64"),
+    pytest.param(torch.float32, 2e-6, id="f32"),
+    pytest.param(torch.float16, 2e-3, id="f16"),
+    pytest.param(torch.bfloat16, 1.6e-2, id="bf16"),
+]
+
+# Rows shapes chosen ragged; "scale" stretches the scores: large gives one-hot rows, small
+# gives (nearly) uniform rows, so every support size is reached.
+ROW_SHAPES = [pytest.param(1, 1, id="1x1"), pytest.param(3, 7, id="3x7"), pytest.param(17, 63, id="17x63"),
+              pytest.param(6, 1000, id="6x1000")]
+SCALES = [pytest.param(0.01, id="flat"), pytest.param(1.0, id="unit"), pytest.param(30.0, id="peaked")]
+
+
+def _rows(r, n, scale, dtype):
+    x = torch.randn(r, n, dtype=torch.float64) * scale
+    if r > 1 and n > 2:
+        x[0, ::2] = -INF  # some -inf entries
+    if r > 2:
+        x[2] = -INF  # a fully -inf row
+    if r > 3 and n > 4:
+        x[3, : n // 2] = x[3, 0]  # ties
+    return x.to(dtype)
+
+
+def _assert_close_as_reference(out, ref, oracle, atol):
+    """|out − oracle| ≤ 2 |ref − oracle| + atol elementwise-max (FlashAttention's rule)."""
+    assert not torch.isnan(out).any()
+    err = (out.double() - oracle).abs().max().item() if out.numel() else 0.0
+    ref_err = (ref.double() - oracle).abs().max().item() if ref.numel() else 0.0
+    assert err <= 2 * ref_err + atol, f"error {err:.3g} vs reference error {ref_err:.3g} (atol {atol:.1g})"
+
+
+# ------------------------------------------------------------------ row-wise forward
+
+@pytest.mark.parametrize("dtype,atol", DTYPES)
+@pytest.mark.parametrize("alpha", ALPHAS)
+@pytest.mark.parametrize("r,n", ROW_SHAPES)
+@pytest.mark.parametrize("scale", SCALES)
+def test_rowwise_forward_matches_oracle(dtype, atol, alpha, r, n, scale):
+    x = _rows(r, n, scale, dtype)
+    p = cpp_ops.entmax_rowwise_forward(x, alpha)
+    assert p.dtype == dtype and p.shape == x.shape
+    oracle = oracle_entmax(x.double(), alpha)
+    _assert_close_as_reference(p, reference_forward(x, alpha), oracle, atol)
+    if r > 2:
+        assert torch.equal(p[2], torch.zeros_like(p[2]))
+
+
+@pytest.mark.parametrize("dtype,atol", DTYPES[:2])
+def test_rowwise_forward_alpha_per_row(dtype, atol):
+    alphas = torch.tensor([1.0, 1.5, 2.0, 1.25, 3.0, 0.75, 1.0001, 1.5, 2.0, 1.7], dtype=torch.float32)
+    x = _rows(alphas.numel(), 129, 1.0, dtype)
+    p = cpp_ops.entmax_rowwise_forward(x, alphas)
+    oracle = oracle_entmax(x.double(), alphas.double().view(-1, 1))
+    _assert_close_as_reference(p, reference_forward(x, alphas.view(-1, 1)), oracle, atol)
+
+
+def test_rowwise_alpha_one_is_exact_softmax():
+    x = torch.randn(5, 77, dtype=torch.float64)
+    torch.testing.assert_close(cpp_ops.entmax_rowwise_forward(x, 1.0), torch.softmax(x, -1), atol=1e-15, rtol=0)
+
+
+def test_rowwise_sparsemax_known_value_and_masking_invariance():
+    x = torch.tensor([[1.0, 2.1, 1.9, -INF, 0.0]], dtype=torch.float64)
+    expected = torch.tensor([[0.0, 0.6, 0.4, 0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(cpp_ops.entmax_rowwise_forward(x, 2.0), expected, atol=1e-15, rtol=0)
+    # −inf columns give exactly the result of slicing them away.
+    for alpha in (1.5, 1.25, 0.75):
+        full = cpp_ops.entmax_rowwise_forward(x, alpha)
+        kept = cpp_ops.entmax_rowwise_forward(x[:, [0, 1, 2, 4]], alpha)
+        torch.testing.assert_close(full[:, [0, 1, 2, 4]], kept, atol=1e-15, rtol=0)
+        assert full[0, 3] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_rowwise_huge_offsets_low_precision_no_nan(dtype):
+    x = (torch.randn(4, 300) - 1000).to(dtype)
+    x[1] = 60000 if dtype == torch.float16 else 1e30
+    for alpha in (1.0, 1.5, 2.0, 1.25):
+        p = cpp_ops.entmax_rowwise_forward(x, alpha)
+        assert torch.isfinite(p).all()
+        torch.testing.assert_close(p.float().sum(-1), torch.ones(4), atol=2e-2, rtol=0)
+
+
+# ------------------------------------------------------------------ row-wise backward
+
+@pytest.mark.parametrize("dtype,atol", [pytest.param(torch.float64, 1e-12, id="f64"),
+                                        pytest.param(torch.float32, 1e-5, id="f32")])
+@pytest.mark.parametrize("alpha", ALPHAS)
+@pytest.mark.parametrize("r,n", ROW_SHAPES)
+def test_rowwise_backward_matches_reference(dtype, atol, alpha, r, n):
+    x = _rows(r, n, 1.0, dtype)
+    p = cpp_ops.entmax_rowwise_forward(x, alpha)
+    g = torch.randn(r, n, dtype=dtype)
+    alpha_t = torch.full((r,), alpha, dtype=torch.float64)
+    dx, dalpha = cpp_ops.entmax_rowwise_backward(p, g, alpha_t, True)
+    ref_dx, ref_dalpha = reference_backward(p.double(), g.double(), alpha_t.view(-1, 1))
+    torch.testing.assert_close(dx.double(), ref_dx, atol=atol, rtol=0)
+    # dalpha is computed in float64 from the row; scale the allowance by its magnitude.
+    torch.testing.assert_close(dalpha.double(), ref_dalpha.view(-1), atol=atol * (1 + ref_dalpha.abs().max().item()),
+                               rtol=0)
+    if r > 2:
+        assert torch.equal(dx[2], torch.zeros_like(dx[2])) and dalpha[2] == 0
+    dx_only, none = cpp_ops.entmax_rowwise_backward(p, g, alpha, False)
+    assert none is None
+    torch.testing.assert_close(dx_only, dx, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("alpha", ALPHAS)
+def test_rowwise_alpha_grad_matches_oracle_finite_differences(alpha):
+    x = torch.randn(4, 23, dtype=torch.float64)
+    x[1, :5] = -INF
+    g = torch.randn_like(x)
+    p = cpp_ops.entmax_rowwise_forward(x, alpha)
+    _, dalpha = cpp_ops.entmax_rowwise_backward(p, g, torch.full((4,), alpha, dtype=torch.float64), True)
+    eps = 1e-5
+    plus = oracle_entmax(x, torch.full((4, 1), alpha + eps, dtype=torch.float64))
+    minus = oracle_entmax(x, torch.full((4, 1), alpha - eps, dtype=torch.float64))
+    fd = ((plus - minus) / (2 * eps) * g).sum(-1)
+    torch.testing.assert_close(dalpha, fd, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("alpha", [pytest.param(a, id=f"a{a}") for a in (1.0, 1.5, 2.0, 1.25, 0.75)])
+def test_rowwise_gradcheck_x_and_alpha(alpha):
+    x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    a = torch.full((3,), alpha, dtype=torch.float64, requires_grad=True)
+    # eps 1e-5: at alpha = 1 +- 1e-6 the finite differences themselves are noisy (~1e-5).
+    torch.autograd.gradcheck(cpp_ops.entmax_rowwise_forward, (x, a), eps=1e-5, atol=1e-6, rtol=1e-4)
+
+
+# ------------------------------------------------------------------ attention
+
+ATT_SHAPES = [  # B, H, Hk, Lq, Lk, E, Ev
+    pytest.param(1, 1, 1, 1, 1, 8, 8, id="1x1"),
+    pytest.param(2, 4, 2, 70, 131, 16, 19, id="gqa-70x131"),
+    pytest.param(1, 3, 3, 129, 65, 32, 32, id="129x65"),
+]
+ATT_ALPHAS = [pytest.param(a, id=f"a{a}") for a in (1.5, 2.0, 1.0, 1.25)] + [pytest.param("per_head", id="per_head")]
+MASKS = ["none", "causal", "bool", "float", "bool+causal"]
+
+
+def _att_alpha(alpha, heads, dtype=torch.float64):
+    if alpha == "per_head":
+        return torch.tensor([1.0, 1.5, 2.0, 1.25, 3.0, 0.75][:heads], dtype=dtype)
+    return alpha
+
+
+def _att_inputs(b, h, hk, lq, lk, e, ev, mask_kind, dtype):
+    q = torch.randn(b, h, lq, e, dtype=torch.float64)
+    k = torch.randn(b, hk, lk, e, dtype=torch.float64)
+    v = torch.randn(b, hk, lk, ev, dtype=torch.float64)
+    mask = None
+    if "bool" in mask_kind:
+        mask = torch.rand(b, 1, lq, lk) > 0.3
+        mask[:, :, 0] = False  # a query with every key masked
+    elif mask_kind == "float":
+        mask = torch.randn(lq, lk, dtype=torch.float64)
+        mask[-1] = -INF
+        mask[0, :: 2] = -INF
+    return q.to(dtype), k.to(dtype), v.to(dtype), mask, "causal" in mask_kind
+
+
+@pytest.mark.parametrize("dtype,atol", DTYPES)
+@pytest.mark.parametrize("alpha", ATT_ALPHAS)
+@pytest.mark.parametrize("mask_kind", MASKS)
+@pytest.mark.parametrize("b,h,hk,lq,lk,e,ev", ATT_SHAPES)
+def test_attention_forward_matches_oracle(dtype, atol, alpha, mask_kind, b, h, hk, lq, lk, e, ev):
+    q, k, v, mask, causal = _att_inputs(b, h, hk, lq, lk, e, ev, mask_kind, dtype)
+    if mask is not None and mask.is_floating_point():
+        mask = mask.to(dtype)
+    a = _att_alpha(alpha, h)
+    out = cpp_ops.entmax_attention_cpp(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=hk != h, alpha=a)
+    assert out.dtype == dtype and out.shape == (b, h, lq, ev)
+    oracle = oracle_attention(q, k, v, attn_mask=mask, is_causal=causal, alpha=a)
+    oracle = torch.nan_to_num(oracle, nan=0.0)  # the oracle's fully masked rows are 0/0
+    ref = reference_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=hk != h, alpha=a)
+    _assert_close_as_reference(out, ref, oracle, atol * max(1.0, oracle.abs().max().item()))
+    if "bool" in mask_kind:
+        assert torch.equal(out[:, :, 0], torch.zeros_like(out[:, :, 0]))
+
+
+@pytest.mark.parametrize("dtype,atol", [pytest.param(torch.float64, 1e-11, id="f64"),
+                                        pytest.param(torch.float32, 2e-4, id="f32")])
+@pytest.mark.parametrize("alpha", ATT_ALPHAS)
+@pytest.mark.parametrize("mask_kind", MASKS)
+@pytest.mark.parametrize("b,h,hk,lq,lk,e,ev", ATT_SHAPES)
+def test_attention_backward_matches_reference(dtype, atol, alpha, mask_kind, b, h, hk, lq, lk, e, ev):
+    q, k, v, mask, causal = _att_inputs(b, h, hk, lq, lk, e, ev, mask_kind, dtype)
+    grads = []
+    for fn in (cpp_ops.entmax_attention_cpp, reference_attention):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        a = _att_alpha(alpha, h)
+        if isinstance(a, torch.Tensor):
+            a = a.clone().requires_grad_()
+        out = fn(*leaves, attn_mask=mask, is_causal=causal, enable_gqa=hk != h, alpha=a)
+        torch.manual_seed(1)
+        go = torch.randn_like(out)
+        inputs = leaves + ([a] if isinstance(a, torch.Tensor) else [])
+        grads.append(torch.autograd.grad(out, inputs, go))
+    for name, mine, ref in zip(("dq", "dk", "dv", "dalpha"), *grads):
+        assert not torch.isnan(mine).any(), name
+        if name == "dalpha":
+            continue  # the reference's α gradient is checked against finite differences below
+        torch.testing.assert_close(mine, ref, atol=atol * max(1.0, ref.abs().max().item()), rtol=0, msg=name)
+    if "bool" in mask_kind:
+        assert torch.equal(grads[0][0][:, :, 0], torch.zeros_like(grads[0][0][:, :, 0]))
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "bool"])
+def test_attention_gradcheck_all_inputs_per_head_alpha(mask_kind):
+    q, k, v, mask, causal = _att_inputs(1, 4, 2, 5, 6, 3, 2, mask_kind, torch.float64)
+    a = torch.tensor([1.0, 1.5, 2.0, 1.3], dtype=torch.float64, requires_grad=True)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+
+    def fn(q, k, v, a):
+        return cpp_ops.entmax_attention_cpp(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True, alpha=a)
+
+    torch.autograd.gradcheck(fn, (*leaves, a), eps=1e-5, atol=1e-6, rtol=1e-4)
+
+
+def test_attention_alpha_grad_matches_oracle_finite_differences():
+    q, k, v, _, _ = _att_inputs(2, 3, 3, 33, 40, 8, 8, "none", torch.float64)
+    a = torch.tensor([1.0, 1.5, 0.75], dtype=torch.float64, requires_grad=True)
+    out = cpp_ops.entmax_attention_cpp(q, k, v, is_causal=True, alpha=a)
+    go = torch.randn_like(out)
+    (dalpha,) = torch.autograd.grad(out, (a,), go)
+    eps = 1e-5
+    fd = []
+    for head in range(3):
+        shift = torch.zeros(3, dtype=torch.float64)
+        shift[head] = eps
+        plus = oracle_attention(q, k, v, is_causal=True, alpha=a.detach() + shift)
+        minus = oracle_attention(q, k, v, is_causal=True, alpha=a.detach() - shift)
+        fd.append(((plus - minus) / (2 * eps) * go).sum())
+    torch.testing.assert_close(dalpha, torch.stack(fd), atol=1e-6, rtol=1e-5)
+
+
+def test_attention_3d_inputs_and_masked_keys_invariance():
+    q, k, v = torch.randn(3, 10, 8), torch.randn(3, 12, 8), torch.randn(3, 12, 5)
+    keep = torch.ones(12, dtype=torch.bool)
+    keep[[1, 4, 11]] = False
+    full = cpp_ops.entmax_attention_cpp(q, k, v, attn_mask=keep, alpha=1.5)
+    sliced = cpp_ops.entmax_attention_cpp(q, k[:, keep], v[:, keep], alpha=1.5)
+    assert full.shape == (3, 10, 5)
+    torch.testing.assert_close(full, sliced, atol=1e-6, rtol=0)
+
+
+def test_attention_huge_scores_low_precision_no_nan():
+    q = torch.randn(1, 2, 40, 16).to(torch.float16) * 100
+    k = torch.randn(1, 2, 40, 16).to(torch.float16) * 100
+    v = torch.randn(1, 2, 40, 16).to(torch.float16)
+    mask = torch.full((40, 40), -1000.0, dtype=torch.float16).triu(1)
+    for alpha in (1.0, 1.5, 2.0, 1.25):
+        out = cpp_ops.entmax_attention_cpp(q, k, v, attn_mask=mask, alpha=alpha)
+        assert torch.isfinite(out).all()
+
+
+# ------------------------------------------------------------------ errors
+
+def test_errors_name_the_argument():
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        cpp_ops.entmax_attention_cpp(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        cpp_ops.entmax_attention_cpp(q, q[:, :1], q[:, :1])
+    with pytest.raises(ValueError, match="attn_mask"):
+        cpp_ops.entmax_attention_cpp(q, q, q, attn_mask=torch.ones(3, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"alpha must be a float or a tensor of shape \(2,\)"):
+        cpp_ops.entmax_attention_cpp(q, q, q, alpha=torch.ones(3))
+    with pytest.raises(ValueError, match="alpha must be > 0"):
+        cpp_ops.entmax_rowwise_forward(torch.randn(2, 3), -1.0)
+    with pytest.raises(ValueError, match=r"x must be 2-D"):
+        cpp_ops.entmax_rowwise_forward(torch.randn(2, 3, 4), 1.5)
+    with pytest.raises(ValueError, match=r"grad must have p's shape"):
+        cpp_ops.entmax_rowwise_backward(torch.rand(2, 3), torch.rand(2, 4), 1.5, False)
+    with pytest.raises(RuntimeError, match="alpha must have shape"):
+        torch.ops.entmax_fast.entmax_rowwise_fwd(torch.randn(2, 3), torch.ones(5))
+
+
+# ------------------------------------------------------------------ torch.library
+
+def test_opcheck_rowwise_ops():
+    x = torch.randn(5, 17)
+    alpha = torch.tensor([1.0, 1.5, 2.0, 1.25, 0.75], requires_grad=True)
+    torch.library.opcheck(torch.ops.entmax_fast.entmax_rowwise_fwd, (x.requires_grad_(), alpha))
+    p = cpp_ops.entmax_rowwise_forward(x.detach(), alpha.detach())
+    for need in (True, False):
+        torch.library.opcheck(torch.ops.entmax_fast.entmax_rowwise_bwd, (p, torch.randn(5, 17), alpha.detach(), need))
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+def test_opcheck_attention_ops(masked):
+    q, k, v = torch.randn(2, 4, 9, 8), torch.randn(2, 2, 11, 8), torch.randn(2, 2, 11, 5)
+    mask = torch.rand(9, 11) > 0.5 if masked else None
+    alpha = torch.tensor([1.0, 1.5, 2.0, 1.25], requires_grad=True)
+    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), mask, alpha, 0.3, not masked)
+    torch.library.opcheck(torch.ops.entmax_fast.entmax_attention_fwd, args)
+    _, stats = torch.ops.entmax_fast.entmax_attention_fwd(*(t.detach() if isinstance(t, torch.Tensor) else t
+                                                            for t in args))
+    torch.library.opcheck(torch.ops.entmax_fast.entmax_attention_bwd,
+                          (torch.randn(2, 4, 9, 5), q.detach(), k.detach(), v.detach(), mask, stats, alpha.detach(),
+                           0.3, not masked, True))
+
+
+# ------------------------------------------------------------------ dispatch
+
+@pytest.mark.skipif(not _ext.status()[0], reason="dispatch uses entmax_fast._C, which is not built")
+def test_public_api_forced_to_cpp_backend():
+    import entmax_fast
+
+    x = torch.randn(6, 40, requires_grad=True)
+    q, k, v = (torch.randn(1, 2, 20, 8, requires_grad=True) for _ in range(3))
+    with dispatch.use_backend("cpp"):
+        p = entmax_fast.entmax15(x, dim=-1)
+        assert dispatch.last_choice("entmax").backend == "cpp"
+        out = entmax_fast.entmax_attention(q, k, v, is_causal=True, alpha=1.5)
+        assert dispatch.last_choice("attention").backend == "cpp"
+    (p.sum() + out.sum()).backward()
+    torch.testing.assert_close(p, reference_forward(x.detach(), 1.5), atol=1e-6, rtol=0)
+    torch.testing.assert_close(out, reference_attention(q.detach(), k.detach(), v.detach(), is_causal=True),
+                               atol=1e-5, rtol=0)
