@@ -1,0 +1,319 @@
+"""Attention speed and memory: entmax_fast's entmax attention (dispatched backend, and the
+plain-torch reference) vs softmax attention (torch's scaled_dot_product_attention), plus
+FlashAttention and AdaSplash when importable. Forward, backward and forward+backward time,
+peak memory of forward+backward, and the sparsity of the entmax weights.
+
+    python bench/bench_attention.py --quick     # CPU, small lengths, < 2 minutes
+    python bench/bench_attention.py             # GPU: lengths 512..16384, bf16
+    python bench/bench_attention.py --causal --lengths 1024 4096
+
+Timing: ``triton.testing.do_bench`` on GPU, ``torch.utils.benchmark`` on CPU (median).
+Peak memory: ``torch.cuda.max_memory_allocated`` growth on GPU; on CPU the growth of this
+process's peak RSS (VmHWM, reset through /proc/self/clear_refs before each measurement,
+with glibc told to return large frees to the OS). Forward times include saving what the
+backward needs (inputs require grad); with ``--quick`` the total is forward + backward
+rather than a third measurement. Writes bench/out/attention.csv and
+bench/out/attention.png (time vs length); without a GPU (and without ``--quick``), also
+prints the compiled Triton kernels' resource table (``--no-resources`` skips it).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib.metadata
+import math
+import os
+import platform
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine, print_table, write_csv  # noqa: E402
+
+import entmax_fast  # noqa: E402
+from entmax_fast import dispatch  # noqa: E402
+from entmax_fast.reference.attention import entmax_attention as reference_entmax_attention  # noqa: E402
+from entmax_fast.reference.mappings import entmax_forward  # noqa: E402
+
+OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+ON_GPU = torch.cuda.is_available()
+
+
+# ---------------------------------------------------------------------------------------
+# Methods: name -> (callable(q, k, v, causal) in (B, H, L, E) layout, alpha or None).
+
+def _methods(alpha: float, include_reference: bool) -> dict:
+    methods = {
+        "softmax (sdpa)": (lambda q, k, v, causal: F.scaled_dot_product_attention(q, k, v, is_causal=causal), None),
+        f"entmax_fast α={alpha:g}": (lambda q, k, v, causal: entmax_fast.entmax_attention(
+            q, k, v, is_causal=causal, alpha=alpha), alpha),
+    }
+    if include_reference:
+        methods[f"reference α={alpha:g}"] = (lambda q, k, v, causal: reference_entmax_attention(
+            q, k, v, is_causal=causal, alpha=alpha), alpha)
+    try:
+        from flash_attn import flash_attn_func
+
+        methods["flash_attn (softmax)"] = (lambda q, k, v, causal: flash_attn_func(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal).transpose(1, 2), None)
+    except ImportError:
+        pass
+    try:
+        from adasplash import adasplash
+
+        methods[f"adasplash α={alpha:g}"] = (lambda q, k, v, causal: adasplash(
+            q, k, v, alpha=alpha, niter=10, is_causal=causal), alpha)
+    except ImportError:
+        pass
+    return methods
+
+
+def _versions() -> str:
+    parts = [f"entmax_fast {entmax_fast.__version__}", f"torch {torch.__version__}"]
+    for package in ("triton", "flash_attn", "adasplash"):
+        try:
+            parts.append(f"{package} {importlib.metadata.version(package.replace('_', '-'))}")
+        except importlib.metadata.PackageNotFoundError:
+            parts.append(f"{package} absent")
+    if ON_GPU:
+        parts.append(f"CUDA {torch.version.cuda}")
+    return ", ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------
+# Timing and memory.
+
+def _time_ms(fn, min_run_time: float) -> float:
+    if ON_GPU:
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    import torch.utils.benchmark as benchmark
+
+    # blocked_autorange's first (block-size estimating) call is the warm-up.
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
+
+
+class _CpuPeak:
+    """Peak RSS growth of this process around a call (Linux)."""
+
+    def __init__(self):
+        self.ok = os.path.exists("/proc/self/clear_refs") and platform.system() == "Linux"
+        self._libc = None
+        if self.ok:
+            try:
+                self._libc = ctypes.CDLL("libc.so.6")
+                # M_MMAP_THRESHOLD = -3: serve (and return) every allocation >= 64 KiB by mmap,
+                # so that memory freed by one measurement does not hide the next one's peak.
+                self._libc.mallopt(-3, 64 * 1024)
+            except OSError:
+                self._libc = None
+
+    @staticmethod
+    def _status_kib(field: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+        raise RuntimeError(f"{field} missing from /proc/self/status")
+
+    def measure(self, fn) -> float | None:
+        if not self.ok:
+            return None
+        if self._libc is not None:
+            self._libc.malloc_trim(0)
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS
+        except OSError:
+            self.ok = False
+            return None
+        before = self._status_kib("VmRSS")
+        fn()
+        return max(0, self._status_kib("VmHWM") - before) / 1024
+
+
+def _peak_mib(fn, cpu_peak: _CpuPeak) -> float | None:
+    if ON_GPU:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - before) / 2**20
+    return cpu_peak.measure(fn)
+
+
+def _sparsity(q, k, alpha: float, causal: bool, max_rows: int = 512) -> float:
+    """Fraction of exactly-zero weights among the allowed (unmasked) entries, over the
+    first ``max_rows`` queries of batch 0 (every head), from the reference mapping."""
+    rows = min(max_rows, q.shape[2])
+    scores = (q[0, :, :rows].float() @ k[0].float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if causal:
+        allowed = torch.ones(rows, k.shape[2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    else:
+        allowed = torch.ones(rows, k.shape[2], dtype=torch.bool, device=q.device)
+    weights = entmax_forward(scores, alpha)
+    zeros = ((weights == 0) & allowed).sum().item()
+    return zeros / (allowed.sum().item() * q.shape[1])
+
+
+def run(lengths, batch, heads, head_dim, dtype, alpha, causal, min_run_time, include_reference,
+        max_reference_length, quick=False) -> list:
+    device = "cuda" if ON_GPU else "cpu"
+    methods = _methods(alpha, include_reference)
+    cpu_peak = _CpuPeak()
+    rows = []
+    for length in lengths:
+        generator = torch.Generator(device=device).manual_seed(length)
+        q, k, v = (torch.randn(batch, heads, length, head_dim, device=device, dtype=dtype, generator=generator)
+                   for _ in range(3))
+        grad = torch.randn(batch, heads, length, head_dim, device=device, dtype=dtype, generator=generator)
+        sparsity = _sparsity(q, k, alpha, causal)
+        for name, (attention, method_alpha) in methods.items():
+            if name.startswith("reference") and length > max_reference_length:
+                continue
+            if name.startswith(("flash_attn", "adasplash")) and not ON_GPU:
+                continue
+            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+            def forward():
+                return attention(qg, kg, vg, causal)
+
+            def forward_backward():
+                torch.autograd.backward(forward(), grad)
+
+            try:
+                fwd_ms = _time_ms(forward, min_run_time)
+                out = forward()
+                bwd_ms = _time_ms(lambda: torch.autograd.backward(out, grad, retain_graph=True), min_run_time)
+                total_ms = fwd_ms + bwd_ms if quick else _time_ms(forward_backward, min_run_time)
+                del out
+                peak = _peak_mib(forward_backward, cpu_peak)
+            except (RuntimeError, torch.OutOfMemoryError) as error:
+                print(f"{name} at length {length}: {type(error).__name__}: {str(error).splitlines()[0]}")
+                continue
+            backend = name.split(" ")[0]
+            if name.startswith("entmax_fast"):
+                choice = dispatch.last_choice("attention")
+                backend = choice.backend if choice is not None else "?"
+            elif name.startswith("softmax"):
+                backend = "torch"
+            rows.append({"method": name, "backend": backend, "length": length, "batch": batch, "heads": heads,
+                         "head_dim": head_dim, "dtype": str(dtype).replace("torch.", ""), "causal": causal,
+                         "fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "total_ms": total_ms, "peak_mib": peak,
+                         "zero_fraction": sparsity if method_alpha is not None else 0.0})
+    return rows
+
+
+def plot(rows: list, path: str, title: str) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot (pip install matplotlib)"
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        mine = [r for r in rows if r["method"] == method]
+        lengths = [r["length"] for r in mine]
+        axes[0].plot(lengths, [r["total_ms"] for r in mine], marker="o", label=method)
+        if all(r["peak_mib"] is not None for r in mine):
+            axes[1].plot(lengths, [r["peak_mib"] for r in mine], marker="o", label=method)
+    for ax, ylabel in zip(axes, ("forward + backward time (ms)", "peak memory, forward + backward (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=7)
+    fig.tight_layout(rect=(0, 0, 1, 0.86))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def resource_table() -> None:
+    """The Triton kernels compiled ahead of time for sm_80/sm_90 (registers, spills,
+    shared memory): the closest look at GPU behaviour a machine without a GPU has."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "entmax_fast.triton_kernels.aot"], capture_output=True, text=True,
+                            env=env)
+    print("\n## Compiled Triton kernels (ahead of time, no GPU here)")
+    if result.stdout.strip():
+        print(result.stdout.rstrip())
+    else:
+        lines = result.stderr.strip().splitlines()
+        print(f"resource table unavailable (exit {result.returncode}): {lines[-1] if lines else 'no output'}")
+
+
+def main(argv=None) -> list:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="CPU-sized run: lengths 128 256 512, under 2 minutes")
+    parser.add_argument("--lengths", type=int, nargs="+")
+    parser.add_argument("--batch", type=int)
+    parser.add_argument("--heads", type=int)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                        default="bfloat16" if ON_GPU else "float32")
+    parser.add_argument("--alpha", type=float, default=1.5)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--max-reference-length", type=int, default=2048 if ON_GPU else 1024,
+                        help="skip the plain-torch reference above this length")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice); on a busy "
+                        "machine 1 avoids threads spin-waiting for each other")
+    parser.add_argument("--no-resources", action="store_true",
+                        help="skip the compiled-kernel resource table (always skipped with --quick: compiling "
+                             "every kernel config takes minutes)")
+    parser.add_argument("--out", default=OUT_DIR)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.lengths:
+        lengths = args.lengths
+    elif args.quick:
+        lengths = [128, 256, 512]
+    else:
+        lengths = [512, 1024, 2048, 4096, 8192, 16384] if ON_GPU else [256, 512, 1024, 2048]
+    batch = args.batch or (4 if ON_GPU else 1)
+    heads = args.heads or (16 if ON_GPU else 4)
+    dtype = getattr(torch, args.dtype)
+    min_run_time = 0.05 if args.quick else 0.5
+    ok, why = dispatch.availability("reference")
+    dispatched_reference = not ON_GPU and not dispatch.availability("cpp")[0]
+    header = (f"{machine()}\n{_versions()}\nattention B={batch} H={heads} E={args.head_dim} {args.dtype} "
+              f"alpha={args.alpha:g} causal={args.causal}")
+    print(header)
+    if dispatched_reference:
+        print("entmax_fast dispatches to the plain-torch reference here (C++ op not built, no GPU): "
+              "the separate reference rows are skipped as duplicates")
+    rows = run(lengths, batch, heads, args.head_dim, dtype, args.alpha, args.causal, min_run_time,
+               include_reference=ok and not dispatched_reference, max_reference_length=args.max_reference_length,
+               quick=args.quick)
+    softmax = {r["length"]: r["total_ms"] for r in rows if r["method"] == "softmax (sdpa)"}
+    for r in rows:
+        r["total_vs_softmax"] = r["total_ms"] / softmax[r["length"]] if r["length"] in softmax else None
+    print_table(rows, "attention: time (ms), peak memory (MiB), zero_fraction = sparsity of the weights")
+    csv_path = os.path.join(args.out, "attention.csv")
+    write_csv(rows, csv_path)
+    plot_path = plot(rows, os.path.join(args.out, "attention.png"), header)
+    print(f"\nwrote {csv_path} and {plot_path}")
+    if not ON_GPU and not args.no_resources:
+        if args.quick:
+            print("\n(compiled-kernel resource table skipped with --quick: python -m entmax_fast.triton_kernels.aot)")
+        else:
+            resource_table()
+    return rows
+
+
+if __name__ == "__main__":
+    main()
