@@ -17,4 +17,10 @@ def status() -> tuple[bool, str]:
             _STATUS = (False, f"the C++ extension entmax_fast._C failed to load ({exc})")
         else:
             _STATUS = (True, "entmax_fast._C loaded")
+            # The Python side of the C++ ops (fake kernels, autograd) is registered here, at
+            # load time: torch.library registration cannot happen inside a torch.compile trace.
+            from . import cpp_ops, structured
+
+            cpp_ops.is_available()
+            structured._extension_status()
     return _STATUS

@@ -26,8 +26,12 @@ def check_dim(name: str, tensor: torch.Tensor, dim: int) -> int:
 
 
 def _assert_values(condition: torch.Tensor, message: str) -> None:
-    if condition.device.type == "cpu" or condition.device.type == "meta":
-        if condition.device.type == "cpu" and not bool(condition.all()):
+    """Raise ValueError eagerly on CPU; on GPUs and under torch.compile check without a
+    host sync (the error then surfaces asynchronously)."""
+    if condition.device.type == "meta":
+        return
+    if condition.device.type == "cpu" and not torch.compiler.is_compiling():
+        if not bool(condition.all()):
             raise ValueError(message)
     else:
         torch._assert_async(condition.all(), message)

@@ -62,6 +62,7 @@ class BackendUnavailableError(RuntimeError):
 
 _REGISTRY: dict[str, dict[str, _Impl]] = {}
 _LAST: dict[str, Choice] = {}
+_LOADED: dict[tuple[str, str], Any] = {}
 _WARNED: set = set()
 _LOCAL = threading.local()
 _AVAILABILITY: dict[str, tuple[bool, str]] = {}
@@ -75,6 +76,7 @@ def register(op: str, backend: str, module: str, attrs, supports=None) -> None:
     if isinstance(attrs, str):
         attrs = (attrs,)
     _REGISTRY.setdefault(op, {})[backend] = _Impl(module, tuple(attrs), supports or (lambda request: None))
+    _LOADED.pop((op, backend), None)
 
 
 def _triton_availability() -> tuple[bool, str]:
@@ -152,14 +154,34 @@ def _default_order(device: torch.device):
     return ("triton", "cpp", "reference") if device.type == "cuda" else ("cpp", "reference")
 
 
-def _load(impl: _Impl):
-    module = importlib.import_module(impl.module, package=__package__)
-    objs = tuple(getattr(module, name) for name in impl.attrs)
-    return objs if len(objs) > 1 else objs[0]
+def _load(op: str, backend: str):
+    if (op, backend) not in _LOADED:
+        impl = _REGISTRY[op][backend]
+        module = importlib.import_module(impl.module, package=__package__)
+        objs = tuple(getattr(module, name) for name in impl.attrs)
+        _LOADED[(op, backend)] = objs if len(objs) > 1 else objs[0]
+    return _LOADED[(op, backend)]
 
 
 def select(op: str, request: Request) -> tuple[Any, Choice]:
-    """Pick the implementation of ``op`` for ``request``; returns (implementation, choice)."""
+    """Pick the implementation of ``op`` for ``request``; returns (implementation, choice).
+
+    Under ``torch.compile`` the choice is made once, when the graph is traced, and kept as
+    a constant of the compiled code (a backend forced later does not re-trace it).
+    """
+    if torch.compiler.is_compiling():
+        options = tuple(sorted(request.options.items()))
+        backend = _backend_name_while_tracing(op, request.device.type, request.dtype, options)
+        return _LOADED[(op, backend)], _LAST[op]
+    return _select(op, request)
+
+
+@torch.compiler.assume_constant_result
+def _backend_name_while_tracing(op: str, device_type: str, dtype: torch.dtype, options: tuple) -> str:
+    return _select(op, Request(torch.device(device_type), dtype, dict(options)))[1].backend
+
+
+def _select(op: str, request: Request) -> tuple[Any, Choice]:
     impls = _REGISTRY.get(op)
     if not impls:
         raise KeyError(f"no backend registered for op {op!r}")
@@ -172,7 +194,7 @@ def select(op: str, request: Request) -> tuple[Any, Choice]:
                 raise BackendUnavailableError(
                     f"backend {forced!r} was forced for {op} but cannot run this call: {why_not}")
             try:
-                implementation = _load(impls[forced])
+                implementation = _load(op, forced)
             except Exception as exc:  # noqa: BLE001
                 raise BackendUnavailableError(
                     f"backend {forced!r} was forced for {op} but failed to load: {type(exc).__name__}: {exc}"
@@ -189,7 +211,7 @@ def select(op: str, request: Request) -> tuple[Any, Choice]:
         if why_not is None:
             reason = "default order" if not refusals else "; ".join(refusals)
             try:
-                implementation = _load(impls[backend])
+                implementation = _load(op, backend)
             except Exception as exc:  # noqa: BLE001 - a broken optional backend must not break the op
                 refusals.append(f"{backend}: failed to load ({type(exc).__name__}: {exc})")
                 continue

@@ -111,3 +111,25 @@ def test_no_backend_at_all_raises(monkeypatch):
         dispatch.select("toy", _cpu_request())
     with pytest.raises(KeyError, match="no backend registered"):
         dispatch.select("nothing", _cpu_request())
+
+
+@pytest.mark.parametrize("backend", [None, "reference"], ids=["default", "reference"])
+def test_torch_compile_fullgraph_traces_mappings_and_attention(backend):
+    X = torch.randn(3, 7, requires_grad=True)
+    alpha = torch.full((3, 1), 1.5, requires_grad=True)
+    q = torch.randn(1, 2, 5, 8, requires_grad=True)
+    alpha_heads = torch.tensor([1.5, 2.0], requires_grad=True)
+    with entmax_fast.use_backend(backend):
+        def model(X, alpha, q, alpha_heads):
+            return (entmax_fast.entmax15(X) * X).sum() + (entmax_fast.entmax_bisect(X, alpha) * X).sum() + \
+                entmax_fast.entmax_attention(q, q, q, alpha=alpha_heads).square().sum()
+
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        inputs = (X, alpha, q, alpha_heads)
+        expected = model(*inputs)
+        expected_grads = torch.autograd.grad(expected, inputs)
+        got = compiled(*inputs)
+        got_grads = torch.autograd.grad(got, inputs)
+    torch.testing.assert_close(got, expected)
+    for g, e in zip(got_grads, expected_grads):
+        torch.testing.assert_close(g, e)
