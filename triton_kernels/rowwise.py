@@ -26,10 +26,15 @@ Two ways to find c:
        edge bounds F from above / below, so bisection on these NBINS-term sums (registers
        only) gives a bracket [lo, hi] around c that is about one bin wide, and the root of
        the bin-centre sum a starting point c0 inside it;
-    3+. each pass evaluates F, F', F'' at c (one read), shrinks the bracket, and takes a
-       Halley step, falling back to Newton and then to bisection when a step leaves the
-       bracket; it stops when |F(c)| ≤ tol, when the step no longer moves c (fp32
-       resolution), or after max_passes.
+    3+. each pass evaluates F, F', F'' at c (one read), the entry nearest to leaving the
+       support (smallest d > 0) and the gap to the next entry to enter; it shrinks the
+       bracket and steps: for t > 0 to the root of a model that is Taylor for all entries
+       but those two, which it keeps exact (F's kinks are where entries enter; for α > 2
+       their slope is infinite and plain Halley steps stall there); else Halley, falling
+       back to Newton and to bisection when a step leaves the bracket. It stops when
+       |F(c)| ≤ tol, when the bracket is below resolution, or after max_passes.
+       c is carried as an unevaluated pair of fp32 (hi + lo) so that entries at d ≈ 0 keep
+       their precision (see `_pmap`).
   The output pass (not counted) writes p(c) / Σp(c) with Σp(c) from the last evaluation,
   so the output sums to one to rounding.
 
@@ -68,9 +73,14 @@ _K_SPARSEMAX = tl.constexpr(KIND_SPARSEMAX)
 _K_ENTMAX15 = tl.constexpr(KIND_ENTMAX15)
 _K_SOFTMAX = tl.constexpr(KIND_SOFTMAX)
 
-# Histogram resolution of pass 2: measured by bench/bench_rowwise_passes.py (64 bins gave
-# 5 passes on the worst α = 3 rows, 128 bins brings every case to ≤ 4).
-NBINS = 128
+# Histogram resolution of pass 2 (bins over v ∈ (−1, 0]). Measured with
+# bench/bench_rowwise_passes.py (--nbins, 8–32 rows per cell, n ∈ {1k, 8k, 64k}): worst
+# case over α ∈ {1.25, 1.5, 2, 3} × σ² ∈ {1, 6} is 5 passes with 128 or 256 bins (α = 3,
+# σ² = 1: a start one bin off leaves the first step 1e-5 short) and 4 with 512. Rows that
+# fit the 128-wide block keep 128 bins: there every pass re-reads one resident block, and
+# the register-only bisection over the bins would cost more than the pass it saves.
+NBINS = 512
+NBINS_SMALL = 128
 ROOT_BLOCKS = (128, 1024, 4096)
 # Largest row the sort kernel takes. tl.sort is a bitonic network: log2(B)(log2(B)+1)/2
 # compare-exchange stages over the whole block, i.e. for B = 1024 55 stages (each a few
@@ -89,26 +99,35 @@ _IO_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf1
 
 
 @triton.jit
-def _pmap(b_u, c, t, e, KIND: tl.constexpr):
-    """p, dp/dc and d²p/dc² of entries u at threshold c.  [BLOCK] each."""
+def _pmap(b_u, c_hi, c_lo, t, e, KIND: tl.constexpr):
+    """p, dp/dc, d²p/dc² and the base d of entries u at the threshold c = c_hi + c_lo.
+    [BLOCK] each (d is p itself for softmax, where it only feeds unused statistics).
+
+    d = (c_hi + t·u) + c_lo: for the entries about to enter the support c_hi + t·u is exact
+    (Sterbenz), so d keeps its relative precision down to d ≈ 0. For α > 2 that is what
+    lets |Σp − 1| reach 1e-6 at all: p = d^(1/t) has an infinite slope at d = 0, and a
+    plain fp32 c (steps of 6e-8) moves such an entry's p by ~1e-4.
+    """
     if KIND == _K_SOFTMAX:
         b_eu = tl.exp(b_u)
-        b_p = c * b_eu
+        b_p = c_hi * b_eu
         b_dp = b_eu
         b_d2p = tl.zeros_like(b_eu)
+        b_d = b_p
     elif KIND == _K_SPARSEMAX:
-        b_d = c + b_u
+        b_d = (c_hi + b_u) + c_lo
         b_pos = b_d > 0
         b_p = tl.where(b_pos, b_d, 0.0)
         b_dp = tl.where(b_pos, 1.0, 0.0)
         b_d2p = tl.zeros_like(b_d)
     elif KIND == _K_ENTMAX15:
-        b_d = tl.maximum(c + 0.5 * b_u, 0.0)
-        b_p = b_d * b_d
-        b_dp = 2.0 * b_d
+        b_d = (c_hi + 0.5 * b_u) + c_lo
+        b_d0 = tl.maximum(b_d, 0.0)
+        b_p = b_d0 * b_d0
+        b_dp = 2.0 * b_d0
         b_d2p = tl.where(b_d > 0, 2.0, 0.0)
     else:
-        b_d = c + t * b_u
+        b_d = (c_hi + t * b_u) + c_lo
         b_pos = b_d > 0
         # −inf entries: t > 0 gives d = −inf (excluded); t < 0 gives d = +inf and
         # exp2(e·inf) = exp2(−inf) = 0, so no NaN reaches the sums.
@@ -116,12 +135,29 @@ def _pmap(b_u, c, t, e, KIND: tl.constexpr):
         b_p = tl.where(b_pos, tl.exp2(e * b_ld), 0.0)
         b_dp = tl.where(b_pos, e * b_p / b_d, 0.0)
         b_d2p = tl.where(b_pos, (e - 1.0) * b_dp / b_d, 0.0)
-        # α = 1 rows of a per-row α: the exponential form (e = inf above is discarded).
+        # α = 1 rows of a per-row α: the exponential form.
         b_eu = tl.exp(b_u)
-        b_p = tl.where(t == 0.0, c * b_eu, b_p)
+        b_p = tl.where(t == 0.0, c_hi * b_eu, b_p)
         b_dp = tl.where(t == 0.0, b_eu, b_dp)
         b_d2p = tl.where(t == 0.0, 0.0, b_d2p)
-    return b_p, b_dp, b_d2p
+    return b_p, b_dp, b_d2p, b_d
+
+
+@triton.jit
+def _pow_pos(y, e):
+    """[y]_+ ^ e for a scalar y (e > 0)."""
+    return tl.where(y > 0, tl.exp2(e * tl.log2(tl.where(y > 0, y, 1.0))), 0.0)
+
+
+@triton.jit
+def _add_to_pair(a_hi, a_lo, b):
+    """(a_hi + a_lo) + b as a normalised pair of fp32 (error-free two-sum)."""
+    s = a_hi + b
+    b_virtual = s - a_hi
+    err = (a_hi - (s - b_virtual)) + (b - b_virtual)
+    lo = a_lo + err
+    hi = s + lo
+    return hi, lo - (hi - s)
 
 
 @triton.jit
@@ -172,7 +208,7 @@ def _entmax_fwd_root_kernel(
     p_p = p_ptr + row * stride_p_row
     alpha = _alpha_of_row(alpha_ptr, row, alpha_stride, KIND)
     t = alpha - 1.0
-    e = 1.0 / t
+    e = 1.0 / tl.where(t == 0.0, 1.0, t)  # unused on α = 1 rows
     o_col = tl.arange(0, BLOCK)
 
     # pass 1: max, number of finite entries; for softmax also the online sum of exp.
@@ -197,7 +233,8 @@ def _entmax_fwd_root_kernel(
 
     if KIND == _K_SOFTMAX:
         total = tl.sum(b_sum * tl.exp(b_max - x_shift), axis=0)
-        c = tl.where(total > 0, 1.0 / total, 0.0)
+        c_hi = tl.where(total > 0, 1.0 / total, 0.0)
+        c_lo = tl.zeros((), tl.float32)
     else:
         n_fin_f = tl.maximum(n_fin, 1).to(tl.float32)
         n_pow = tl.exp2(-t * tl.log2(n_fin_f))  # n^{-t}
@@ -216,51 +253,111 @@ def _entmax_fwd_root_kernel(
             passes += 1
             b_cnt = b_hist.to(tl.float32)
             b_lower = -1.0 + tl.arange(0, NBINS).to(tl.float32) / NBINS  # [NBINS]
-            # entries at their bins' upper edges overestimate F: its root is below c*.
-            c_lo, _ = _hist_bisect(b_cnt, b_lower + 1.0 / NBINS, lo, hi, e, KIND, 14)
-            _, c_hi = _hist_bisect(b_cnt, b_lower, lo, hi, e, KIND, 14)
-            lo = tl.maximum(lo, c_lo)
-            hi = tl.minimum(hi, c_hi)
+            # entries at their bins' upper edges overestimate F: its root is ≤ c*;
+            # at the lower edges they underestimate it: its root is ≥ c*.
+            root_above, _ = _hist_bisect(b_cnt, b_lower + 1.0 / NBINS, lo, hi, e, KIND, 14)
+            _, root_below = _hist_bisect(b_cnt, b_lower, lo, hi, e, KIND, 14)
+            lo = tl.maximum(lo, root_above)
+            hi = tl.minimum(hi, root_below)
             mid_lo, mid_hi = _hist_bisect(b_cnt, b_lower + 0.5 / NBINS, lo, hi, e, KIND, 16)
             c = 0.5 * (mid_lo + mid_hi)
 
+        # c, lo, hi as fp32 pairs (hi + lo part): see _pmap for why.
+        c_hi = c
+        c_lo = tl.zeros((), tl.float32)
+        lo_hi = lo
+        lo_lo = tl.zeros((), tl.float32)
+        hi_hi = hi
+        hi_lo = tl.zeros((), tl.float32)
         done = n_fin == 0
         while (passes < max_passes) & (done == 0):
+            # Sums of p, p', p'' over the entries, except that the entry with the smallest
+            # positive d (the next to leave the support) is kept apart per lane, so that the
+            # step model below can treat it exactly without a cancelling subtraction.
             b_s0 = tl.zeros([BLOCK], tl.float32)
             b_s1 = tl.zeros([BLOCK], tl.float32)
             b_s2 = tl.zeros([BLOCK], tl.float32)
+            b_dmin = tl.full([BLOCK], float("inf"), tl.float32)
+            b_pmin = tl.zeros([BLOCK], tl.float32)
+            b_dpmin = tl.zeros([BLOCK], tl.float32)
+            b_d2pmin = tl.zeros([BLOCK], tl.float32)
+            b_gap = tl.full([BLOCK], float("inf"), tl.float32)  # −d of entries still outside
             for start in range(0, n_cols, BLOCK):
                 m_col = start + o_col < n_cols
                 b_x = tl.load(p_x + start + o_col, mask=m_col, other=float("-inf")).to(tl.float32)
-                b_p, b_dp, b_d2p = _pmap(b_x - x_shift, c, t, e, KIND)
-                b_s0 += b_p
-                b_s1 += b_dp
-                b_s2 += b_d2p
+                b_p, b_dp, b_d2p, b_d = _pmap(b_x - x_shift, c_hi, c_lo, t, e, KIND)
+                b_new_min = (b_d > 0) & (b_d < b_dmin)
+                b_s0 += tl.where(b_new_min, b_pmin, b_p)
+                b_s1 += tl.where(b_new_min, b_dpmin, b_dp)
+                b_s2 += tl.where(b_new_min, b_d2pmin, b_d2p)
+                b_dmin = tl.where(b_new_min, b_d, b_dmin)
+                b_pmin = tl.where(b_new_min, b_p, b_pmin)
+                b_dpmin = tl.where(b_new_min, b_dp, b_dpmin)
+                b_d2pmin = tl.where(b_new_min, b_d2p, b_d2pmin)
+                b_gap = tl.minimum(b_gap, tl.where(b_d <= 0, -b_d, float("inf")))
             passes += 1
-            s0 = tl.sum(b_s0, axis=0)
-            s1 = tl.sum(b_s1, axis=0)
-            s2 = tl.sum(b_s2, axis=0)
+            lane_min = tl.argmin(b_dmin, axis=0)
+            m_other = o_col != lane_min
+            rest0 = tl.sum(b_s0, axis=0) + tl.sum(tl.where(m_other, b_pmin, 0.0), axis=0)
+            rest1 = tl.sum(b_s1, axis=0) + tl.sum(tl.where(m_other, b_dpmin, 0.0), axis=0)
+            rest2 = tl.sum(b_s2, axis=0) + tl.sum(tl.where(m_other, b_d2pmin, 0.0), axis=0)
+            d_min = tl.min(b_dmin, axis=0)
+            p_min = tl.sum(tl.where(m_other, 0.0, b_pmin), axis=0)
+            s0 = rest0 + p_min
+            s1 = rest1 + tl.sum(tl.where(m_other, 0.0, b_dpmin), axis=0)
+            s2 = rest2 + tl.sum(tl.where(m_other, 0.0, b_d2pmin), axis=0)
+            gap = tl.min(b_gap, axis=0)
             f = s0 - 1.0
             # F increases with c for t ≥ 0, decreases for t < 0.
             c_above = (f > 0) == (t >= 0)
-            hi = tl.where(c_above, c, hi)
-            lo = tl.where(c_above, lo, c)
-            c_halley = c - 2.0 * f * s1 / (2.0 * s1 * s1 - f * s2)
-            c_newton = c - f / s1
+            hi_hi = tl.where(c_above, c_hi, hi_hi)
+            hi_lo = tl.where(c_above, c_lo, hi_lo)
+            lo_hi = tl.where(c_above, lo_hi, c_hi)
+            lo_lo = tl.where(c_above, lo_lo, c_lo)
+            # bracket ends relative to c: [to_lo ≤ 0, to_hi ≥ 0]
+            to_lo = (lo_hi - c_hi) + (lo_lo - c_lo)
+            to_hi = (hi_hi - c_hi) + (hi_lo - c_lo)
+            step_halley = -2.0 * f * s1 / (2.0 * s1 * s1 - f * s2)
+            step_newton = -f / s1
             # NaN/inf steps (s1 = 0, overflow of s2) fail both tests and fall to bisection.
-            halley_ok = (c_halley >= lo) & (c_halley <= hi)
-            newton_ok = (c_newton >= lo) & (c_newton <= hi)
-            c_next = tl.where(halley_ok, c_halley, tl.where(newton_ok, c_newton, 0.5 * (lo + hi)))
-            done = (tl.abs(f) <= tol) | (c_next == c)
-            c = tl.where(done, c, c_next)
+            halley_ok = (step_halley >= to_lo) & (step_halley <= to_hi)
+            newton_ok = (step_newton >= to_lo) & (step_newton <= to_hi)
+            step = tl.where(halley_ok, step_halley,
+                            tl.where(newton_ok, step_newton, 0.5 * (to_lo + to_hi)))
+            if t > 0:
+                # Sparse rows: F has a kink wherever an entry enters the support (for α > 2
+                # with an infinite slope), which Taylor/Halley steps cannot see. Model F
+                # after a step δ by a Taylor expansion of all entries but the two next to a
+                # kink, which are kept exact: the one that leaves at δ = −d_min and the one
+                # that enters at δ = gap; solve the model by bisection (registers only).
+                m_lo = to_lo
+                m_hi = to_hi
+                for _ in range(32):
+                    m_mid = 0.5 * (m_lo + m_hi)
+                    model = (rest0 - 1.0 + m_mid * (rest1 + 0.5 * m_mid * rest2)
+                             + _pow_pos(d_min + m_mid, e) + _pow_pos(m_mid - gap, e))
+                    m_lo = tl.where(model < 0, m_mid, m_lo)
+                    m_hi = tl.where(model < 0, m_hi, m_mid)
+                step_model = 0.5 * (m_lo + m_hi)
+                # a model root on a bracket end would re-evaluate a known point
+                model_ok = (step_model > to_lo) & (step_model < to_hi)
+                step = tl.where(model_ok, step_model, step)
+            # converged, or the bracket is below the pair's resolution (~2^-44 relative), or
+            # out of passes: then keep the c whose Σp normalises the output.
+            done = ((tl.abs(f) <= tol) | (step == 0.0) | (to_hi - to_lo <= 5.7e-14 * tl.abs(c_hi))
+                    | (passes >= max_passes))
+            next_hi, next_lo = _add_to_pair(c_hi, c_lo, step)
+            c_hi = tl.where(done, c_hi, next_hi)
+            c_lo = tl.where(done, c_lo, next_lo)
 
     inv_s0 = tl.where(s0 > 0, 1.0 / s0, 0.0)
     for start in range(0, n_cols, BLOCK):
         m_col = start + o_col < n_cols
         b_x = tl.load(p_x + start + o_col, mask=m_col, other=float("-inf")).to(tl.float32)
-        b_p, _, _ = _pmap(b_x - x_shift, c, t, e, KIND)
+        b_p, _, _, _ = _pmap(b_x - x_shift, c_hi, c_lo, t, e, KIND)
         tl.store(p_p + start + o_col, (b_p * inv_s0).to(p_ptr.dtype.element_ty), mask=m_col)
-    tl.store(c_ptr + row, c)
+    tl.store(c_ptr + 2 * row, c_hi)
+    tl.store(c_ptr + 2 * row + 1, c_lo)
     tl.store(passes_ptr + row, passes)
 
 
@@ -301,7 +398,8 @@ def _entmax_fwd_sort_kernel(
     else:
         b_p = b_d * b_d
     tl.store(p_ptr + row * stride_p_row + o_col, b_p.to(p_ptr.dtype.element_ty), mask=m_col)
-    tl.store(c_ptr + row, c)
+    tl.store(c_ptr + 2 * row, c)
+    tl.store(c_ptr + 2 * row + 1, 0.0)
     tl.store(passes_ptr + row, 1)
 
 
@@ -314,7 +412,9 @@ def _jacobian_weight(b_p, t, KIND: tl.constexpr):
     elif KIND == _K_ENTMAX15:
         b_s = tl.sqrt(b_p)
     elif KIND == _K_SOFTMAX:
-        b_s = b_p
+        # same as b_p for p ≥ 0; the plain `b_s = b_p` form crashes LLVM's O3 pipeline
+        # (segfault in make_llir) for fp32, BLOCK 4096, sm_90 with triton 3.9.
+        b_s = tl.where(b_pos, b_p, 0.0)
     else:
         b_s = tl.where(b_pos, tl.exp2((1.0 - t) * tl.log2(tl.where(b_pos, b_p, 1.0))), 0.0)
     return b_s
@@ -380,7 +480,13 @@ def _entmax_bwd_kernel(
 # ----------------------------------------------------------------------------- host side
 
 def _num_warps(block: int) -> int:
-    return 8 if block >= 4096 else 4
+    # 4–8 entries of the block per thread: the root kernel keeps ~8 per-lane statistics per
+    # entry (sums and the per-lane minimum), 16 entries per thread took 227 registers.
+    return max(4, min(16, block // 128))
+
+
+def _nbins(block: int) -> int:
+    return NBINS_SMALL if block <= 128 else NBINS
 
 
 def _root_block(n: int) -> int:
@@ -430,8 +536,9 @@ def choose_method(n_cols: int, alpha) -> str:
 
 
 def _forward(x: torch.Tensor, alpha, method: str = "auto", tol: float = DEFAULT_TOL,
-             max_passes: int = DEFAULT_MAX_PASSES):
-    """Returns (p, c, passes): output, threshold in c-form (module docstring), passes per row."""
+             max_passes: int = DEFAULT_MAX_PASSES, nbins: int | None = None):
+    """Returns (p, c, passes): output; threshold in c-form (module docstring) as (R, 2) fp32
+    pairs, c = c[:, 0] + c[:, 1]; passes per row (int32)."""
     x = _check_rows("x", x)
     n_rows, n_cols = x.shape
     kind, alpha_t, alpha_stride = _alpha_args(alpha, n_rows, x.device)
@@ -442,10 +549,10 @@ def _forward(x: torch.Tensor, alpha, method: str = "auto", tol: float = DEFAULT_
     if method == "sort" and kind not in (KIND_SPARSEMAX, KIND_ENTMAX15):
         raise ValueError(f"method 'sort' needs alpha 2.0 or 1.5 given as a python float, got {alpha!r}")
     p = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-    c = torch.empty((n_rows,), dtype=torch.float32, device=x.device)
+    c = torch.empty((n_rows, 2), dtype=torch.float32, device=x.device)
     passes = torch.empty((n_rows,), dtype=torch.int32, device=x.device)
     if n_rows == 0 or n_cols == 0:
-        return p, c.fill_(1.0), passes.fill_(0)
+        return p, c.fill_(0.0), passes.fill_(0)
     if method == "sort":
         block = _sort_block(n_cols)
         _entmax_fwd_sort_kernel[(n_rows,)](
@@ -456,7 +563,7 @@ def _forward(x: torch.Tensor, alpha, method: str = "auto", tol: float = DEFAULT_
         _entmax_fwd_root_kernel[(n_rows,)](
             x, p, c, passes, alpha_t, n_cols, x.stride(0), p.stride(0), alpha_stride,
             float(tol), int(max_passes),
-            BLOCK=block, NBINS=NBINS, KIND=kind, num_warps=_num_warps(block), num_stages=1)
+            BLOCK=block, NBINS=nbins or _nbins(block), KIND=kind, num_warps=_num_warps(block), num_stages=1)
     return p, c, passes
 
 
@@ -484,9 +591,11 @@ def entmax_rowwise_threshold(x: torch.Tensor, alpha, method: str = "auto", tol: 
         t = alpha.to(torch.float32) - 1
     else:
         t = torch.full((n_rows,), float(alpha) - 1, dtype=torch.float32, device=x.device)
+    c = c.double().sum(-1)  # the pair, in float64 so that 1 − c keeps the low part
+    t = t.double()
     t_safe = torch.where(t == 0, torch.ones_like(t), t)
     mu = torch.where(t == 0, -torch.log(c), (1 - c) / t_safe)
-    return mu, passes
+    return mu.float(), passes
 
 
 def entmax_rowwise_backward(p: torch.Tensor, grad: torch.Tensor, alpha, need_alpha_grad: bool):
@@ -535,7 +644,7 @@ def aot_configs() -> list[dict]:
                                   "stride_p_row": "i32", "alpha_stride": "i32", "tol": "fp32",
                                   "max_passes": "i32", "BLOCK": "constexpr", "NBINS": "constexpr",
                                   "KIND": "constexpr"},
-                    "constexprs": {"BLOCK": block, "NBINS": NBINS, "KIND": kind},
+                    "constexprs": {"BLOCK": block, "NBINS": _nbins(block), "KIND": kind},
                     "num_warps": _num_warps(block), "num_stages": 1,
                 })
                 for need in (False, True):
