@@ -195,7 +195,7 @@ def _dropout_factors_kernel(out_ptr, seed_ptr, n_heads, seqlen_q, seqlen_k, drop
         for start_n in range(0, seqlen_k, BLOCK_N):
             o_n = start_n + tl.arange(0, BLOCK_N)
             b_drop = fwd_kernels._dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k,
-                                                dropout_p, BLOCK_M, BLOCK_N)
+                                                dropout_p, BLOCK_M, BLOCK_N, True)
             p_out = out_ptr + (pid_bh * seqlen_q + o_m[:, None]) * seqlen_k + o_n[None, :]
             tl.store(p_out, b_drop, mask=(o_m[:, None] < seqlen_q) & (o_n[None, :] < seqlen_k))
 

@@ -161,7 +161,7 @@ def attention_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is
         geo.head_e, geo.head_ev, float(scale), float(dropout_p), int(is_causal), int(need_grad),
         BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e, BLOCK_EV=geo.block_ev,
         ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind, IS_VARLEN=geo.varlen,
-        NUM_CAND=_fwd.NUM_CANDIDATES, num_warps=geo.num_warps, num_stages=geo.num_stages,
+        HAS_DROPOUT=dropout_p > 0.0, NUM_CAND=_fwd.NUM_CANDIDATES, num_warps=geo.num_warps, num_stages=geo.num_stages,
     )
     return out, stats, dvec, flags
 
@@ -197,7 +197,7 @@ def attention_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alp
         int(need_alpha_grad),
         BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e, BLOCK_EV=geo.block_ev,
         ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind, IS_VARLEN=geo.varlen,
-        num_warps=geo.num_warps, num_stages=geo.num_stages,
+        HAS_DROPOUT=dropout_p > 0.0, num_warps=geo.num_warps, num_stages=geo.num_stages,
     )
     _bwd.entmax_attn_bwd_dkdv_kernel[(geo.n_kblocks, geo.batch * geo.n_kv_heads)](
         q, k, v, do, dk, dv, stats, rows, flags, mask, alpha, seed, cu_q_arg, cu_k_arg,
@@ -208,7 +208,7 @@ def attention_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alp
         float(dropout_p), int(is_causal),
         BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e, BLOCK_EV=geo.block_ev,
         ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind, IS_VARLEN=geo.varlen,
-        num_warps=geo.num_warps, num_stages=geo.num_stages,
+        HAS_DROPOUT=dropout_p > 0.0, num_warps=geo.num_warps, num_stages=geo.num_stages,
     )
     if need_alpha_grad:
         dalpha_rows = rows[_bwd.ROW_DALPHA]

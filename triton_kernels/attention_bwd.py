@@ -15,15 +15,12 @@ Two kernels, each writing its outputs exactly once:
   dV, summing over the query heads of its group (GQA) in a fixed order.
 Both visit only the tiles the forward flagged as holding non-zero weight.
 """
-import itertools
-
 import triton
 import triton.language as tl
 
-from .attention_fwd import (_BLOCK_ES, _DTYPES, ALPHA_15, ALPHA_2, ALPHA_GENERAL,
-                            MASK_ADDITIVE, MASK_BOOL, MASK_NONE, _dropout_scale, _mask_type,
-                            _safe_log2,
-                            _score_from_kt, _score_tile, _sensitivity, _weights, block_sizes)
+from .attention_fwd import (_DTYPES, _config_space, _dot, _dropout_scale, _mask_type,
+                            _safe_log2, _score_from_kt, _score_tile, _sensitivity, _weights,
+                            block_sizes, config_suffix)
 
 # rows of the backward's per-row buffer
 ROW_DELTA, ROW_DALPHA = 0, 1
@@ -56,7 +53,7 @@ def entmax_attn_bwd_dq_kernel(
     scale, dropout_p, is_causal, need_alpha_grad,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_EV: tl.constexpr, ALPHA_KIND: tl.constexpr, MASK_KIND: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     """dQ for one query block; q, dq share strides, and o, do, dvec share strides."""
     pid_m = tl.program_id(0)
@@ -124,13 +121,13 @@ def entmax_attn_bwd_dq_kernel(
                            mask=(o_n[None, :] < k_len) & (o_ev[:, None] < head_ev),
                            other=0.0)  # [BEV, BN]
             b_drop = _dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
-                                    BLOCK_M, BLOCK_N)
-            b_g = tl.dot(b_do, b_vt, input_precision="ieee") * b_drop  # dL/dp [BM, BN]
+                                    BLOCK_M, BLOCK_N, HAS_DROPOUT)
+            b_g = _dot(b_do, b_vt) * b_drop  # dL/dp [BM, BN]
             b_dz = b_s * (b_g - b_delta[:, None])
             b_k = tl.load(p_k + o_n[:, None] * stride_kl + o_e[None, :],
                           mask=(o_n[:, None] < k_len) & (o_e[None, :] < head_e),
                           other=0.0)  # [BN, BE]
-            b_dq += tl.dot(b_dz.to(b_k.dtype), b_k, input_precision="ieee")
+            b_dq += _dot(b_dz.to(b_k.dtype), b_k)
             if need_alpha_grad != 0:
                 # h = -p log p with log p = log(d) / (alpha - 1) - log l
                 b_logp = (_safe_log2(b_d) * inv_am1 - tl.log2(b_l)[:, None]) * 0.6931471805599453
@@ -162,7 +159,7 @@ def entmax_attn_bwd_dkdv_kernel(
     scale, dropout_p, is_causal,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_EV: tl.constexpr, ALPHA_KIND: tl.constexpr, MASK_KIND: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     """dK, dV for one key block of one key/value head; k, dk and v, dv share strides."""
     pid_n = tl.program_id(0)
@@ -231,12 +228,11 @@ def entmax_attn_bwd_dkdv_kernel(
                                      q_len, k_len, scale, is_causal, BLOCK_N, MASK_KIND)
                 b_d, b_p, b_s = _row_weights(b_z, b_m, b_tau, b_l, am1, inv_am1, ALPHA_KIND)
                 b_drop = _dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
-                                        BLOCK_M, BLOCK_N)
-                b_g = tl.dot(b_do, b_vt, input_precision="ieee") * b_drop  # [BM, BN]
+                                        BLOCK_M, BLOCK_N, HAS_DROPOUT)
+                b_g = _dot(b_do, b_vt) * b_drop  # [BM, BN]
                 b_dz = b_s * (b_g - b_delta[:, None])
-                b_dv += tl.dot(tl.trans((b_p * b_drop).to(b_do.dtype)), b_do,
-                               input_precision="ieee")
-                b_dk += tl.dot(tl.trans(b_dz.to(b_q.dtype)), b_q, input_precision="ieee")
+                b_dv += _dot(tl.trans((b_p * b_drop).to(b_do.dtype)), b_do)
+                b_dk += _dot(tl.trans(b_dz.to(b_q.dtype)), b_q)
     tl.store(dk_ptr + k_off + o_n[:, None] * stride_kl + o_e[None, :],
              (b_dk * scale).to(dk_ptr.dtype.element_ty),
              mask=m_n[:, None] & (o_e[None, :] < head_e))
@@ -267,7 +263,7 @@ def dq_signature(dtype_key, mask_kind):
     sig.update({"scale": "fp32", "dropout_p": "fp32", "is_causal": "i32",
                 "need_alpha_grad": "i32"})
     for name in ("BLOCK_M", "BLOCK_N", "BLOCK_E", "BLOCK_EV", "ALPHA_KIND", "MASK_KIND",
-                 "IS_VARLEN"):
+                 "IS_VARLEN", "HAS_DROPOUT"):
         sig[name] = "constexpr"
     return sig
 
@@ -284,7 +280,7 @@ def dkdv_signature(dtype_key, mask_kind):
         sig[name] = "i32"
     sig.update({"scale": "fp32", "dropout_p": "fp32", "is_causal": "i32"})
     for name in ("BLOCK_M", "BLOCK_N", "BLOCK_E", "BLOCK_EV", "ALPHA_KIND", "MASK_KIND",
-                 "IS_VARLEN"):
+                 "IS_VARLEN", "HAS_DROPOUT"):
         sig[name] = "constexpr"
     return sig
 
@@ -292,16 +288,12 @@ def dkdv_signature(dtype_key, mask_kind):
 def aot_configs():
     """Every backward configuration the launcher in attention.py can choose."""
     configs = []
-    for dtype_key, block_e, alpha_kind, mask_kind, varlen in itertools.product(
-            _DTYPES, _BLOCK_ES, (ALPHA_GENERAL, ALPHA_15, ALPHA_2),
-            (MASK_NONE, MASK_BOOL, MASK_ADDITIVE), (False, True)):
-        if varlen and mask_kind != MASK_NONE:
-            continue
+    for dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout in _config_space():
         block_m, block_n, num_warps, num_stages = block_sizes(block_e)
         constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_E": block_e,
                       "BLOCK_EV": block_e, "ALPHA_KIND": alpha_kind, "MASK_KIND": mask_kind,
-                      "IS_VARLEN": int(varlen)}
-        suffix = f"{dtype_key}_e{block_e}_a{alpha_kind}_m{mask_kind}{'_varlen' if varlen else ''}"
+                      "IS_VARLEN": int(varlen), "HAS_DROPOUT": int(dropout)}
+        suffix = config_suffix(dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout)
         for name, fn, signature in (
                 ("dq", entmax_attn_bwd_dq_kernel, dq_signature(dtype_key, mask_kind)),
                 ("dkdv", entmax_attn_bwd_dkdv_kernel, dkdv_signature(dtype_key, mask_kind))):

@@ -78,7 +78,7 @@ def _score_from_kt(b_q, b_kt, p_mask_base, stride_mq, stride_mk, o_m, start_n, q
                    scale, is_causal, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr):
     """Scores from a loaded key block b_kt [BE, BN]; -inf outside the sequences/masks."""
     o_n = start_n + tl.arange(0, BLOCK_N)
-    b_z = tl.dot(b_q, b_kt, input_precision="ieee") * scale
+    b_z = _dot(b_q, b_kt) * scale
     m_valid = (o_n[None, :] < k_len) & (o_m[:, None] < q_len)
     # top-left aligned causal mask: query i sees keys j <= i
     # (without is_causal the limit lies past every key; integer arithmetic because the
@@ -93,6 +93,17 @@ def _score_from_kt(b_q, b_kt, p_mask_base, stride_mq, stride_mk, o_m, start_n, q
                         mask=m_valid, other=0.0).to(tl.float32)
         b_z = b_z + b_add
     return tl.where(m_valid, b_z, float("-inf"))
+
+
+@triton.jit
+def _dot(b_a, b_b):
+    """Tensor-core matmul with fp32 accumulation; fp32 operands use three TF32 products
+    (about fp32 accuracy) instead of the register-hungry FMA path of "ieee"."""
+    if b_a.dtype == tl.float32:
+        b_c = tl.dot(b_a, b_b, input_precision="tf32x3")
+    else:
+        b_c = tl.dot(b_a, b_b)
+    return b_c
 
 
 @triton.jit
@@ -127,13 +138,15 @@ def _sensitivity(b_d, inv_am1, ALPHA_KIND: tl.constexpr):
 
 @triton.jit
 def _dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """Per-weight factor 0 (dropped) or 1/(1-p) (kept); 1 without dropout. [BM, BN]
 
     The Philox offset is the weight's global index, so the backward regenerates the mask.
+    A compile-time switch: Philox's state costs registers that kernels without dropout
+    should not pay for.
     """
     b_drop = tl.full([BLOCK_M, BLOCK_N], 1.0, dtype=tl.float32)
-    if dropout_p > 0.0:
+    if HAS_DROPOUT:
         o_rand = (pid_bh.to(tl.int64) * seqlen_q + o_m[:, None]) * seqlen_k + o_n[None, :]
         b_drop = tl.where(tl.rand(seed, o_rand) >= dropout_p, 1.0 / (1.0 - dropout_p), 0.0)
     return b_drop
@@ -233,7 +246,7 @@ def entmax_attn_fwd_kernel(
     scale, dropout_p, is_causal, need_grad,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_EV: tl.constexpr, ALPHA_KIND: tl.constexpr, MASK_KIND: tl.constexpr,
-    IS_VARLEN: tl.constexpr, NUM_CAND: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr, NUM_CAND: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -321,12 +334,12 @@ def entmax_attn_fwd_kernel(
                            mask=(o_n[:, None] < k_len) & (o_ev[None, :] < head_ev),
                            other=0.0)  # [BN, BEV]
             b_drop = _dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
-                                    BLOCK_M, BLOCK_N)
-            b_acc += tl.dot((b_p * b_drop).to(b_vt.dtype), b_vt, input_precision="ieee")
+                                    BLOCK_M, BLOCK_N, HAS_DROPOUT)
+            b_acc += _dot((b_p * b_drop).to(b_vt.dtype), b_vt)
             if need_grad != 0:
                 b_s = _sensitivity(b_d, inv_am1, ALPHA_KIND)
                 b_ssum += tl.sum(b_s, 1)
-                b_dacc += tl.dot(b_s * b_drop, b_vt.to(tl.float32), input_precision="ieee")
+                b_dacc += _dot((b_s * b_drop).to(b_vt.dtype), b_vt)
                 # p log p = p * log(d) / (alpha - 1)
                 b_plogp += tl.sum(tl.where(b_d > 0, b_p * _safe_log2(b_d), 0.0), 1) * (
                     inv_am1 * 0.6931471805599453)
@@ -377,26 +390,37 @@ def fwd_signature(dtype_key, mask_kind):
         sig[name] = "i32"
     sig.update({"scale": "fp32", "dropout_p": "fp32", "is_causal": "i32", "need_grad": "i32"})
     for name in ("BLOCK_M", "BLOCK_N", "BLOCK_E", "BLOCK_EV", "ALPHA_KIND", "MASK_KIND",
-                 "IS_VARLEN", "NUM_CAND"):
+                 "IS_VARLEN", "HAS_DROPOUT", "NUM_CAND"):
         sig[name] = "constexpr"
     return sig
+
+
+def _config_space():
+    """(dtype, BLOCK_E, ALPHA_KIND, MASK_KIND, varlen, dropout) the launchers can choose;
+    the packed varlen form takes no attn_mask."""
+    for dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout in itertools.product(
+            _DTYPES, _BLOCK_ES, (ALPHA_GENERAL, ALPHA_15, ALPHA_2),
+            (MASK_NONE, MASK_BOOL, MASK_ADDITIVE), (False, True), (False, True)):
+        if not (varlen and mask_kind != MASK_NONE):
+            yield dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout
+
+
+def config_suffix(dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout):
+    return (f"{dtype_key}_e{block_e}_a{alpha_kind}_m{mask_kind}{'_varlen' if varlen else ''}"
+            f"{'_dropout' if dropout else ''}")
 
 
 def aot_configs():
     """Every forward configuration the launcher in attention.py can choose."""
     configs = []
-    for dtype_key, block_e, alpha_kind, mask_kind, varlen in itertools.product(
-            _DTYPES, _BLOCK_ES, (ALPHA_GENERAL, ALPHA_15, ALPHA_2),
-            (MASK_NONE, MASK_BOOL, MASK_ADDITIVE), (False, True)):
-        if varlen and mask_kind != MASK_NONE:
-            continue
+    for dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout in _config_space():
         block_m, block_n, num_warps, num_stages = block_sizes(block_e)
         constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_E": block_e,
                       "BLOCK_EV": block_e, "ALPHA_KIND": alpha_kind, "MASK_KIND": mask_kind,
-                      "IS_VARLEN": int(varlen), "NUM_CAND": NUM_CANDIDATES}
+                      "IS_VARLEN": int(varlen), "HAS_DROPOUT": int(dropout),
+                      "NUM_CAND": NUM_CANDIDATES}
         configs.append({
-            "name": f"entmax_attn_fwd_{dtype_key}_e{block_e}_a{alpha_kind}_m{mask_kind}"
-                    f"{'_varlen' if varlen else ''}",
+            "name": f"entmax_attn_fwd_{config_suffix(dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout)}",
             "fn": entmax_attn_fwd_kernel,
             "signature": fwd_signature(dtype_key, mask_kind),
             "constexprs": constexprs,
