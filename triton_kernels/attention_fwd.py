@@ -53,8 +53,6 @@ def block_sizes(block_e):
     Shared by forward and backward: the tile flags written by the forward are read by the
     backward, so both must tile the same way.
     """
-    if block_e <= 64:
-        return 64, 64, 8, 2
     if block_e <= 128:
         return 64, 32, 8, 2
     return 32, 32, 8, 1
@@ -155,14 +153,14 @@ def _dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
 @triton.jit
 def _candidate_pass(b_q, p_k_base, stride_kl, p_mask_base, stride_mq, stride_mk,
                     o_m, q_len, k_len, kv_end, head_e, scale, is_causal,
-                    b_m, am1, inv_am1, b_lo, b_hi, b_fhi, b_has_fhi,
+                    b_m, am1, inv_am1, b_lo, b_hi, b_fhi, b_fphi, b_has_fhi,
                     p_flags, record_flags, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, MASK_KIND: tl.constexpr,
                     ALPHA_KIND: tl.constexpr, NUM_CAND: tl.constexpr):
     """One dense pass evaluating f, f', f'' at NUM_CAND points of [lo, hi) per row.
 
-    Returns the new bracket (lo, hi, f(hi), whether f(hi) is known) and the Halley
-    estimate of tau. With record_flags, writes one int8 per key block: does any score of
+    Returns the new bracket (lo, hi, f(hi), f'(hi), whether they are known) and the
+    Halley estimate of tau. With record_flags, writes one int8 per key block: does any score of
     the tile lie above lo (a lower bound of tau)?
     """
     o_c = tl.arange(0, NUM_CAND)
@@ -213,11 +211,17 @@ def _candidate_pass(b_q, p_k_base, stride_kl, p_mask_base, stride_mq, stride_mk,
     m_has_r = (b_il + 1) < NUM_CAND
     b_right = tl.where(m_has_r, b_left + b_step, b_hi)
     b_fr = tl.where(m_has_r, tl.sum(tl.where(m_r, b_f, 0.0), 1), b_fhi)
+    b_fpr = tl.where(m_has_r, tl.sum(tl.where(m_r, b_fp, 0.0), 1), b_fphi)
     m_has_fr = m_has_r | (b_has_fhi != 0)
-    # convexity: Newton from the left stays left of the root, the secant lands right of it
+    # convexity: Newton steps from either end land left of the root, the secant right of
+    # it; for piecewise-linear f (alpha = 2) one of the two Newton steps is exact when at
+    # most one score lies between the ends
     m_newton = b_fpl < 0
     b_newton = tl.where(m_newton, b_left - b_fl / tl.where(m_newton, b_fpl, -1.0), b_left)
-    b_new_lo = tl.maximum(b_left, tl.minimum(b_newton, b_right))
+    m_newton_r = m_has_fr & (b_fpr < 0) & (b_fr <= 0)
+    b_newton_r = tl.where(m_newton_r, b_right - b_fr / tl.where(m_newton_r, b_fpr, -1.0),
+                          b_left)
+    b_new_lo = tl.maximum(b_left, tl.minimum(tl.maximum(b_newton, b_newton_r), b_right))
     m_secant = m_has_fr & (b_fl - b_fr > 0)
     b_secant = tl.where(m_secant, b_left + b_fl * (b_right - b_left) /
                         tl.where(m_secant, b_fl - b_fr, 1.0), b_right)
@@ -229,7 +233,7 @@ def _candidate_pass(b_q, p_k_base, stride_kl, p_mask_base, stride_mq, stride_mk,
     b_halley = b_left - 2.0 * b_fl * b_fpl / tl.where(m_halley, b_den, 1.0)
     b_tau = tl.where(m_halley & (b_halley == b_halley),
                      tl.minimum(tl.maximum(b_halley, b_new_lo), b_new_hi), b_new_lo)
-    return b_new_lo, b_new_hi, b_fr, b_new_has_fhi, b_tau
+    return b_new_lo, b_new_hi, b_fr, b_fpr, b_new_has_fhi, b_tau
 
 
 @triton.jit
@@ -302,14 +306,15 @@ def entmax_attn_fwd_kernel(
     b_lo = tl.full([BLOCK_M], -1.0, dtype=tl.float32)
     b_hi = -tl.exp2((1.0 - alpha) * tl.log2(tl.maximum(b_n, 1.0)))
     b_fhi = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_fphi = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_has_fhi = tl.zeros([BLOCK_M], dtype=tl.int32)
-    b_lo, b_hi, b_fhi, b_has_fhi, b_tau = _candidate_pass(
+    b_lo, b_hi, b_fhi, b_fphi, b_has_fhi, b_tau = _candidate_pass(
         b_q, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, q_len, k_len, kv_end,
-        head_e, scale, is_causal, b_m, am1, inv_am1, b_lo, b_hi, b_fhi, b_has_fhi,
+        head_e, scale, is_causal, b_m, am1, inv_am1, b_lo, b_hi, b_fhi, b_fphi, b_has_fhi,
         p_flags, 0, BLOCK_M, BLOCK_N, BLOCK_E, MASK_KIND, ALPHA_KIND, NUM_CAND)
-    b_lo, b_hi, b_fhi, b_has_fhi, b_tau = _candidate_pass(
+    b_lo, b_hi, b_fhi, b_fphi, b_has_fhi, b_tau = _candidate_pass(
         b_q, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, q_len, k_len, kv_end,
-        head_e, scale, is_causal, b_m, am1, inv_am1, b_lo, b_hi, b_fhi, b_has_fhi,
+        head_e, scale, is_causal, b_m, am1, inv_am1, b_lo, b_hi, b_fhi, b_fphi, b_has_fhi,
         p_flags, 1, BLOCK_M, BLOCK_N, BLOCK_E, MASK_KIND, ALPHA_KIND, NUM_CAND)
     # the flags written above are read back by other threads of this program
     tl.debug_barrier()
