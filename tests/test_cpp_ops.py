@@ -235,6 +235,24 @@ def test_attention_backward_matches_reference(dtype, atol, alpha, mask_kind, b, 
         assert torch.equal(grads[0][0][:, :, 0], torch.zeros_like(grads[0][0][:, :, 0]))
 
 
+@pytest.mark.parametrize("dtype,atol", [pytest.param(torch.float16, 4e-3, id="f16"),
+                                        pytest.param(torch.bfloat16, 3e-2, id="bf16")])
+def test_attention_backward_low_precision_vs_reference_float32(dtype, atol):
+    """fp16/bf16 are computed in float32 inside: gradients match the float32 reference run on
+    the same rounded inputs up to the output rounding of the dtype."""
+    q, k, v, mask, causal = _att_inputs(2, 4, 2, 37, 70, 16, 19, "bool+causal", dtype)
+    go = torch.randn(2, 4, 37, 19).to(dtype)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    mine = torch.autograd.grad(cpp_ops.entmax_attention_cpp(*leaves, attn_mask=mask, is_causal=causal,
+                                                            enable_gqa=True), leaves, go)
+    leaves32 = [t.float().requires_grad_() for t in (q, k, v)]
+    ref = torch.autograd.grad(reference_attention(*leaves32, attn_mask=mask, is_causal=causal, enable_gqa=True),
+                              leaves32, go.float())
+    for name, a, b in zip(("dq", "dk", "dv"), mine, ref):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.float(), b, atol=atol * max(1.0, b.abs().max().item()), rtol=0, msg=name)
+
+
 @pytest.mark.parametrize("mask_kind", ["none", "causal", "bool"])
 def test_attention_gradcheck_all_inputs_per_head_alpha(mask_kind):
     q, k, v, mask, causal = _att_inputs(1, 4, 2, 5, 6, 3, 2, mask_kind, torch.float64)
