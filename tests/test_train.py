@@ -10,7 +10,8 @@ import torch
 from entmax_fast import train
 
 TINY = ["--steps", "3", "--pairs", "4", "--queries", "2", "--keys", "8", "--values", "4", "--d-model", "8",
-        "--heads", "2", "--layers", "1", "--batch", "4", "--eval-batch", "8", "--no-progress"]
+        "--heads", "2", "--layers", "1", "--batch", "4", "--eval-batch", "8", "--long-pairs", "7",
+        "--no-progress"]
 
 
 def test_recall_batch_targets_are_the_queried_values():
@@ -44,7 +45,7 @@ def test_main_tiny_run_is_deterministic_and_writes_heatmaps(tmp_path, capsys):
     second = train.main(TINY + ["--out", str(tmp_path / "b")])
     printed = capsys.readouterr().out
     assert [r["attention"] for r in first["rows"]] == ["softmax", "sparsemax", "entmax15", "learned"]
-    assert "wall time" in printed and "mean support" in printed
+    assert "wall time" in printed and "mean support" in printed and "accuracy @7 pairs" in printed
     without_timing = lambda rows: [{k: v for k, v in r.items() if k != "ms/step"} for r in rows]  # noqa: E731
     assert without_timing(first["rows"]) == without_timing(second["rows"])
     for label, r in first["results"].items():
@@ -87,6 +88,7 @@ def test_heatmaps_without_matplotlib(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.parametrize("argv,message", [
     pytest.param(["--keys", "3", "--pairs", "4"], "--keys must be >= --pairs", id="keys"),
+    pytest.param(["--keys", "30", "--long-pairs", "40"], "--keys must be >= --long-pairs", id="long_pairs"),
     pytest.param(["--queries", "5", "--pairs", "4"], "--queries must be <= --pairs", id="queries"),
     pytest.param(["--d-model", "10", "--heads", "4"], "--d-model must be divisible", id="heads"),
 ])
