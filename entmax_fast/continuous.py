@@ -146,22 +146,25 @@ def _normal_mass(lo: Tensor, hi: Tensor) -> Tensor:
     )
 
 
-def _series_moments(coeffs: Tensor, num_terms: int) -> Tensor:
-    """[n, p] = integral_{-1}^{1} P_p(y) y^n dy."""
-    degree = coeffs.shape[-1] - 1
-    k = torch.arange(degree + 1, dtype=coeffs.dtype, device=coeffs.device)
-    n = torch.arange(num_terms, dtype=coeffs.dtype, device=coeffs.device)
-    total = n[:, None] + k[None, :]  # [T, D+1]
-    power_integral = torch.where(total.remainder(2) == 0, 2.0 / (total + 1.0), torch.zeros_like(total))
-    return power_integral @ coeffs.T  # [T, P]
+def _series_coefficients(polys: Sequence[Sequence[float]], num_terms: int):
+    """[n][p] = integral_{-1}^{1} P_p(y) y^n dy / n!, as Python floats (host constants)."""
+    table = []
+    for n in range(num_terms):
+        row = []
+        for poly in polys:
+            total = sum(c * 2.0 / (n + k + 1) for k, c in enumerate(poly) if (n + k) % 2 == 0)
+            row.append(total / math.factorial(n))
+        table.append(row)
+    return table
 
 
-def _poly_gauss_integrals(coeffs: Tensor, z: Tensor, h: Tensor) -> Tensor:
+def _poly_gauss_integrals(polys: Sequence[Sequence[float]], z: Tensor, h: Tensor) -> Tensor:
     """integral_{-1}^{1} P_p(y) phi(z + h y) dy for every polynomial p.
 
-    coeffs: [P, D+1] ascending powers of y. z, h: same shape S, h > 0. Returns S + [P].
+    polys: P lists of ascending coefficients in y (equal lengths D+1). z, h: same shape S,
+    h > 0. Returns S + [P].
     """
-    degree = coeffs.shape[-1] - 1
+    degree = len(polys[0]) - 1
     use_series = h * (z.abs() + 5.0) <= _SERIES_RADIUS
     h_closed = torch.where(use_series, torch.ones_like(h), h)  # keeps the unused branch finite
 
@@ -171,33 +174,39 @@ def _poly_gauss_integrals(coeffs: Tensor, z: Tensor, h: Tensor) -> Tensor:
     moments = [_normal_mass(lo, hi), pdf_lo - pdf_hi]
     for j in range(2, degree + 1):
         moments.append((j - 1) * moments[j - 2] + lo ** (j - 1) * pdf_lo - hi ** (j - 1) * pdf_hi)
-    closed_y_moments = []
+    neg_z = -z
+    closed = [torch.zeros_like(z) for _ in polys]
     for k in range(degree + 1):
-        acc = torch.zeros_like(z)
-        for j in range(k + 1):
-            acc = acc + math.comb(k, j) * (-z) ** (k - j) * moments[j]
-        closed_y_moments.append(acc / h_closed ** (k + 1))
-    closed = torch.stack(closed_y_moments, dim=-1) @ coeffs.T  # S + [P]
+        y_moment = moments[k].clone()
+        for j in range(k):
+            y_moment += math.comb(k, j) * neg_z ** (k - j) * moments[j]
+        y_moment /= h_closed ** (k + 1)
+        for acc, poly in zip(closed, polys):
+            if poly[k] != 0.0:
+                acc.add_(y_moment, alpha=poly[k])
 
-    # series: phi(z + hy) = phi(z) sum_n (-h y)^n He_n(z) / n!, accumulated term by term
-    # (He_{n+1} = z He_n - n He_{n-1}) so memory stays at S + [P]
-    moments_y = _series_moments(coeffs, _SERIES_TERMS)  # [T, P]
-    series = torch.zeros_like(closed)
-    he_prev, he_n = torch.zeros_like(z), torch.ones_like(z)
-    scale = torch.ones_like(h)
-    for n in range(_SERIES_TERMS):
-        series = series + (scale * he_n)[..., None] * moments_y[n]
-        he_prev, he_n = he_n, z * he_n - n * he_prev
-        scale = scale * (-h) / (n + 1)
-    series = series * _normal_pdf(z)[..., None]
-    return torch.where(use_series[..., None], series, closed)
+    # series: phi(z + hy) = phi(z) sum_n y^n t_n / n!, t_n = (-h)^n He_n(z), computed as
+    # t_{n+1} = u t_n - n h^2 t_{n-1} with u = -h z (bounded by the branch condition, so no
+    # overflow even where phi(z) underflows); the unused branch is zeroed for the same reason
+    u = torch.where(use_series, -h * z, torch.zeros_like(z))
+    h_sq = torch.where(use_series, h * h, torch.zeros_like(h))
+    series = [torch.zeros_like(z) for _ in polys]
+    t_prev, t_cur = torch.zeros_like(z), torch.ones_like(z)
+    for n, row in enumerate(_series_coefficients(polys, _SERIES_TERMS)):
+        for acc, coefficient in zip(series, row):
+            if coefficient != 0.0:
+                acc.add_(t_cur, alpha=coefficient)
+        t_prev, t_cur = t_cur, torch.addcmul(u * t_cur, h_sq, t_prev, value=-n)
+    pdf_z = _normal_pdf(z)
+    out = [torch.where(use_series, s_p * pdf_z, c_p) for s_p, c_p in zip(series, closed)]
+    return torch.stack(out, dim=-1)
 
 
 # ------------------------------------------------------------------------------ 1-D
 
 
-def _family_1d(density: str, device, dtype):
-    """(a = scale * sigma_sq^power, weight w(y) on [-1, 1], -w'(y), -(w + y w'(y)))."""
+def _family_1d(density: str):
+    """(a = scale * sigma_sq^power, polynomials [w(y) on [-1, 1], -w'(y), -(w + y w'(y))])."""
     if density == "sparsemax":
         scale, power = 1.5 ** (1.0 / 3.0), 1.0 / 3.0
         rows = [[0.75, 0.0, -0.75], [0.0, 1.5, 0.0], [-0.75, 0.0, 2.25]]
@@ -207,7 +216,7 @@ def _family_1d(density: str, device, dtype):
         rows = [[c, 0.0, -2 * c, 0.0, c], [0.0, 4 * c, 0.0, -4 * c, 0.0], [-c, 0.0, 6 * c, 0.0, -5 * c]]
     else:
         raise ValueError(f"density must be one of {_DENSITIES_1D}, got {density!r}")
-    return scale, power, torch.tensor(rows, dtype=dtype, device=device)
+    return scale, power, rows
 
 
 class _ContinuousExpectation1d(torch.autograd.Function):
@@ -230,13 +239,13 @@ class _ContinuousExpectation1d(torch.autograd.Function):
             d_mu = -diff / total_var * expectation
             d_sigma_sq = expectation * (0.5 * diff * diff / total_var - 0.5) / total_var
         else:
-            scale, power, coeffs = _family_1d(density, mu.device, work)
+            scale, power, polys = _family_1d(density)
             sd = torch.sqrt(v)
             a = scale * s2_w**power  # [..., 1]
             z = (mu_w - m) / sd  # [..., N]
             h = a / sd
             z, h = torch.broadcast_tensors(z, h)
-            integrals = _poly_gauss_integrals(coeffs, z, h)  # [..., N, 3]
+            integrals = _poly_gauss_integrals(polys, z, h)  # [..., N, 3]
             expectation = integrals[..., 0] / sd
             d_mu = integrals[..., 1] / (sd * a)
             d_sigma_sq = integrals[..., 2] * (power / s2_w) / sd
@@ -654,8 +663,7 @@ class _ContinuousSparsemax2d(torch.autograd.Function):
         z = (length * rho / 2 + along / length) / sd
         h = (length * rho / 2 / sd).expand_as(z)
         prefactor = torch.exp(-0.5 * perp_sq / v) / (math.sqrt(2 * math.pi) * v)
-        coeffs = torch.tensor(_RADIAL_POLYS, dtype=work, device=mu.device)
-        radial = _poly_gauss_integrals(coeffs, z, h) * prefactor[..., None]  # [..., N, K, 3]
+        radial = _poly_gauss_integrals(_RADIAL_POLYS, z, h) * prefactor[..., None]  # [..., N, K, 3]
         half = rho[..., None] / 2
         radial = radial * torch.stack([half**2, half**3, half**4], -1)[..., 0, :]
         step = det_l * (2 * math.pi / num_angles)  # [..., 1, 1]

@@ -148,12 +148,14 @@ def expected_basis_2d(
             weight = (radius[b] ** 2 - r**2) / 2 * det_chol[b]
         # t = mu + L (r e): [K, Q, 2]
         offsets = (direction @ chol[b].T)[:, None, :] * r[None, :, None]
-        t = mu[b] + offsets
-        for j in range(m.shape[0]):
-            psi = torch.exp(-0.5 * ((t - m[j]) ** 2).sum(-1) / v[j]) / (2 * math.pi * v[j])  # [K, Q]
-            acc_j = (psi * (weight * r * wr)).sum(-1).sum(-1) * (2 * math.pi / angles)
-            out.append(acc_j)
-    return torch.stack(out).reshape(mu.shape[0], m.shape[0])
+        t = (mu[b] + offsets).reshape(-1, 2)  # [K*Q, 2]
+        node_weight = (weight * r * wr).repeat(angles) * (2 * math.pi / angles)  # [K*Q]
+        chunk = max(1, 2**22 // t.shape[0])
+        for j in range(0, m.shape[0], chunk):
+            sq_dist = ((t[:, None, :] - m[None, j : j + chunk]) ** 2).sum(-1)  # [K*Q, chunk]
+            psi = torch.exp(-0.5 * sq_dist / v[j : j + chunk]) / (2 * math.pi * v[j : j + chunk])
+            out.append(node_weight @ psi)
+    return torch.cat(out).reshape(mu.shape[0], m.shape[0])
 
 
 def fit_matrix(length: int, centers: Tensor, variances: Tensor, ridge: float) -> Tensor:
