@@ -112,7 +112,8 @@ def entmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
         scale = 1.0 / math.sqrt(query.shape[-1])
     options = {"alpha": alpha if isinstance(alpha, float) else "tensor", "dropout_p": float(dropout_p),
                "head_dim": max(query.shape[-1], value.shape[-1]), "is_causal": bool(is_causal),
-               "mask": None if attn_mask is None else attn_mask.dtype}
+               "mask": None if attn_mask is None else attn_mask.dtype,
+               "mask_requires_grad": attn_mask is not None and attn_mask.requires_grad}
     implementation, _ = dispatch.select("attention", dispatch.Request(query.device, query.dtype, options))
     return implementation(query, key, value, attn_mask=attn_mask, dropout_p=float(dropout_p),
                           is_causal=bool(is_causal), scale=float(scale), enable_gqa=bool(enable_gqa), alpha=alpha)

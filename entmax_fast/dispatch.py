@@ -268,6 +268,8 @@ def _cpp_attention_supports(request: Request) -> Optional[str]:
     why_not = _cpp_supports_float_types(request)
     if why_not is None and request.options.get("dropout_p", 0.0) > 0:
         return "the C++ attention has no dropout"
+    if why_not is None and request.options.get("mask_requires_grad"):
+        return "the C++ attention gives no gradient to a float attn_mask"
     return why_not
 
 

@@ -116,3 +116,10 @@ def test_scores_are_never_materialised_for_the_whole_batch(monkeypatch):
     q.requires_grad_()
     ref.entmax_attention(q, k, v, alpha=1.5, chunk_elements=1024).sum().backward()
     assert max(biggest) <= 1024 < 2 * 2 * 64 * 64
+
+
+def test_float_mask_gradient_through_public_function():
+    """A float mask that requires grad gets one, whichever backend the default picks."""
+    q, k, v = _qkv(1, 2, 4, 6, 3)
+    mask = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda m: entmax_fast.entmax_attention(q, k, v, attn_mask=m, alpha=1.5), (mask,))
