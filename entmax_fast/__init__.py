@@ -12,6 +12,7 @@ from .losses import (Entmax15Loss, EntmaxBisectLoss, NormmaxBisectLoss, Sparsema
                      entmax15_loss, entmax_bisect_loss, normmax_bisect_loss, sparsemax_bisect_loss, sparsemax_loss)
 from .mappings import budget_bisect, entmax15, entmax_bisect, normmax_bisect, sparsemax, sparsemax_bisect
 from .nn import BudgetBisect, Entmax15, EntmaxBisect, NormmaxBisect, Sparsemax, SparsemaxBisect
+from .structured import Fusedmax, Oscarmax, fusedmax, fusedmax_attention, oscarmax, oscarmax_attention
 
 __version__ = "0.1.0"
 
@@ -21,6 +22,7 @@ __all__ = [
     "sparsemax_loss", "entmax15_loss", "sparsemax_bisect_loss", "entmax_bisect_loss", "normmax_bisect_loss",
     "SparsemaxLoss", "Entmax15Loss", "SparsemaxBisectLoss", "EntmaxBisectLoss", "NormmaxBisectLoss",
     "entmax_attention", "sparsemax_attention",
+    "fusedmax", "oscarmax", "fusedmax_attention", "oscarmax_attention", "Fusedmax", "Oscarmax",
     "backend_info", "use_backend",
 ]
 

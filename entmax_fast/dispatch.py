@@ -253,6 +253,12 @@ def _cpp_supports_float_types(request: Request) -> Optional[str]:
     return None
 
 
+def _cpp_structured_supports(request: Request) -> Optional[str]:
+    from .structured import cpp_structured_supports
+
+    return cpp_structured_supports(request)
+
+
 def _triton_attention_supports(request: Request) -> Optional[str]:
     if request.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"the fused kernels take float32/float16/bfloat16, got {request.dtype}"
@@ -280,6 +286,10 @@ register("entmax", "cpp", ".cpp_ops", ("entmax_rowwise_forward", "entmax_rowwise
          _cpp_supports_float_types)
 register("normmax", "reference", ".reference.normmax_budget", ("normmax_forward", "normmax_backward"))
 register("budget", "reference", ".reference.normmax_budget", ("budget_forward", "budget_backward"))
+register("fusedmax", "reference", ".reference.structured", "fusedmax")
+register("fusedmax", "cpp", ".structured", "fusedmax_cpp", lambda request: _cpp_structured_supports(request))
+register("oscarmax", "reference", ".reference.structured", "oscarmax")
+register("oscarmax", "cpp", ".structured", "oscarmax_cpp", lambda request: _cpp_structured_supports(request))
 register("attention", "reference", ".reference.attention", "entmax_attention")
 register("attention", "triton", ".triton_kernels.attention", "entmax_attention_triton",
          _triton_attention_supports)

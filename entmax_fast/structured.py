@@ -10,8 +10,9 @@ weights anywhere. lam = 0 / beta = 0 give sparsemax; a large lam gives the unifo
 distribution over the valid positions. MATH.md §4 has the algorithms and the backward.
 
 Backends: the C++ operators of ``entmax_fast._C`` (CPU; CUDA where the extension was built
-with CUDA) or the plain-torch reference. :func:`structured_backend` says which one a tensor
-gets and why; :func:`last_backend` says which one the last call of an op used.
+with CUDA) or the plain-torch reference, chosen by the dispatch registry (ops "fusedmax" and
+"oscarmax"). :func:`structured_backend` says which one a tensor gets and why;
+:func:`last_backend` says which one the last call of an op used.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import math
 
 import torch
 
+from . import dispatch
 from .reference import structured as _reference
 
 __all__ = [
@@ -33,7 +35,6 @@ __all__ = [
 ]
 
 _OP_NAMES = ("fusedmax_forward", "fusedmax_backward", "oscarmax_forward", "oscarmax_backward")
-_LAST: dict[str, tuple[str, str]] = {}
 
 
 # ---------------------------------------------------------------------------------------
@@ -100,19 +101,39 @@ def _extension_status() -> tuple[bool, str, frozenset]:
     return _EXTENSION
 
 
-def structured_backend(X: torch.Tensor) -> tuple[str, str]:
-    """The backend ("cpp" or "reference") that fusedmax/oscarmax use for ``X``, and why."""
-    loaded, reason, devices = _extension_status()
-    if not loaded:
-        return "reference", f"C++ operators unavailable: {reason}"
-    if X.device.type not in devices:
-        return "reference", f"entmax_fast._C has no structured kernel for device {X.device.type!r}"
-    return "cpp", f"C++ {X.device.type.upper()} operator"
+def structured_backend(X: torch.Tensor, op: str = "fusedmax") -> tuple[str, str]:
+    """The backend ("cpp" or "reference") that ``op`` ("fusedmax"/"oscarmax") uses for
+    ``X``, and why (the choice is the dispatch registry's)."""
+    _, choice = dispatch.select(op, dispatch.Request(X.device, X.dtype, {}))
+    return choice.backend, choice.reason
 
 
 def last_backend(op: str = "fusedmax") -> tuple[str, str] | None:
     """(backend, reason) of the last call of ``op`` ("fusedmax" or "oscarmax"), or None."""
-    return _LAST.get(op)
+    choice = dispatch.last_choice(op)
+    return None if choice is None else (choice.backend, choice.reason)
+
+
+def cpp_structured_supports(request) -> str | None:
+    """Why the C++ structured operators cannot run ``request`` (None when they can)."""
+    loaded, reason, devices = _extension_status()
+    if not loaded:
+        return f"C++ operators unavailable: {reason}"
+    if request.device.type not in devices:
+        return f"entmax_fast._C has no structured kernel for device {request.device.type!r}"
+    return None
+
+
+def _cpp_mapping(op_name: str):
+    def run(X: torch.Tensor, reg: float, dim: int = -1, lengths=None) -> torch.Tensor:
+        Z = X.movedim(dim, -1).to(_compute_dtype(X.dtype)).contiguous()
+        p, _ = getattr(torch.ops.entmax_fast, op_name)(Z, reg, lengths)
+        return p.to(X.dtype).movedim(-1, dim)
+    return run
+
+
+fusedmax_cpp = _cpp_mapping("fusedmax_forward")
+oscarmax_cpp = _cpp_mapping("oscarmax_forward")
 
 
 # ---------------------------------------------------------------------------------------
@@ -122,18 +143,13 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _structured(name: str, X, reg, reg_name: str, dim: int, lengths, op_name: str, reference_fn):
+def _structured(name: str, X, reg, reg_name: str, dim: int, lengths):
     # Value checks (NaN/+inf, lengths range) run inside the operators, on the CPU; on CUDA
     # they would need a host sync, so there a NaN input gives NaN weights and lengths are
     # clamped to [0, n].
     _reference.check_mapping_args(name, X, reg, reg_name, dim, lengths, check_values=False)
-    backend, reason = structured_backend(X)
-    _LAST[name] = (backend, reason)
-    if backend == "reference":
-        return reference_fn(X, float(reg), dim=dim, lengths=lengths)
-    Z = X.movedim(dim, -1).to(_compute_dtype(X.dtype)).contiguous()
-    p, _ = getattr(torch.ops.entmax_fast, op_name)(Z, float(reg), lengths)
-    return p.to(X.dtype).movedim(-1, dim)
+    implementation, _ = dispatch.select(name, dispatch.Request(X.device, X.dtype, {}))
+    return implementation(X, float(reg), dim=dim, lengths=lengths)
 
 
 def fusedmax(X: torch.Tensor, lam: float = 1.0, dim: int = -1, lengths: torch.Tensor | None = None) -> torch.Tensor:
@@ -155,7 +171,7 @@ def fusedmax(X: torch.Tensor, lam: float = 1.0, dim: int = -1, lengths: torch.Te
     Returns: weights of X's shape and dtype, summing to 1 over each slice with a valid
     position (0 where no position is valid).
     """
-    return _structured("fusedmax", X, lam, "lam", dim, lengths, "fusedmax_forward", _reference.fusedmax)
+    return _structured("fusedmax", X, lam, "lam", dim, lengths)
 
 
 def oscarmax(X: torch.Tensor, beta: float = 1.0, dim: int = -1, lengths: torch.Tensor | None = None) -> torch.Tensor:
@@ -167,7 +183,7 @@ def oscarmax(X: torch.Tensor, beta: float = 1.0, dim: int = -1, lengths: torch.T
     Differentiable in X (not in beta). Arguments as :func:`fusedmax`, with ``beta`` >= 0
     (0 gives sparsemax).
     """
-    return _structured("oscarmax", X, beta, "beta", dim, lengths, "oscarmax_forward", _reference.oscarmax)
+    return _structured("oscarmax", X, beta, "beta", dim, lengths)
 
 
 # ---------------------------------------------------------------------------------------
