@@ -239,6 +239,10 @@ def save_heatmaps(results: dict, config: Config, out_dir: str) -> list:
             paths.append(path)
         print(f"matplotlib is not installed: wrote grey-scale heat-maps (dark = high weight) {paths}")
         return paths
+    import numpy
+
+    colormap = matplotlib.colormaps["viridis"].copy()
+    colormap.set_bad("white")  # exact zeros, the entries sparse attention drops
     fig, axes = plt.subplots(len(labels), config.heads, figsize=(2.6 * config.heads, 1.3 * len(labels) + 0.6),
                              squeeze=False)
     for row, label in enumerate(labels):
@@ -246,14 +250,16 @@ def save_heatmaps(results: dict, config: Config, out_dir: str) -> list:
         alphas = results[label]["alpha"][-1]
         for head in range(config.heads):
             ax = axes[row][head]
-            ax.imshow(weights[head, config.pairs:].numpy(), aspect="auto", cmap="viridis", vmin=0, vmax=1,
+            panel = weights[head, config.pairs:].numpy()
+            ax.imshow(numpy.ma.masked_equal(panel, 0.0), aspect="auto", cmap=colormap, vmin=0, vmax=1,
                       interpolation="nearest")
-            ax.axvline(config.pairs - 0.5, color="white", linewidth=0.8)
+            ax.axvline(config.pairs - 0.5, color="black", linewidth=0.8)
             alpha_text = "" if alphas[head] is None else f" α={alphas[head]:.2f}"
             ax.set_title(f"{label} h{head}{alpha_text}", fontsize=8)
             ax.set_xticks([])
             ax.set_yticks([])
-    fig.suptitle("Last-layer attention of the queries (x: pair tokens | query tokens)", fontsize=9)
+    fig.suptitle("Last-layer attention of the queries (x: pair tokens | query tokens; white = exactly 0)",
+                 fontsize=9)
     fig.tight_layout()
     path = os.path.join(out_dir, "attention_heatmaps.png")
     fig.savefig(path, dpi=110)
