@@ -241,8 +241,7 @@ def save_heatmaps(results: dict, config: Config, out_dir: str) -> list:
         return paths
     import numpy
 
-    colormap = matplotlib.colormaps["viridis"].copy()
-    colormap.set_bad("white")  # exact zeros, the entries sparse attention drops
+    colormap = matplotlib.colormaps["viridis"].with_extremes(bad="white")  # exact zeros, dropped keys
     fig, axes = plt.subplots(len(labels), config.heads, figsize=(2.6 * config.heads, 1.3 * len(labels) + 0.6),
                              squeeze=False)
     for row, label in enumerate(labels):
