@@ -225,8 +225,6 @@ class _ContinuousExpectation1d(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mu, sigma_sq, centers, variances, density):
         out_dtype = torch.promote_types(mu.dtype, sigma_sq.dtype)
-        if out_dtype in (torch.float16, torch.bfloat16):
-            out_dtype = torch.float32
         work = _compute_dtype(mu.device)
         mu_w = mu.to(work)[..., None]  # [..., 1]
         s2_w = sigma_sq.to(work)[..., None]
@@ -277,7 +275,7 @@ def continuous_density(density: str, mu: Tensor, sigma_sq: Tensor, basis_centers
         basis_centers, basis_variances: ``[N]`` Gaussian RBFs ``psi_j = N(m_j, s_j^2)``.
 
     Returns:
-        ``[..., N]`` in the promoted dtype of ``mu``/``sigma_sq`` (at least float32).
+        ``[..., N]`` in the promoted dtype of ``mu``/``sigma_sq`` (computed in float64).
         Differentiable w.r.t. ``mu`` and ``sigma_sq`` (closed form).
     """
     if density not in _DENSITIES_1D:
@@ -340,7 +338,8 @@ class GaussianBasis1d(nn.Module):
     ``G = F^T (F F^T + ridge I)^-1`` (``[L, N]``, F_jl = psi_j(t_l)); the context for a density
     p is ``B E_p[psi] = X^T (G E_p[psi])``, i.e. the L weights ``w = G E_p[psi]`` applied to X.
     G depends only on L: it is computed in float64 once per (L, device, dtype) and cached.
-    Ragged rows (a mask) are solved per call, batched, in float64 (no host synchronisation).
+    Ragged rows (a mask) reuse the cached G of each length when the mask is on the CPU, and
+    are solved per call, batched, in float64 otherwise (see :meth:`fit_weights`).
     The basis is fixed (buffers); do not modify ``centers``/``variances`` in place.
     """
 
@@ -393,11 +392,18 @@ class GaussianBasis1d(nn.Module):
             self._fit_cache[key] = torch.linalg.solve(gram, features.T).T.to(dtype)
         return self._fit_cache[key]
 
-    def fit_weights(self, expected_basis: Tensor, length: int, mask: Optional[Tensor] = None) -> Tensor:
+    def fit_weights(
+        self, expected_basis: Tensor, length: int, mask: Optional[Tensor] = None, solve_per_call: Optional[bool] = None
+    ) -> Tensor:
         """Weights ``w = G E_p[psi]`` over the L items; context = ``w @ values``.
 
         expected_basis: ``[B, ..., N]`` (``[..., N]`` without mask). mask: ``[B, length]`` bool,
         True = item present; every row needs at least one. Returns ``[B, ..., length]``.
+
+        Ragged rows: with a CPU mask (lengths known on the host, no synchronisation) the cached
+        G of each row's length is scattered to its items; with a mask on an accelerator the
+        ridge systems are solved per call, batched, in float64 (reading the lengths would
+        synchronise). ``solve_per_call`` forces one or the other.
         """
         _check_tensor(expected_basis, "expected_basis", 1)
         if expected_basis.shape[-1] != self.num_basis:
@@ -416,6 +422,10 @@ class GaussianBasis1d(nn.Module):
                 f"got {tuple(expected_basis.shape)}"
             )
         _assert_values(mask.any(-1), "mask has a row with no item: empty sequences have no value function")
+        if solve_per_call is None:
+            solve_per_call = mask.device.type != "cpu"
+        if not solve_per_call:
+            return self._fit_weights_cached(expected_basis, length, mask)
         work = _compute_dtype(mask.device)
         t = sequence_positions(length, mask, dtype=work)
         features = _gaussian_features(t, self.centers.to(work), self.variances.to(work)) * mask[..., None]  # [B, L, N]
@@ -425,6 +435,16 @@ class GaussianBasis1d(nn.Module):
         rhs = expected_basis.reshape(batch, -1, self.num_basis).transpose(-1, -2).to(work)  # [B, N, Q]
         weights = features @ torch.cholesky_solve(rhs, chol)  # [B, L, Q]
         return weights.transpose(-1, -2).reshape(*expected_basis.shape[:-1], length).to(expected_basis.dtype)
+
+    def _fit_weights_cached(self, expected_basis: Tensor, length: int, mask: Tensor) -> Tensor:
+        dtype, device = expected_basis.dtype, self.centers.device
+        counts = mask.sum(-1).tolist()  # host-side mask: no device synchronisation
+        stacked = torch.cat([self.fit_matrix(count, dtype) for count in counts])  # [sum(counts), N]
+        fit = torch.zeros(mask.shape[0], length, self.num_basis, dtype=dtype, device=device)
+        fit.masked_scatter_(mask.to(device)[..., None].expand_as(fit), stacked)  # row-major: row b, its items in order
+        batch = expected_basis.shape[0]
+        weights = expected_basis.reshape(batch, -1, self.num_basis) @ fit.to(expected_basis.device).transpose(-1, -2)
+        return weights.reshape(*expected_basis.shape[:-1], length)
 
 
 # ------------------------------------------------------------------------- the module
@@ -542,6 +562,10 @@ def _check_params_2d(mu: Tensor, sigma: Tensor) -> None:
             f"{tuple(mu.shape)} and {tuple(sigma.shape)}"
         ) from None
     _check_finite(mu.detach(), "mu")
+    _check_sigma_2d(sigma)
+
+
+def _check_sigma_2d(sigma: Tensor) -> None:
     sig = sigma.detach()
     _check_finite(sig, "sigma")
     a, b, d = sig[..., 0, 0], 0.5 * (sig[..., 0, 1] + sig[..., 1, 0]), sig[..., 1, 1]
@@ -560,7 +584,7 @@ def _out_dtype(*tensors: Tensor) -> torch.dtype:
     dtype = tensors[0].dtype
     for t in tensors[1:]:
         dtype = torch.promote_types(dtype, t.dtype)
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    return dtype
 
 
 def _reduce_grads_2d(ctx, grad, d_mu, d_sigma):
@@ -734,7 +758,13 @@ def continuous_sparsemax_2d_error_bound(sigma: Tensor, basis_variances: Tensor, 
     sigma ``[..., 2, 2]``, basis_variances ``[N]`` -> ``[..., N]`` (float64).
     """
     _check_tensor(sigma, "sigma", 2)
+    if sigma.shape[-2:] != (2, 2):
+        raise ValueError(f"sigma must have shape [..., 2, 2], got {tuple(sigma.shape)}")
+    _check_sigma_2d(sigma)
     _check_tensor(basis_variances, "basis_variances", 1)
+    _check_positive(basis_variances.detach(), "basis_variances")
+    if not isinstance(num_angles, int) or num_angles < 3:
+        raise ValueError(f"num_angles must be an int >= 3, got {num_angles!r}")
     a, b, d = (x[..., None] for x in _sym_entries(sigma.detach(), torch.float64))
     v = basis_variances.detach().to(torch.float64)
     lambda_max = 0.5 * (a + d) + torch.sqrt((0.5 * (a - d)) ** 2 + b * b)

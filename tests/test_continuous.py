@@ -140,6 +140,22 @@ def test_expectation_1d_matches_quadrature(density, dtype, rtol):
     assert row_relative_error(out, ref) <= rtol
 
 
+@pytest.mark.parametrize(
+    "dtype,rtol",
+    [pytest.param(torch.float16, 1e-3, id="float16"), pytest.param(torch.bfloat16, 8e-3, id="bfloat16")],
+)
+@pytest.mark.parametrize("density", DENSITIES_1D)
+def test_half_precision_inputs_give_rounded_float64_results(density, dtype, rtol):
+    """Computed in float64 from the rounded inputs, so the only error is the output rounding."""
+    centers, variances = basis_1d()
+    mu, sigma_sq = MU_1D.to(dtype), SIGMA_SQ_1D[2:].to(dtype)
+    mu = mu[2:]
+    ref = R.expected_basis_1d(density, mu.double(), sigma_sq.double(), centers, variances)
+    out = C.continuous_density(density, mu, sigma_sq, centers, variances)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert row_relative_error(out, ref) <= rtol
+
+
 @pytest.mark.parametrize("density", DENSITIES_1D)
 def test_gradients_1d_match_quadrature(density):
     rtol = 1e-8  # float64; the issue asks for <= 1e-6
@@ -355,14 +371,15 @@ def test_value_fit_reproduces_smooth_values():
     torch.testing.assert_close(fitted, values, rtol=0, atol=1e-3)
 
 
-def test_masked_fit_equals_fit_of_the_compacted_sequence():
+@pytest.mark.parametrize("solve_per_call", [False, True], ids=["cached-per-length", "solved-per-call"])
+def test_masked_fit_equals_fit_of_the_compacted_sequence(solve_per_call):
     basis = C.GaussianBasis1d.grid(num_centers=6, widths=(0.05, 0.3))
     length = 9
     mask = torch.tensor(
         [[True] * 9, [True] * 4 + [False] * 5, [False, True, True, False, True, False, True, True, False]]
     )
     expected = torch.rand(3, 2, basis.num_basis, dtype=F64)
-    w = basis.fit_weights(expected, length, mask)
+    w = basis.fit_weights(expected, length, mask, solve_per_call=solve_per_call)
     assert w.shape == (3, 2, length)
     for b in range(3):
         present = mask[b]
@@ -529,6 +546,8 @@ def test_bad_parameters_2d_raise_naming_the_argument():
         C.continuous_softmax_2d(mu, good, centers[:, :1], variances)
     with pytest.raises(ValueError, match="num_angles must be an int >= 3"):
         C.continuous_sparsemax_2d(mu, good, centers, variances, num_angles=2)
+    with pytest.raises(ValueError, match="sigma must be symmetric positive definite"):
+        C.continuous_sparsemax_2d_error_bound(-good, variances, 64)
 
 
 def test_empty_sequences_raise():
