@@ -13,7 +13,13 @@ threshold c the kernel stopped at, plugged into the exact map, must give |Î£p âˆ
 
     python bench/bench_rowwise_passes.py [--rows 16] [--no-aot] [--csv out.csv]
 
-Then prints the AOT register/shared-memory table of every kernel config (triton_kernels/aot.py).
+Then prints the AOT register/shared-memory table of every kernel config (triton_kernels/aot.py;
+--aot-modules to add the attention kernels).
+
+    python bench/bench_rowwise_passes.py --gpu
+
+(on a machine with a CUDA GPU) instead times the compiled kernels: sort vs root finding per
+row length (the evidence for SORT_MAX_COLS) and both against entmax 1.3 and torch.softmax.
 """
 import argparse
 import csv
@@ -25,7 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if "--gpu" not in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
@@ -51,6 +58,41 @@ def excess_float64(x: torch.Tensor, c: torch.Tensor, alpha: float) -> torch.Tens
     return (p.sum(-1) - 1).abs()
 
 
+def _cuda_ms(fn, reps: int = 50) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def gpu_timing(rows: int = 4096) -> int:
+    """ms per call on (rows, n) fp32 N(0, 1) scores; ratios against torch.softmax."""
+    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        print("--gpu needs a CUDA device and TRITON_INTERPRET unset")
+        return 1
+    import entmax
+
+    rowwise = _load("rowwise")
+    baselines = {1.5: entmax.entmax15, 2.0: entmax.sparsemax,
+                 1.25: lambda z: entmax.entmax_bisect(z, 1.25), 3.0: lambda z: entmax.entmax_bisect(z, 3.0)}
+    print(f"{'alpha':>5} {'n':>6} {'softmax':>8} {'sort':>8} {'root':>8} {'entmax1.3':>9}  (ms; rows={rows})")
+    for alpha in (1.5, 2.0, 1.25, 3.0):
+        for n in (128, 256, 512, 1024, 2048, 8192, 65536):
+            x = torch.randn(max(1, rows * 1024 // n), n, device="cuda")
+            soft = _cuda_ms(lambda: torch.softmax(x, -1))
+            sort = (_cuda_ms(lambda: rowwise._forward(x, alpha, method="sort"))
+                    if alpha in (1.5, 2.0) and n <= rowwise.SORT_BLOCKS[-1] else float("nan"))
+            root = _cuda_ms(lambda: rowwise._forward(x, alpha, method="root"))
+            ref = _cuda_ms(lambda: baselines[alpha](x), reps=5)
+            print(f"{alpha:>5} {n:>6} {soft:>8.3f} {sort:>8.3f} {root:>8.3f} {ref:>9.3f}")
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=16, help="rows per (alpha, n, sigma^2)")
@@ -58,8 +100,12 @@ def main(argv=None):
     parser.add_argument("--alphas", default="1.25,1.5,2,3")
     parser.add_argument("--nbins", type=int, default=None, help="histogram bins (default: the kernel's)")
     parser.add_argument("--no-aot", action="store_true", help="skip the AOT resource table")
+    parser.add_argument("--aot-modules", default="rowwise", help="comma list of kernel modules")
     parser.add_argument("--csv", type=str, default=None)
+    parser.add_argument("--gpu", action="store_true", help="time the compiled kernels on a CUDA GPU")
     args = parser.parse_args(argv)
+    if args.gpu:
+        return gpu_timing()
 
     rowwise = _load("rowwise")
     results = []
@@ -92,7 +138,7 @@ def main(argv=None):
 
     if not args.no_aot:
         aot = _load("aot")
-        rows = aot.check()
+        rows = aot.check(modules=tuple(args.aot_modules.split(",")))
         print()
         print(aot.format_table(rows))
         found = aot.problems(rows)

@@ -10,9 +10,9 @@ SHARED_LIMIT_BYTES (A100's 163 KB, the smallest of the targets).
     python -m entmax_fast.triton_kernels.aot      # or: python triton_kernels/aot.py
 
 prints the table and exits 1 on any problem. `check()` is the library form used by
-tests/test_aot.py. Compiling needs real `@triton.jit` functions, which triton does not
-create under TRITON_INTERPRET=1, so `check()` runs the compile in a subprocess with that
-variable removed when it is set (as it is under the test suite's conftest).
+tests/test_aot.py and the bench. Compiling needs real `@triton.jit` functions, which triton
+does not create under TRITON_INTERPRET=1 (set by the test suite's conftest), so `check()`
+compiles each module in a subprocess with that variable removed, under a time limit.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from pathlib import Path
 KERNEL_MODULES = ("rowwise", "attention_fwd", "attention_bwd")
 ARCHS = (80, 90)
 SHARED_LIMIT_BYTES = 163 * 1024
+MODULE_TIMEOUT_S = 1800.0
 _FIELDS = ("REG", "SHARED", "LOCAL", "STACK")
 
 
@@ -68,8 +69,11 @@ def _resource_usage(cubin: bytes, kernel_name: str) -> dict:
     return {field: int(usage.get(field, 0)) for field in _FIELDS}
 
 
-def compile_all(archs=ARCHS, modules=KERNEL_MODULES) -> list[dict]:
-    """Compiles every config in this process; one row per (module, config, arch)."""
+def compile_all(archs=ARCHS, modules=KERNEL_MODULES, on_event=None) -> list[dict]:
+    """Compiles every config in this process; one row per (module, config, arch).
+
+    `on_event(row)` is called before each compile (row with "compiling": True) and after.
+    """
     if _interpreting():
         raise RuntimeError("compile_all cannot run with TRITON_INTERPRET set; use check()")
     import triton
@@ -85,6 +89,8 @@ def compile_all(archs=ARCHS, modules=KERNEL_MODULES) -> list[dict]:
             for arch in archs:
                 row = {"module": module_name, "kernel": cfg["fn"].__name__, "config": cfg["name"],
                        "arch": f"sm_{arch}", "error": None}
+                if on_event:
+                    on_event(dict(row, compiling=True))
                 try:
                     src = ASTSource(fn=cfg["fn"], signature=cfg["signature"], constexprs=cfg["constexprs"])
                     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
@@ -97,6 +103,8 @@ def compile_all(archs=ARCHS, modules=KERNEL_MODULES) -> list[dict]:
                 except Exception as exc:  # noqa: BLE001 - every failure is a row of the report
                     row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
                 rows.append(row)
+                if on_event:
+                    on_event(row)
     return rows
 
 
@@ -115,17 +123,33 @@ def problems(rows: list[dict]) -> list[str]:
     return found
 
 
-def check(archs=ARCHS, modules=KERNEL_MODULES) -> list[dict]:
-    """compile_all, in a subprocess without TRITON_INTERPRET when that is set."""
-    if not _interpreting():
-        return compile_all(archs, modules)
+def check(archs=ARCHS, modules=KERNEL_MODULES, timeout_s: float = MODULE_TIMEOUT_S) -> list[dict]:
+    """compile_all, one subprocess per module (without TRITON_INTERPRET) and a time limit.
+
+    A module that runs past `timeout_s` (e.g. ptxas stuck on one config) keeps the rows it
+    finished and gets one error row naming the config that was compiling.
+    """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--json",
-           "--archs", ",".join(str(a) for a in archs), "--modules", ",".join(modules)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"AOT subprocess failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    rows = []
+    for module_name in modules:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--jsonl",
+               "--archs", ",".join(str(a) for a in archs), "--modules", module_name]
+        try:
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+            out, failed = done.stdout, done.returncode != 0
+            reason = f"subprocess exit {done.returncode}: {done.stderr.strip()[-500:]}"
+        except subprocess.TimeoutExpired as exc:
+            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            failed, reason = True, f"timeout after {timeout_s:.0f} s"
+        module_rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        compiling = [r for r in module_rows if r.get("compiling")]
+        module_rows = [r for r in module_rows if not r.get("compiling")]
+        if failed:
+            last = compiling[-1] if compiling else {"config": "?", "arch": "?", "kernel": "?"}
+            module_rows.append({"module": module_name, "kernel": last["kernel"], "config": last["config"],
+                                "arch": last["arch"], "error": reason})
+        rows.extend(module_rows)
+    return rows
 
 
 def format_table(rows: list[dict]) -> str:
@@ -141,14 +165,15 @@ def main(argv=None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print the rows as one JSON line")
+    parser.add_argument("--jsonl", action="store_true",
+                        help="compile in this process, print one JSON line per event (used by check)")
     parser.add_argument("--archs", default=",".join(str(a) for a in ARCHS))
     parser.add_argument("--modules", default=",".join(KERNEL_MODULES))
     args = parser.parse_args(argv)
     archs = tuple(int(a) for a in args.archs.split(","))
     modules = tuple(m for m in args.modules.split(",") if m)
-    if args.json:
-        print(json.dumps(compile_all(archs, modules)))
+    if args.jsonl:
+        compile_all(archs, modules, on_event=lambda row: print(json.dumps(row), flush=True))
         return 0
     rows = check(archs, modules)
     print(format_table(rows))

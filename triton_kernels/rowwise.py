@@ -346,9 +346,14 @@ def _entmax_fwd_root_kernel(
             # out of passes: then keep the c whose Σp normalises the output.
             done = ((tl.abs(f) <= tol) | (step == 0.0) | (to_hi - to_lo <= 5.7e-14 * tl.abs(c_hi))
                     | (passes >= max_passes))
+            # α = 1 rows of a per-row α: p = c·exp(u) normalised by its sum is exact for any c
+            done = done | (t == 0.0)
             next_hi, next_lo = _add_to_pair(c_hi, c_lo, step)
             c_hi = tl.where(done, c_hi, next_hi)
             c_lo = tl.where(done, c_lo, next_lo)
+        # ... and their threshold is c/Σp, i.e. 1/Σexp(u)
+        c_hi = tl.where(t == 0.0, c_hi / tl.where(s0 > 0, s0, 1.0), c_hi)
+        s0 = tl.where(t == 0.0, 1.0, s0)
 
     inv_s0 = tl.where(s0 > 0, 1.0 / s0, 0.0)
     for start in range(0, n_cols, BLOCK):
