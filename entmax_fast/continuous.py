@@ -220,7 +220,13 @@ def _family_1d(density: str):
 
 
 class _ContinuousExpectation1d(torch.autograd.Function):
-    """E_p[psi_j] for p in {softmax, sparsemax, entmax15}; gradients w.r.t. mu, sigma_sq."""
+    """E_p[psi_j] for p in {softmax, sparsemax, entmax15}; gradients w.r.t. mu, sigma_sq.
+
+    Truncated densities: p(t) = w((t - mu)/a)/a on [mu - a, mu + a], so with z = (mu - m_j)/s_j,
+    h = a/s_j, E_p[psi_j] = T_w(z, h)/s_j, T_P(z, h) = int_{-1}^{1} P(y) phi(z + h y) dy.
+    Integrating by parts (w(+-1) = 0): dT_w/dz = -T_{w'}/h and dT_w/dh = -T_{w + y w'}/h, so
+    all three quantities are integrals of the same kind, computed together.
+    """
 
     @staticmethod
     def forward(ctx, mu, sigma_sq, centers, variances, density):
@@ -238,6 +244,8 @@ class _ContinuousExpectation1d(torch.autograd.Function):
             d_sigma_sq = expectation * (0.5 * diff * diff / total_var - 0.5) / total_var
         else:
             scale, power, polys = _family_1d(density)
+            if not any(ctx.needs_input_grad[:2]):
+                polys = polys[:1]
             sd = torch.sqrt(v)
             a = scale * s2_w**power  # [..., 1]
             z = (mu_w - m) / sd  # [..., N]
@@ -245,9 +253,11 @@ class _ContinuousExpectation1d(torch.autograd.Function):
             z, h = torch.broadcast_tensors(z, h)
             integrals = _poly_gauss_integrals(polys, z, h)  # [..., N, 3]
             expectation = integrals[..., 0] / sd
-            d_mu = integrals[..., 1] / (sd * a)
-            d_sigma_sq = integrals[..., 2] * (power / s2_w) / sd
-        ctx.save_for_backward(d_mu, d_sigma_sq)
+            if len(polys) == 3:
+                d_mu = integrals[..., 1] / (sd * a)
+                d_sigma_sq = integrals[..., 2] * (power / s2_w) / sd
+        if any(ctx.needs_input_grad[:2]):
+            ctx.save_for_backward(d_mu, d_sigma_sq)
         ctx.shapes = (mu.shape, sigma_sq.shape, mu.dtype, sigma_sq.dtype)
         return expectation.to(out_dtype)
 
@@ -389,7 +399,8 @@ class GaussianBasis1d(nn.Module):
             t = sequence_positions(length, dtype=work, device=device)
             features = _gaussian_features(t, self.centers.to(work), self.variances.to(work))  # [L, N]
             gram = features.T @ features + self.ridge * torch.eye(self.num_basis, dtype=work, device=device)
-            self._fit_cache[key] = torch.linalg.solve(gram, features.T).T.to(dtype)
+            chol = torch.linalg.cholesky_ex(gram).L  # gram + ridge I is SPD; _ex skips the syncing check
+            self._fit_cache[key] = torch.cholesky_solve(features.T, chol).T.to(dtype)
         return self._fit_cache[key]
 
     def fit_weights(
@@ -430,7 +441,8 @@ class GaussianBasis1d(nn.Module):
         t = sequence_positions(length, mask, dtype=work)
         features = _gaussian_features(t, self.centers.to(work), self.variances.to(work)) * mask[..., None]  # [B, L, N]
         eye = torch.eye(self.num_basis, dtype=work, device=mask.device)
-        chol = torch.linalg.cholesky(features.transpose(-1, -2) @ features + self.ridge * eye)  # [B, N, N]
+        gram = features.transpose(-1, -2) @ features + self.ridge * eye  # [B, N, N], SPD
+        chol = torch.linalg.cholesky_ex(gram).L  # _ex: no info check, so no host synchronisation
         batch = expected_basis.shape[0]
         rhs = expected_basis.reshape(batch, -1, self.num_basis).transpose(-1, -2).to(work)  # [B, N, Q]
         weights = features @ torch.cholesky_solve(rhs, chol)  # [B, L, Q]
