@@ -27,12 +27,15 @@ import torch
 try:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.utils import logging
 except ImportError as error:  # pragma: no cover - exercised only without transformers
     raise ImportError("entmax_fast.hf needs the `transformers` package (>= 5): pip install transformers") from error
 
 from .attention import entmax_attention
 
 __all__ = ["register", "entmax_attention_forward", "DEFAULT_IMPLEMENTATIONS"]
+
+logger = logging.get_logger(__name__)
 
 DEFAULT_IMPLEMENTATIONS = {"entmax": 1.5, "sparsemax": 2.0}
 
@@ -57,6 +60,9 @@ def entmax_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     :func:`entmax_fast.entmax_attention` in place of SDPA."""
     if kwargs.get("softcap") is not None:
         raise ValueError("entmax attention does not support `softcap`")
+    if kwargs.get("output_attentions", False):
+        logger.warning_once("entmax attention does not return attention weights (output_attentions gives None); "
+                            "use MultiheadEntmaxAttention(need_weights=True) or the mappings to inspect them")
     alpha = _alpha_for(module, alpha, config_override)
     if isinstance(alpha, torch.Tensor):
         alpha = alpha.to(device=query.device, dtype=query.dtype)
