@@ -287,7 +287,7 @@ def main(argv=None) -> list:
     batch = args.batch or (4 if ON_GPU else 1)
     heads = args.heads or (16 if ON_GPU else 4)
     dtype = getattr(torch, args.dtype)
-    min_run_time = 0.05 if args.quick else 0.5
+    min_run_time = 0.2 if args.quick else 0.5
     ok, why = dispatch.availability("reference")
     dispatched_reference = not ON_GPU and not dispatch.availability("cpp")[0]
     header = (f"{machine()}\n{_versions()}\nattention B={batch} H={heads} E={args.head_dim} {args.dtype} "
