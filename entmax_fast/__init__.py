@@ -5,8 +5,10 @@ scaled-dot-product entmax attention with ``torch.nn.functional.scaled_dot_produc
 signature. Every op dispatches between Triton kernels, the C++ extension and the exact
 plain-torch reference; :func:`backend_info` says which exist here and which each op used.
 """
-from . import dispatch
+from . import continuous, dispatch
 from .attention import entmax_attention, sparsemax_attention
+from .continuous import (ContinuousAttention, GaussianBasis1d, continuous_entmax15, continuous_softmax,
+                         continuous_softmax_2d, continuous_sparsemax, continuous_sparsemax_2d)
 from .dispatch import use_backend
 from .losses import (Entmax15Loss, EntmaxBisectLoss, NormmaxBisectLoss, SparsemaxBisectLoss, SparsemaxLoss,
                      entmax15_loss, entmax_bisect_loss, normmax_bisect_loss, sparsemax_bisect_loss, sparsemax_loss)
@@ -23,6 +25,8 @@ __all__ = [
     "SparsemaxLoss", "Entmax15Loss", "SparsemaxBisectLoss", "EntmaxBisectLoss", "NormmaxBisectLoss",
     "entmax_attention", "sparsemax_attention",
     "fusedmax", "oscarmax", "fusedmax_attention", "oscarmax_attention", "Fusedmax", "Oscarmax",
+    "ContinuousAttention", "GaussianBasis1d", "continuous_softmax", "continuous_sparsemax", "continuous_entmax15",
+    "continuous_softmax_2d", "continuous_sparsemax_2d",
     "backend_info", "use_backend",
 ]
 
