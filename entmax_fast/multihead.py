@@ -267,6 +267,11 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
 
     def _fused_attention(self, q, k, v, mask, dropout_p, is_causal):
         if self.attention == "softmax":
+            if is_causal and mask is not None:
+                # Some SDPA kernels refuse an explicit mask together with is_causal: fold it in.
+                causal = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+                mask = mask & causal if mask.dtype == torch.bool else mask.masked_fill(~causal, float("-inf"))
+                is_causal = False
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
         if self.attention == "fusedmax":
             from .structured import fusedmax_attention

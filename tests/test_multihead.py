@@ -79,8 +79,11 @@ def test_softmax_equals_torch_bool_masks_3d_causal_hint_and_gradients(need_weigh
     query = torch.randn(2, 5, EMBED, requires_grad=True)
     causal = nn.Transformer.generate_square_subsequent_mask(5).isinf()
     padding = torch.tensor([[False] * 5, [False, False, False, True, True]])
+    float_padding = torch.zeros(2, 5).masked_fill(padding, float("-inf"))
     cases = [dict(attn_mask=causal, key_padding_mask=padding, is_causal=True),
              dict(attn_mask=causal, is_causal=True),
+             dict(attn_mask=nn.Transformer.generate_square_subsequent_mask(5), key_padding_mask=float_padding,
+                  is_causal=True),
              dict(attn_mask=(torch.rand(2 * HEADS, 5, 5) > 0.7) & ~torch.eye(5, dtype=torch.bool))]
     for kwargs in cases:
         expected = theirs(query, query, query, need_weights=need_weights, **kwargs)[0]
