@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine, measure_peak_rss, print_table, time_call, write_csv  # noqa: E402
+from common import machine, measure_peak_rss, print_table, run_in_child, time_call, write_csv  # noqa: E402
 
 import entmax_fast  # noqa: E402
 from entmax_fast import dispatch  # noqa: E402
@@ -96,11 +96,7 @@ def _attention_run(kind, b, h, length, e):
 
 def _peak_in_child(kind, b, h, length, e):
     """Re-runs this script as a fresh process measuring one attention kind's peak memory."""
-    import subprocess
-
-    cmd = [sys.executable, os.path.abspath(__file__), "--peak-child", kind, str(b), str(h), str(length), str(e)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
+    return run_in_child(os.path.abspath(__file__), "--peak-child", kind, str(b), str(h), str(length), str(e))["peak_bytes"]
 
 
 def bench_attention(b, h, length, e, repeats):

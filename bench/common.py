@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -29,25 +28,32 @@ def time_call(fn, repeats: int = 5, warmup: int = 1, min_time: float = 0.0) -> f
     return times[len(times) // 2]
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_memory_child(script: str, *args: str) -> dict:
-    """Runs ``script args`` in a fresh process, which prints one JSON line; returns it."""
-    out = subprocess.run([sys.executable, script, *args], check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
 
 
 def measure_peak_rss(fn) -> int:
-    """Bytes by which the process's peak RSS grew while ``fn()`` ran. Meaningful only in a
-    fresh process whose earlier peak was no higher than its current RSS (see
-    ``peak_memory_child``)."""
-    before = _rss_bytes()
+    """Bytes by which the process's resident set peaked above its size before ``fn()``.
+
+    The kernel's peak counter (VmHWM) is reset to the current resident set first
+    (/proc/self/clear_refs), so earlier peaks do not hide this one. Run it in a fresh
+    process after a small warm-up (``run_in_child``) so that library loading is not counted.
+    """
+    before = _status_bytes("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
     fn()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return max(0, peak - before)
+    return max(0, _status_bytes("VmHWM") - before)
+
+
+def run_in_child(script: str, *args: str) -> dict:
+    """Runs ``python script args`` in a fresh process, which prints one JSON line; returns it."""
+    out = subprocess.run([sys.executable, script, *args], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def machine() -> str:
