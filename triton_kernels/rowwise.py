@@ -69,9 +69,12 @@ KIND_SPARSEMAX = 1  # α = 2
 KIND_ENTMAX15 = 2  # α = 1.5
 KIND_SOFTMAX = 3  # α = 1
 # the same values as constexprs, the form a @triton.jit function may read from globals
+_K_GENERAL = tl.constexpr(KIND_GENERAL)
 _K_SPARSEMAX = tl.constexpr(KIND_SPARSEMAX)
 _K_ENTMAX15 = tl.constexpr(KIND_ENTMAX15)
 _K_SOFTMAX = tl.constexpr(KIND_SOFTMAX)
+# 2!, 3!, …, 8!: Horner coefficients of the series Σ_k y^k / (k+2)! used by the backward
+_FACT = tl.constexpr((2.0, 6.0, 24.0, 120.0, 720.0, 5040.0, 40320.0))
 
 # Histogram resolution of pass 2 (bins over v ∈ (−1, 0]). Measured with
 # bench/bench_rowwise_passes.py (--nbins, 8–32 rows per cell, n ∈ {1k, 8k, 64k}): worst
@@ -441,10 +444,11 @@ def _entmax_bwd_kernel(
     b_s_sum = tl.zeros([BLOCK], tl.float32)
     b_sg_sum = tl.zeros([BLOCK], tl.float32)
     b_gp_sum = tl.zeros([BLOCK], tl.float32)
-    b_h_sum = tl.zeros([BLOCK], tl.float32)
-    b_gh_sum = tl.zeros([BLOCK], tl.float32)
-    b_pl2_sum = tl.zeros([BLOCK], tl.float32)
-    b_gpl2_sum = tl.zeros([BLOCK], tl.float32)
+    b_gpl_sum = tl.zeros([BLOCK], tl.float32)
+    b_pl_sum = tl.zeros([BLOCK], tl.float32)
+    b_pr_sum = tl.zeros([BLOCK], tl.float32)
+    b_gpr_sum = tl.zeros([BLOCK], tl.float32)
+    t_safe = tl.where(t == 0.0, 1.0, t)
     for start in range(0, n_cols, BLOCK):
         m_col = start + o_col < n_cols
         b_p = tl.load(p_p + start + o_col, mask=m_col, other=0.0).to(tl.float32)
@@ -454,16 +458,24 @@ def _entmax_bwd_kernel(
         b_sg_sum += b_s * b_g
         if NEED_DALPHA:
             b_logp = tl.log(tl.where(b_p > 0, b_p, 1.0))
-            b_h = -b_p * b_logp
-            b_gp_sum += b_g * b_p
-            b_h_sum += b_h
-            b_gh_sum += b_g * b_h
-            b_pl2 = b_p * b_logp * b_logp
-            b_pl2_sum += b_pl2
-            b_gpl2_sum += b_g * b_pl2
+            # r = (e^y − 1 − y)/t² with y = −t·log p, i.e. s = p(1 − t·log p + t²·r);
+            # a series for small y, where the direct form cancels.
+            b_y = -t * b_logp
+            b_series = 1.0 / 362880.0  # 1/9!, the y^7 coefficient
+            for k in tl.static_range(7):
+                b_series = b_series * b_y + 1.0 / _FACT[6 - k]
+            b_r = tl.where(tl.abs(b_y) < 0.5, b_logp * b_logp * b_series,
+                           (tl.exp(b_y) - 1.0 - b_y) / (t_safe * t_safe))
+            b_gp = b_g * b_p
+            b_gp_sum += b_gp
+            b_gpl_sum += b_gp * b_logp
+            b_pl_sum += b_p * b_logp
+            b_pr_sum += b_p * b_r
+            b_gpr_sum += b_gp * b_r
     s_sum = tl.sum(b_s_sum, axis=0)
+    sg_sum = tl.sum(b_sg_sum, axis=0)
     # Σ g p̃ with the escort p̃ = s / Σs; an empty support gives 0.
-    g_escort = tl.where(s_sum > 0, tl.sum(b_sg_sum, axis=0) / tl.where(s_sum > 0, s_sum, 1.0), 0.0)
+    g_escort = tl.where(s_sum > 0, sg_sum / tl.where(s_sum > 0, s_sum, 1.0), 0.0)
 
     for start in range(0, n_cols, BLOCK):
         m_col = start + o_col < n_cols
@@ -474,12 +486,23 @@ def _entmax_bwd_kernel(
 
     if NEED_DALPHA:
         gp = tl.sum(b_gp_sum, axis=0)
-        # α = 1: the limit −½ Σ g (p log²p − p Σ p log²p) (the general form divides by 0).
-        d_at_one = -0.5 * (tl.sum(b_gpl2_sum, axis=0) - gp * tl.sum(b_pl2_sum, axis=0))
-        t_safe = tl.where(t == 0.0, 1.0, t)
-        d_general = ((gp - g_escort) / (t_safe * t_safe)
-                     + (tl.sum(b_gh_sum, axis=0) - g_escort * tl.sum(b_h_sum, axis=0)) / t_safe)
-        tl.store(dalpha_ptr + row, tl.where(t == 0.0, d_at_one, d_general))
+        gpl = tl.sum(b_gpl_sum, axis=0)
+        pl = tl.sum(b_pl_sum, axis=0)
+        pr = tl.sum(b_pr_sum, axis=0)
+        gpr = tl.sum(b_gpr_sum, axis=0)
+        # MATH.md §2 summed over g: dα = Σg(p − p̃)/t² + (Σgh − Σgp̃·Σh)/t, h = −p log p.
+        # Far from α = 1 directly:
+        d_direct = (gp - g_escort) / (t_safe * t_safe) + (g_escort * pl - gpl) / t_safe
+        # Near α = 1 its two terms are O(1/t) and cancel (fp32 at α = 1.001: 10% error).
+        # With s = p(1 − t·log p + t²·r) the same expression regroups exactly into
+        #   [Σgp·Σpr − Σgpr + t(Σgpr·Σp log p − Σgp log p·Σpr)] / Σs
+        #     + (Σp − 1)(Σgp/t² − Σgp log p/t) / Σs.
+        # The second line is zero on the simplex and is dropped: evaluated literally it
+        # turns p's normalisation rounding (~1e-7) into an error of 1e-7/t² (α = 1.0001:
+        # O(1)). At t = 0 the first line is the exact limit −½(Σgp log²p − Σgp·Σp log²p).
+        d_stable = (gp * pr - gpr + t * (gpr * pl - gpl * pr)) / tl.where(s_sum > 0, s_sum, 1.0)
+        d_alpha = tl.where(tl.abs(t) < 0.25, d_stable, d_direct)
+        tl.store(dalpha_ptr + row, tl.where(s_sum > 0, d_alpha, 0.0))
 
 
 # ----------------------------------------------------------------------------- host side
