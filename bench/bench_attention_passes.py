@@ -185,7 +185,7 @@ def main():
     for r in taus:
         print(f"{r['alpha']:>6} {r['n']:>6} {r['sigma2']:>6} {r['dense_passes']:>5} "
               f"{r['tau_err']:>11.2e} {r['sum_err']:>10.2e}")
-    block_m, block_n = fwd.block_sizes(64)[:2]
+    block_m, block_n = fwd.block_sizes(64, "fp16")[:2]
     tiles = tile_table(args.tile_length, (1.25, 1.5, 2.0), 6.0, block_m, block_n)
     print(f"\ntiles visited by the sparse passes, L = {args.tile_length}, sigma^2 = 6, "
           f"{block_m}x{block_n} tiles (head dim <= 64)")

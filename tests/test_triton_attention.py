@@ -303,6 +303,31 @@ def test_custom_op_opcheck_and_compile():
     assert torch.equal(eager, compiled)
 
 
+@pytest.mark.parametrize("dtype,fwd_tol,grad_tol", [(torch.float32, 1e-5, 1e-4)])
+def test_gpu_tiling_table(monkeypatch, dtype, fwd_tol, grad_tol):
+    """The interpreter normally runs one large tiling; force the GPU table's small tiles."""
+    monkeypatch.setattr(tri, "_interpreting", lambda: False)
+    q, k, v = _inputs(1, 2, 1, 40, 33, 16, dtype)
+    keep = torch.rand(1, 1, 40, 33) > 0.2
+    grad_out = torch.randn(1, 2, 40, 16)
+
+    def run(fn, *t):
+        return fn(*t, attn_mask=keep, is_causal=True, enable_gqa=True, alpha=1.5)
+
+    out, grads = _grads(lambda *t: run(tri.entmax_attention_triton, *t), [q, k, v], grad_out)
+    _, ref_grads = _grads(lambda *t: run(reference_attention, *t),
+                          [t.double() for t in (q, k, v)], grad_out)
+    assert _err(out, oracle_attention(q, k, v, attn_mask=keep, is_causal=True)) <= fwd_tol
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert _err(got, want) <= grad_tol, name
+
+
+def test_mask_requiring_grad_is_rejected():
+    q, k, v = _inputs(1, 1, 1, 5, 5, 16, torch.float32)
+    with pytest.raises(ValueError, match="attn_mask"):
+        tri.entmax_attention_triton(q, k, v, attn_mask=torch.zeros(5, 5, requires_grad=True))
+
+
 def test_gqa_without_enable_gqa_is_rejected():
     q, k, v = _inputs(1, 4, 2, 5, 5, 16, torch.float32)
     with pytest.raises(ValueError, match="enable_gqa"):

@@ -26,6 +26,7 @@ and for Lq = 5, Lk = 3 the last queries see every key:
 A row whose keys are all masked gets zero output and zero gradients.
 """
 import math
+import os
 from typing import Optional
 
 import torch
@@ -34,6 +35,16 @@ from torch import Tensor
 
 from . import attention_bwd as _bwd
 from . import attention_fwd as _fwd
+
+
+# The interpreter's cost is per tile: one fixed, large tiling keeps interpreted runs fast
+# (KERNELS.md section 1); GPUs use the per-dtype table of attention_fwd.block_sizes.
+INTERPRETER_BLOCKS = (64, 32, 8, 2)
+_DTYPE_KEYS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _interpreting():
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _block_e(dim):
@@ -86,8 +97,11 @@ class _Geometry:
         self.kv_group = self.n_heads // self.n_kv_heads
         # one padded width for both head dims keeps the compiled configurations few
         self.block_e = self.block_ev = max(_block_e(self.head_e), _block_e(self.head_ev))
-        (self.block_m, self.block_n, self.num_warps,
-         self.num_stages) = _fwd.block_sizes(self.block_e)
+        if _interpreting():
+            self.block_m, self.block_n, self.num_warps, self.num_stages = INTERPRETER_BLOCKS
+        else:
+            (self.block_m, self.block_n, self.num_warps,
+             self.num_stages) = _fwd.block_sizes(self.block_e, _DTYPE_KEYS[q.dtype])
         self.n_qblocks = triton.cdiv(max(self.seqlen_q, 1), self.block_m)
         self.n_kblocks = triton.cdiv(max(self.seqlen_k, 1), self.block_n)
 
@@ -315,8 +329,9 @@ def entmax_attention_triton(query, key, value, attn_mask=None, dropout_p=0.0, is
     attn_mask: bool (True = attend) or additive, broadcastable to (B, H, Lq, Lk); a key
     padding mask is attn_mask of shape (B, 1, 1, Lk). is_causal is top-left aligned (see
     the module docstring). H_kv != H needs enable_gqa and H % H_kv == 0.
-    alpha: float in (1, 2] or tensor (H,) (differentiable). dropout_p drops weights with a
-    Philox mask regenerated in the backward.
+    alpha: float in (1, 2] or tensor (H,) of values in (1, 2] (differentiable); the
+    threshold search relies on convexity, which holds only for alpha <= 2. dropout_p drops
+    weights with a Philox mask regenerated in the backward.
     """
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
@@ -325,6 +340,10 @@ def entmax_attention_triton(query, key, value, attn_mask=None, dropout_p=0.0, is
         raise ValueError(f"entmax_attention_triton: query has {n_heads} heads and key "
                          f"{n_kv_heads}; expected equal counts, or enable_gqa=True with the "
                          f"query count divisible by the key count")
+    if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
+        raise ValueError("entmax_attention_triton: attn_mask requires grad, but the Triton "
+                         "kernels do not differentiate the mask; expected a mask with "
+                         "requires_grad=False (the reference backend differentiates it)")
     alpha_t = _alpha_tensor(alpha, n_heads, query.device)
     need_grad = _needs_grad(query, key, value, alpha_t)
     out = torch.ops.entmax_fast.triton_attention_fwd(
