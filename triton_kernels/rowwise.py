@@ -36,7 +36,11 @@ Two ways to find c:
        c is carried as an unevaluated pair of fp32 (hi + lo) so that entries at d ≈ 0 keep
        their precision (see `_pmap`).
   The output pass (not counted) writes p(c) / Σp(c) with Σp(c) from the last evaluation,
-  so the output sums to one to rounding.
+  so the output sums to one to rounding. Rows with α = 1 in a per-row α take one
+  evaluation pass: c·exp(u) normalised by its sum is exact for any c.
+
+Backward (`_entmax_bwd_kernel`, MATH.md §2): one pass of sums, one pass writing dx; dα
+(when asked) from the same pass, in a regrouped form that stays accurate as α → 1.
 
 Choice per call (`choose_method`): sort when α ∈ {2, 1.5} (python float) and
 n ≤ SORT_MAX_COLS, root finding otherwise. Why that bound: see SORT_MAX_COLS.
@@ -85,14 +89,12 @@ _FACT = tl.constexpr((2.0, 6.0, 24.0, 120.0, 720.0, 5040.0, 40320.0))
 NBINS = 512
 NBINS_SMALL = 128
 ROOT_BLOCKS = (128, 1024, 4096)
-# Largest row the sort kernel takes. tl.sort is a bitonic network: log2(B)(log2(B)+1)/2
-# compare-exchange stages over the whole block, i.e. for B = 1024 55 stages (each a few
-# shuffles/selects per element) against the root kernel's ≤ 4 cheap passes; it is exact,
-# though, and for B ≤ 1024 compiles without spills on sm_80/sm_90 (the AOT table, see
-# triton_kernels/aot.py). Above 1024 the network's cost (66, 78 stages) grows past
-# ~4 element-passes of root finding and register pressure rises, so longer rows go to
-# root finding. No GPU was available to time the crossover; this is the bound from the
-# compiled-code table and the stage count, to be re-measured where a GPU is lent.
+# Largest row the sort kernel takes (exact, one read). The rule comes from the compiled
+# code and the pass counts, not from a timing (no GPU was available): tl.sort is a bitonic
+# network of log2(B)(log2(B)+1)/2 stages over the whole block (55 at B = 1024, 78 at 4096)
+# while root finding streams the row ≤ 4 times (bench), so sorting pays only for short
+# rows; up to B = 1024 the sort kernel compiles without spills in ≤ 57 registers on
+# sm_80/sm_90 (AOT table). `bench/bench_rowwise_passes.py --gpu` times the crossover.
 SORT_MAX_COLS = 1024
 SORT_BLOCKS = (128, 256, 512, 1024)
 DEFAULT_TOL = 1e-6
