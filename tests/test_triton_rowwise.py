@@ -272,6 +272,8 @@ def test_bad_arguments_are_named():
         rowwise.entmax_rowwise_forward(x, torch.tensor([1.5]))
     with pytest.raises(ValueError, match="method 'sort' needs alpha 2.0 or 1.5"):
         rowwise._forward(x, 1.25, method="sort")
+    with pytest.raises(ValueError, match="max_passes must be >= 3"):
+        rowwise._forward(x, 1.25, max_passes=2)
     with pytest.raises(ValueError, match="grad must have p's shape"):
         rowwise.entmax_rowwise_backward(x, torch.randn(2, 4), 1.5, True)
 

@@ -572,6 +572,10 @@ def _forward(x: torch.Tensor, alpha, method: str = "auto", tol: float = DEFAULT_
     x = _check_rows("x", x)
     n_rows, n_cols = x.shape
     kind, alpha_t, alpha_stride = _alpha_args(alpha, n_rows, x.device)
+    if not (tol > 0):
+        raise ValueError(f"tol must be > 0, got {tol}")
+    if max_passes < 3:
+        raise ValueError(f"max_passes must be >= 3 (max, histogram, one evaluation), got {max_passes}")
     if method == "auto":
         method = choose_method(n_cols, alpha)
     if method not in ("sort", "root"):
