@@ -193,7 +193,8 @@ def main():
           f"{'exact nz':>8} {'skipped':>8}")
     for r in tiles:
         print(f"{r['pattern']:>8} {str(r['causal']):>6} {r['alpha']:>6} {r['tiles_reachable']:>9} "
-              f"{r['tiles_visited']:>8} {r['tiles_nonzero_exact']:>8} {r['skipped_fraction']:>8.1%}")
+              f"{r['tiles_visited']:>8} {r['tiles_nonzero_exact']:>8} "
+              f"{r['skipped_fraction']:>8.1%}")
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=sorted({k for r in taus + tiles for k in r}))

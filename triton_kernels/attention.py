@@ -175,7 +175,8 @@ def attention_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is
         geo.head_e, geo.head_ev, float(scale), float(dropout_p), int(is_causal), int(need_grad),
         BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e, BLOCK_EV=geo.block_ev,
         ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind, IS_VARLEN=geo.varlen,
-        HAS_DROPOUT=dropout_p > 0.0, NUM_CAND=_fwd.NUM_CANDIDATES, num_warps=geo.num_warps, num_stages=geo.num_stages,
+        HAS_DROPOUT=dropout_p > 0.0, NUM_CAND=_fwd.NUM_CANDIDATES, num_warps=geo.num_warps,
+        num_stages=geo.num_stages,
     )
     return out, stats, dvec, flags
 

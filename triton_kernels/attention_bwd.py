@@ -18,8 +18,9 @@ Both visit only the tiles the forward flagged as holding non-zero weight.
 import triton
 import triton.language as tl
 
-from .attention_fwd import (_DTYPES, _config_space, _dot, _dropout_scale, _mask_type,
-                            _safe_log2, _score_from_kt, _score_tile, _sensitivity, _weights,
+from .attention_fwd import (_DTYPES, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C, STAT_TAU_C,
+                            _config_space, _dot, _dropout_scale, _mask_type, _safe_log2,
+                            _score_from_kt, _score_tile, _sensitivity, _weights,
                             block_sizes, config_suffix)
 
 # rows of the backward's per-row buffer
@@ -96,9 +97,9 @@ def entmax_attn_bwd_dq_kernel(
     b_dvec = tl.load(dvec_ptr + o_off + o_m[:, None] * stride_ol + o_ev[None, :], mask=m_qev,
                      other=0.0)
     b_delta = tl.sum(b_do.to(tl.float32) * b_dvec, 1)  # [BM]
-    b_m = tl.load(p_stats + 0 * stride_stat, mask=m_m, other=0.0)
-    b_tau = tl.load(p_stats + 1 * stride_stat, mask=m_m, other=0.0)
-    b_l = tl.load(p_stats + 2 * stride_stat, mask=m_m, other=0.0)
+    b_m = tl.load(p_stats + STAT_MAX_C * stride_stat, mask=m_m, other=0.0)
+    b_tau = tl.load(p_stats + STAT_TAU_C * stride_stat, mask=m_m, other=0.0)
+    b_l = tl.load(p_stats + STAT_SUM_C * stride_stat, mask=m_m, other=0.0)
     b_l = tl.where(b_l > 0, b_l, 1.0)
     alpha = tl.load(alpha_ptr + i_h).to(tl.float32)
     am1 = alpha - 1.0
@@ -140,7 +141,7 @@ def entmax_attn_bwd_dq_kernel(
         b_o = tl.load(o_ptr + o_off + o_m[:, None] * stride_ol + o_ev[None, :], mask=m_qev,
                       other=0.0)
         b_gp = tl.sum(b_do.to(tl.float32) * b_o.to(tl.float32), 1)
-        b_entropy = tl.load(p_stats + 3 * stride_stat, mask=m_m, other=0.0)
+        b_entropy = tl.load(p_stats + STAT_ENTROPY_C * stride_stat, mask=m_m, other=0.0)
         b_dalpha = (b_gp - b_delta) * inv_am1 * inv_am1 + (b_gh - b_delta * b_entropy) * inv_am1
         tl.store(p_rows + ROW_DALPHA_C * stride_row, b_dalpha, mask=m_m)
 
@@ -219,9 +220,9 @@ def entmax_attn_bwd_dkdv_kernel(
                               mask=m_m[:, None] & (o_e[None, :] < head_e), other=0.0)
                 b_do = tl.load(p_do + o_m[:, None] * stride_ol + o_ev[None, :],
                                mask=m_m[:, None] & (o_ev[None, :] < head_ev), other=0.0)
-                b_m = tl.load(p_stats + o_m + 0 * stride_stat, mask=m_m, other=0.0)
-                b_tau = tl.load(p_stats + o_m + 1 * stride_stat, mask=m_m, other=0.0)
-                b_l = tl.load(p_stats + o_m + 2 * stride_stat, mask=m_m, other=0.0)
+                b_m = tl.load(p_stats + o_m + STAT_MAX_C * stride_stat, mask=m_m, other=0.0)
+                b_tau = tl.load(p_stats + o_m + STAT_TAU_C * stride_stat, mask=m_m, other=0.0)
+                b_l = tl.load(p_stats + o_m + STAT_SUM_C * stride_stat, mask=m_m, other=0.0)
                 b_l = tl.where(b_l > 0, b_l, 1.0)
                 b_delta = tl.load(p_rows + o_m + ROW_DELTA_C * stride_row, mask=m_m, other=0.0)
                 b_z = _score_from_kt(b_q, b_kt, p_mask, stride_mq, stride_mk, o_m, start_n,

@@ -362,7 +362,8 @@ def entmax_attn_fwd_kernel(
     b_out = b_acc / b_sum_safe[:, None]
     p_o = o_ptr + i_b * stride_ob + i_h * stride_oh + q_start * stride_ol
     m_o = m_m[:, None] & (o_ev[None, :] < head_ev)
-    tl.store(p_o + o_m[:, None] * stride_ol + o_ev[None, :], b_out.to(o_ptr.dtype.element_ty), mask=m_o)
+    tl.store(p_o + o_m[:, None] * stride_ol + o_ev[None, :], b_out.to(o_ptr.dtype.element_ty),
+             mask=m_o)
 
     p_stats = stats_ptr + i_b * stride_sb + i_h * stride_sh + q_start + o_m
     tl.store(p_stats + STAT_MAX_C * stride_stat, b_m, mask=m_m)
@@ -433,7 +434,8 @@ def aot_configs():
                       "IS_VARLEN": int(varlen), "HAS_DROPOUT": int(dropout),
                       "NUM_CAND": NUM_CANDIDATES}
         configs.append({
-            "name": f"entmax_attn_fwd_{config_suffix(dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout)}",
+            "name": "entmax_attn_fwd_" + config_suffix(dtype_key, block_e, alpha_kind, mask_kind,
+                                                       varlen, dropout),
             "fn": entmax_attn_fwd_kernel,
             "signature": fwd_signature(dtype_key, mask_kind),
             "constexprs": constexprs,
