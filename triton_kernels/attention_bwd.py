@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .attention_fwd import (_DTYPES, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C, STAT_TAU_C,
                             _config_space, _dot, _dropout_scale, _mask_type, _safe_log2,
-                            _score_from_kt, _score_tile, _sensitivity, _weights,
+                            _score_from_kt, _sensitivity, _weights,
                             block_sizes, config_suffix)
 
 # rows of the backward's per-row buffer
@@ -114,9 +114,11 @@ def entmax_attn_bwd_dq_kernel(
     for start_n in range(0, kv_end, BLOCK_N):
         if tl.load(p_flags + start_n // BLOCK_N) != 0:
             o_n = start_n + tl.arange(0, BLOCK_N)
-            b_z = _score_tile(b_q, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_n,
-                              q_len, k_len, head_e, scale, is_causal, BLOCK_N, BLOCK_E,
-                              MASK_KIND)
+            b_k = tl.load(p_k + o_n[:, None] * stride_kl + o_e[None, :],
+                          mask=(o_n[:, None] < k_len) & (o_e[None, :] < head_e),
+                          other=0.0)  # [BN, BE], loaded once for the scores and for dQ
+            b_z = _score_from_kt(b_q, tl.trans(b_k), p_mask, stride_mq, stride_mk, o_m,
+                                 start_n, q_len, k_len, scale, is_causal, BLOCK_N, MASK_KIND)
             b_d, b_p, b_s = _row_weights(b_z, b_m, b_tau, b_l, am1, inv_am1, ALPHA_KIND)
             b_vt = tl.load(p_v + o_n[None, :] * stride_vl + o_ev[:, None],
                            mask=(o_n[None, :] < k_len) & (o_ev[:, None] < head_ev),
@@ -125,9 +127,6 @@ def entmax_attn_bwd_dq_kernel(
                                     BLOCK_M, BLOCK_N, HAS_DROPOUT)
             b_g = _dot(b_do, b_vt) * b_drop  # dL/dp [BM, BN]
             b_dz = b_s * (b_g - b_delta[:, None])
-            b_k = tl.load(p_k + o_n[:, None] * stride_kl + o_e[None, :],
-                          mask=(o_n[:, None] < k_len) & (o_e[None, :] < head_e),
-                          other=0.0)  # [BN, BE]
             b_dq += _dot(b_dz.to(b_k.dtype), b_k)
             if need_alpha_grad != 0:
                 # h = -p log p with log p = log(d) / (alpha - 1) - log l

@@ -63,7 +63,7 @@ def block_sizes(block_e, dtype_key):
         return 64, 32, 8, 2
     if block_e <= 128:
         return 32, 32, 8, 2
-    return 32, 16, 8, 1
+    return 16, 32, 8, 1
 
 
 @triton.jit
