@@ -307,19 +307,22 @@ def test_custom_op_opcheck_and_compile():
 
 @pytest.mark.parametrize("dtype,fwd_tol,grad_tol", [(torch.float32, 1e-5, 1e-4)])
 def test_gpu_tiling_table(monkeypatch, dtype, fwd_tol, grad_tol):
-    """The interpreter normally runs one large tiling; force the GPU table's small tiles."""
+    """The interpreter normally runs one large tiling; force the GPU table's small tiles
+    (with a custom scale)."""
     monkeypatch.setattr(tri, "_interpreting", lambda: False)
     q, k, v = _inputs(1, 2, 1, 40, 33, 16, dtype)
     keep = torch.rand(1, 1, 40, 33) > 0.2
     grad_out = torch.randn(1, 2, 40, 16)
+    scale = 0.4
 
     def run(fn, *t):
-        return fn(*t, attn_mask=keep, is_causal=True, enable_gqa=True, alpha=1.5)
+        return fn(*t, attn_mask=keep, is_causal=True, scale=scale, enable_gqa=True, alpha=1.5)
 
     out, grads = _grads(lambda *t: run(tri.entmax_attention_triton, *t), [q, k, v], grad_out)
     _, ref_grads = _grads(lambda *t: run(reference_attention, *t),
                           [t.double() for t in (q, k, v)], grad_out)
-    assert _err(out, oracle_attention(q, k, v, attn_mask=keep, is_causal=True)) <= fwd_tol
+    expected = oracle_attention(q, k, v, attn_mask=keep, is_causal=True, scale=scale)
+    assert _err(out, expected) <= fwd_tol
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert _err(got, want) <= grad_tol, name
 
