@@ -327,6 +327,20 @@ def test_gpu_tiling_table(monkeypatch, dtype, fwd_tol, grad_tol):
         assert _err(got, want) <= grad_tol, name
 
 
+def test_strided_inputs_and_gradients():
+    """(B, L, H, E) storage viewed as (B, H, L, E), and a broadcast upstream gradient."""
+    q, k, v = (torch.randn(1, n, 2, 16).transpose(1, 2) for n in (63, 40, 40))
+    assert not q.is_contiguous()
+    grad_out = torch.randn(1, 1, 1, 16).expand(1, 2, 63, 16)
+    out, grads = _grads(lambda *t: tri.entmax_attention_triton(*t, alpha=2.0), [q, k, v],
+                        grad_out)
+    _, ref_grads = _grads(lambda *t: reference_attention(*t, alpha=2.0),
+                          [t.double() for t in (q, k, v)], grad_out)
+    assert _err(out, oracle_attention(q, k, v, alpha=2.0)) <= 1e-5
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert _err(got, want) <= 1e-4, name
+
+
 def test_mask_requiring_grad_is_rejected():
     q, k, v = _inputs(1, 1, 1, 5, 5, 16, torch.float32)
     with pytest.raises(ValueError, match="attn_mask"):
