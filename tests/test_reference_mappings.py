@@ -152,3 +152,13 @@ def test_per_row_alpha_mixing_values_and_softmax():
     expected = torch.cat([entmax_forward(X[i:i + 1], float(alpha[i])) for i in range(6)])
     torch.testing.assert_close(entmax_forward(X, alpha), expected, atol=1e-12, rtol=0)
     torch.testing.assert_close(entmax_forward(X, 1.0), torch.softmax(X, -1), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("alpha", [1.0001, 1.001, 1.01])
+def test_alpha_gradient_near_one_is_accurate_from_float32_outputs(alpha):
+    """dα from float32 p close to α = 1, where the formula's terms cancel, vs float64."""
+    X = _scores((8, 200))
+    g = torch.randn(8, 200, dtype=torch.float64)
+    _, expected = entmax_backward(entmax_forward(X, alpha), g, alpha)
+    _, got = entmax_backward(entmax_forward(X.float(), alpha), g.float(), alpha)
+    torch.testing.assert_close(got.double(), expected, atol=1e-4 * expected.abs().max().item(), rtol=1e-3)

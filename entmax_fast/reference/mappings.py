@@ -232,16 +232,26 @@ def entmax_backward(p: torch.Tensor, grad: torch.Tensor, alpha=1.5, dim: int = -
     dX = s * g - s * (s * g).sum(dim=dim, keepdim=True) / s_sum_safe
     dalpha = None
     if need_alpha_grad:
-        log_p = torch.where(p > 0, torch.log(p.clamp(min=torch.finfo(cdt).tiny)), torch.zeros_like(p))
-        is_softmax = a == 1
-        am1 = torch.where(is_softmax, torch.ones_like(a), a - 1)
-        p_skewed = s / s_sum_safe
-        h = -p * log_p
-        dp_dalpha = (p - p_skewed) / am1.square() + (h - p_skewed * h.sum(dim=dim, keepdim=True)) / am1
-        p_log_sq = p * log_p.square()
-        dp_dalpha_at_1 = -0.5 * (p_log_sq - p * p_log_sq.sum(dim=dim, keepdim=True))
+        # Float64 on p renormalised there: the two terms below are O(1/(α−1)) and cancel,
+        # and a p that sums to 1 only to float32 rounding would leave (Σp − 1)/(α−1)²,
+        # O(1) at α = 1.0001.
+        p64 = p.to(torch.float64)
+        total = p64.sum(dim=dim, keepdim=True)
+        p64 = p64 / torch.where(total > 0, total, torch.ones_like(total))
+        g64 = g.to(torch.float64)
+        a64 = a.to(torch.float64)
+        s64 = _weights_of_jacobian(p64, a64)
+        s64_sum = s64.sum(dim=dim, keepdim=True)
+        log_p = torch.where(p64 > 0, torch.log(p64.clamp(min=torch.finfo(torch.float64).tiny)), torch.zeros_like(p64))
+        is_softmax = a64 == 1
+        am1 = torch.where(is_softmax, torch.ones_like(a64), a64 - 1)
+        p_skewed = s64 / torch.where(s64_sum > 0, s64_sum, torch.ones_like(s64_sum))
+        h = -p64 * log_p
+        dp_dalpha = (p64 - p_skewed) / am1.square() + (h - p_skewed * h.sum(dim=dim, keepdim=True)) / am1
+        p_log_sq = p64 * log_p.square()
+        dp_dalpha_at_1 = -0.5 * (p_log_sq - p64 * p_log_sq.sum(dim=dim, keepdim=True))
         dp_dalpha = torch.where(is_softmax, dp_dalpha_at_1, dp_dalpha)
-        dalpha = (g * dp_dalpha).sum(dim=dim, keepdim=True)
+        dalpha = (g64 * dp_dalpha).sum(dim=dim, keepdim=True).to(cdt)
     return dX.to(grad.dtype), dalpha
 
 
