@@ -186,7 +186,8 @@ def _candidate_pass(b_q, p_k_base, stride_kl, p_mask_base, stride_mq, stride_mk,
             tl.store(p_flags + start_n // BLOCK_N, (b_above > 0).to(tl.int8))
         # tiles with every score below lo contribute nothing to f at any candidate
         if b_above > 0:
-            for c in tl.static_range(NUM_CAND):
+            # not unrolled: unrolled candidates get interleaved by the scheduler and spill
+            for c in tl.range(0, NUM_CAND, loop_unroll_factor=1):
                 b_t = b_lo + c * b_step
                 b_d = tl.maximum(b_u - b_t[:, None], 0.0)
                 if ALPHA_KIND == 2:
