@@ -8,16 +8,17 @@ three dense passes over the keys, then one sparse pass:
    ``[-1, -n^(1-alpha)]`` (MATH.md section 1). Each of two passes evaluates
    ``f(tau) = sum [u - tau]_+^(1/(alpha-1)) - 1`` and its first two derivatives at
    NUM_CANDIDATES points of the current bracket at once. f is convex and decreasing for
-   alpha in (1, 2], so a Newton step from the last candidate with f >= 0 is a lower bound
-   of the root and the secant through the sign change an upper bound: the bracket shrinks
-   by NUM_CANDIDATES and then quadratically. After the second pass a Halley step from the
-   last candidate with f >= 0 gives tau (bench/bench_attention_passes.py measures the
-   error this leaves);
+   alpha in (1, 2], so Newton steps from the candidates either side of the sign change
+   are lower bounds of the root and the secant through them an upper bound: the bracket
+   shrinks by NUM_CANDIDATES and then quadratically. After the second pass a Halley step
+   from the last candidate with f >= 0 gives tau (bench/bench_attention_passes.py
+   measures the error this leaves: <= 5e-7 for alpha in [1.1, 2], n up to 8k). Tiles
+   whose scores all lie below the bracket contribute nothing and skip the evaluation;
 3. the second candidate pass also records, per (query block, key block) tile, whether any
    score lies above the bracket's lower end (a lower bound of tau): only those tiles can
    hold non-zero weight;
-4. the output pass visits only flagged tiles and normalises by the row sum of the weights,
-   so the residual error of tau only enters at second order.
+4. the output pass visits only flagged tiles and divides by the row sum of the weights,
+   so every output row is an exact convex combination whatever tau's residual error.
 
 Row statistics (score max, tau, weight sum, entropy) are stored for the backward, and,
 when gradients are needed, the D-vector ``sum_j s_j v_j / sum_j s_j`` with
