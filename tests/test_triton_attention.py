@@ -77,6 +77,7 @@ CASES = [
     pytest.param(1, 2, 2, 70, 130, 16, 1.75, True, "bool-empty-rows",
                  id="Lq70-Lk130-E16-a1.75-bool-emptyrows-causal"),
     pytest.param(1, 2, 2, 63, 63, 64, "per-head", False, "additive", id="L63-E64-additive"),
+    pytest.param(1, 1, 1, 20, 33, 256, 1.5, True, None, id="Lq20-Lk33-E256-causal"),
 ]
 
 
@@ -203,12 +204,13 @@ def _dropout_factors_kernel(out_ptr, seed_ptr, n_heads, seqlen_q, seqlen_k, drop
 
 
 def test_dropout_mask_is_regenerated_in_backward():
-    b, h, lq, lk, e, alpha, dropout_p = 1, 2, 63, 70, 16, 1.5, 0.3
+    b, h, lq, lk, e, dropout_p = 1, 2, 63, 70, 16, 0.3
+    alpha = _alpha("per-head", h)
     q, k, v = _inputs(b, h, h, lq, lk, e, torch.float32)
     grad_out = torch.randn(b, h, lq, e)
     torch.manual_seed(7)
-    out, grads = _grads(lambda *t: tri.entmax_attention_triton(*t, dropout_p=dropout_p,
-                                                               alpha=alpha), [q, k, v], grad_out)
+    out, grads = _grads(lambda q_, k_, v_, a_: tri.entmax_attention_triton(
+        q_, k_, v_, dropout_p=dropout_p, alpha=a_), [q, k, v, alpha], grad_out)
     torch.manual_seed(7)
     seed = tri._seed(dropout_p, q.device)
     factors = torch.zeros(b * h, lq, lk)
@@ -218,14 +220,14 @@ def test_dropout_mask_is_regenerated_in_backward():
     # dense float64 composition with the kernel's own mask and the reference mapping
     q64, k64, v64, g64 = (t.double() for t in (q, k, v, grad_out))
     scale = 1 / math.sqrt(e)
-    p = entmax_forward(q64 @ k64.transpose(-1, -2) * scale, alpha)
+    alpha64 = alpha.double().view(1, h, 1, 1)
+    p = entmax_forward(q64 @ k64.transpose(-1, -2) * scale, alpha64)
     expected_out = (p * factors) @ v64
-    dz = entmax_backward(p, (g64 @ v64.transpose(-1, -2)) * factors, alpha,
-                         need_alpha_grad=False)[0]
+    dz, dalpha = entmax_backward(p, (g64 @ v64.transpose(-1, -2)) * factors, alpha64)
     expected = [scale * dz @ k64, scale * dz.transpose(-1, -2) @ q64,
-                (p * factors).transpose(-1, -2) @ g64]
+                (p * factors).transpose(-1, -2) @ g64, dalpha.sum((0, 2, 3))]
     assert _err(out, expected_out) <= 1e-5
-    for name, got, want in zip(("dq", "dk", "dv"), grads, expected):
+    for name, got, want in zip(("dq", "dk", "dv", "dalpha"), grads, expected):
         assert _err(got, want) <= 1e-4, name
 
 
