@@ -99,6 +99,7 @@ class RecallTransformer(nn.Module):
         self.readout = nn.Linear(config.d_model, config.values)
 
     def forward(self, keys, values, query_keys, need_weights=False):
+        # No positional encoding: the pairs are a set, and lengths unseen in training stay valid.
         pair_tokens = self.key_embedding(keys) + self.value_embedding(values)
         query_tokens = self.key_embedding(query_keys) + self.query_marker
         x = torch.cat([pair_tokens, query_tokens], dim=1)

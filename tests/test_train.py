@@ -96,3 +96,20 @@ def test_argument_errors(argv, message, capsys):
     with pytest.raises(SystemExit):
         train.parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_progress_without_tqdm(monkeypatch, capsys):
+    real_import = builtins.__import__
+
+    def no_tqdm(name, *args, **kwargs):
+        if name.startswith("tqdm"):
+            raise ImportError("no tqdm in this test")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_tqdm)
+    progress = train._Progress(20, "sparsemax")
+    for step in range(20):
+        progress.update(f"loss {step}")
+    progress.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"sparsemax: {n}/20 loss {n - 1}" for n in range(2, 21, 2)]
