@@ -59,8 +59,15 @@ def test_main_tiny_run_is_deterministic_and_writes_heatmaps(tmp_path, capsys):
     assert torch.all((learned_alpha >= 1.01) & (learned_alpha <= 2.0))
     for r in results.values():
         assert 0.0 <= r["accuracy"] <= 1.0 and r["loss"] > 0
-    width, height, _ = _read_png(first["heatmaps"][0])
-    assert width > 100 and height > 100
+    try:
+        import matplotlib  # noqa: F401
+        expected_files = 1  # one figure, every kind
+    except ImportError:
+        expected_files = 4  # the zlib fallback writes one grey PNG per kind
+    assert len(first["heatmaps"]) == expected_files
+    for path in first["heatmaps"]:
+        width, height, _ = _read_png(path)
+        assert width > 40 and height > 40
 
 
 def test_heatmaps_without_matplotlib(tmp_path, monkeypatch, capsys):
