@@ -1,7 +1,6 @@
 """MultiheadEntmaxAttention vs torch.nn.MultiheadAttention (softmax) and vs the float64
 oracle (entmax kinds); masks, causal hint, learned α, state_dict, replace_attention in
 nn.TransformerEncoder / nn.Transformer with torch's fast paths in play."""
-import math
 import warnings
 
 import pytest
@@ -10,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from entmax_fast.multihead import MultiheadEntmaxAttention, replace_attention
-from oracle import oracle_attention, oracle_entmax
+from oracle import oracle_attention
 
 EMBED, HEADS = 8, 2
 CONFIGS = [pytest.param({}, id="plain"),
