@@ -77,7 +77,7 @@ def _last_dim_contiguous(x):
 class _Geometry:
     """Shapes, strides and block sizes shared by the forward and backward launchers."""
 
-    def __init__(self, q, k, v, cu_q, cu_k, max_q, max_k):
+    def __init__(self, q, k, v, cu_q, cu_k, max_q, max_k, dropout):
         self.varlen = cu_q is not None
         if self.varlen:
             # (total_tokens, H, E): no batch stride, sequences start at cu_seqlens[b]
@@ -101,7 +101,7 @@ class _Geometry:
             self.block_m, self.block_n, self.num_warps, self.num_stages = INTERPRETER_BLOCKS
         else:
             (self.block_m, self.block_n, self.num_warps,
-             self.num_stages) = _fwd.block_sizes(self.block_e, _DTYPE_KEYS[q.dtype])
+             self.num_stages) = _fwd.block_sizes(self.block_e, _DTYPE_KEYS[q.dtype], dropout)
         self.n_qblocks = triton.cdiv(max(self.seqlen_q, 1), self.block_m)
         self.n_kblocks = triton.cdiv(max(self.seqlen_k, 1), self.block_n)
 
@@ -153,7 +153,7 @@ def attention_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is
     flags: (B, H, n_qblocks, n_kblocks) int8, 1 where a tile holds non-zero weight.
     """
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    geo = _Geometry(q, k, v, cu_q, cu_k, max_q, max_k)
+    geo = _Geometry(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p > 0.0)
     out = torch.empty(geo.out_shape(q, geo.head_ev), dtype=q.dtype, device=q.device)
     # without gradients the kernel never touches dvec: a one-element placeholder
     dvec = torch.empty(geo.out_shape(q, geo.head_ev) if need_grad else (1,),
@@ -189,7 +189,7 @@ def attention_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alp
     if do.stride() != o.stride():
         # the kernels address o, do and dvec with one set of strides
         do = do.contiguous()
-    geo = _Geometry(q, k, v, cu_q, cu_k, max_q, max_k)
+    geo = _Geometry(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p > 0.0)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
@@ -251,7 +251,8 @@ def _attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tenso
 @_attention_fwd_op.register_fake
 def _(q, k, v, attn_mask, alpha, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
       dropout_p, is_causal, scale, alpha_kind, need_grad):
-    geo = _Geometry(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    geo = _Geometry(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    dropout_p > 0.0)
     out = q.new_empty(geo.out_shape(q, geo.head_ev))
     dvec = q.new_empty(geo.out_shape(q, geo.head_ev) if need_grad else (1,),
                        dtype=torch.float32)

@@ -289,7 +289,7 @@ def aot_configs():
     """Every backward configuration the launcher in attention.py can choose."""
     configs = []
     for dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout in _config_space():
-        block_m, block_n, num_warps, num_stages = block_sizes(block_e, dtype_key)
+        block_m, block_n, num_warps, num_stages = block_sizes(block_e, dtype_key, dropout)
         constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_E": block_e,
                       "BLOCK_EV": block_e, "ALPHA_KIND": alpha_kind, "MASK_KIND": mask_kind,
                       "IS_VARLEN": int(varlen), "HAS_DROPOUT": int(dropout)}

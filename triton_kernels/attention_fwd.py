@@ -48,23 +48,26 @@ STAT_SUM_C = tl.constexpr(STAT_SUM)
 STAT_ENTROPY_C = tl.constexpr(STAT_ENTROPY)
 
 
-def block_sizes(block_e, dtype_key):
+def block_sizes(block_e, dtype_key, dropout=False):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a padded head dimension and dtype.
 
     Shared by forward and backward: the tile flags written by the forward are read by the
-    backward, so both must tile the same way. Chosen by compiling for sm_90 and reading
-    the stack frame (cuobjdump): fp32 operands go through three TF32 products and need
-    smaller tiles than fp16/bf16.
+    backward, so both must tile the same way. Chosen by compiling for sm_80/sm_90 and
+    reading the stack frame (cuobjdump): fp32 operands go through three TF32 products and
+    need smaller tiles than fp16/bf16, and dropout's Philox state halves BLOCK_M.
     """
     if dtype_key == "fp32":
-        if block_e <= 64:
-            return 32, 16, 8, 2
-        return (16, 16, 8, 2) if block_e <= 128 else (16, 16, 8, 1)
-    if block_e <= 64:
-        return 64, 32, 8, 2
-    if block_e <= 128:
-        return 32, 32, 8, 2
-    return 16, 32, 8, 1
+        block_m, block_n = (32, 16) if block_e <= 64 else (16, 16)
+    elif block_e <= 64:
+        block_m, block_n = 64, 32
+    elif block_e <= 128:
+        block_m, block_n = 32, 32
+    else:
+        block_m, block_n = 16, 32
+    if dropout:
+        block_m = max(16, block_m // 2)
+    num_stages = 2 if block_e <= 128 else 1
+    return block_m, block_n, 8, num_stages
 
 
 @triton.jit
@@ -430,7 +433,7 @@ def aot_configs():
     """Every forward configuration the launcher in attention.py can choose."""
     configs = []
     for dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout in _config_space():
-        block_m, block_n, num_warps, num_stages = block_sizes(block_e, dtype_key)
+        block_m, block_n, num_warps, num_stages = block_sizes(block_e, dtype_key, dropout)
         constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_E": block_e,
                       "BLOCK_EV": block_e, "ALPHA_KIND": alpha_kind, "MASK_KIND": mask_kind,
                       "IS_VARLEN": int(varlen), "HAS_DROPOUT": int(dropout),
