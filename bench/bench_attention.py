@@ -20,11 +20,9 @@ configuration is compiled).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib.metadata
 import math
 import os
-import platform
 import subprocess
 import sys
 
@@ -32,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine, print_table, write_csv  # noqa: E402
+from common import machine, measure_peak_rss, print_table, write_csv  # noqa: E402
 
 import entmax_fast  # noqa: E402
 from entmax_fast import dispatch  # noqa: E402
@@ -99,46 +97,7 @@ def _time_ms(fn, min_run_time: float) -> float:
     return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
 
 
-class _CpuPeak:
-    """Peak RSS growth of this process around a call (Linux)."""
-
-    def __init__(self):
-        self.ok = os.path.exists("/proc/self/clear_refs") and platform.system() == "Linux"
-        self._libc = None
-        if self.ok:
-            try:
-                self._libc = ctypes.CDLL("libc.so.6")
-                # M_MMAP_THRESHOLD = -3: serve (and return) every allocation >= 64 KiB by mmap,
-                # so that memory freed by one measurement does not hide the next one's peak.
-                self._libc.mallopt(-3, 64 * 1024)
-            except OSError:
-                self._libc = None
-
-    @staticmethod
-    def _status_kib(field: str) -> int:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-        raise RuntimeError(f"{field} missing from /proc/self/status")
-
-    def measure(self, fn) -> float | None:
-        if not self.ok:
-            return None
-        if self._libc is not None:
-            self._libc.malloc_trim(0)
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # resets VmHWM to the current RSS
-        except OSError:
-            self.ok = False
-            return None
-        before = self._status_kib("VmRSS")
-        fn()
-        return max(0, self._status_kib("VmHWM") - before) / 1024
-
-
-def _peak_mib(fn, cpu_peak: _CpuPeak) -> float | None:
+def _peak_mib(fn) -> float | None:
     if ON_GPU:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -147,7 +106,8 @@ def _peak_mib(fn, cpu_peak: _CpuPeak) -> float | None:
         fn()
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - before) / 2**20
-    return cpu_peak.measure(fn)
+    peak = measure_peak_rss(fn)
+    return None if peak is None else peak / 2**20
 
 
 def _sparsity(q, k, alpha: float, causal: bool, max_rows: int = 512) -> float:
@@ -169,7 +129,6 @@ def run(lengths, batch, heads, head_dim, dtype, alpha, causal, min_run_time, inc
         max_reference_length, quick=False) -> list:
     device = "cuda" if ON_GPU else "cpu"
     methods = _methods(alpha, include_reference)
-    cpu_peak = _CpuPeak()
     rows = []
     for length in lengths:
         generator = torch.Generator(device=device).manual_seed(length)
@@ -196,7 +155,7 @@ def run(lengths, batch, heads, head_dim, dtype, alpha, causal, min_run_time, inc
                 bwd_ms = _time_ms(lambda: torch.autograd.backward(out, grad, retain_graph=True), min_run_time)
                 total_ms = fwd_ms + bwd_ms if quick else _time_ms(forward_backward, min_run_time)
                 del out
-                peak = _peak_mib(forward_backward, cpu_peak)
+                peak = _peak_mib(forward_backward)
             except (RuntimeError, torch.OutOfMemoryError) as error:
                 print(f"{name} at length {length}: {type(error).__name__}: {str(error).splitlines()[0]}")
                 continue

@@ -1,11 +1,9 @@
 """Shared measuring tools for bench/ scripts: timing, peak memory, tables, machine info."""
 from __future__ import annotations
 
-import json
+import ctypes
 import os
 import platform
-import subprocess
-import sys
 import time
 
 import torch
@@ -36,24 +34,39 @@ def _status_bytes(field: str) -> int:
     raise KeyError(field)
 
 
-def measure_peak_rss(fn) -> int:
-    """Bytes by which the process's resident set peaked above its size before ``fn()``.
+_LIBC = None
 
-    The kernel's peak counter (VmHWM) is reset to the current resident set first
-    (/proc/self/clear_refs), so earlier peaks do not hide this one. Run it in a fresh
-    process after a small warm-up (``run_in_child``) so that library loading is not counted.
-    """
+
+def _libc():
+    """glibc, set to serve (and return to the OS) every allocation >= 64 KiB by mmap, so that
+    memory freed by one measurement does not hide the next one's peak; None elsewhere."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+        except OSError:
+            _LIBC = False
+    return _LIBC or None
+
+
+def measure_peak_rss(fn) -> int | None:
+    """Bytes by which the process's resident set peaked above its size before ``fn()``
+    (Linux; None elsewhere). The kernel's peak counter (VmHWM) is reset to the current
+    resident set first (/proc/self/clear_refs), so earlier peaks do not hide this one."""
+    if platform.system() != "Linux" or not os.path.exists("/proc/self/clear_refs"):
+        return None
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
     before = _status_bytes("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
     fn()
     return max(0, _status_bytes("VmHWM") - before)
-
-
-def run_in_child(script: str, *args: str) -> dict:
-    """Runs ``python script args`` in a fresh process, which prints one JSON line; returns it."""
-    out = subprocess.run([sys.executable, script, *args], check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def machine() -> str:

@@ -1,11 +1,13 @@
-"""nn modules: the mappings (drop-in for ``entmax``'s modules) and losses."""
+"""nn modules: the mappings (drop-in for ``entmax``'s modules) and multi-head entmax attention."""
 from __future__ import annotations
 
 from torch import nn
 
 from .mappings import budget_bisect, entmax15, entmax_bisect, normmax_bisect, sparsemax, sparsemax_bisect
+from .multihead import MultiheadEntmaxAttention, replace_attention
 
-__all__ = ["Sparsemax", "Entmax15", "EntmaxBisect", "SparsemaxBisect", "NormmaxBisect", "BudgetBisect"]
+__all__ = ["Sparsemax", "Entmax15", "EntmaxBisect", "SparsemaxBisect", "NormmaxBisect", "BudgetBisect",
+           "MultiheadEntmaxAttention", "replace_attention"]
 
 
 class Sparsemax(nn.Module):

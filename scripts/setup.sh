@@ -9,7 +9,7 @@ if ! python -c "import torch" 2>/dev/null; then
   $PIP install torch==2.13.0
 fi
 # triton 3.9.0 is the version whose interpreter and compiler were checked here.
-$PIP install "triton==3.9.0" "entmax==1.3" pytest numpy scipy ninja matplotlib tqdm
+$PIP install "triton==3.9.0" "entmax==1.3" "transformers==5.24.0" pytest numpy scipy ninja matplotlib tqdm
 # --no-build-isolation: build against the torch installed above instead of fetching another.
 MAX_JOBS="${MAX_JOBS:-2}" $PIP install --no-build-isolation -e .
 python - <<'PY'
