@@ -6,7 +6,7 @@ signature. Every op dispatches between Triton kernels, the C++ extension and the
 plain-torch reference; :func:`backend_info` says which exist here and which each op used.
 """
 from . import continuous, dispatch
-from .attention import entmax_attention, sparsemax_attention
+from .attention import entmax_attention, entmax_attention_varlen, sparsemax_attention
 from .continuous import (ContinuousAttention, GaussianBasis1d, continuous_entmax15, continuous_softmax,
                          continuous_softmax_2d, continuous_sparsemax, continuous_sparsemax_2d)
 from .dispatch import use_backend
@@ -24,7 +24,7 @@ __all__ = [
     "Sparsemax", "Entmax15", "EntmaxBisect", "SparsemaxBisect", "NormmaxBisect", "BudgetBisect",
     "sparsemax_loss", "entmax15_loss", "sparsemax_bisect_loss", "entmax_bisect_loss", "normmax_bisect_loss",
     "SparsemaxLoss", "Entmax15Loss", "SparsemaxBisectLoss", "EntmaxBisectLoss", "NormmaxBisectLoss",
-    "entmax_attention", "sparsemax_attention", "MultiheadEntmaxAttention", "replace_attention",
+    "entmax_attention", "sparsemax_attention", "entmax_attention_varlen", "MultiheadEntmaxAttention", "replace_attention",
     "fusedmax", "oscarmax", "fusedmax_attention", "oscarmax_attention", "Fusedmax", "Oscarmax",
     "ContinuousAttention", "GaussianBasis1d", "continuous_softmax", "continuous_sparsemax", "continuous_entmax15",
     "continuous_softmax_2d", "continuous_sparsemax_2d",

@@ -33,7 +33,7 @@ import torch
 from . import dispatch
 from ._validation import check_alpha_float, check_alpha_tensor, check_floating
 
-__all__ = ["entmax_attention", "sparsemax_attention"]
+__all__ = ["entmax_attention", "sparsemax_attention", "entmax_attention_varlen"]
 
 
 def _check_attention_args(query, key, value, attn_mask, dropout_p, scale, enable_gqa, alpha):
@@ -123,3 +123,58 @@ def sparsemax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_cau
                         enable_gqa=False):
     """:func:`entmax_attention` with α = 2 (sparsemax weights)."""
     return entmax_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alpha=2.0)
+
+
+def entmax_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                            is_causal=False, scale=None, *, alpha=1.5):
+    """Entmax attention over packed variable-length sequences (flash-attn's varlen layout).
+
+    q (total_q, H, E), k (total_k, Hkv, E), v (total_k, Hkv, Ev) -> (total_q, H, Ev).
+    Sequence b holds the queries ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and attends only to
+    the keys ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` (1-D int32 offsets, B + 1 entries);
+    ``max_seqlen_q``/``max_seqlen_k`` (python ints) bound every length. H must be divisible by
+    Hkv (GQA). ``is_causal`` is top-left aligned within each sequence. ``alpha`` as in
+    :func:`entmax_attention`. CUDA tensors run the fused Triton kernel; elsewhere the
+    reference loops over the sequences.
+    """
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        check_floating(name, tensor)
+        if tensor.dim() != 3:
+            raise ValueError(f"{name} must be 3-D (total_tokens, H, E), got shape {tuple(tensor.shape)}")
+    for name, tensor in (("k", k), ("v", v)):
+        if tensor.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {tensor.dtype}")
+        if tensor.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {tensor.device}")
+    if k.shape[-1] != q.shape[-1] or v.shape[0] != k.shape[0] or v.shape[1] != k.shape[1]:
+        raise ValueError(f"k must be (total_k, Hkv, {q.shape[-1]}) and v (total_k, Hkv, Ev) with the same "
+                         f"total_k and Hkv, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"q heads ({q.shape[1]}) must be divisible by k/v heads ({k.shape[1]})")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 2:
+            raise ValueError(f"{name} must be a 1-D int32 tensor with B + 1 >= 2 entries, got "
+                             f"{getattr(cu, 'dtype', type(cu).__name__)} {tuple(getattr(cu, 'shape', ()))}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {cu.device}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got "
+                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if scale is not None and not (math.isfinite(float(scale)) and float(scale) > 0):
+        raise ValueError(f"scale must be a finite number > 0 or None, got {scale}")
+    if isinstance(alpha, torch.Tensor):
+        if alpha.dim() > 1 or (alpha.dim() == 1 and alpha.shape[0] != q.shape[1]):
+            raise ValueError(f"alpha must be a float, a 0-d tensor or a tensor of shape (H,) = ({q.shape[1]},), "
+                             f"got shape {tuple(alpha.shape)}")
+        check_alpha_tensor(alpha, 1.0, inclusive=True, like=q)
+    else:
+        alpha = check_alpha_float(alpha, 1.0, inclusive=True)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    options = {"alpha": alpha if isinstance(alpha, float) else "tensor", "dropout_p": float(dropout_p),
+               "head_dim": max(q.shape[-1], v.shape[-1]), "is_causal": bool(is_causal)}
+    implementation, _ = dispatch.select("attention_varlen", dispatch.Request(q.device, q.dtype, options))
+    return implementation(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                          dropout_p=float(dropout_p), is_causal=bool(is_causal), scale=float(scale), alpha=alpha)

@@ -294,3 +294,6 @@ register("attention", "reference", ".reference.attention", "entmax_attention")
 register("attention", "triton", ".triton_kernels.attention", "entmax_attention_triton",
          _triton_attention_supports)
 register("attention", "cpp", ".cpp_ops", "entmax_attention_cpp", _cpp_attention_supports)
+register("attention_varlen", "reference", ".reference.attention", "entmax_attention_varlen")
+register("attention_varlen", "triton", ".triton_kernels.attention", "entmax_attention_varlen",
+         _triton_attention_supports)

@@ -123,3 +123,38 @@ def test_float_mask_gradient_through_public_function():
     q, k, v = _qkv(1, 2, 4, 6, 3)
     mask = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda m: entmax_fast.entmax_attention(q, k, v, attn_mask=m, alpha=1.5), (mask,))
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_varlen_matches_each_sequence_alone(backend):
+    lengths_q, lengths_k = [3, 1, 7], [5, 2, 7]
+    cu_q = torch.tensor([0, 3, 4, 11], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 7, 14], dtype=torch.int32)
+    q = torch.randn(11, 4, 16, requires_grad=True)
+    k = torch.randn(14, 2, 16, requires_grad=True)
+    v = torch.randn(14, 2, 16, requires_grad=True)
+    alpha = torch.tensor([1.25, 1.5, 1.75, 2.0])
+    with entmax_fast.use_backend(backend):
+        out = entmax_fast.entmax_attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                                  is_causal=True, alpha=alpha)
+    assert entmax_fast.dispatch.last_choice("attention_varlen").backend == backend
+    for b in range(3):
+        rows_q, rows_k = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        expected = oracle_attention(q[rows_q].transpose(0, 1)[None], k[rows_k].transpose(0, 1)[None],
+                                    v[rows_k].transpose(0, 1)[None], is_causal=True, alpha=alpha.double())
+        torch.testing.assert_close(out[rows_q].double(), expected[0].transpose(0, 1), atol=1e-5, rtol=0)
+    out.square().sum().backward()
+    assert all(t.grad is not None and not t.grad.isnan().any() for t in (q, k, v))
+
+
+def test_varlen_errors():
+    q, k, v = torch.randn(5, 2, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_q must be a 1-D int32 tensor"):
+        entmax_fast.entmax_attention_varlen(q, k, v, cu.long(), cu, 5, 5)
+    with pytest.raises(ValueError, match=r"q must be 3-D \(total_tokens, H, E\)"):
+        entmax_fast.entmax_attention_varlen(q[None], k, v, cu, cu, 5, 5)
+    with pytest.raises(ValueError, match=r"q heads \(2\) must be divisible by k/v heads \(3\)"):
+        entmax_fast.entmax_attention_varlen(q, torch.randn(5, 3, 8), torch.randn(5, 3, 8), cu, cu, 5, 5)
+    with pytest.raises(ValueError, match="alpha must be finite and >= 1"):
+        entmax_fast.entmax_attention_varlen(q, k, v, cu, cu, 5, 5, alpha=0.5)

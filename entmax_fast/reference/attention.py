@@ -13,7 +13,7 @@ import torch
 
 from .mappings import compute_dtype, entmax_backward, entmax_forward
 
-__all__ = ["entmax_attention", "CHUNK_ELEMENTS"]
+__all__ = ["entmax_attention", "entmax_attention_varlen", "CHUNK_ELEMENTS"]
 
 # Scores per chunk: 4M entries, 16 MB in float32.
 CHUNK_ELEMENTS = 1 << 22
@@ -142,3 +142,29 @@ def entmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
         seed = int(torch.randint(0, 2**62, (1,)).item())
     return _EntmaxAttentionFunction.apply(query, key, value, _as_4d_mask(attn_mask), alpha, float(scale),
                                           bool(is_causal), float(dropout_p), seed, chunk_elements)
+
+
+def entmax_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                            is_causal=False, scale=None, alpha=1.5):
+    """Reference of the packed variable-length form: one :func:`entmax_attention` call per
+    sequence (reads the offsets on the host: a reference, not a fast path).
+
+    q (total_q, H, E), k (total_k, Hkv, E), v (total_k, Hkv, Ev) -> (total_q, H, Ev).
+    """
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    gqa = q.shape[1] != k.shape[1]
+    outputs = []
+    for b in range(len(starts_q) - 1):
+        q_b = q[starts_q[b]:starts_q[b + 1]].transpose(0, 1).unsqueeze(0)
+        k_b = k[starts_k[b]:starts_k[b + 1]].transpose(0, 1).unsqueeze(0)
+        v_b = v[starts_k[b]:starts_k[b + 1]].transpose(0, 1).unsqueeze(0)
+        if q_b.shape[2] == 0:
+            outputs.append(q.new_zeros(0, q.shape[1], v.shape[-1]))
+            continue
+        if k_b.shape[2] == 0:
+            outputs.append(q.new_zeros(q_b.shape[2], q.shape[1], v.shape[-1]))
+            continue
+        out = entmax_attention(q_b, k_b, v_b, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                               enable_gqa=gqa, alpha=alpha)
+        outputs.append(out.squeeze(0).transpose(0, 1))
+    return torch.cat(outputs, dim=0)
