@@ -36,16 +36,35 @@ from ._validation import check_alpha_float, check_alpha_tensor, check_floating
 __all__ = ["entmax_attention", "sparsemax_attention", "entmax_attention_varlen"]
 
 
+def _check_like(names, tensors, ref_name, ref):
+    for name, tensor in zip(names, tensors):
+        if tensor.dtype != ref.dtype:
+            raise TypeError(f"{name} must have {ref_name}'s dtype {ref.dtype}, got {tensor.dtype}")
+        if tensor.device != ref.device:
+            raise ValueError(f"{name} must be on {ref_name}'s device {ref.device}, got {tensor.device}")
+
+
+def _check_dropout_scale_alpha(dropout_p, scale, alpha, heads, like):
+    """Checks shared by the attention forms; returns alpha as a float or the tensor."""
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if scale is not None and not (math.isfinite(float(scale)) and float(scale) > 0):
+        raise ValueError(f"scale must be a finite number > 0 or None, got {scale}")
+    if isinstance(alpha, torch.Tensor):
+        if alpha.dim() > 1 or (alpha.dim() == 1 and alpha.shape[0] != heads):
+            raise ValueError(f"alpha must be a float, a 0-d tensor or a tensor of shape (H,) = ({heads},), "
+                             f"got shape {tuple(alpha.shape)}")
+        check_alpha_tensor(alpha, 1.0, inclusive=True, like=like)
+        return alpha
+    return check_alpha_float(alpha, 1.0, inclusive=True)
+
+
 def _check_attention_args(query, key, value, attn_mask, dropout_p, scale, enable_gqa, alpha):
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         check_floating(name, tensor)
         if tensor.dim() != 4:
             raise ValueError(f"{name} must be 4-D (B, H, L, E), got shape {tuple(tensor.shape)}")
-    for name, tensor in (("key", key), ("value", value)):
-        if tensor.dtype != query.dtype:
-            raise TypeError(f"{name} must have query's dtype {query.dtype}, got {tensor.dtype}")
-        if tensor.device != query.device:
-            raise ValueError(f"{name} must be on query's device {query.device}, got {tensor.device}")
+    _check_like(("key", "value"), (key, value), "query", query)
     if key.shape[0] != query.shape[0] or value.shape[0] != query.shape[0]:
         raise ValueError(f"query, key and value must have the same batch size, got {query.shape[0]}, "
                          f"{key.shape[0]}, {value.shape[0]}")
@@ -77,17 +96,7 @@ def _check_attention_args(query, key, value, attn_mask, dropout_p, scale, enable
         except RuntimeError:
             raise ValueError(f"attn_mask must be broadcastable to (B, H, Lq, Lk) = {target}, "
                              f"got shape {tuple(attn_mask.shape)}") from None
-    if not 0.0 <= float(dropout_p) < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if scale is not None and not (math.isfinite(float(scale)) and float(scale) > 0):
-        raise ValueError(f"scale must be a finite number > 0 or None, got {scale}")
-    if isinstance(alpha, torch.Tensor):
-        if alpha.dim() > 1 or (alpha.dim() == 1 and alpha.shape[0] != heads):
-            raise ValueError(f"alpha must be a float, a 0-d tensor or a tensor of shape (H,) = ({heads},), "
-                             f"got shape {tuple(alpha.shape)}")
-        check_alpha_tensor(alpha, 1.0, inclusive=True, like=query)
-        return alpha
-    return check_alpha_float(alpha, 1.0, inclusive=True)
+    return _check_dropout_scale_alpha(dropout_p, scale, alpha, heads, query)
 
 
 def entmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -141,11 +150,7 @@ def entmax_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
         check_floating(name, tensor)
         if tensor.dim() != 3:
             raise ValueError(f"{name} must be 3-D (total_tokens, H, E), got shape {tuple(tensor.shape)}")
-    for name, tensor in (("k", k), ("v", v)):
-        if tensor.dtype != q.dtype:
-            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {tensor.dtype}")
-        if tensor.device != q.device:
-            raise ValueError(f"{name} must be on q's device {q.device}, got {tensor.device}")
+    _check_like(("k", "v"), (k, v), "q", q)
     if k.shape[-1] != q.shape[-1] or v.shape[0] != k.shape[0] or v.shape[1] != k.shape[1]:
         raise ValueError(f"k must be (total_k, Hkv, {q.shape[-1]}) and v (total_k, Hkv, Ev) with the same "
                          f"total_k and Hkv, got k {tuple(k.shape)} and v {tuple(v.shape)}")
@@ -160,17 +165,7 @@ def entmax_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got "
                          f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
-    if not 0.0 <= float(dropout_p) < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if scale is not None and not (math.isfinite(float(scale)) and float(scale) > 0):
-        raise ValueError(f"scale must be a finite number > 0 or None, got {scale}")
-    if isinstance(alpha, torch.Tensor):
-        if alpha.dim() > 1 or (alpha.dim() == 1 and alpha.shape[0] != q.shape[1]):
-            raise ValueError(f"alpha must be a float, a 0-d tensor or a tensor of shape (H,) = ({q.shape[1]},), "
-                             f"got shape {tuple(alpha.shape)}")
-        check_alpha_tensor(alpha, 1.0, inclusive=True, like=q)
-    else:
-        alpha = check_alpha_float(alpha, 1.0, inclusive=True)
+    alpha = _check_dropout_scale_alpha(dropout_p, scale, alpha, q.shape[1], q)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     options = {"alpha": alpha if isinstance(alpha, float) else "tensor", "dropout_p": float(dropout_p),

@@ -104,14 +104,14 @@ def test_scores_are_never_materialised_for_the_whole_batch(monkeypatch):
     import entmax_fast.reference.attention as ref
 
     biggest = []
-    original = ref._scores
+    original = ref.masked_scores
 
     def spy(*args, **kwargs):
         scores = original(*args, **kwargs)
         biggest.append(scores.numel())
         return scores
 
-    monkeypatch.setattr(ref, "_scores", spy)
+    monkeypatch.setattr(ref, "masked_scores", spy)
     q, k, v = _qkv(2, 2, 64, 64, 4, dtype=torch.float32)
     q.requires_grad_()
     ref.entmax_attention(q, k, v, alpha=1.5, chunk_elements=1024).sum().backward()

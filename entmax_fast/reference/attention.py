@@ -13,7 +13,7 @@ import torch
 
 from .mappings import compute_dtype, entmax_backward, entmax_forward
 
-__all__ = ["entmax_attention", "entmax_attention_varlen", "CHUNK_ELEMENTS"]
+__all__ = ["entmax_attention", "entmax_attention_varlen", "masked_scores", "CHUNK_ELEMENTS"]
 
 # Scores per chunk: 4M entries, 16 MB in float32.
 CHUNK_ELEMENTS = 1 << 22
@@ -30,8 +30,10 @@ def _chunk_bounds(batch_heads: int, lq: int, lk: int, chunk_elements: int):
     return [(start, min(start + rows, lq)) for start in range(0, lq, rows)]
 
 
-def _scores(q_chunk, key, scale, mask, start, stop, is_causal, lk):
-    """Masked scores of queries [start, stop) in the compute dtype: (B, H, c, Lk)."""
+def masked_scores(q_chunk, key, scale, mask, start, stop, is_causal):
+    """Scores of queries [start, stop) with ``mask`` (bool: True = attend; float: added;
+    broadcastable, size 1 or Lq along dim −2) and the top-left causal mask: (..., c, Lk)."""
+    lk = key.shape[-2]
     scores = (q_chunk @ key.transpose(-1, -2)) * scale
     if mask is not None:
         mask_rows = mask if mask.shape[-2] == 1 else mask[..., start:stop, :]
@@ -63,7 +65,7 @@ class _EntmaxAttentionFunction(torch.autograd.Function):
         out = torch.empty(batch, heads, lq, v.shape[-1], dtype=cdt, device=q.device)
         chunks = _chunk_bounds(batch * heads, lq, lk, chunk_elements)
         for index, (start, stop) in enumerate(chunks):
-            scores = _scores(q[..., start:stop, :], k, scale, mask, start, stop, is_causal, lk)
+            scores = masked_scores(q[..., start:stop, :], k, scale, mask, start, stop, is_causal)
             weights = entmax_forward(scores, alpha_rows, dim=-1)
             if dropout_p > 0:
                 keep = _dropout_keep(weights.shape, dropout_p, seed, index, weights.device)
@@ -84,7 +86,6 @@ class _EntmaxAttentionFunction(torch.autograd.Function):
         alpha = ctx.alpha_float if alpha_tensor is None else alpha_tensor.to(cdt).view(1, -1, 1, 1)
         need_alpha_grad = alpha_tensor is not None and ctx.needs_input_grad[4]
         need_mask_grad = mask is not None and ctx.needs_input_grad[3]
-        lk = k.shape[-2]
         dq = torch.zeros_like(q)
         dk = torch.zeros_like(k)
         dv = torch.zeros_like(v)
@@ -93,7 +94,7 @@ class _EntmaxAttentionFunction(torch.autograd.Function):
         for index, (start, stop) in enumerate(chunks):
             q_chunk = q[..., start:stop, :]
             do_chunk = d_out[..., start:stop, :]
-            weights = entmax_forward(_scores(q_chunk, k, scale, mask, start, stop, is_causal, lk), alpha, dim=-1)
+            weights = entmax_forward(masked_scores(q_chunk, k, scale, mask, start, stop, is_causal), alpha, dim=-1)
             d_weights = do_chunk @ v.transpose(-1, -2)
             if dropout_p > 0:
                 keep = _dropout_keep(weights.shape, dropout_p, seed, index, weights.device) / (1 - dropout_p)

@@ -24,6 +24,8 @@ import numbers
 
 import torch
 
+from .attention import CHUNK_ELEMENTS, masked_scores
+
 __all__ = [
     "fusedmax",
     "oscarmax",
@@ -35,10 +37,6 @@ __all__ = [
     "check_mapping_args",
     "CHUNK_ELEMENTS",
 ]
-
-# Scores materialised per query chunk in the attention forms: 4M entries.
-CHUNK_ELEMENTS = 1 << 22
-
 
 # ---------------------------------------------------------------------------------------
 # Argument checks (shared with the public module).
@@ -289,21 +287,6 @@ def oscar_prox(X: torch.Tensor, beta: float, dim: int = -1, lengths=None) -> tor
 # ---------------------------------------------------------------------------------------
 # Attention.
 
-def _masked_scores(q_chunk, key, scale, mask, start, stop, is_causal):
-    scores = (q_chunk @ key.transpose(-1, -2)) * scale
-    if mask is not None:
-        rows = mask if mask.shape[-2] == 1 else mask[..., start:stop, :]
-        if rows.dtype == torch.bool:
-            scores = scores.masked_fill(~rows, float("-inf"))
-        else:
-            scores = scores + rows.to(scores.dtype)
-    if is_causal:
-        row = torch.arange(start, stop, device=scores.device).view(-1, 1)
-        col = torch.arange(key.shape[-2], device=scores.device).view(1, -1)
-        scores = scores.masked_fill(col > row, float("-inf"))
-    return scores
-
-
 def structured_attention(mapping, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                          enable_gqa=False, chunk_elements: int = CHUNK_ELEMENTS):
     """Scaled-dot-product attention with ``mapping`` (a row-wise map along the last dim) in
@@ -351,7 +334,7 @@ def structured_attention(mapping, query, key, value, attn_mask=None, dropout_p=0
     outputs = []
     for start in range(0, lq, rows_per_chunk):
         stop = min(start + rows_per_chunk, lq)
-        weights = mapping(_masked_scores(q[..., start:stop, :], k, scale, mask, start, stop, is_causal))
+        weights = mapping(masked_scores(q[..., start:stop, :], k, scale, mask, start, stop, is_causal))
         if dropout_p > 0:
             weights = torch.nn.functional.dropout(weights, dropout_p)
         outputs.append(weights @ v)
