@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 from common import machine, print_table  # noqa: E402
-from oracle import oracle_attention, oracle_entmax  # noqa: E402
+from oracle import oracle_attention, oracle_budget, oracle_entmax, oracle_normmax, oracle_rows  # noqa: E402
 
 import entmax_fast  # noqa: E402
 from entmax_fast import dispatch  # noqa: E402
@@ -86,6 +86,38 @@ def verify_mappings():
     return rows
 
 
+def verify_other_mappings():
+    """normmax / budget (reference backend) and fusedmax / oscarmax (every backend)."""
+    rows = []
+    X = torch.randn(3, 12, dtype=torch.float64) * 2
+    g = torch.randn(3, 12, dtype=torch.float64)
+    cases = [
+        ("normmax_bisect(1.5)", "normmax", lambda x: entmax_fast.normmax_bisect(x, 1.5),
+         lambda x: oracle_normmax(x, 1.5)),
+        ("budget_bisect(2)", "budget", lambda x: entmax_fast.budget_bisect(x, 2.0), lambda x: oracle_budget(x, 2.0)),
+        ("fusedmax(0.1)", "fusedmax", lambda x: entmax_fast.fusedmax(x, 0.1),
+         lambda x: oracle_rows(x, 0.1, "fused")[0]),
+        ("oscarmax(0.01)", "oscarmax", lambda x: entmax_fast.oscarmax(x, 0.01),
+         lambda x: oracle_rows(x, 0.01, "oscar")[0]),
+    ]
+    X32 = X.float()
+    for name, op, fn, oracle in cases:
+        expected = oracle(X32.double())
+        oracle_grad = _fd_grad(oracle, X32.double(), g)
+        for backend in dispatch.BACKENDS:
+            if not _usable(backend, op):
+                continue
+            x = X32.clone().requires_grad_()
+            with entmax_fast.use_backend(backend):
+                out = fn(x)
+                out.backward(g.float())
+            fwd_err = (out.double() - expected).abs().max().item()
+            grad_err = (x.grad.double() - oracle_grad).abs().max().item()
+            rows.append({"op": name, "backend": backend, "fwd_err": fwd_err, "grad_err": grad_err,
+                         "ok": fwd_err <= FORWARD_BOUND and grad_err <= GRAD_BOUND})
+    return rows
+
+
 def verify_attention():
     rows = []
     b, h, lq, lk, e = 1, 2, 9, 13, 8
@@ -124,7 +156,7 @@ def main():
     print(f"# machine: {machine()}")
     for name, info in entmax_fast.backend_info()["backends"].items():
         print(f"# backend {name}: {'available' if info['available'] else 'unavailable'} — {info['reason']}")
-    rows = verify_mappings() + verify_attention()
+    rows = verify_mappings() + verify_other_mappings() + verify_attention()
     print_table(rows, f"max error vs float64 oracle (float32 inputs; bounds fwd {FORWARD_BOUND}, grad {GRAD_BOUND})")
     if not all(r["ok"] for r in rows):
         print("VERIFY FAILED")

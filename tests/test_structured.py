@@ -1,18 +1,18 @@
 """fusedmax / oscarmax: C++ operators vs the plain-torch reference vs a float64 QP oracle.
 
-The oracle solves each prox as a bounded least-squares dual by scipy's BVLS (an active-set
-method, exact up to rounding), a different algorithm from Condat's / PAV used by both the C++
-operators and the reference.
+The oracle (tests/oracle.py) solves each prox as a bounded least-squares dual by scipy's
+BVLS (an active-set method, exact up to rounding), a different algorithm from Condat's / PAV
+used by both the C++ operators and the reference.
 """
 import math
 
 import numpy as np
 import pytest
 import torch
-from scipy.optimize import lsq_linear
 
 import entmax_fast.structured as S
 from entmax_fast.reference import structured as R
+from oracle import oracle_oscar_prox, oracle_rows, oracle_sparsemax, oracle_tv_prox
 
 NEG_INF = float("-inf")
 HAS_CPP = S.structured_backend(torch.zeros(1))[0] == "cpp"
@@ -26,69 +26,6 @@ DTYPE_TOLS = [
     pytest.param(torch.float64, 1e-9, 1e-9, id="float64"),
     pytest.param(torch.float32, 2e-5, 1e-5, id="float32"),
 ]
-
-
-# ---------------------------------------------------------------------------------------
-# float64 oracle.
-
-def oracle_tv_prox(z: np.ndarray, lam: float) -> np.ndarray:
-    """argmin_y ½‖y − z‖² + lam ‖Dy‖₁ through its dual min_{|u|≤lam} ½‖z − Dᵀu‖², y = z − Dᵀu."""
-    n = z.size
-    if n <= 1 or lam == 0:
-        return z.copy()
-    D = np.zeros((n - 1, n))
-    D[np.arange(n - 1), np.arange(n - 1)] = -1.0
-    D[np.arange(n - 1), np.arange(1, n)] = 1.0
-    u = lsq_linear(D.T, z, bounds=(-lam, lam), method="bvls", tol=1e-14).x
-    return z - D.T @ u
-
-
-def oracle_oscar_prox(z: np.ndarray, beta: float) -> np.ndarray:
-    """argmin_y ½‖y − z‖² + beta Σ_{i<j} max(|y_i|, |y_j|) (= OWL with w_i = beta (n − i)).
-
-    With y = sign(z)·t, t ≥ 0, and max(t_i, t_j) = max_{λ∈[0,1]} λ t_i + (1 − λ) t_j, the dual
-    is min ‖β(Bλ + d) − ν − |z|‖² over λ ∈ [0,1]^pairs, ν ≥ 0, and t = −residual."""
-    n = z.size
-    if n == 0 or beta == 0:
-        return z.copy()
-    a = np.abs(z)
-    pairs = [(i, j) for i in range(n) for j in range(i + 1, n)]
-    B = np.zeros((n, len(pairs)))
-    for c, (i, j) in enumerate(pairs):
-        B[i, c], B[j, c] = 1.0, -1.0
-    A = np.hstack([beta * B, -np.eye(n)])
-    b = a - beta * np.arange(n, dtype=np.float64)
-    lower = np.zeros(A.shape[1])
-    upper = np.concatenate([np.ones(len(pairs)), np.full(n, np.inf)])
-    x = lsq_linear(A, b, bounds=(lower, upper), method="bvls", tol=1e-14).x
-    t = np.maximum(b - A @ x, 0.0)
-    return np.sign(z) * t
-
-
-def oracle_sparsemax(y: np.ndarray) -> np.ndarray:
-    if y.size == 0:
-        return y.copy()
-    ordered = np.sort(y)[::-1]
-    cumulative = np.cumsum(ordered)
-    k = np.arange(1, y.size + 1)
-    support = k[1 + k * ordered > cumulative].max()
-    tau = (cumulative[support - 1] - 1) / support
-    return np.maximum(y - tau, 0.0)
-
-
-def oracle_rows(X: torch.Tensor, reg: float, kind: str, lengths=None):
-    """(p, y) of every row of a 2-D tensor over its valid entries; y is −inf where masked."""
-    prox = oracle_tv_prox if kind == "fused" else oracle_oscar_prox
-    Xn = X.double().numpy()
-    P = np.zeros_like(Xn)
-    Y = np.full_like(Xn, NEG_INF)
-    for r, row in enumerate(Xn):
-        length = row.size if lengths is None else int(lengths[r])
-        valid = np.isfinite(row) & (np.arange(row.size) < length)
-        y = prox(row[valid], reg)
-        Y[r, valid] = y
-        P[r, valid] = oracle_sparsemax(y)
-    return torch.from_numpy(P), torch.from_numpy(Y)
 
 
 # ---------------------------------------------------------------------------------------
