@@ -13,9 +13,10 @@ process's peak RSS (VmHWM, reset through /proc/self/clear_refs before each measu
 with glibc told to return large frees to the OS). Forward times include saving what the
 backward needs (inputs require grad); with ``--quick`` the total is forward + backward
 rather than a third measurement. Writes bench/out/attention.csv and
-bench/out/attention.png (time vs length). Without a GPU, ``--resources`` also compiles the
-attention Triton kernels for sm_80/sm_90 and prints their resource table (slow: every
-configuration is compiled).
+bench/out/attention.png (time vs length). Without a GPU it also compiles the Triton kernels
+for sm_80/sm_90 and prints their resource table (a covering sample of the configurations,
+a few minutes; ``--no-resources`` skips it, ``python -m entmax_fast.triton_kernels.aot``
+compiles every configuration).
 """
 from __future__ import annotations
 
@@ -203,12 +204,12 @@ def plot(rows: list, path: str, title: str) -> str:
 
 
 def resource_table() -> None:
-    """The attention Triton kernels compiled ahead of time for sm_80/sm_90 (registers,
-    spills, shared memory): the closest look at GPU behaviour a machine without a GPU has.
-    Compiling every configuration takes minutes."""
+    """The Triton kernels compiled ahead of time for sm_80/sm_90 (registers, spills, shared
+    memory): the closest look at GPU behaviour a machine without a GPU has. A pairwise
+    covering sample of the configurations (every pair of options once)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-m", "entmax_fast.triton_kernels.aot", "--modules",
-                             "attention_fwd,attention_bwd"], capture_output=True, text=True, env=env)
+    result = subprocess.run([sys.executable, "-m", "entmax_fast.triton_kernels.aot", "--sample"],
+                            capture_output=True, text=True, env=env)
     print("\n## Compiled Triton kernels (ahead of time, no GPU here)")
     if result.stdout.strip():
         print(result.stdout.rstrip())
@@ -232,9 +233,9 @@ def main(argv=None) -> list:
                         help="skip the plain-torch reference above this length")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice); on a busy "
                         "machine 1 avoids threads spin-waiting for each other")
-    parser.add_argument("--resources", action="store_true",
-                        help="without a GPU, also compile the attention kernels for sm_80/sm_90 and print their "
-                             "resource table (registers, spills, shared memory); takes 10+ minutes on 2 cores")
+    parser.add_argument("--no-resources", action="store_true",
+                        help="without a GPU, skip compiling the Triton kernels for sm_80/sm_90 and printing their "
+                             "resource table (registers, spills, shared memory; a few minutes on 2 cores)")
     parser.add_argument("--out", default=OUT_DIR)
     args = parser.parse_args(argv)
     if args.threads:
@@ -268,11 +269,8 @@ def main(argv=None) -> list:
     write_csv(rows, csv_path)
     plot_path = plot(rows, os.path.join(args.out, "attention.png"), header)
     print(f"\nwrote {csv_path} and {plot_path}")
-    if not ON_GPU:
-        if args.resources:
-            resource_table()
-        else:
-            print("\n(no GPU: --resources adds the compiled attention kernels' resource table)")
+    if not ON_GPU and not args.no_resources:
+        resource_table()
     return rows
 
 
