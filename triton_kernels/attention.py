@@ -177,6 +177,7 @@ def attention_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is
         ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind, IS_VARLEN=geo.varlen,
         HAS_DROPOUT=dropout_p > 0.0, NUM_CAND=_fwd.NUM_CANDIDATES, num_warps=geo.num_warps,
         num_stages=geo.num_stages,
+        maxnreg=_fwd.MAX_REGISTERS,
     )
     return out, stats, dvec, flags
 
@@ -213,6 +214,7 @@ def attention_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alp
         BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e, BLOCK_EV=geo.block_ev,
         ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind, IS_VARLEN=geo.varlen,
         HAS_DROPOUT=dropout_p > 0.0, num_warps=geo.num_warps, num_stages=geo.num_stages,
+        maxnreg=_fwd.MAX_REGISTERS,
     )
     _bwd.entmax_attn_bwd_dkdv_kernel[(geo.n_kblocks, geo.batch * geo.n_kv_heads)](
         q, k, v, do, dk, dv, stats, rows, flags, mask, alpha, seed, cu_q_arg, cu_k_arg,
@@ -224,6 +226,7 @@ def attention_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alp
         BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e, BLOCK_EV=geo.block_ev,
         ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind, IS_VARLEN=geo.varlen,
         HAS_DROPOUT=dropout_p > 0.0, num_warps=geo.num_warps, num_stages=geo.num_stages,
+        maxnreg=_fwd.MAX_REGISTERS,
     )
     if need_alpha_grad:
         dalpha_rows = rows[_bwd.ROW_DALPHA]

@@ -18,8 +18,8 @@ Both visit only the tiles the forward flagged as holding non-zero weight.
 import triton
 import triton.language as tl
 
-from .attention_fwd import (_DTYPES, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C, STAT_TAU_C,
-                            _config_space, _dot, _dropout_scale, _mask_type, _safe_log2,
+from .attention_fwd import (_DTYPES, MAX_REGISTERS, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C,
+                            STAT_TAU_C, _config_space, _dot, _dropout_scale, _mask_type, _safe_log2,
                             _score_from_kt, _sensitivity, _weights,
                             block_sizes, config_suffix)
 
@@ -286,7 +286,10 @@ def dkdv_signature(dtype_key, mask_kind):
 
 
 def aot_configs():
-    """Every backward configuration the launcher in attention.py can choose."""
+    """Every backward configuration the launcher in attention.py can choose.
+
+    "options" holds the extra triton.compile options the launcher also passes (maxnreg).
+    """
     configs = []
     for dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout in _config_space():
         block_m, block_n, num_warps, num_stages = block_sizes(block_e, dtype_key, dropout)
@@ -299,5 +302,6 @@ def aot_configs():
                 ("dkdv", entmax_attn_bwd_dkdv_kernel, dkdv_signature(dtype_key, mask_kind))):
             configs.append({"name": f"entmax_attn_bwd_{name}_{suffix}", "fn": fn,
                             "signature": signature, "constexprs": constexprs,
-                            "num_warps": num_warps, "num_stages": num_stages})
+                            "num_warps": num_warps, "num_stages": num_stages,
+                            "options": {"maxnreg": MAX_REGISTERS}})
     return configs

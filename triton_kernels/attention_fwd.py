@@ -48,25 +48,34 @@ STAT_SUM_C = tl.constexpr(STAT_SUM)
 STAT_ENTROPY_C = tl.constexpr(STAT_ENTROPY)
 
 
+# Register limit handed to ptxas (Triton's maxnreg, PTX .maxnreg) by the launchers and the
+# AOT check. Without it ptxas caps some 8-warp configurations at 128 registers (room for two
+# CTAs per SM) and spills the rest to the stack even though 255 fit (KERNELS.md section 2).
+MAX_REGISTERS = 255
+
+
 def block_sizes(block_e, dtype_key, dropout=False):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a padded head dimension and dtype.
 
     Shared by forward and backward: the tile flags written by the forward are read by the
     backward, so both must tile the same way. Chosen by compiling for sm_80/sm_90 and
     reading the stack frame (cuobjdump): fp32 operands go through three TF32 products and
-    need smaller tiles than fp16/bf16, and dropout's Philox state halves BLOCK_M.
+    need smaller tiles than fp16/bf16, dropout's Philox state halves BLOCK_M, and at
+    E = 256 the loop-invariant [BLOCK_M, E] operands leave room only for BLOCK_N = 16.
     """
     if dtype_key == "fp32":
-        block_m, block_n = (32, 16) if block_e <= 64 else (16, 16)
-    elif block_e <= 64:
+        block_m, block_n = (32, 16) if block_e <= 32 else (16, 16)
+    elif block_e <= 32:
         block_m, block_n = 64, 32
     elif block_e <= 128:
         block_m, block_n = 32, 32
     else:
-        block_m, block_n = 16, 32
+        block_m, block_n = 16, 16
     if dropout:
         block_m = max(16, block_m // 2)
-    num_stages = 2 if block_e <= 128 else 1
+    # the pipelined key loads of a second stage cost the fp32 E = 128 forward its last
+    # registers
+    num_stages = 2 if block_e <= 64 or (block_e == 128 and dtype_key != "fp32") else 1
     return block_m, block_n, 8, num_stages
 
 
@@ -430,7 +439,10 @@ def config_suffix(dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout):
 
 
 def aot_configs():
-    """Every forward configuration the launcher in attention.py can choose."""
+    """Every forward configuration the launcher in attention.py can choose.
+
+    "options" holds the extra triton.compile options the launcher also passes (maxnreg).
+    """
     configs = []
     for dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout in _config_space():
         block_m, block_n, num_warps, num_stages = block_sizes(block_e, dtype_key, dropout)
@@ -446,5 +458,6 @@ def aot_configs():
             "constexprs": constexprs,
             "num_warps": num_warps,
             "num_stages": num_stages,
+            "options": {"maxnreg": MAX_REGISTERS},
         })
     return configs
