@@ -193,9 +193,9 @@ inline double softmax_mu(const T* z, int64_t n, T zmax, T* p) {
   return std::log(sum);
 }
 
-// Any alpha > 0, alpha != 1: safeguarded Newton on mu within the bracket
+// Any alpha > 0, alpha != 1: safeguarded Halley iteration on mu within the bracket
 // [0, (1 - n^(1-alpha))/(alpha-1)], f(mu) = sum p - 1 (decreasing), f'(mu) = -sum p/base,
-// all in double. Newton steps leaving the bracket are bisections.
+// all in double. Steps leaving the bracket are bisections.
 // For alpha > 1 an entry outside the support at the bracket's left end stays outside (the
 // support shrinks as mu grows), so the candidates are compacted as the left end moves.
 // alpha - 1 below which general_mu takes Newton steps on log(sum p) (measured on Gaussian
@@ -222,15 +222,17 @@ inline double general_mu(const T* z, int64_t n, T zmax, const EntmaxParams<T>& p
   const double tol = 2.0 * eps * static_cast<double>(std::max<int64_t>(n_finite, 1));
   const double resolution = 4.0 * eps;
   for (int iter = 0; iter < 400; ++iter) {
-    double f = -1.0, slope = 0.0;
+    double f = -1.0, slope = 0.0, curvature = 0.0;
     int64_t kept = 0;
     for (int64_t i = 0; i < k; ++i) {
       const double u = work[i];
       const double b = am1 * (u - mu);
       if (b > -1.0) {
         const double p = std::exp(std::log1p(b) * prm.exponent);
+        const double p_over_q = p / (1.0 + b);
         f += p;
-        slope += p / (1.0 + b);
+        slope += p_over_q;
+        curvature += p_over_q / (1.0 + b);
       }
       if (am1 < 0 || am1 * (u - lo) > -1.0) work[kept++] = u;
     }
@@ -245,8 +247,23 @@ inline double general_mu(const T* z, int64_t n, T zmax, const EntmaxParams<T>& p
     // monotonically to the root. Near alpha = 1 the mass behaves like exp(-mu), and Newton
     // on log(sum p) (exact for softmax) needs about half the passes. For alpha > 2 f has
     // concave pieces: every fourth step is a bisection there, which bounds the steps.
+    // Halley steps (cubic convergence; f'' = (2 - alpha) sum p/q^2 costs no transcendental),
+    // on log(sum p) near alpha = 1, falling back to Newton where the Halley denominator is
+    // not positive.
     const double mass = f + 1.0;
-    double next = am1 < kLogNewtonBelow ? mu + std::log(mass) * mass / slope : mu + f / slope;
+    const double f2 = (2.0 - prm.alpha) * curvature;
+    double value, d1, d2;
+    if (am1 < kLogNewtonBelow) {
+      value = std::log(mass);
+      d1 = -slope / mass;
+      d2 = (f2 * mass - slope * slope) / (mass * mass);
+    } else {
+      value = f;
+      d1 = -slope;
+      d2 = f2;
+    }
+    const double halley_denominator = 2.0 * d1 * d1 - value * d2;
+    double next = halley_denominator > 0 ? mu - 2.0 * value * d1 / halley_denominator : mu - value / d1;
     const bool forced_bisection = am1 > 1.0 && iter % 4 == 3;
     if (!(slope > 0) || !(next > lo && next < hi) || forced_bisection) next = 0.5 * (lo + hi);
     mu = next;
