@@ -22,6 +22,7 @@ from entmax_fast import dispatch  # noqa: E402
 MAPPINGS = {
     "sparsemax": (lambda X: entmax_fast.sparsemax(X), "sparsemax"),
     "entmax15": (lambda X: entmax_fast.entmax15(X), "entmax15"),
+    "entmax_bisect (default α=1.5)": (lambda X: entmax_fast.entmax_bisect(X), "entmax_bisect_default"),
     "entmax_bisect(1.25)": (lambda X: entmax_fast.entmax_bisect(X, 1.25), "entmax_bisect"),
 }
 
@@ -30,6 +31,7 @@ def _entmax_pkg(name):
     import entmax
 
     return {"sparsemax": entmax.sparsemax, "entmax15": entmax.entmax15,
+            "entmax_bisect_default": entmax.entmax_bisect,
             "entmax_bisect": lambda X: entmax.entmax_bisect(X, 1.25)}[name]
 
 
