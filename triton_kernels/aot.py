@@ -1,7 +1,8 @@
 """Ahead-of-time compile check of every Triton kernel configuration (KERNELS.md §2).
 
 Each kernel module listed in KERNEL_MODULES exposes ``aot_configs() -> list[dict]`` with
-keys name, fn, signature, constexprs, num_warps, num_stages: every configuration its
+keys name, fn, signature, constexprs, num_warps, num_stages (and optionally options: further
+compile options such as maxnreg, as the launcher passes them): every configuration its
 launcher can choose. This module compiles each of them for every arch in ARCHS without a
 GPU, reads the cubin's resource usage with the ``cuobjdump`` shipped in the triton wheel,
 and flags compile errors, register spills (LOCAL or STACK > 0) and shared memory above
@@ -123,7 +124,8 @@ def compile_all(archs=ARCHS, modules=KERNEL_MODULES, on_event=None, sample=False
                     src = ASTSource(fn=cfg["fn"], signature=cfg["signature"], constexprs=cfg["constexprs"])
                     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                                               options={"num_warps": cfg["num_warps"],
-                                                       "num_stages": cfg["num_stages"]})
+                                                       "num_stages": cfg["num_stages"],
+                                                       **cfg.get("options", {})})
                     usage = _resource_usage(compiled.asm["cubin"], compiled.metadata.name)
                     # Triton's shared memory is dynamic: the cubin's SHARED omits it.
                     usage["SHARED"] = max(usage["SHARED"], int(compiled.metadata.shared))
