@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .attention_fwd import (_DTYPES, MAX_REGISTERS, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C,
                             STAT_TAU_C, _config_space, _dot, _dropout_scale, _mask_type, _safe_log2,
-                            _score_from_kt, _sensitivity, _weights,
+                            _score_from_kt, _sensitivity, _sequence_bounds, _weights,
                             block_sizes, config_suffix)
 
 # rows of the backward's per-row buffer
@@ -62,16 +62,7 @@ def entmax_attn_bwd_dq_kernel(
     i_b = (pid_bh // n_heads).to(tl.int64)
     i_h = (pid_bh % n_heads).to(tl.int64)
     i_hk = i_h // kv_group
-    if IS_VARLEN:
-        q_start = tl.load(cu_q_ptr + i_b).to(tl.int64)
-        q_len = tl.load(cu_q_ptr + i_b + 1).to(tl.int32) - q_start.to(tl.int32)
-        k_start = tl.load(cu_k_ptr + i_b).to(tl.int64)
-        k_len = tl.load(cu_k_ptr + i_b + 1).to(tl.int32) - k_start.to(tl.int32)
-    else:
-        q_start = i_b * 0
-        q_len = seqlen_q
-        k_start = i_b * 0
-        k_len = seqlen_k
+    q_start, q_len, k_start, k_len = _sequence_bounds(cu_q_ptr, cu_k_ptr, i_b, seqlen_q, seqlen_k, IS_VARLEN)
     start_m = pid_m * BLOCK_M
     if start_m >= q_len:
         return
@@ -166,16 +157,7 @@ def entmax_attn_bwd_dkdv_kernel(
     pid_bhk = tl.program_id(1)
     i_b = (pid_bhk // n_kv_heads).to(tl.int64)
     i_hk = (pid_bhk % n_kv_heads).to(tl.int64)
-    if IS_VARLEN:
-        q_start = tl.load(cu_q_ptr + i_b).to(tl.int64)
-        q_len = tl.load(cu_q_ptr + i_b + 1).to(tl.int32) - q_start.to(tl.int32)
-        k_start = tl.load(cu_k_ptr + i_b).to(tl.int64)
-        k_len = tl.load(cu_k_ptr + i_b + 1).to(tl.int32) - k_start.to(tl.int32)
-    else:
-        q_start = i_b * 0
-        q_len = seqlen_q
-        k_start = i_b * 0
-        k_len = seqlen_k
+    q_start, q_len, k_start, k_len = _sequence_bounds(cu_q_ptr, cu_k_ptr, i_b, seqlen_q, seqlen_k, IS_VARLEN)
     start_n = pid_n * BLOCK_N
     if start_n >= k_len:
         return

@@ -80,6 +80,23 @@ def block_sizes(block_e, dtype_key, dropout=False):
 
 
 @triton.jit
+def _sequence_bounds(cu_q_ptr, cu_k_ptr, i_b, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
+    """(q_start, q_len, k_start, k_len) of batch entry i_b: from the varlen offsets, or the
+    whole padded sequence."""
+    if IS_VARLEN:
+        q_start = tl.load(cu_q_ptr + i_b).to(tl.int64)
+        q_len = tl.load(cu_q_ptr + i_b + 1).to(tl.int32) - q_start.to(tl.int32)
+        k_start = tl.load(cu_k_ptr + i_b).to(tl.int64)
+        k_len = tl.load(cu_k_ptr + i_b + 1).to(tl.int32) - k_start.to(tl.int32)
+    else:
+        q_start = i_b * 0
+        q_len = seqlen_q
+        k_start = i_b * 0
+        k_len = seqlen_k
+    return q_start, q_len, k_start, k_len
+
+
+@triton.jit
 def _score_tile(b_q, p_k_base, stride_kl, p_mask_base, stride_mq, stride_mk,
                 o_m, start_n, q_len, k_len, head_e, scale, is_causal,
                 BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, MASK_KIND: tl.constexpr):
@@ -279,16 +296,7 @@ def entmax_attn_fwd_kernel(
     i_b = (pid_bh // n_heads).to(tl.int64)
     i_h = (pid_bh % n_heads).to(tl.int64)
     i_hk = i_h // kv_group
-    if IS_VARLEN:
-        q_start = tl.load(cu_q_ptr + i_b).to(tl.int64)
-        q_len = tl.load(cu_q_ptr + i_b + 1).to(tl.int32) - q_start.to(tl.int32)
-        k_start = tl.load(cu_k_ptr + i_b).to(tl.int64)
-        k_len = tl.load(cu_k_ptr + i_b + 1).to(tl.int32) - k_start.to(tl.int32)
-    else:
-        q_start = i_b * 0
-        q_len = seqlen_q
-        k_start = i_b * 0
-        k_len = seqlen_k
+    q_start, q_len, k_start, k_len = _sequence_bounds(cu_q_ptr, cu_k_ptr, i_b, seqlen_q, seqlen_k, IS_VARLEN)
     start_m = pid_m * BLOCK_M
     if start_m >= q_len:
         return
