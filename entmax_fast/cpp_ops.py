@@ -128,20 +128,22 @@ def _register_python_side() -> None:
 
 # ---------------------------------------------------------------- row-wise entry points
 
-def _rowwise_alpha(alpha, rows: int, device) -> torch.Tensor:
-    """alpha as a tensor of shape (rows,); a python float is kept exact in float64."""
+def _alpha_vector(alpha, count: int, device, what: str) -> torch.Tensor:
+    """alpha as a tensor of shape (count,) (one per ``what``); a python float is kept exact
+    in float64."""
     if isinstance(alpha, torch.Tensor):
         if alpha.numel() == 1:
-            return alpha.reshape(1).expand(rows)
-        if alpha.shape != (rows,):
-            raise ValueError(f"alpha must be a float or a tensor of shape ({rows},), got shape {tuple(alpha.shape)}")
+            return alpha.reshape(1).expand(count)
+        if alpha.shape != (count,):
+            raise ValueError(f"alpha must be a float or a tensor of shape ({count},) (one per {what}), "
+                             f"got shape {tuple(alpha.shape)}")
         if alpha.device != device:
             raise ValueError(f"alpha must be on {device}, got {alpha.device}")
         return alpha
     alpha = float(alpha)
     if not alpha > 0:
         raise ValueError(f"alpha must be > 0, got {alpha}")
-    return torch.full((rows,), alpha, dtype=torch.float64, device=device)
+    return torch.full((count,), alpha, dtype=torch.float64, device=device)
 
 
 def _check_rows(x: torch.Tensor, name: str) -> None:
@@ -163,7 +165,7 @@ def entmax_rowwise_forward(x: torch.Tensor, alpha) -> torch.Tensor:
     """
     _require_ops()
     _check_rows(x, "x")
-    return torch.ops.entmax_fast.entmax_rowwise_fwd(x, _rowwise_alpha(alpha, x.shape[0], x.device))
+    return torch.ops.entmax_fast.entmax_rowwise_fwd(x, _alpha_vector(alpha, x.shape[0], x.device, "row"))
 
 
 def entmax_rowwise_backward(p: torch.Tensor, grad: torch.Tensor, alpha, need_alpha_grad: bool):
@@ -176,7 +178,7 @@ def entmax_rowwise_backward(p: torch.Tensor, grad: torch.Tensor, alpha, need_alp
     _check_rows(p, "p")
     if grad.shape != p.shape:
         raise ValueError(f"grad must have p's shape {tuple(p.shape)}, got {tuple(grad.shape)}")
-    alpha_t = _rowwise_alpha(alpha, p.shape[0], p.device)
+    alpha_t = _alpha_vector(alpha, p.shape[0], p.device, "row")
     dx, dalpha = torch.ops.entmax_fast.entmax_rowwise_bwd(p, grad, alpha_t, bool(need_alpha_grad))
     if not need_alpha_grad:
         return dx, None
@@ -186,22 +188,6 @@ def entmax_rowwise_backward(p: torch.Tensor, grad: torch.Tensor, alpha, need_alp
 
 
 # ---------------------------------------------------------------- attention entry point
-
-def _attention_alpha(alpha, heads: int, device) -> torch.Tensor:
-    if isinstance(alpha, torch.Tensor):
-        if alpha.numel() == 1:
-            return alpha.reshape(1).expand(heads)
-        if alpha.shape != (heads,):
-            raise ValueError(f"alpha must be a float or a tensor of shape ({heads},) (one per query head), "
-                             f"got shape {tuple(alpha.shape)}")
-        if alpha.device != device:
-            raise ValueError(f"alpha must be on {device}, got {alpha.device}")
-        return alpha
-    alpha = float(alpha)
-    if not alpha > 0:
-        raise ValueError(f"alpha must be > 0, got {alpha}")
-    return torch.full((heads,), alpha, dtype=torch.float64, device=device)
-
 
 def entmax_attention_cpp(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                          enable_gqa=False, alpha=1.5):
@@ -259,7 +245,7 @@ def entmax_attention_cpp(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
                              f"(B, H, Lq, Lk) = {(B, H, Lq, Lk)}")
     if scale is None:
         scale = 1.0 / math.sqrt(E)
-    alpha_t = _attention_alpha(alpha, H, query.device)
+    alpha_t = _alpha_vector(alpha, H, query.device, "query head")
     out, _ = torch.ops.entmax_fast.entmax_attention_fwd(query, key, value, attn_mask, alpha_t, float(scale),
                                                         bool(is_causal))
     return out.squeeze(0) if squeeze else out
