@@ -5,7 +5,7 @@ scaled-dot-product entmax attention with ``torch.nn.functional.scaled_dot_produc
 signature. Every op dispatches between Triton kernels, the C++ extension and the exact
 plain-torch reference; :func:`backend_info` says which exist here and which each op used.
 """
-from . import continuous, dispatch
+from . import dispatch
 from .attention import entmax_attention, entmax_attention_varlen, sparsemax_attention
 from .continuous import (ContinuousAttention, GaussianBasis1d, continuous_entmax15, continuous_softmax,
                          continuous_softmax_2d, continuous_sparsemax, continuous_sparsemax_2d)

@@ -46,7 +46,6 @@ class EntmaxFunction(torch.autograd.Function):
         ctx.dim = dim
         ctx.moved_shape = moved_shape
         ctx.alpha_float = None if isinstance(alpha, torch.Tensor) else alpha
-        ctx.alpha_shape = alpha.shape if isinstance(alpha, torch.Tensor) else None
         ctx.save_for_backward(p_rows, alpha_rows if isinstance(alpha, torch.Tensor) else None)
         return _from_rows(p_rows, moved_shape, dim)
 

@@ -1,7 +1,5 @@
 """Reference entmax attention: vs the dense float64 composition, gradients, masks, causal
 alignment, GQA, dropout, α per head, memory bound."""
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
