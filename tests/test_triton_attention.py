@@ -329,6 +329,34 @@ def test_gpu_tiling_table(monkeypatch, dtype, fwd_tol, grad_tol):
         assert _err(got, want) <= grad_tol, name
 
 
+@pytest.mark.parametrize("chunk", [16, 32])
+@pytest.mark.parametrize("dtype,fwd_tol,grad_tol", [(torch.float32, 1e-5, 1e-4)])
+def test_head_dim_chunks(monkeypatch, chunk, dtype, fwd_tol, grad_tol):
+    """Every kernel with its q.k and dO.v products taken in head-dim chunks (as the GPU
+    table does for wide fp32 heads), with a value head dim other than the query's, a ragged
+    last chunk (E = 80), GQA, a mask and a learned per-head alpha."""
+    monkeypatch.setattr(tri._fwd, "_CHUNKS", {(kernel, "fp32"): {128: chunk}
+                                              for kernel in ("fwd", "dq", "dkdv")})
+    b, h, hkv, lq, lk, e, ev = 1, 4, 2, 37, 50, 80, 72
+    q, k, v = _inputs(b, h, hkv, lq, lk, e, dtype, ev=ev)
+    alpha = _alpha("per-head", h)
+    mask = _mask("key-padding", b, h, lq, lk)
+    grad_out = torch.randn(b, h, lq, ev)
+
+    def run(fn, q_, k_, v_, a_):
+        return fn(q_, k_, v_, attn_mask=mask, enable_gqa=True, alpha=a_)
+
+    out, grads = _grads(lambda *t: run(tri.entmax_attention_triton, *t), [q, k, v, alpha],
+                        grad_out)
+    _, ref_grads = _grads(lambda *t: run(reference_attention, *t),
+                          [t.double() for t in (q, k, v, alpha)], grad_out)
+    assert tri._Geometry(q, k, v, None, None, 0, 0, False).block_ec == {
+        "fwd": chunk, "dq": chunk, "dkdv": chunk}
+    assert _err(out, oracle_attention(q, k, v, attn_mask=mask, alpha=alpha)) <= fwd_tol
+    for name, got, want in zip(("dq", "dk", "dv", "dalpha"), grads, ref_grads):
+        assert _err(got, want) <= grad_tol, name
+
+
 def test_strided_inputs_and_gradients():
     """(B, L, H, E) storage viewed as (B, H, L, E), and a broadcast upstream gradient."""
     q, k, v = (torch.randn(1, n, 2, 16).transpose(1, 2) for n in (63, 40, 40))

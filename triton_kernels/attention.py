@@ -102,6 +102,10 @@ class _Geometry:
         else:
             (self.block_m, self.block_n, self.num_warps,
              self.num_stages) = _fwd.block_sizes(self.block_e, _DTYPE_KEYS[q.dtype], dropout)
+        # head-dim chunks of the q.k and dO.v products, per kernel (also when interpreting,
+        # so that the tests exercise the chunked loops)
+        self.block_ec = {kernel: _fwd.chunk_width(kernel, self.block_e, _DTYPE_KEYS[q.dtype])
+                         for kernel in ("fwd", "dq", "dkdv")}
         self.n_qblocks = triton.cdiv(max(self.seqlen_q, 1), self.block_m)
         self.n_kblocks = triton.cdiv(max(self.seqlen_k, 1), self.block_n)
 
@@ -174,8 +178,8 @@ def attention_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is
         geo.n_heads, geo.kv_group, geo.seqlen_q, geo.seqlen_k, geo.n_qblocks, geo.n_kblocks,
         geo.head_e, geo.head_ev, float(scale), float(dropout_p), int(is_causal), int(need_grad),
         BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e, BLOCK_EV=geo.block_ev,
-        ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind, IS_VARLEN=geo.varlen,
-        HAS_DROPOUT=dropout_p > 0.0, NUM_CAND=_fwd.NUM_CANDIDATES, num_warps=geo.num_warps,
+        BLOCK_EC=geo.block_ec["fwd"], ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind,
+        IS_VARLEN=geo.varlen, HAS_DROPOUT=dropout_p > 0.0, NUM_CAND=_fwd.NUM_CANDIDATES, num_warps=geo.num_warps,
         num_stages=geo.num_stages,
         maxnreg=_fwd.MAX_REGISTERS,
     )
@@ -212,7 +216,7 @@ def attention_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alp
         geo.head_e, geo.head_ev, float(scale), float(dropout_p), int(is_causal),
         int(need_alpha_grad),
         BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e, BLOCK_EV=geo.block_ev,
-        ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind, IS_VARLEN=geo.varlen,
+        BLOCK_EC=geo.block_ec["dq"], ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind, IS_VARLEN=geo.varlen,
         HAS_DROPOUT=dropout_p > 0.0, num_warps=geo.num_warps, num_stages=geo.num_stages,
         maxnreg=_fwd.MAX_REGISTERS,
     )
@@ -224,7 +228,7 @@ def attention_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alp
         geo.n_qblocks, geo.n_kblocks, geo.head_e, geo.head_ev, float(scale),
         float(dropout_p), int(is_causal),
         BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e, BLOCK_EV=geo.block_ev,
-        ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind, IS_VARLEN=geo.varlen,
+        BLOCK_EC=geo.block_ec["dkdv"], ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind, IS_VARLEN=geo.varlen,
         HAS_DROPOUT=dropout_p > 0.0, num_warps=geo.num_warps, num_stages=geo.num_stages,
         maxnreg=_fwd.MAX_REGISTERS,
     )

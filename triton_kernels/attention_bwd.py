@@ -19,9 +19,9 @@ import triton
 import triton.language as tl
 
 from .attention_fwd import (_DTYPES, MAX_REGISTERS, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C,
-                            STAT_TAU_C, _config_space, _dot, _dropout_scale, _mask_type, _safe_log2,
-                            _score_from_kt, _sensitivity, _sequence_bounds, _weights,
-                            block_sizes, config_suffix)
+                            STAT_TAU_C, _config_space, _dot, _dot_rows, _dropout_scale,
+                            _held_rows, _load_rows, _mask_type, _masked_scores, _safe_log2, _sensitivity,
+                            _sequence_bounds, _weights, block_sizes, chunk_width, config_suffix)
 
 # rows of the backward's per-row buffer
 ROW_DELTA, ROW_DALPHA = 0, 1
@@ -53,8 +53,8 @@ def entmax_attn_bwd_dq_kernel(
     n_heads, kv_group, seqlen_q, seqlen_k, n_qblocks, n_kblocks, head_e, head_ev,
     scale, dropout_p, is_causal, need_alpha_grad,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_EV: tl.constexpr, ALPHA_KIND: tl.constexpr, MASK_KIND: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
+    MASK_KIND: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     """dQ for one query block; q, dq share strides, and o, do, dvec share strides."""
     pid_m = tl.program_id(0)
@@ -82,12 +82,22 @@ def entmax_attn_bwd_dq_kernel(
     p_stats = stats_ptr + i_b * stride_sb + i_h * stride_sh + q_start + o_m
     p_rows = rows_ptr + i_b * stride_sb + i_h * stride_sh + q_start + o_m
 
-    b_q = tl.load(q_ptr + q_off + o_m[:, None] * stride_ql + o_e[None, :], mask=m_qe, other=0.0)
-    b_do = tl.load(do_ptr + o_off + o_m[:, None] * stride_ol + o_ev[None, :], mask=m_qev,
+    p_q = q_ptr + q_off
+    p_do = do_ptr + o_off
+    b_do = tl.load(p_do + o_m[:, None] * stride_ol + o_ev[None, :], mask=m_qev,
                    other=0.0)  # [BM, BEV]
     b_dvec = tl.load(dvec_ptr + o_off + o_m[:, None] * stride_ol + o_ev[None, :], mask=m_qev,
                      other=0.0)
     b_delta = tl.sum(b_do.to(tl.float32) * b_dvec, 1)  # [BM]
+    b_gp = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if need_alpha_grad != 0:
+        b_o = tl.load(o_ptr + o_off + o_m[:, None] * stride_ol + o_ev[None, :], mask=m_qev,
+                      other=0.0)
+        b_gp = tl.sum(b_do.to(tl.float32) * b_o.to(tl.float32), 1)  # sum_j g_j p_j = dO . o
+    if BLOCK_EC < BLOCK_EV:
+        # chunked products reload dO: the full block need not stay live through the loop
+        b_do = 0.0
+    b_q = _held_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, BLOCK_EC)
     b_m = tl.load(p_stats + STAT_MAX_C * stride_stat, mask=m_m, other=0.0)
     b_tau = tl.load(p_stats + STAT_TAU_C * stride_stat, mask=m_m, other=0.0)
     b_l = tl.load(p_stats + STAT_SUM_C * stride_stat, mask=m_m, other=0.0)
@@ -105,19 +115,21 @@ def entmax_attn_bwd_dq_kernel(
     for start_n in range(0, kv_end, BLOCK_N):
         if tl.load(p_flags + start_n // BLOCK_N) != 0:
             o_n = start_n + tl.arange(0, BLOCK_N)
-            b_k = tl.load(p_k + o_n[:, None] * stride_kl + o_e[None, :],
-                          mask=(o_n[:, None] < k_len) & (o_e[None, :] < head_e),
-                          other=0.0)  # [BN, BE], loaded once for the scores and for dQ
-            b_z = _score_from_kt(b_q, tl.trans(b_k), p_mask, stride_mq, stride_mk, o_m,
-                                 start_n, q_len, k_len, scale, is_causal, BLOCK_N, MASK_KIND)
+            b_k = _held_rows(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E, BLOCK_EC)  # [BN, BE]
+            b_qk = _dot_rows(b_q, b_k, p_q, stride_ql, o_m, q_len, p_k, stride_kl, o_n, k_len,
+                             head_e, BLOCK_E, BLOCK_EC)
+            b_z = _masked_scores(b_qk * scale, p_mask, stride_mq, stride_mk, o_m, start_n,
+                                 q_len, k_len, is_causal, BLOCK_N, MASK_KIND)
             b_d, b_p, b_s = _row_weights(b_z, b_m, b_tau, b_l, am1, inv_am1, ALPHA_KIND)
-            b_vt = tl.load(p_v + o_n[None, :] * stride_vl + o_ev[:, None],
-                           mask=(o_n[None, :] < k_len) & (o_ev[:, None] < head_ev),
-                           other=0.0)  # [BEV, BN]
+            b_v = _held_rows(p_v, stride_vl, o_n, k_len, head_ev, BLOCK_EV, BLOCK_EC)
             b_drop = _dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
                                     BLOCK_M, BLOCK_N, HAS_DROPOUT)
-            b_g = _dot(b_do, b_vt) * b_drop  # dL/dp [BM, BN]
+            b_g = _dot_rows(b_do, b_v, p_do, stride_ol, o_m, q_len, p_v, stride_vl, o_n, k_len,
+                            head_ev, BLOCK_EV, BLOCK_EC) * b_drop  # dL/dp [BM, BN]
             b_dz = b_s * (b_g - b_delta[:, None])
+            if BLOCK_EC < BLOCK_E:
+                # loaded only now, so that it is not live during the chunked products
+                b_k = _load_rows(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E)
             b_dq += _dot(b_dz.to(b_k.dtype), b_k)
             if need_alpha_grad != 0:
                 # h = -p log p with log p = log(d) / (alpha - 1) - log l
@@ -128,9 +140,6 @@ def entmax_attn_bwd_dq_kernel(
     tl.store(p_rows + ROW_DELTA_C * stride_row, b_delta, mask=m_m)
     if need_alpha_grad != 0:
         # dalpha = sum_i g_i dp_i/dalpha with sum g p = dO.o, sum g p~ = delta (MATH.md s.2)
-        b_o = tl.load(o_ptr + o_off + o_m[:, None] * stride_ol + o_ev[None, :], mask=m_qev,
-                      other=0.0)
-        b_gp = tl.sum(b_do.to(tl.float32) * b_o.to(tl.float32), 1)
         b_entropy = tl.load(p_stats + STAT_ENTROPY_C * stride_stat, mask=m_m, other=0.0)
         b_dalpha = (b_gp - b_delta) * inv_am1 * inv_am1 + (b_gh - b_delta * b_entropy) * inv_am1
         tl.store(p_rows + ROW_DALPHA_C * stride_row, b_dalpha, mask=m_m)
@@ -149,8 +158,8 @@ def entmax_attn_bwd_dkdv_kernel(
     n_heads, n_kv_heads, kv_group, seqlen_q, seqlen_k, n_qblocks, n_kblocks, head_e, head_ev,
     scale, dropout_p, is_causal,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_EV: tl.constexpr, ALPHA_KIND: tl.constexpr, MASK_KIND: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
+    MASK_KIND: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     """dK, dV for one key block of one key/value head; k, dk and v, dv share strides."""
     pid_n = tl.program_id(0)
@@ -165,14 +174,12 @@ def entmax_attn_bwd_dkdv_kernel(
     o_e = tl.arange(0, BLOCK_E)
     o_ev = tl.arange(0, BLOCK_EV)
     m_n = o_n < k_len
-    m_ke = (o_e[:, None] < head_e) & m_n[None, :]
-    m_kev = (o_ev[:, None] < head_ev) & m_n[None, :]
     k_off = i_b * stride_kb + i_hk * stride_kh + k_start * stride_kl
     v_off = i_b * stride_vb + i_hk * stride_vh + k_start * stride_vl
-    b_kt = tl.load(k_ptr + k_off + o_n[None, :] * stride_kl + o_e[:, None], mask=m_ke,
-                   other=0.0)  # [BE, BN]
-    b_vt = tl.load(v_ptr + v_off + o_n[None, :] * stride_vl + o_ev[:, None], mask=m_kev,
-                   other=0.0)  # [BEV, BN]
+    p_k = k_ptr + k_off
+    p_v = v_ptr + v_off
+    b_k = _held_rows(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E, BLOCK_EC)  # [BN, BE]
+    b_v = _held_rows(p_v, stride_vl, o_n, k_len, head_ev, BLOCK_EV, BLOCK_EC)  # [BN, BEV]
     seed = tl.load(seed_ptr)
 
     m_begin = 0
@@ -197,22 +204,28 @@ def entmax_attn_bwd_dkdv_kernel(
             if tl.load(p_flags + (start_m // BLOCK_M) * n_kblocks) != 0:
                 o_m = start_m + tl.arange(0, BLOCK_M)
                 m_m = o_m < q_len
-                b_q = tl.load(p_q + o_m[:, None] * stride_ql + o_e[None, :],
-                              mask=m_m[:, None] & (o_e[None, :] < head_e), other=0.0)
-                b_do = tl.load(p_do + o_m[:, None] * stride_ol + o_ev[None, :],
-                               mask=m_m[:, None] & (o_ev[None, :] < head_ev), other=0.0)
+                b_q = _held_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, BLOCK_EC)
+                b_do = _held_rows(p_do, stride_ol, o_m, q_len, head_ev, BLOCK_EV, BLOCK_EC)
                 b_m = tl.load(p_stats + o_m + STAT_MAX_C * stride_stat, mask=m_m, other=0.0)
                 b_tau = tl.load(p_stats + o_m + STAT_TAU_C * stride_stat, mask=m_m, other=0.0)
                 b_l = tl.load(p_stats + o_m + STAT_SUM_C * stride_stat, mask=m_m, other=0.0)
                 b_l = tl.where(b_l > 0, b_l, 1.0)
                 b_delta = tl.load(p_rows + o_m + ROW_DELTA_C * stride_row, mask=m_m, other=0.0)
-                b_z = _score_from_kt(b_q, b_kt, p_mask, stride_mq, stride_mk, o_m, start_n,
-                                     q_len, k_len, scale, is_causal, BLOCK_N, MASK_KIND)
+                b_qk = _dot_rows(b_q, b_k, p_q, stride_ql, o_m, q_len, p_k, stride_kl, o_n,
+                                 k_len, head_e, BLOCK_E, BLOCK_EC)
+                b_z = _masked_scores(b_qk * scale, p_mask, stride_mq, stride_mk, o_m, start_n,
+                                     q_len, k_len, is_causal, BLOCK_N, MASK_KIND)
                 b_d, b_p, b_s = _row_weights(b_z, b_m, b_tau, b_l, am1, inv_am1, ALPHA_KIND)
                 b_drop = _dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
                                         BLOCK_M, BLOCK_N, HAS_DROPOUT)
-                b_g = _dot(b_do, b_vt) * b_drop  # [BM, BN]
+                b_g = _dot_rows(b_do, b_v, p_do, stride_ol, o_m, q_len, p_v, stride_vl, o_n,
+                                k_len, head_ev, BLOCK_EV, BLOCK_EC) * b_drop  # [BM, BN]
                 b_dz = b_s * (b_g - b_delta[:, None])
+                if BLOCK_EC < BLOCK_E:
+                    # loaded only now, so that they are not live during the chunked products
+                    b_q = _load_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E)
+                if BLOCK_EC < BLOCK_EV:
+                    b_do = _load_rows(p_do, stride_ol, o_m, q_len, head_ev, BLOCK_EV)
                 b_dv += _dot(tl.trans((b_p * b_drop).to(b_do.dtype)), b_do)
                 b_dk += _dot(tl.trans(b_dz.to(b_q.dtype)), b_q)
     tl.store(dk_ptr + k_off + o_n[:, None] * stride_kl + o_e[None, :],
@@ -244,8 +257,8 @@ def dq_signature(dtype_key, mask_kind):
         sig[name] = "i32"
     sig.update({"scale": "fp32", "dropout_p": "fp32", "is_causal": "i32",
                 "need_alpha_grad": "i32"})
-    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_E", "BLOCK_EV", "ALPHA_KIND", "MASK_KIND",
-                 "IS_VARLEN", "HAS_DROPOUT"):
+    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_E", "BLOCK_EV", "BLOCK_EC", "ALPHA_KIND",
+                 "MASK_KIND", "IS_VARLEN", "HAS_DROPOUT"):
         sig[name] = "constexpr"
     return sig
 
@@ -261,8 +274,8 @@ def dkdv_signature(dtype_key, mask_kind):
                  "n_kblocks", "head_e", "head_ev"):
         sig[name] = "i32"
     sig.update({"scale": "fp32", "dropout_p": "fp32", "is_causal": "i32"})
-    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_E", "BLOCK_EV", "ALPHA_KIND", "MASK_KIND",
-                 "IS_VARLEN", "HAS_DROPOUT"):
+    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_E", "BLOCK_EV", "BLOCK_EC", "ALPHA_KIND",
+                 "MASK_KIND", "IS_VARLEN", "HAS_DROPOUT"):
         sig[name] = "constexpr"
     return sig
 
@@ -283,7 +296,9 @@ def aot_configs():
                 ("dq", entmax_attn_bwd_dq_kernel, dq_signature(dtype_key, mask_kind)),
                 ("dkdv", entmax_attn_bwd_dkdv_kernel, dkdv_signature(dtype_key, mask_kind))):
             configs.append({"name": f"entmax_attn_bwd_{name}_{suffix}", "fn": fn,
-                            "signature": signature, "constexprs": constexprs,
+                            "signature": signature,
+                            "constexprs": dict(constexprs,
+                                               BLOCK_EC=chunk_width(name, block_e, dtype_key)),
                             "num_warps": num_warps, "num_stages": num_stages,
                             "options": {"maxnreg": MAX_REGISTERS}})
     return configs

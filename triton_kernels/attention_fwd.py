@@ -61,7 +61,8 @@ def block_sizes(block_e, dtype_key, dropout=False):
     backward, so both must tile the same way. Chosen by compiling for sm_80/sm_90 and
     reading the stack frame (cuobjdump): fp32 operands go through three TF32 products and
     need smaller tiles than fp16/bf16, dropout's Philox state halves BLOCK_M, and at
-    E = 256 the loop-invariant [BLOCK_M, E] operands leave room only for BLOCK_N = 16.
+    E = 256 the [BLOCK_M, E] operands leave room only for BLOCK_N = 16. Where even these
+    tiles spill, the products run over head-dim chunks (`chunk_width`).
     """
     if dtype_key == "fp32":
         block_m, block_n = (32, 16) if block_e <= 32 else (16, 16)
@@ -77,6 +78,24 @@ def block_sizes(block_e, dtype_key, dropout=False):
     # registers
     num_stages = 2 if block_e <= 64 or (block_e == 128 and dtype_key != "fp32") else 1
     return block_m, block_n, 8, num_stages
+
+
+# Head-dim chunk (BLOCK_EC) of the q.k and dO.v products, per (kernel, dtype) and padded
+# head dim; head dims not listed are not chunked. Chosen by compiling every configuration
+# for sm_80/sm_90 (triton_kernels/aot.py): chunk only where the whole head dim leaves a
+# stack frame, and no finer than needed, since each chunk reloads its operands from cache.
+_CHUNKS = {
+    ("fwd", "fp32"): {256: 32},
+    ("dq", "fp32"): {32: 16, 64: 32, 128: 32, 256: 32},
+    ("dq", "fp16"): {128: 64, 256: 64},
+    ("dq", "bf16"): {128: 64, 256: 64},
+    ("dkdv", "fp32"): {64: 32, 128: 32, 256: 32},
+}
+
+
+def chunk_width(kernel, block_e, dtype_key):
+    """BLOCK_EC of `kernel` ("fwd", "dq" or "dkdv"): block_e itself when not chunked."""
+    return _CHUNKS.get((kernel, dtype_key), {}).get(block_e, block_e)
 
 
 @triton.jit
@@ -97,24 +116,72 @@ def _sequence_bounds(cu_q_ptr, cu_k_ptr, i_b, seqlen_q, seqlen_k, IS_VARLEN: tl.
 
 
 @triton.jit
-def _score_tile(b_q, p_k_base, stride_kl, p_mask_base, stride_mq, stride_mk,
-                o_m, start_n, q_len, k_len, head_e, scale, is_causal,
-                BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, MASK_KIND: tl.constexpr):
-    """Scores z = scale * q k^T (+ mask) of one tile, -inf where masked. [BM, BN] fp32."""
-    o_n = start_n + tl.arange(0, BLOCK_N)
+def _load_rows(p_base, stride, o_rows, n_rows, width, BLOCK_E: tl.constexpr):
+    """Rows o_rows (< n_rows) of a row-major [*, width] matrix, zero-padded to [., BLOCK_E]."""
     o_e = tl.arange(0, BLOCK_E)
-    b_kt = tl.load(p_k_base + o_n[None, :] * stride_kl + o_e[:, None],
-                   mask=(o_n[None, :] < k_len) & (o_e[:, None] < head_e), other=0.0)  # [BE, BN]
-    return _score_from_kt(b_q, b_kt, p_mask_base, stride_mq, stride_mk, o_m, start_n, q_len,
-                          k_len, scale, is_causal, BLOCK_N, MASK_KIND)
+    return tl.load(p_base + o_rows[:, None] * stride + o_e[None, :],
+                   mask=(o_rows[:, None] < n_rows) & (o_e[None, :] < width), other=0.0)
 
 
 @triton.jit
-def _score_from_kt(b_q, b_kt, p_mask_base, stride_mq, stride_mk, o_m, start_n, q_len, k_len,
-                   scale, is_causal, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr):
-    """Scores from a loaded key block b_kt [BE, BN]; -inf outside the sequences/masks."""
+def _held_rows(p_base, stride, o_rows, n_rows, width, BLOCK_E: tl.constexpr,
+               BLOCK_EC: tl.constexpr):
+    """`_load_rows` for an operand of `_dot_rows`; nothing (0) when the head dim is
+    processed in chunks (BLOCK_EC < BLOCK_E), where `_dot_rows` reloads it chunk by chunk."""
+    if BLOCK_EC >= BLOCK_E:
+        b_rows = _load_rows(p_base, stride, o_rows, n_rows, width, BLOCK_E)
+    else:
+        b_rows = 0.0
+    return b_rows
+
+
+@triton.jit
+def _dot_rows(b_a, b_b, p_a, stride_a, o_a, n_a, p_b, stride_b, o_b, n_b, width,
+              BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr):
+    """a_i . b_j over the first `width` columns, for rows o_a of A and rows o_b of B (both
+    row-major with unit column stride): [len(o_a), len(o_b)] fp32.
+
+    Whole head dim (BLOCK_EC >= BLOCK_E): from the held blocks b_a [., BE] and b_b [., BE]
+    (`_held_rows`). Chunked: both operands are reloaded BLOCK_EC columns at a time (from
+    cache). A tensor-core operand A is replicated across the warps that share its rows, so a
+    [16, 256] fp32 block alone fills 128 registers per thread (more with tf32x3's split):
+    chunks keep the wide-head kernels within 255 registers without spilling.
+    """
+    if BLOCK_EC >= BLOCK_E:
+        b_c = _dot(b_a, tl.trans(b_b))
+    else:
+        b_c = tl.zeros([o_a.shape[0], o_b.shape[0]], dtype=tl.float32)
+        for e0 in tl.range(0, width, BLOCK_EC, loop_unroll_factor=1):
+            o_e = e0 + tl.arange(0, BLOCK_EC)
+            m_e = o_e < width
+            b_ac = tl.load(p_a + o_a[:, None] * stride_a + o_e[None, :],
+                           mask=(o_a[:, None] < n_a) & m_e[None, :], other=0.0)
+            b_bc = tl.load(p_b + o_b[None, :] * stride_b + o_e[:, None],
+                           mask=(o_b[None, :] < n_b) & m_e[:, None], other=0.0)
+            b_c += _dot(b_ac, b_bc)
+    return b_c
+
+
+@triton.jit
+def _score_tile(b_q, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base, stride_mq,
+                stride_mk, o_m, start_n, q_len, k_len, head_e, scale, is_causal,
+                BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
+                MASK_KIND: tl.constexpr):
+    """Scores z = scale * q k^T (+ mask) of one tile, -inf where masked. [BM, BN] fp32.
+    b_q: the held query block (`_held_rows`)."""
     o_n = start_n + tl.arange(0, BLOCK_N)
-    b_z = _dot(b_q, b_kt) * scale
+    b_k = _held_rows(p_k_base, stride_kl, o_n, k_len, head_e, BLOCK_E, BLOCK_EC)
+    b_qk = _dot_rows(b_q, b_k, p_q_base, stride_ql, o_m, q_len, p_k_base, stride_kl, o_n,
+                     k_len, head_e, BLOCK_E, BLOCK_EC)
+    return _masked_scores(b_qk * scale, p_mask_base, stride_mq, stride_mk, o_m, start_n,
+                          q_len, k_len, is_causal, BLOCK_N, MASK_KIND)
+
+
+@triton.jit
+def _masked_scores(b_z, p_mask_base, stride_mq, stride_mk, o_m, start_n, q_len, k_len,
+                   is_causal, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr):
+    """The scaled scores b_z of a tile with the mask applied; -inf outside the sequences."""
+    o_n = start_n + tl.arange(0, BLOCK_N)
     m_valid = (o_n[None, :] < k_len) & (o_m[:, None] < q_len)
     # top-left aligned causal mask: query i sees keys j <= i
     # (without is_causal the limit lies past every key; integer arithmetic because the
@@ -189,12 +256,12 @@ def _dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
 
 
 @triton.jit
-def _candidate_pass(b_q, p_k_base, stride_kl, p_mask_base, stride_mq, stride_mk,
-                    o_m, q_len, k_len, kv_end, head_e, scale, is_causal,
+def _candidate_pass(b_q, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base, stride_mq,
+                    stride_mk, o_m, q_len, k_len, kv_end, head_e, scale, is_causal,
                     b_m, am1, inv_am1, b_lo, b_hi, b_fhi, b_fphi, b_has_fhi,
                     p_flags, record_flags, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, MASK_KIND: tl.constexpr,
-                    ALPHA_KIND: tl.constexpr, NUM_CAND: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
+                    MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr, NUM_CAND: tl.constexpr):
     """One dense pass evaluating f, f', f'' at NUM_CAND points of [lo, hi) per row.
 
     Returns the new bracket (lo, hi, f(hi), f'(hi), whether they are known) and the
@@ -207,9 +274,9 @@ def _candidate_pass(b_q, p_k_base, stride_kl, p_mask_base, stride_mq, stride_mk,
     b_f1 = tl.zeros([BLOCK_M, NUM_CAND], dtype=tl.float32)   # sum d^(e-1)
     b_f2 = tl.zeros([BLOCK_M, NUM_CAND], dtype=tl.float32)   # sum d^(e-2)
     for start_n in range(0, kv_end, BLOCK_N):
-        b_z = _score_tile(b_q, p_k_base, stride_kl, p_mask_base, stride_mq,
-                          stride_mk, o_m, start_n, q_len, k_len, head_e, scale, is_causal,
-                          BLOCK_N, BLOCK_E, MASK_KIND)
+        b_z = _score_tile(b_q, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base,
+                          stride_mq, stride_mk, o_m, start_n, q_len, k_len, head_e, scale,
+                          is_causal, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND)
         b_u = am1 * (b_z - b_m[:, None])  # [BM, BN], -inf where masked
         b_above = tl.max(tl.max(b_u - b_lo[:, None], 1), 0)
         if record_flags != 0:
@@ -288,8 +355,9 @@ def entmax_attn_fwd_kernel(
     n_heads, kv_group, seqlen_q, seqlen_k, n_qblocks, n_kblocks, head_e, head_ev,
     scale, dropout_p, is_causal, need_grad,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_EV: tl.constexpr, ALPHA_KIND: tl.constexpr, MASK_KIND: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr, NUM_CAND: tl.constexpr,
+    BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
+    MASK_KIND: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    NUM_CAND: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -301,7 +369,6 @@ def entmax_attn_fwd_kernel(
     if start_m >= q_len:
         return
     o_m = start_m + tl.arange(0, BLOCK_M)
-    o_e = tl.arange(0, BLOCK_E)
     o_ev = tl.arange(0, BLOCK_EV)
     m_m = o_m < q_len
 
@@ -311,8 +378,7 @@ def entmax_attn_fwd_kernel(
     p_mask = mask_ptr + i_b * stride_mb + i_h * stride_mh
     p_flags = flags_ptr + (pid_bh.to(tl.int64) * n_qblocks + pid_m) * n_kblocks
 
-    b_q = tl.load(p_q + o_m[:, None] * stride_ql + o_e[None, :],
-                  mask=m_m[:, None] & (o_e[None, :] < head_e), other=0.0)  # [BM, BE]
+    b_q = _held_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, BLOCK_EC)  # [BM, BE]
     alpha = tl.load(alpha_ptr + i_h).to(tl.float32)
     am1 = alpha - 1.0
     inv_am1 = 1.0 / am1
@@ -325,8 +391,9 @@ def entmax_attn_fwd_kernel(
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     b_n = tl.zeros([BLOCK_M], dtype=tl.float32)
     for start_n in range(0, kv_end, BLOCK_N):
-        b_z = _score_tile(b_q, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_n,
-                          q_len, k_len, head_e, scale, is_causal, BLOCK_N, BLOCK_E, MASK_KIND)
+        b_z = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk,
+                          o_m, start_n, q_len, k_len, head_e, scale, is_causal, BLOCK_N,
+                          BLOCK_E, BLOCK_EC, MASK_KIND)
         b_m = tl.maximum(b_m, tl.max(b_z, 1))
         b_n += tl.sum(tl.where(b_z > float("-inf"), 1.0, 0.0), 1)
     # a fully masked row keeps every u at -inf, so its weights come out as exact zeros
@@ -339,13 +406,15 @@ def entmax_attn_fwd_kernel(
     b_fphi = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_has_fhi = tl.zeros([BLOCK_M], dtype=tl.int32)
     b_lo, b_hi, b_fhi, b_fphi, b_has_fhi, b_tau = _candidate_pass(
-        b_q, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, q_len, k_len, kv_end,
-        head_e, scale, is_causal, b_m, am1, inv_am1, b_lo, b_hi, b_fhi, b_fphi, b_has_fhi,
-        p_flags, 0, BLOCK_M, BLOCK_N, BLOCK_E, MASK_KIND, ALPHA_KIND, NUM_CAND)
+        b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, q_len, k_len,
+        kv_end, head_e, scale, is_causal, b_m, am1, inv_am1, b_lo, b_hi, b_fhi, b_fphi,
+        b_has_fhi, p_flags, 0, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND,
+        NUM_CAND)
     b_lo, b_hi, b_fhi, b_fphi, b_has_fhi, b_tau = _candidate_pass(
-        b_q, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, q_len, k_len, kv_end,
-        head_e, scale, is_causal, b_m, am1, inv_am1, b_lo, b_hi, b_fhi, b_fphi, b_has_fhi,
-        p_flags, 1, BLOCK_M, BLOCK_N, BLOCK_E, MASK_KIND, ALPHA_KIND, NUM_CAND)
+        b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, q_len, k_len,
+        kv_end, head_e, scale, is_causal, b_m, am1, inv_am1, b_lo, b_hi, b_fhi, b_fphi,
+        b_has_fhi, p_flags, 1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND,
+        NUM_CAND)
     # the flags written above are read back by other threads of this program
     tl.debug_barrier()
 
@@ -358,9 +427,9 @@ def entmax_attn_fwd_kernel(
     b_dacc = tl.zeros([BLOCK_M, BLOCK_EV], dtype=tl.float32)
     for start_n in range(0, kv_end, BLOCK_N):
         if tl.load(p_flags + start_n // BLOCK_N) != 0:
-            b_z = _score_tile(b_q, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_n,
-                              q_len, k_len, head_e, scale, is_causal, BLOCK_N, BLOCK_E,
-                              MASK_KIND)
+            b_z = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq,
+                              stride_mk, o_m, start_n, q_len, k_len, head_e, scale,
+                              is_causal, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND)
             b_d = tl.maximum(am1 * (b_z - b_m[:, None]) - b_tau[:, None], 0.0)  # [BM, BN]
             b_p = _weights(b_d, inv_am1, ALPHA_KIND)
             b_sum += tl.sum(b_p, 1)
@@ -425,8 +494,8 @@ def fwd_signature(dtype_key, mask_kind):
                  "head_e", "head_ev"):
         sig[name] = "i32"
     sig.update({"scale": "fp32", "dropout_p": "fp32", "is_causal": "i32", "need_grad": "i32"})
-    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_E", "BLOCK_EV", "ALPHA_KIND", "MASK_KIND",
-                 "IS_VARLEN", "HAS_DROPOUT", "NUM_CAND"):
+    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_E", "BLOCK_EV", "BLOCK_EC", "ALPHA_KIND",
+                 "MASK_KIND", "IS_VARLEN", "HAS_DROPOUT", "NUM_CAND"):
         sig[name] = "constexpr"
     return sig
 
@@ -455,7 +524,8 @@ def aot_configs():
     for dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout in _config_space():
         block_m, block_n, num_warps, num_stages = block_sizes(block_e, dtype_key, dropout)
         constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_E": block_e,
-                      "BLOCK_EV": block_e, "ALPHA_KIND": alpha_kind, "MASK_KIND": mask_kind,
+                      "BLOCK_EV": block_e, "BLOCK_EC": chunk_width("fwd", block_e, dtype_key),
+                      "ALPHA_KIND": alpha_kind, "MASK_KIND": mask_kind,
                       "IS_VARLEN": int(varlen), "HAS_DROPOUT": int(dropout),
                       "NUM_CAND": NUM_CANDIDATES}
         configs.append({
