@@ -152,6 +152,112 @@ def test_rowwise_gradcheck_x_and_alpha(alpha):
     torch.autograd.gradcheck(cpp_ops.entmax_rowwise_forward, (x, a), eps=1e-5, atol=1e-6, rtol=1e-4)
 
 
+# ------------------------------------------------------------------ General kind (α ∉ {1, 1.5, 2})
+# Its kernels come in two sets: "avx2-fma" (vectorised exp/log, chosen at run time where the
+# CPU has it) and "portable" (std::exp/log); α = 1 + 1/k (k = 3..16) raises to the power k by
+# multiplications in both. Every test here runs once per set.
+
+INTEGER_EXPONENT_ALPHAS = [pytest.param(1 + 1 / k, id=f"a1+1|{k}") for k in (3, 4, 5, 10, 16)]
+GENERAL_ALPHAS = INTEGER_EXPONENT_ALPHAS + [pytest.param(a, id=f"a{a}") for a in (1.3, 1.7, 3.0, 0.5, 0.75)]
+# dα's (p − p̃)/(α−1)² term cancels like 1/(α−1)² in float64 too: α = 1.01 only forward.
+FORWARD_ALPHAS = GENERAL_ALPHAS + [pytest.param(1.01, id="a1.01")]
+
+
+@pytest.fixture(params=["auto", "portable"])
+def kernel_isa(request):
+    active = torch.ops.entmax_fast.cpu_kernel_isa(request.param)
+    assert active == ("portable" if request.param == "portable" else _AUTO_ISA)
+    yield active
+    torch.ops.entmax_fast.cpu_kernel_isa("auto")
+
+
+_AUTO_ISA = torch.ops.entmax_fast.cpu_kernel_isa("auto") if _AVAILABLE else None
+
+
+def test_cpu_kernel_isa_reports_and_rejects():
+    assert _AUTO_ISA in ("avx2-fma", "portable")
+    with pytest.raises(RuntimeError, match="request must be 'auto' or 'portable'"):
+        torch.ops.entmax_fast.cpu_kernel_isa("sse9")
+    assert torch.ops.entmax_fast.cpu_kernel_isa() == _AUTO_ISA
+
+
+@pytest.mark.parametrize("dtype,atol", DTYPES[:2])
+@pytest.mark.parametrize("alpha", FORWARD_ALPHAS)
+@pytest.mark.parametrize("r,n", ROW_SHAPES[1:])
+@pytest.mark.parametrize("scale", SCALES)
+def test_general_forward_matches_oracle(kernel_isa, dtype, atol, alpha, r, n, scale):
+    # flat rows: every entry a candidate (the passes read the row itself); unit and peaked
+    # rows: a gathered subset, compacted as the bracket moves.
+    x = _rows(r, n, scale, dtype)
+    p = cpp_ops.entmax_rowwise_forward(x, alpha)
+    oracle = oracle_entmax(x.double(), alpha)
+    _assert_close_as_reference(p, reference_forward(x, alpha), oracle, atol)
+    if r > 2:
+        assert torch.equal(p[2], torch.zeros_like(p[2]))
+
+
+@pytest.mark.parametrize("dtype,atol", DTYPES[:2])
+@pytest.mark.parametrize("alpha", [pytest.param(1.25, id="a1.25"), pytest.param(1.3, id="a1.3")])
+def test_general_forward_row_then_gathered(kernel_isa, dtype, atol, alpha):
+    """Rows that start on the row itself (every finite entry a candidate) and switch to a
+    gathered copy once most entries have left the support: 10 % of the entries at the top,
+    the rest just above the candidate cut -1/(α-1), out of the support after the first step;
+    -inf entries on top in the second row."""
+    n = 1000
+    cut = -1 / (alpha - 1)
+    x = torch.full((2, n), 0.97 * cut, dtype=torch.float64)
+    x[:, ::10] = torch.linspace(0, 0.01, 100, dtype=torch.float64)
+    x[1, 1::10] = -INF
+    x = x.to(dtype)
+    p = cpp_ops.entmax_rowwise_forward(x, alpha)
+    oracle = oracle_entmax(x.double(), alpha)
+    _assert_close_as_reference(p, reference_forward(x, alpha), oracle, atol)
+    assert (p[:, 1::10] == 0).all()
+
+
+@pytest.mark.parametrize("dtype,atol", [pytest.param(torch.float64, 1e-12, id="f64"),
+                                        pytest.param(torch.float32, 1e-5, id="f32")])
+@pytest.mark.parametrize("alpha", GENERAL_ALPHAS)
+@pytest.mark.parametrize("scale", SCALES)
+def test_general_backward_matches_reference(kernel_isa, dtype, atol, alpha, scale):
+    # flat rows have a dense support (vectorised powers), peaked ones a sparse one (powers
+    # on the support only).
+    x = _rows(6, 1000, scale, dtype)
+    p = cpp_ops.entmax_rowwise_forward(x, alpha)
+    g = torch.randn(6, 1000, dtype=dtype)
+    alpha_t = torch.full((6,), alpha, dtype=torch.float64)
+    dx, dalpha = cpp_ops.entmax_rowwise_backward(p, g, alpha_t, True)
+    ref_dx, ref_dalpha = reference_backward(p.double(), g.double(), alpha_t.view(-1, 1))
+    torch.testing.assert_close(dx.double(), ref_dx, atol=atol * max(1.0, ref_dx.abs().max().item()), rtol=0)
+    torch.testing.assert_close(dalpha.double(), ref_dalpha.view(-1), atol=atol * (1 + ref_dalpha.abs().max().item()),
+                               rtol=0)
+    assert torch.equal(dx[2], torch.zeros_like(dx[2])) and dalpha[2] == 0
+
+
+@pytest.mark.parametrize("alpha", INTEGER_EXPONENT_ALPHAS + [pytest.param(1.3, id="a1.3")])
+def test_general_alpha_grad_matches_oracle_finite_differences(kernel_isa, alpha):
+    x = torch.randn(4, 300, dtype=torch.float64)
+    x[1, :50] = -INF
+    g = torch.randn_like(x)
+    p = cpp_ops.entmax_rowwise_forward(x, alpha)
+    _, dalpha = cpp_ops.entmax_rowwise_backward(p, g, torch.full((4,), alpha, dtype=torch.float64), True)
+    eps = 1e-5
+    plus = oracle_entmax(x, torch.full((4, 1), alpha + eps, dtype=torch.float64))
+    minus = oracle_entmax(x, torch.full((4, 1), alpha - eps, dtype=torch.float64))
+    fd = ((plus - minus) / (2 * eps) * g).sum(-1)
+    torch.testing.assert_close(dalpha, fd, atol=1e-6, rtol=1e-5)
+
+
+def test_general_kernel_sets_agree(kernel_isa):
+    """Both kernel sets give the float64 result to within a few ulps of each other."""
+    x = torch.randn(8, 517, dtype=torch.float64) * 3
+    alphas = torch.tensor([1.25, 1.3, 1.7, 3.0, 0.75, 1.1, 1.01, 2.5], dtype=torch.float64)
+    p = cpp_ops.entmax_rowwise_forward(x, alphas)
+    torch.ops.entmax_fast.cpu_kernel_isa("portable")
+    portable = cpp_ops.entmax_rowwise_forward(x, alphas)
+    torch.testing.assert_close(p, portable, atol=1e-14, rtol=0)
+
+
 # ------------------------------------------------------------------ attention
 
 ATT_SHAPES = [  # B, H, Hk, Lq, Lk, E, Ev

@@ -137,7 +137,7 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t total = s.B * s.H * s.n_tiles;
   at::parallel_for(0, total, 1, [&](int64_t begin, int64_t end) {
     at::Tensor buffer = at::empty({kQueryTile * s.Lk}, q.options());
-    std::vector<double> work(s.Lk);
+    RowWorkspace work(s.Lk);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t tile = task % s.n_tiles;
       const int64_t h = (task / s.n_tiles) % s.H;
@@ -163,7 +163,7 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
       for (int64_t i = 0; i < tq; ++i) {
         T* zi = z + i * kend;
         const int64_t len = row_length(is_causal, q0 + i, kend);
-        const RowStats<T> rs = entmax_row_inplace(zi, len, prm, work.data());
+        const RowStats<T> rs = entmax_row_inplace(zi, len, prm, work);
         std::fill(zi + len, zi + kend, T(0));
         st[2 * i] = rs.max;
         st[2 * i + 1] = rs.mu;

@@ -7,9 +7,25 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+// x86-64 builds target the baseline ISA (SSE2); the General kind's kernels are compiled a
+// second time for AVX2+FMA and chosen at run time (cpu_kernel_isa()).
+#if defined(__GNUC__) && defined(__x86_64__)
+#define ENTMAX_FAST_AVX2_KERNELS 1
+#define ENTMAX_FAST_ALWAYS_INLINE inline __attribute__((always_inline))
+#define ENTMAX_FAST_TARGET_AVX2 __attribute__((target("avx2,fma")))
+#else
+#define ENTMAX_FAST_AVX2_KERNELS 0
+#define ENTMAX_FAST_ALWAYS_INLINE inline
+#endif
 
 namespace entmax_fast_cpu {
 
@@ -21,6 +37,205 @@ inline RowKind row_kind(double alpha) {
   if (alpha == 1.5) return RowKind::Entmax15;
   return RowKind::General;
 }
+
+// ---------------------------------------------------------------- General-kind kernels
+//
+// Every pass of the General kind evaluates base^e for base = 1 + (alpha-1)(u - mu) on a row.
+// glibc's scalar exp(log1p()) costs ~12 ns per entry here, so these passes dominated the
+// whole mapping. They are written once as branch-free loop bodies and instantiated
+//  - for the baseline ISA: std::exp/std::log1p, or multiplications for an integer exponent;
+//  - for AVX2+FMA, chosen at run time on x86-64: the vectorisable vec_log/vec_exp below
+//    (relative error ~3e-16 each, so a converged f(mu) stays within its double tolerance).
+// All selections are bit masks (select()): under GCC's default -ftrapping-math a conditional
+// expression whose arms compute floating values becomes a branch, and the loop then does not
+// vectorise.
+
+namespace vecmath {
+
+ENTMAX_FAST_ALWAYS_INLINE double select(bool take_a, double a, double b) {
+  const uint64_t mask = uint64_t(0) - static_cast<uint64_t>(take_a);
+  return std::bit_cast<double>((std::bit_cast<uint64_t>(a) & mask) | (std::bit_cast<uint64_t>(b) & ~mask));
+}
+
+template <bool kFma>
+ENTMAX_FAST_ALWAYS_INLINE double mul_add(double a, double b, double c) {
+  if constexpr (kFma) {
+#if defined(__GNUC__)
+    return __builtin_fma(a, b, c);
+#else
+    return std::fma(a, b, c);
+#endif
+  } else {
+    return a * b + c;
+  }
+}
+
+constexpr double kLn2Hi = 6.93147180369123816490e-01;  // ln 2 with its low 32 bits zero
+constexpr double kLn2Lo = 1.90821492927058770002e-10;
+
+// log x for finite x > 0, subnormals included.
+template <bool kFma>
+ENTMAX_FAST_ALWAYS_INLINE double vec_log(double x) {
+  const bool subnormal = x < 0x1p-1022;
+  const uint64_t bits = std::bit_cast<uint64_t>(select(subnormal, x * 0x1p54, x));
+  const double m1 = std::bit_cast<double>((bits & 0x000FFFFFFFFFFFFFull) | 0x3FF0000000000000ull);
+  // m in [sqrt(1/2), sqrt(2)), so that |t| <= 0.172 below.
+  const bool upper = m1 > 1.4142135623730951;
+  const double m = select(upper, 0.5 * m1, m1);
+  // The exponent field as a double via (2^52 + field) - 2^52: AVX2 has no int64 -> double.
+  const double field = std::bit_cast<double>(0x4330000000000000ull | (bits >> 52)) - 0x1p52;
+  const double k = field - select(subnormal, 1023.0 + 54.0, 1023.0) + select(upper, 1.0, 0.0);
+  // log m = 2 atanh t = 2t (1 + t^2/3 + t^4/5 + ...), t = (m - 1)/(m + 1); the t^20 term is
+  // below 2^-53 relative.
+  const double t = (m - 1.0) / (m + 1.0);
+  const double t2 = t * t;
+  double s = 1.0 / 19;
+  s = mul_add<kFma>(s, t2, 1.0 / 17);
+  s = mul_add<kFma>(s, t2, 1.0 / 15);
+  s = mul_add<kFma>(s, t2, 1.0 / 13);
+  s = mul_add<kFma>(s, t2, 1.0 / 11);
+  s = mul_add<kFma>(s, t2, 1.0 / 9);
+  s = mul_add<kFma>(s, t2, 1.0 / 7);
+  s = mul_add<kFma>(s, t2, 1.0 / 5);
+  s = mul_add<kFma>(s, t2, 1.0 / 3);
+  const double two_t = t + t;
+  return mul_add<kFma>(k, kLn2Hi, two_t + mul_add<kFma>(two_t * t2, s, k * kLn2Lo));
+}
+
+// exp y; 0 below e^-708 (no subnormal results: such masses are below any tolerance here),
+// +inf from e^709 on, 0 for NaN.
+template <bool kFma>
+ENTMAX_FAST_ALWAYS_INLINE double vec_exp(double y) {
+  constexpr double kShift = 0x1.8p52;  // adding it rounds to an integer held in the low bits
+  const double shifted = mul_add<kFma>(y, 1.4426950408889634, kShift);
+  const double n = shifted - kShift;
+  const double r = mul_add<kFma>(-n, kLn2Lo, mul_add<kFma>(-n, kLn2Hi, y));  // |r| <= ln2/2
+  // Taylor series to r^13 (the next term is below 2^-53 relative).
+  double s = 1.0 / 6227020800.0;
+  s = mul_add<kFma>(s, r, 1.0 / 479001600.0);
+  s = mul_add<kFma>(s, r, 1.0 / 39916800.0);
+  s = mul_add<kFma>(s, r, 1.0 / 3628800.0);
+  s = mul_add<kFma>(s, r, 1.0 / 362880.0);
+  s = mul_add<kFma>(s, r, 1.0 / 40320.0);
+  s = mul_add<kFma>(s, r, 1.0 / 5040.0);
+  s = mul_add<kFma>(s, r, 1.0 / 720.0);
+  s = mul_add<kFma>(s, r, 1.0 / 120.0);
+  s = mul_add<kFma>(s, r, 1.0 / 24.0);
+  s = mul_add<kFma>(s, r, 1.0 / 6.0);
+  s = mul_add<kFma>(s, r, 0.5);
+  s = mul_add<kFma>(s, r, 1.0);
+  s = mul_add<kFma>(s, r, 1.0);
+  // 2^n from n + 1023 in the exponent field; n is the shifted value's low bits.
+  const uint64_t biased = std::bit_cast<uint64_t>(shifted) - 0x4338000000000000ull + 1023ull;
+  const double v = s * std::bit_cast<double>(biased << 52);
+  const bool in_range = (y > -708.0) & (y < 709.0);
+  return select(in_range, v, select(y >= 709.0, std::numeric_limits<double>::infinity(), 0.0));
+}
+
+// q^m for an integer 0 <= m < 16 by squarings: the same instructions for every lane.
+ENTMAX_FAST_ALWAYS_INLINE double small_integer_power(double q, int m) {
+  double result = 1.0, square = q;
+  for (int bit = 0; bit < 4; ++bit) {
+    result *= select((m >> bit) & 1, square, 1.0);
+    square *= square;
+  }
+  return result;
+}
+
+ENTMAX_FAST_ALWAYS_INLINE float fma_float(float a, float b, float c) {
+#if defined(__GNUC__)
+  return __builtin_fmaf(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
+ENTMAX_FAST_ALWAYS_INLINE float select_float(bool take_a, float a, float b) {
+  const uint32_t mask = uint32_t(0) - static_cast<uint32_t>(take_a);
+  return std::bit_cast<float>((std::bit_cast<uint32_t>(a) & mask) | (std::bit_cast<uint32_t>(b) & ~mask));
+}
+
+// x^beta in float for finite x > 0 (subnormals included), within 2 ulps of powf: log2 x =
+// k + log2 m is split so that beta * k, the large part, is carried exactly (its fma residual)
+// into 2^r. Only for FMA targets: without a fused multiply-add the residual is not exact.
+ENTMAX_FAST_ALWAYS_INLINE float vec_pow_float(float x, float beta) {
+  const bool subnormal = x < 0x1p-126f;
+  const uint32_t bits = std::bit_cast<uint32_t>(select_float(subnormal, x * 0x1p24f, x));
+  const float m1 = std::bit_cast<float>((bits & 0x007FFFFFu) | 0x3F800000u);
+  const bool upper = m1 > 1.41421356f;
+  const float m = select_float(upper, 0.5f * m1, m1);
+  const float field = std::bit_cast<float>(0x4B000000u | (bits >> 23)) - 0x1p23f;
+  const float k = field - select_float(subnormal, 127.0f + 24.0f, 127.0f) + select_float(upper, 1.0f, 0.0f);
+  const float t = (m - 1.0f) / (m + 1.0f);
+  const float t2 = t * t;
+  float s = 1.0f / 9;
+  s = fma_float(s, t2, 1.0f / 7);
+  s = fma_float(s, t2, 1.0f / 5);
+  s = fma_float(s, t2, 1.0f / 3);
+  const float ct = t * 2.8853900817779268f;  // 2/ln 2
+  const float log2m = fma_float(ct * t2, s, ct);
+  const float prod = beta * k;
+  const float prod_err = fma_float(beta, k, -prod);
+  const float total = fma_float(beta, log2m, prod);
+  constexpr float kShift = 0x1.8p23f;
+  const float shifted = total + kShift;
+  const float n = shifted - kShift;
+  const float r = (prod - n) + fma_float(beta, log2m, prod_err);
+  // 2^r = e^(r ln2), |r| <= 1/2 + rounding: Taylor to degree 7.
+  float e = 1.5252733804059840e-05f;
+  e = fma_float(e, r, 1.5403530393381609e-04f);
+  e = fma_float(e, r, 1.3333558146428443e-03f);
+  e = fma_float(e, r, 9.6181291076284772e-03f);
+  e = fma_float(e, r, 5.5504108664821580e-02f);
+  e = fma_float(e, r, 2.4022650695910071e-01f);
+  e = fma_float(e, r, 6.9314718055994531e-01f);
+  e = fma_float(e, r, 1.0f);
+  const uint32_t biased = std::bit_cast<uint32_t>(shifted) - 0x4B400000u + 127u;
+  const float v = e * std::bit_cast<float>(biased << 23);
+  const bool in_range = (total > -126.0f) & (total < 127.5f);
+  return select_float(in_range, v, select_float(total >= 127.5f, std::numeric_limits<float>::infinity(), 0.0f));
+}
+
+}  // namespace vecmath
+
+// How a kernel raises base to the power e: by the std:: functions (skipping, by a branch, the
+// entries outside the support), by vec_log/vec_exp (AVX2 build), or by multiplications
+// (integer e; vectorises on any ISA).
+enum class PowerMethod { Std, Vector, Integer };
+
+// alpha's power law, as the kernels need it.
+struct PowerLaw {
+  double am1;            // alpha - 1
+  double exponent;       // 1 / (alpha - 1)
+  int integer_exponent;  // EntmaxParams::integer_exponent
+};
+
+// base^e (0 where base <= 0 or is not finite) and, with it, base^(e-1) and base^(e-2).
+template <PowerMethod kMethod, bool kFma>
+struct PowerTerms {
+  double p, p_over_q, p_over_q2;
+
+  ENTMAX_FAST_ALWAYS_INLINE PowerTerms(double q, const PowerLaw& law) {
+    const bool inside = (q > 0.0) & (q < std::numeric_limits<double>::infinity());
+    if constexpr (kMethod == PowerMethod::Integer) {
+      p_over_q2 = vecmath::small_integer_power(q, law.integer_exponent - 2);
+      p_over_q = p_over_q2 * q;
+      p = p_over_q * q;
+    } else {
+      if constexpr (kMethod == PowerMethod::Vector) {
+        p = vecmath::vec_exp<kFma>(law.exponent * vecmath::vec_log<kFma>(q));
+      } else {
+        p = std::exp(std::log(q) * law.exponent);
+      }
+      const double inv_q = 1.0 / q;
+      p_over_q = p * inv_q;
+      p_over_q2 = p_over_q * inv_q;
+    }
+    p = vecmath::select(inside, p, 0.0);
+    p_over_q = vecmath::select(inside, p_over_q, 0.0);
+    p_over_q2 = vecmath::select(inside, p_over_q2, 0.0);
+  }
+};
 
 // mu is kept in double: for alpha > 2 near a uniform row, base = 1 + (alpha-1)(u - mu) is a
 // tiny difference of O(1) numbers and a float mu would lose most of its digits.
@@ -37,9 +252,28 @@ struct EntmaxParams {
   double alpha;
   double am1;       // alpha - 1
   double exponent;  // 1 / (alpha - 1)
+  // k when alpha = 1 + 1/k for an integer k in [3, kMaxIntegerExponent] (1.25, 4/3, 1.2, 1.1,
+  // ...), else 0: then p = base^k by multiplications. 1 + 1/k is rarely a double, so k is
+  // accepted within a few ulps of 1/(alpha-1); base^(k(1+d)) and base^k differ by a relative
+  // d |log p| <= 1e-13 over the whole double range of p.
+  int integer_exponent;
+
+  static constexpr int kMaxIntegerExponent = 16;
 
   explicit EntmaxParams(double a)
-      : kind(row_kind(a)), alpha(a), am1(a - 1.0), exponent(a == 1.0 ? 0.0 : 1.0 / (a - 1.0)) {}
+      : kind(row_kind(a)),
+        alpha(a),
+        am1(a - 1.0),
+        exponent(a == 1.0 ? 0.0 : 1.0 / (a - 1.0)),
+        integer_exponent(detect_integer_exponent(kind, exponent)) {}
+
+  PowerLaw law() const { return {am1, exponent, integer_exponent}; }
+
+  static int detect_integer_exponent(RowKind kind, double exponent) {
+    if (kind != RowKind::General || !(exponent >= 2.5 && exponent <= kMaxIntegerExponent + 0.5)) return 0;
+    const double k = std::round(exponent);
+    return std::abs(exponent - k) <= 8.0 * std::numeric_limits<double>::epsilon() * k ? static_cast<int>(k) : 0;
+  }
 
   // The General kind's base 1 + (alpha-1)(u - mu), in double; <= 0 outside the support.
   inline double general_base(T z, T zmax, double mu) const {
@@ -64,6 +298,7 @@ struct EntmaxParams {
         // base <= 0 is outside the support; -inf scores land there for alpha > 1 and give
         // exp(-inf) = 0 for alpha < 1.
         const double b = general_base(z, zmax, mu) - 1.0;
+        if (integer_exponent) return static_cast<T>(PowerTerms<PowerMethod::Integer, false>(b + 1.0, law()).p);
         return b > -1.0 ? static_cast<T>(std::exp(std::log1p(b) * exponent)) : T(0);
       }
     }
@@ -193,52 +428,317 @@ inline double softmax_mu(const T* z, int64_t n, T zmax, T* p) {
   return std::log(sum);
 }
 
+// Sums over entries u = x - shift of one General-kind row at mu: mass = sum p (= f + 1),
+// slope = sum p/q (= -f'), curvature = sum p/q^2 (= f''/(2 - alpha)), and how many entries
+// lie outside the support at mu (q = base <= 0; -inf scores included for alpha > 1).
+// x is either the row itself (shift = its max) or the gathered candidates (shift = 0).
+struct GeneralSums {
+  double mass = 0, slope = 0, curvature = 0, outside = 0;
+};
+
+template <PowerMethod kMethod, bool kFma, typename X>
+ENTMAX_FAST_ALWAYS_INLINE GeneralSums general_sums_body(const X* x, int64_t k, double shift, const PowerLaw& law,
+                                                        double mu) {
+  double mass = 0, slope = 0, curvature = 0, outside = 0;
+  if constexpr (kMethod == PowerMethod::Std) {
+    for (int64_t i = 0; i < k; ++i) {
+      const double q = 1.0 + law.am1 * ((static_cast<double>(x[i]) - shift) - mu);
+      if (q > 0.0) {
+        const PowerTerms<kMethod, kFma> t(q, law);
+        mass += t.p;
+        slope += t.p_over_q;
+        curvature += t.p_over_q2;
+      } else {
+        outside += 1.0;
+      }
+    }
+  } else {
+#pragma omp simd reduction(+ : mass, slope, curvature, outside)
+    for (int64_t i = 0; i < k; ++i) {
+      const double q = 1.0 + law.am1 * ((static_cast<double>(x[i]) - shift) - mu);
+      const PowerTerms<kMethod, kFma> t(q, law);
+      mass += t.p;
+      slope += t.p_over_q;
+      curvature += t.p_over_q2;
+      outside += vecmath::select(q > 0.0, 0.0, 1.0);
+    }
+  }
+  return {mass, slope, curvature, outside};
+}
+
+// Unnormalised p of entries u = x - shift at mu, written in place into x rounded to T (the
+// output type; -inf and NaN scores give 0); returns sum p of the rounded values.
+template <PowerMethod kMethod, bool kFma, typename T, typename X>
+ENTMAX_FAST_ALWAYS_INLINE double general_probs_body(X* x, int64_t k, double shift, const PowerLaw& law_in, double mu) {
+  const PowerLaw law = law_in;  // a local copy: the stores to x cannot alias it
+  double total = 0;
+  if constexpr (kMethod == PowerMethod::Std) {
+    for (int64_t i = 0; i < k; ++i) {
+      const double q = 1.0 + law.am1 * ((static_cast<double>(x[i]) - shift) - mu);
+      const bool inside = q > 0.0 && q < std::numeric_limits<double>::infinity();
+      const T p = inside ? static_cast<T>(std::exp(std::log(q) * law.exponent)) : T(0);
+      x[i] = static_cast<X>(p);
+      total += static_cast<double>(p);
+    }
+  } else {
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < k; ++i) {
+      const double q = 1.0 + law.am1 * ((static_cast<double>(x[i]) - shift) - mu);
+      const T p = static_cast<T>(PowerTerms<kMethod, kFma>(q, law).p);
+      x[i] = static_cast<X>(p);
+      total += static_cast<double>(p);
+    }
+  }
+  return total;
+}
+
+// Finite entries and candidates (u > -1/(alpha-1) for alpha > 1) of a row, counted.
+struct CandidateCount {
+  int64_t finite = 0, candidates = 0;
+};
+
+template <typename T>
+ENTMAX_FAST_ALWAYS_INLINE CandidateCount count_candidates_body(const T* z, int64_t n, double zmax, double am1) {
+  const T minus_inf = -std::numeric_limits<T>::infinity();
+  int64_t finite = 0, candidates = 0;
+#pragma omp simd reduction(+ : finite, candidates)
+  for (int64_t j = 0; j < n; ++j) {
+    const bool is_finite = z[j] != minus_inf;
+    finite += is_finite;
+    candidates += is_finite & ((am1 < 0) | (am1 * (static_cast<double>(z[j]) - zmax) > -1.0));
+  }
+  return {finite, candidates};
+}
+
+// Jacobian weights s = p^beta (beta = 2 - alpha) of a normalised row p (0 off the support);
+// returns (sum s, sum s g).
+template <PowerMethod kMethod, bool kFma, typename T>
+ENTMAX_FAST_ALWAYS_INLINE std::pair<double, double> general_weights_body(const T* p, const T* g, T* s, int64_t n,
+                                                                         double beta) {
+  double s_total = 0, sg_total = 0;
+  if constexpr (kMethod == PowerMethod::Std) {
+    // No simd pragma on a loop that cannot vectorise: its per-lane reduction copies would
+    // then live in memory.
+    for (int64_t j = 0; j < n; ++j) {
+      const T sj = p[j] > T(0) ? static_cast<T>(std::pow(p[j], static_cast<T>(beta))) : T(0);
+      s[j] = sj;
+      s_total += static_cast<double>(sj);
+      sg_total += static_cast<double>(sj) * static_cast<double>(g[j]);
+    }
+  } else {
+#pragma omp simd reduction(+ : s_total, sg_total)
+    for (int64_t j = 0; j < n; ++j) {
+      T sj;
+      if constexpr (std::is_same<T, float>::value) {
+        // Eight float lanes rather than four double ones, at the old float path's accuracy (powf).
+        sj = vecmath::select_float(p[j] > 0.0f, vecmath::vec_pow_float(p[j], static_cast<float>(beta)), 0.0f);
+      } else {
+        const double pj = static_cast<double>(p[j]);
+        sj = static_cast<T>(vecmath::select(pj > 0.0, vecmath::vec_exp<kFma>(beta * vecmath::vec_log<kFma>(pj)), 0.0));
+      }
+      s[j] = sj;
+      s_total += static_cast<double>(sj);
+      sg_total += static_cast<double>(sj) * static_cast<double>(g[j]);
+    }
+  }
+  return {s_total, sg_total};
+}
+
+template <typename T>
+ENTMAX_FAST_ALWAYS_INLINE int64_t count_positive_body(const T* p, int64_t n) {
+  int64_t count = 0;
+#pragma omp simd reduction(+ : count)
+  for (int64_t j = 0; j < n; ++j) count += p[j] > T(0);
+  return count;
+}
+
+// The kernel set in use: "avx2-fma" where the CPU has it, else "portable"; a test can force
+// "portable" to cover that path on any machine.
+enum class KernelIsa { Auto, Portable };
+
+inline std::atomic<int>& kernel_isa_request() {
+  static std::atomic<int> request{static_cast<int>(KernelIsa::Auto)};
+  return request;
+}
+
+inline bool cpu_has_avx2_fma() {
+#if ENTMAX_FAST_AVX2_KERNELS
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+#else
+  return false;
+#endif
+}
+
+inline bool use_avx2_kernels() {
+  return cpu_has_avx2_fma() && kernel_isa_request().load(std::memory_order_relaxed) == static_cast<int>(KernelIsa::Auto);
+}
+
+inline const char* active_kernel_isa() { return use_avx2_kernels() ? "avx2-fma" : "portable"; }
+
+#if ENTMAX_FAST_AVX2_KERNELS
+template <typename X>
+ENTMAX_FAST_TARGET_AVX2 inline GeneralSums general_sums_avx2(const X* x, int64_t k, double shift, const PowerLaw& law,
+                                                             double mu) {
+  return law.integer_exponent ? general_sums_body<PowerMethod::Integer, true>(x, k, shift, law, mu)
+                              : general_sums_body<PowerMethod::Vector, true>(x, k, shift, law, mu);
+}
+
+template <typename T, typename X>
+ENTMAX_FAST_TARGET_AVX2 inline double general_probs_avx2(X* x, int64_t k, double shift, const PowerLaw& law,
+                                                         double mu) {
+  return law.integer_exponent ? general_probs_body<PowerMethod::Integer, true, T>(x, k, shift, law, mu)
+                              : general_probs_body<PowerMethod::Vector, true, T>(x, k, shift, law, mu);
+}
+
+template <typename T>
+ENTMAX_FAST_TARGET_AVX2 inline CandidateCount count_candidates_avx2(const T* z, int64_t n, double zmax, double am1) {
+  return count_candidates_body(z, n, zmax, am1);
+}
+
+template <typename T>
+ENTMAX_FAST_TARGET_AVX2 inline std::pair<double, double> general_weights_avx2(const T* p, const T* g, T* s,
+                                                                              int64_t n, double beta) {
+  return general_weights_body<PowerMethod::Vector, true>(p, g, s, n, beta);
+}
+
+template <typename T>
+ENTMAX_FAST_TARGET_AVX2 inline int64_t count_positive_avx2(const T* p, int64_t n) {
+  return count_positive_body(p, n);
+}
+#endif
+
+// The method general_sums/general_probs use for `law` on this machine.
+inline PowerMethod power_method(const PowerLaw& law) {
+  if (law.integer_exponent) return PowerMethod::Integer;
+  return use_avx2_kernels() ? PowerMethod::Vector : PowerMethod::Std;
+}
+
+template <typename X>
+inline GeneralSums general_sums(const X* x, int64_t k, double shift, const PowerLaw& law, double mu) {
+#if ENTMAX_FAST_AVX2_KERNELS
+  if (use_avx2_kernels()) return general_sums_avx2(x, k, shift, law, mu);
+#endif
+  return law.integer_exponent ? general_sums_body<PowerMethod::Integer, false>(x, k, shift, law, mu)
+                              : general_sums_body<PowerMethod::Std, false>(x, k, shift, law, mu);
+}
+
+template <typename T, typename X>
+inline double general_probs(X* x, int64_t k, double shift, const PowerLaw& law, double mu) {
+#if ENTMAX_FAST_AVX2_KERNELS
+  if (use_avx2_kernels()) return general_probs_avx2<T>(x, k, shift, law, mu);
+#endif
+  return law.integer_exponent ? general_probs_body<PowerMethod::Integer, false, T>(x, k, shift, law, mu)
+                              : general_probs_body<PowerMethod::Std, false, T>(x, k, shift, law, mu);
+}
+
+template <typename T>
+inline CandidateCount count_candidates(const T* z, int64_t n, double zmax, double am1) {
+#if ENTMAX_FAST_AVX2_KERNELS
+  if (use_avx2_kernels()) return count_candidates_avx2(z, n, zmax, am1);
+#endif
+  return count_candidates_body(z, n, zmax, am1);
+}
+
+template <typename T>
+inline std::pair<double, double> general_weights(const T* p, const T* g, T* s, int64_t n, double beta) {
+#if ENTMAX_FAST_AVX2_KERNELS
+  if (use_avx2_kernels()) {
+    // A lane costs ~1/8 (float) or ~1/4 (double) of a pow call, which the portable loop
+    // spends on the support only: on sparse rows that loop is the faster one.
+    const int64_t support = count_positive_avx2(p, n);
+    if ((std::is_same<T, float>::value ? 8 : 4) * support > n) return general_weights_avx2(p, g, s, n, beta);
+  }
+#endif
+  return general_weights_body<PowerMethod::Std, false>(p, g, s, n, beta);
+}
+
+// Copies the entries u = x - shift that are inside the support at mu = lo (and finite) to
+// the front of u, with their column in `index` (from_row: the column is i; else index[i]).
+// Branch-free: every entry is written at the next free slot, kept by advancing the count.
+// x may be u itself (compaction in place).
+template <typename X>
+inline int64_t gather_candidates(const X* x, int64_t k, double shift, double am1, double lo, bool from_row, double* u,
+                                 int64_t* index) {
+  int64_t kept = 0;
+  for (int64_t i = 0; i < k; ++i) {
+    const double ui = static_cast<double>(x[i]) - shift;
+    const int64_t col = from_row ? i : index[i];
+    const double q = 1.0 + am1 * (ui - lo);
+    u[kept] = ui;
+    index[kept] = col;
+    kept += (q > 0.0) & (q < std::numeric_limits<double>::infinity());
+  }
+  return kept;
+}
+
+// Scratch space of one row solve: n doubles and n indices.
+struct RowWorkspace {
+  std::vector<double> values;
+  std::vector<int64_t> index;
+  explicit RowWorkspace(int64_t n) : values(static_cast<size_t>(n)), index(static_cast<size_t>(n)) {}
+};
+
+// Where general_mu left the entries that can be in the support: the whole row (gathered =
+// false, k = n), or the first k of the workspace (u = z - max(z), column in index).
+struct GeneralSolution {
+  double mu;
+  int64_t k;
+  bool gathered;
+};
+
 // Any alpha > 0, alpha != 1: safeguarded Halley iteration on mu within the bracket
 // [0, (1 - n^(1-alpha))/(alpha-1)], f(mu) = sum p - 1 (decreasing), f'(mu) = -sum p/base,
 // all in double. Steps leaving the bracket are bisections.
-// For alpha > 1 an entry outside the support at the bracket's left end stays outside (the
-// support shrinks as mu grows), so the candidates are compacted as the left end moves.
+// For alpha > 1 only u > -1/(alpha-1) can be in the support, and an entry outside the
+// support at the bracket's left end stays outside (the support shrinks as mu grows): the
+// passes read the row itself while most of it can be in the support, else a gathered copy
+// of the candidates, compacted as the left end moves when that pays for its own pass.
 // alpha - 1 below which general_mu takes Newton steps on log(sum p) (measured on Gaussian
 // rows: fewer passes below, more above).
 constexpr double kLogNewtonBelow = 0.4;
 
 template <typename T>
-inline double general_mu(const T* z, int64_t n, T zmax, const EntmaxParams<T>& prm, double* work) {
+inline GeneralSolution general_mu(const T* z, int64_t n, T zmax, const EntmaxParams<T>& prm, RowWorkspace& work) {
+  const PowerLaw law = prm.law();
   const double am1 = prm.am1;
-  int64_t k = 0;
-  int64_t n_finite = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    if (z[j] == -std::numeric_limits<T>::infinity()) continue;
-    ++n_finite;
-    const double u = static_cast<double>(z[j]) - static_cast<double>(zmax);
-    if (am1 < 0 || am1 * u > -1.0) work[k++] = u;
-  }
+  const double zmax_d = static_cast<double>(zmax);
+  double* u = work.values.data();
+  int64_t* index = work.index.data();
+  const CandidateCount count = count_candidates(z, n, zmax_d, am1);
+  // Per entry, an Integer pass costs about what a gather does, a Vector pass ~3x, a Std pass
+  // ~10x (but skips entries outside the support by a branch); a compaction pays when the
+  // entries it drops would cost more in the two or three passes left.
+  const PowerMethod method = power_method(law);
+  const int64_t non_candidates = n - count.candidates;
+  bool gathered = method == PowerMethod::Std || (method == PowerMethod::Vector ? 8 * non_candidates > n
+                                                                               : 4 * count.candidates < n);
+  int64_t k = gathered ? gather_candidates(z, n, zmax_d, am1, 0.0, true, u, index) : n;
+  auto compaction_pays = [&](double outside) {
+    switch (method) {
+      case PowerMethod::Integer: return 4.0 * outside > 3.0 * static_cast<double>(k);
+      case PowerMethod::Vector: return 8.0 * outside > static_cast<double>(k);
+      default: return 4.0 * outside > static_cast<double>(k);
+    }
+  };
   double lo = 0.0;
-  double hi = (1.0 - std::pow(static_cast<double>(n_finite), -am1)) / am1;
+  double hi = (1.0 - std::pow(static_cast<double>(count.finite), -am1)) / am1;
   double mu = 0.0;
   // Converged to double precision even for float rows: Newton's last steps are cheap and
   // the float output then only carries its own rounding.
   const double eps = std::numeric_limits<double>::epsilon();
-  const double tol = 2.0 * eps * static_cast<double>(std::max<int64_t>(n_finite, 1));
+  const double tol = 2.0 * eps * static_cast<double>(std::max<int64_t>(count.finite, 1));
   const double resolution = 4.0 * eps;
   for (int iter = 0; iter < 400; ++iter) {
-    double f = -1.0, slope = 0.0, curvature = 0.0;
-    int64_t kept = 0;
-    for (int64_t i = 0; i < k; ++i) {
-      const double u = work[i];
-      const double b = am1 * (u - mu);
-      if (b > -1.0) {
-        const double p = std::exp(std::log1p(b) * prm.exponent);
-        const double p_over_q = p / (1.0 + b);
-        f += p;
-        slope += p_over_q;
-        curvature += p_over_q / (1.0 + b);
-      }
-      if (am1 < 0 || am1 * (u - lo) > -1.0) work[kept++] = u;
-    }
-    k = kept;
+    const GeneralSums sums = gathered ? general_sums(u, k, 0.0, law, mu) : general_sums(z, n, zmax_d, law, mu);
+    const double f = sums.mass - 1.0, slope = sums.slope, curvature = sums.curvature;
     if (f > 0) {
       lo = mu;
+      if (am1 > 0 && compaction_pays(sums.outside)) {
+        k = gathered ? gather_candidates(u, k, 0.0, am1, lo, false, u, index)
+                     : gather_candidates(z, n, zmax_d, am1, lo, true, u, index);
+        gathered = true;
+      }
     } else {
       hi = mu;
     }
@@ -250,7 +750,7 @@ inline double general_mu(const T* z, int64_t n, T zmax, const EntmaxParams<T>& p
     // Halley steps (cubic convergence; f'' = (2 - alpha) sum p/q^2 costs no transcendental),
     // on log(sum p) near alpha = 1, falling back to Newton where the Halley denominator is
     // not positive.
-    const double mass = f + 1.0;
+    const double mass = sums.mass;
     const double f2 = (2.0 - prm.alpha) * curvature;
     double value, d1, d2;
     if (am1 < kLogNewtonBelow) {
@@ -268,13 +768,13 @@ inline double general_mu(const T* z, int64_t n, T zmax, const EntmaxParams<T>& p
     if (!(slope > 0) || !(next > lo && next < hi) || forced_bisection) next = 0.5 * (lo + hi);
     mu = next;
   }
-  return mu;
+  return {mu, k, gathered};
 }
 
 // Solves one row in place: on entry z holds scores (any may be -inf), on exit p.
 // `work` must hold n elements. A row without a finite entry gives zeros and max = -inf.
 template <typename T>
-inline RowStats<T> entmax_row_inplace(T* z, int64_t n, const EntmaxParams<T>& prm, double* work) {
+inline RowStats<T> entmax_row_inplace(T* z, int64_t n, const EntmaxParams<T>& prm, RowWorkspace& work) {
   const T zmax = row_max(z, n);
   if (!(zmax > -std::numeric_limits<T>::infinity())) {
     std::fill(z, z + n, T(0));
@@ -289,25 +789,30 @@ inline RowStats<T> entmax_row_inplace(T* z, int64_t n, const EntmaxParams<T>& pr
       return {zmax, mu};
     }
     case RowKind::Sparsemax:
-      mu = sparsemax_mu(z, n, zmax, work);
+      mu = sparsemax_mu(z, n, zmax, work.values.data());
       for (int64_t j = 0; j < n; ++j) z[j] = prm.prob(z[j], zmax, mu);
       return {zmax, mu};
     case RowKind::Entmax15:
-      mu = entmax15_mu(z, n, zmax, work);
+      mu = entmax15_mu(z, n, zmax, work.values.data());
       for (int64_t j = 0; j < n; ++j) z[j] = prm.prob(z[j], zmax, mu);
       return {zmax, mu};
     default: {
-      mu = general_mu(z, n, zmax, prm, work);
-      double total = 0;
-      for (int64_t j = 0; j < n; ++j) {
-        T p = prm.prob(z[j], zmax, mu);
-        z[j] = p;
-        total += p;
-      }
+      const GeneralSolution sol = general_mu(z, n, zmax, prm, work);
+      const PowerLaw law = prm.law();
       // Exact normalisation on the found support: the Newton tolerance never shows in sum p.
-      const T inv = static_cast<T>(1.0 / total);
-      for (int64_t j = 0; j < n; ++j) z[j] *= inv;
-      return {zmax, mu};
+      if (sol.gathered) {
+        // p only for the candidates left, where they lie contiguously, then placed.
+        double* u = work.values.data();
+        const double total = general_probs<T>(u, sol.k, 0.0, law, sol.mu);
+        const T inv = static_cast<T>(1.0 / total);
+        std::fill(z, z + n, T(0));
+        for (int64_t i = 0; i < sol.k; ++i) z[work.index[i]] = static_cast<T>(u[i]) * inv;
+      } else {
+        const double total = general_probs<T>(z, n, static_cast<double>(zmax), law, sol.mu);
+        const T inv = static_cast<T>(1.0 / total);
+        for (int64_t j = 0; j < n; ++j) z[j] *= inv;
+      }
+      return {zmax, sol.mu};
     }
   }
 }
@@ -316,7 +821,7 @@ inline RowStats<T> entmax_row_inplace(T* z, int64_t n, const EntmaxParams<T>& pr
 // (p - p~)/(alpha-1)^2 term cancels catastrophically in float near alpha = 1.
 // At alpha == 1 the exact limit -1/2 (p log^2 p - p sum p log^2 p) is used.
 template <typename T>
-inline double row_alpha_grad(const T* p, const T* g, int64_t n, double alpha) {
+inline double row_alpha_grad_portable(const T* p, const T* g, int64_t n, double alpha) {
   double p_total = 0;
   for (int64_t j = 0; j < n; ++j) p_total += p[j];
   if (!(p_total > 0)) return 0.0;
@@ -354,6 +859,66 @@ inline double row_alpha_grad(const T* p, const T* g, int64_t n, double alpha) {
     }
   }
   return acc;
+}
+
+#if ENTMAX_FAST_AVX2_KERNELS
+// row_alpha_grad_portable with vec_log/vec_exp, branch-free (0 < p enters through masks).
+template <typename T>
+ENTMAX_FAST_TARGET_AVX2 inline double row_alpha_grad_avx2(const T* p, const T* g, int64_t n, double alpha) {
+  using vecmath::select;
+  double p_total = 0;
+#pragma omp simd reduction(+ : p_total)
+  for (int64_t j = 0; j < n; ++j) p_total += p[j];
+  if (!(p_total > 0)) return 0.0;
+  const double inv_total = 1.0 / p_total;
+  if (alpha == 1.0) {
+    double sum_plog2 = 0, sum_g_plog2 = 0, sum_g_p = 0;
+#pragma omp simd reduction(+ : sum_plog2, sum_g_plog2, sum_g_p)
+    for (int64_t j = 0; j < n; ++j) {
+      const double pj = p[j] * inv_total;
+      const bool inside = pj > 0.0;
+      const double l = vecmath::vec_log<true>(pj);
+      const double plog2 = select(inside, pj * l * l, 0.0);
+      sum_plog2 += plog2;
+      sum_g_plog2 += select(inside, g[j] * plog2, 0.0);
+      sum_g_p += select(inside, g[j] * pj, 0.0);
+    }
+    return -0.5 * (sum_g_plog2 - sum_g_p * sum_plog2);
+  }
+  const double am1 = alpha - 1.0;
+  const double beta = 2.0 - alpha;
+  double s_total = 0, h_total = 0;
+#pragma omp simd reduction(+ : s_total, h_total)
+  for (int64_t j = 0; j < n; ++j) {
+    const double pj = p[j] * inv_total;
+    const bool inside = pj > 0.0;
+    const double l = vecmath::vec_log<true>(pj);
+    s_total += select(inside, vecmath::vec_exp<true>(beta * l), 0.0);
+    h_total += select(inside, -pj * l, 0.0);
+  }
+  const double inv_s_total = 1.0 / s_total;
+  const double inv_am1 = 1.0 / am1;
+  double acc = 0;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t j = 0; j < n; ++j) {
+    const double pj = p[j] * inv_total;
+    const bool inside = pj > 0.0;
+    const double l = vecmath::vec_log<true>(pj);
+    const double skewed = vecmath::vec_exp<true>(beta * l) * inv_s_total;
+    const double h = -pj * l;
+    acc += select(inside, g[j] * ((pj - skewed) * inv_am1 * inv_am1 + (h - skewed * h_total) * inv_am1), 0.0);
+  }
+  return acc;
+}
+#endif
+
+template <typename T>
+inline double row_alpha_grad(const T* p, const T* g, int64_t n, double alpha) {
+#if ENTMAX_FAST_AVX2_KERNELS
+  // Dense rows only, as in general_weights: the portable loop skips p = 0 by a branch.
+  if (use_avx2_kernels() && 4 * count_positive_avx2(p, n) > n) return row_alpha_grad_avx2(p, g, n, alpha);
+#endif
+  return row_alpha_grad_portable(p, g, n, alpha);
 }
 
 }  // namespace entmax_fast_cpu

@@ -6,6 +6,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <optional>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "entmax_common.h"
@@ -39,7 +42,7 @@ at::Tensor entmax_rowwise_fwd_cpu(const at::Tensor& x_in, const at::Tensor& alph
     const scalar_t* x_ptr = x.const_data_ptr<scalar_t>();
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
     at::parallel_for(0, R, rows_per_task(n), [&](int64_t begin, int64_t end) {
-      std::vector<double> work(n);
+      RowWorkspace work(n);
       std::vector<acc_t> row(std::is_same<acc_t, scalar_t>::value ? 0 : n);
       for (int64_t r = begin; r < end; ++r) {
         const EntmaxParams<acc_t> prm(alpha_ptr[r]);
@@ -47,10 +50,10 @@ at::Tensor entmax_rowwise_fwd_cpu(const at::Tensor& x_in, const at::Tensor& alph
           // acc_t is scalar_t here; the cast only satisfies the branch not taken.
           acc_t* o = reinterpret_cast<acc_t*>(out_ptr + r * n);
           std::copy(x_ptr + r * n, x_ptr + (r + 1) * n, o);
-          entmax_row_inplace(o, n, prm, work.data());
+          entmax_row_inplace(o, n, prm, work);
         } else {
           for (int64_t j = 0; j < n; ++j) row[j] = static_cast<acc_t>(x_ptr[r * n + j]);
-          entmax_row_inplace(row.data(), n, prm, work.data());
+          entmax_row_inplace(row.data(), n, prm, work);
           for (int64_t j = 0; j < n; ++j) out_ptr[r * n + j] = static_cast<scalar_t>(row[j]);
         }
       }
@@ -90,18 +93,24 @@ std::tuple<at::Tensor, at::Tensor> entmax_rowwise_bwd_cpu(const at::Tensor& p_in
         const scalar_t* pp = p_ptr + r * n;
         const scalar_t* gg = g_ptr + r * n;
         double s_total = 0, sg_total = 0;
-        for (int64_t j = 0; j < n; ++j) {
-          const acc_t pj = static_cast<acc_t>(pp[j]);
-          acc_t sj;
-          switch (kind) {
-            case RowKind::Softmax: sj = pj; break;
-            case RowKind::Sparsemax: sj = pj > acc_t(0) ? acc_t(1) : acc_t(0); break;
-            case RowKind::Entmax15: sj = std::sqrt(pj); break;
-            default: sj = pj > acc_t(0) ? std::pow(pj, beta) : acc_t(0); break;
+        if (kind == RowKind::General && std::is_same<acc_t, scalar_t>::value) {
+          // acc_t is scalar_t here; the casts only satisfy the branch not taken.
+          std::tie(s_total, sg_total) = general_weights(reinterpret_cast<const acc_t*>(pp),
+                                                        reinterpret_cast<const acc_t*>(gg), s.data(), n, 2.0 - a);
+        } else {
+          for (int64_t j = 0; j < n; ++j) {
+            const acc_t pj = static_cast<acc_t>(pp[j]);
+            acc_t sj;
+            switch (kind) {
+              case RowKind::Softmax: sj = pj; break;
+              case RowKind::Sparsemax: sj = pj > acc_t(0) ? acc_t(1) : acc_t(0); break;
+              case RowKind::Entmax15: sj = std::sqrt(pj); break;
+              default: sj = pj > acc_t(0) ? std::pow(pj, beta) : acc_t(0); break;
+            }
+            s[j] = sj;
+            s_total += sj;
+            sg_total += static_cast<double>(sj) * static_cast<acc_t>(gg[j]);
           }
-          s[j] = sj;
-          s_total += sj;
-          sg_total += static_cast<double>(sj) * static_cast<acc_t>(gg[j]);
         }
         const acc_t delta = s_total > 0 ? static_cast<acc_t>(sg_total / s_total) : acc_t(0);
         scalar_t* d = dx_ptr + r * n;
@@ -120,10 +129,23 @@ std::tuple<at::Tensor, at::Tensor> entmax_rowwise_bwd_cpu(const at::Tensor& p_in
 }
 
 }  // namespace
+
+std::string cpu_kernel_isa(std::optional<std::string> request) {
+  if (request) {
+    TORCH_CHECK(*request == "auto" || *request == "portable",
+                "cpu_kernel_isa: request must be 'auto' or 'portable', got '", *request, "'");
+    kernel_isa_request().store(static_cast<int>(*request == "auto" ? KernelIsa::Auto : KernelIsa::Portable));
+  }
+  return active_kernel_isa();
+}
+
 }  // namespace entmax_fast_cpu
 
 TORCH_LIBRARY_FRAGMENT(entmax_fast, m) {
   m.def("entmax_rowwise_fwd(Tensor x, Tensor alpha) -> Tensor");
+  // Which kernels the General kind (alpha not in {1, 1.5, 2}) runs: returns "avx2-fma" or
+  // "portable"; request "portable" forces the baseline kernels, "auto" restores the choice.
+  m.def("cpu_kernel_isa(str? request=None) -> str", &entmax_fast_cpu::cpu_kernel_isa);
   m.def("entmax_rowwise_bwd(Tensor p, Tensor grad, Tensor alpha, bool need_alpha_grad) -> (Tensor, Tensor)");
 }
 
