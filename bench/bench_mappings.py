@@ -2,6 +2,7 @@
 usable here vs `entmax` 1.3's counterpart and torch.softmax.
 
     python bench/bench_mappings.py [--quick] [--csv bench/out/mappings.csv]
+    python bench/bench_mappings.py --only "entmax_bisect(1.25)" --bisect-alpha 1.3 --bisect-alpha 1.7
 
 Attention (time and peak memory vs scaled_dot_product_attention) is bench/bench_attention.py.
 """
@@ -27,9 +28,17 @@ MAPPINGS = {
 }
 
 
+def _bisect_mapping(alpha):
+    """ours, entmax 1.3's key for entmax_bisect at a given alpha."""
+    return (lambda X: entmax_fast.entmax_bisect(X, alpha)), ("entmax_bisect", alpha)
+
+
 def _entmax_pkg(name):
     import entmax
 
+    if isinstance(name, tuple):
+        alpha = name[1]
+        return lambda X: entmax.entmax_bisect(X, alpha)
     return {"sparsemax": entmax.sparsemax, "entmax15": entmax.entmax15,
             "entmax_bisect_default": entmax.entmax_bisect,
             "entmax_bisect": lambda X: entmax.entmax_bisect(X, 1.25)}[name]
@@ -53,13 +62,13 @@ def _backends(op):
     return names
 
 
-def bench_mappings(shapes, repeats):
+def bench_mappings(shapes, repeats, mappings=None):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
     for shape in shapes:
         X = torch.randn(shape, device=device, requires_grad=True)
         softmax_t = time_call(_fwd_bwd(lambda x: torch.softmax(x, -1), X), repeats)
-        for name, (ours, pkg_name) in MAPPINGS.items():
+        for name, (ours, pkg_name) in (MAPPINGS if mappings is None else mappings).items():
             theirs_t = time_call(_fwd_bwd(_entmax_pkg(pkg_name), X), repeats)
             for backend in _backends("entmax"):
                 with entmax_fast.use_backend(backend):
@@ -76,13 +85,22 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--csv", default=None)
+    parser.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                        help=f"only these mappings (exact names: {', '.join(MAPPINGS)})")
+    parser.add_argument("--bisect-alpha", type=float, action="append", default=[], metavar="ALPHA",
+                        help="also entmax_bisect at this alpha (repeatable)")
     args = parser.parse_args(argv)
+    unknown = [name for name in args.only or [] if name not in MAPPINGS]
+    if unknown:
+        parser.error(f"--only: unknown mapping(s) {unknown}; choose from {list(MAPPINGS)}")
+    mappings = {name: MAPPINGS[name] for name in (args.only if args.only is not None else MAPPINGS)}
+    mappings.update({f"entmax_bisect({alpha:g})": _bisect_mapping(alpha) for alpha in args.bisect_alpha})
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"# machine: {machine()}")
     print(f"# backends: { {k: v['available'] for k, v in entmax_fast.backend_info()['backends'].items()} }")
     shapes = [(512, 256), (64, 1024)] if args.quick else [(4096, 1024), (256, 8192)]
-    rows = bench_mappings(shapes, 3 if args.quick else args.repeats)
+    rows = bench_mappings(shapes, 3 if args.quick else args.repeats, mappings)
     print_table(rows, "mappings, float32, forward+backward (median ms)")
     if args.csv:
         write_csv(rows, args.csv)
