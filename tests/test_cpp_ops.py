@@ -159,8 +159,10 @@ def test_rowwise_gradcheck_x_and_alpha(alpha):
 
 INTEGER_EXPONENT_ALPHAS = [pytest.param(1 + 1 / k, id=f"a1+1|{k}") for k in (3, 4, 5, 10, 16)]
 GENERAL_ALPHAS = INTEGER_EXPONENT_ALPHAS + [pytest.param(a, id=f"a{a}") for a in (1.3, 1.7, 3.0, 0.5, 0.75)]
-# dα's (p − p̃)/(α−1)² term cancels like 1/(α−1)² in float64 too: α = 1.01 only forward.
-FORWARD_ALPHAS = GENERAL_ALPHAS + [pytest.param(1.01, id="a1.01")]
+# dα's (p − p̃)/(α−1)² term cancels like 1/(α−1)² in float64 too: α near 1 only forward.
+# |1/(α−1)| = 50 still takes float-precision steps first on AVX2 (the bracket then moves only
+# where f's sign is beyond their rounding), 100 does not.
+FORWARD_ALPHAS = GENERAL_ALPHAS + [pytest.param(a, id=f"a{a}") for a in (1.02, 0.98, 1.01)]
 
 
 @pytest.fixture(params=["auto", "portable"])

@@ -168,10 +168,8 @@ ENTMAX_FAST_ALWAYS_INLINE float vec_pow_float(float x, float beta) {
   const float k = field - select_float(subnormal, 127.0f + 24.0f, 127.0f) + select_float(upper, 1.0f, 0.0f);
   const float t = (m - 1.0f) / (m + 1.0f);
   const float t2 = t * t;
-  float s = 1.0f / 9;
-  s = fma_float(s, t2, 1.0f / 7);
-  s = fma_float(s, t2, 1.0f / 5);
-  s = fma_float(s, t2, 1.0f / 3);
+  // Polynomials by Estrin's scheme: the loops are bound by these dependency chains.
+  const float s = fma_float(t2 * t2, fma_float(t2, 1.0f / 9, 1.0f / 7), fma_float(t2, 1.0f / 5, 1.0f / 3));
   const float ct = t * 2.8853900817779268f;  // 2/ln 2
   const float log2m = fma_float(ct * t2, s, ct);
   const float prod = beta * k;
@@ -182,14 +180,12 @@ ENTMAX_FAST_ALWAYS_INLINE float vec_pow_float(float x, float beta) {
   const float n = shifted - kShift;
   const float r = (prod - n) + fma_float(beta, log2m, prod_err);
   // 2^r = e^(r ln2), |r| <= 1/2 + rounding: Taylor to degree 7.
-  float e = 1.5252733804059840e-05f;
-  e = fma_float(e, r, 1.5403530393381609e-04f);
-  e = fma_float(e, r, 1.3333558146428443e-03f);
-  e = fma_float(e, r, 9.6181291076284772e-03f);
-  e = fma_float(e, r, 5.5504108664821580e-02f);
-  e = fma_float(e, r, 2.4022650695910071e-01f);
-  e = fma_float(e, r, 6.9314718055994531e-01f);
-  e = fma_float(e, r, 1.0f);
+  const float r2 = r * r;
+  const float e01 = fma_float(r, 6.9314718055994531e-01f, 1.0f);
+  const float e23 = fma_float(r, 5.5504108664821580e-02f, 2.4022650695910071e-01f);
+  const float e45 = fma_float(r, 1.3333558146428443e-03f, 9.6181291076284772e-03f);
+  const float e67 = fma_float(r, 1.5252733804059840e-05f, 1.5403530393381609e-04f);
+  const float e = fma_float(r2 * r2, fma_float(r2, e67, e45), fma_float(r2, e23, e01));
   const uint32_t biased = std::bit_cast<uint32_t>(shifted) - 0x4B400000u + 127u;
   const float v = e * std::bit_cast<float>(biased << 23);
   const bool in_range = (total > -126.0f) & (total < 127.5f);
@@ -436,21 +432,27 @@ struct GeneralSums {
   double mass = 0, slope = 0, curvature = 0, outside = 0;
 };
 
-template <PowerMethod kMethod, bool kFma, typename X>
-ENTMAX_FAST_ALWAYS_INLINE GeneralSums general_sums_body(const X* x, int64_t k, double shift, const PowerLaw& law,
-                                                        double mu) {
+// p_out[i] receives p rounded to T (the output type), so that the pass that meets the
+// tolerance leaves the row's p behind and no further pass is needed.
+template <PowerMethod kMethod, bool kFma, typename T, typename X>
+ENTMAX_FAST_ALWAYS_INLINE GeneralSums general_sums_body(const X* x, int64_t k, double shift, const PowerLaw& law_in,
+                                                        double mu, double* p_out) {
+  const PowerLaw law = law_in;  // a local copy: the stores to p_out cannot alias it
   double mass = 0, slope = 0, curvature = 0, outside = 0;
   if constexpr (kMethod == PowerMethod::Std) {
     for (int64_t i = 0; i < k; ++i) {
       const double q = 1.0 + law.am1 * ((static_cast<double>(x[i]) - shift) - mu);
+      double p = 0.0;
       if (q > 0.0) {
         const PowerTerms<kMethod, kFma> t(q, law);
+        p = t.p;
         mass += t.p;
         slope += t.p_over_q;
         curvature += t.p_over_q2;
       } else {
         outside += 1.0;
       }
+      p_out[i] = static_cast<double>(static_cast<T>(p));
     }
   } else {
 #pragma omp simd reduction(+ : mass, slope, curvature, outside)
@@ -461,7 +463,31 @@ ENTMAX_FAST_ALWAYS_INLINE GeneralSums general_sums_body(const X* x, int64_t k, d
       slope += t.p_over_q;
       curvature += t.p_over_q2;
       outside += vecmath::select(q > 0.0, 0.0, 1.0);
+      p_out[i] = static_cast<double>(static_cast<T>(t.p));
     }
+  }
+  return {mass, slope, curvature, outside};
+}
+
+// general_sums_body in float precision (8 float lanes, vec_pow_float, float sums): for the
+// first Halley steps, which only need to bring mu near the root.
+template <typename X>
+ENTMAX_FAST_ALWAYS_INLINE GeneralSums general_sums_float_body(const X* x, int64_t k, double shift,
+                                                              const PowerLaw& law, double mu) {
+  const float am1 = static_cast<float>(law.am1), exponent = static_cast<float>(law.exponent);
+  const float shift_f = static_cast<float>(shift), mu_f = static_cast<float>(mu);
+  float mass = 0, slope = 0, curvature = 0, outside = 0;
+#pragma omp simd reduction(+ : mass, slope, curvature, outside)
+  for (int64_t i = 0; i < k; ++i) {
+    const float q = vecmath::fma_float(am1, (static_cast<float>(x[i]) - shift_f) - mu_f, 1.0f);
+    const bool inside = (q > 0.0f) & (q < std::numeric_limits<float>::infinity());
+    const float p = vecmath::vec_pow_float(q, exponent);
+    const float inv_q = 1.0f / q;
+    const float p_over_q = p * inv_q;
+    mass += vecmath::select_float(inside, p, 0.0f);
+    slope += vecmath::select_float(inside, p_over_q, 0.0f);
+    curvature += vecmath::select_float(inside, p_over_q * inv_q, 0.0f);
+    outside += vecmath::select_float(q > 0.0f, 0.0f, 1.0f);
   }
   return {mass, slope, curvature, outside};
 }
@@ -577,11 +603,17 @@ inline bool use_avx2_kernels() {
 inline const char* active_kernel_isa() { return use_avx2_kernels() ? "avx2-fma" : "portable"; }
 
 #if ENTMAX_FAST_AVX2_KERNELS
-template <typename X>
+template <typename T, typename X>
 ENTMAX_FAST_TARGET_AVX2 inline GeneralSums general_sums_avx2(const X* x, int64_t k, double shift, const PowerLaw& law,
-                                                             double mu) {
-  return law.integer_exponent ? general_sums_body<PowerMethod::Integer, true>(x, k, shift, law, mu)
-                              : general_sums_body<PowerMethod::Vector, true>(x, k, shift, law, mu);
+                                                             double mu, double* p_out) {
+  return law.integer_exponent ? general_sums_body<PowerMethod::Integer, true, T>(x, k, shift, law, mu, p_out)
+                              : general_sums_body<PowerMethod::Vector, true, T>(x, k, shift, law, mu, p_out);
+}
+
+template <typename X>
+ENTMAX_FAST_TARGET_AVX2 inline GeneralSums general_sums_float_avx2(const X* x, int64_t k, double shift,
+                                                                   const PowerLaw& law, double mu) {
+  return general_sums_float_body(x, k, shift, law, mu);
 }
 
 template <typename T, typename X>
@@ -614,14 +646,15 @@ inline PowerMethod power_method(const PowerLaw& law) {
   return use_avx2_kernels() ? PowerMethod::Vector : PowerMethod::Std;
 }
 
-template <typename X>
-inline GeneralSums general_sums(const X* x, int64_t k, double shift, const PowerLaw& law, double mu) {
+template <typename T, typename X>
+inline GeneralSums general_sums(const X* x, int64_t k, double shift, const PowerLaw& law, double mu, double* p_out) {
 #if ENTMAX_FAST_AVX2_KERNELS
-  if (use_avx2_kernels()) return general_sums_avx2(x, k, shift, law, mu);
+  if (use_avx2_kernels()) return general_sums_avx2<T>(x, k, shift, law, mu, p_out);
 #endif
-  return law.integer_exponent ? general_sums_body<PowerMethod::Integer, false>(x, k, shift, law, mu)
-                              : general_sums_body<PowerMethod::Std, false>(x, k, shift, law, mu);
+  return law.integer_exponent ? general_sums_body<PowerMethod::Integer, false, T>(x, k, shift, law, mu, p_out)
+                              : general_sums_body<PowerMethod::Std, false, T>(x, k, shift, law, mu, p_out);
 }
+
 
 template <typename T, typename X>
 inline double general_probs(X* x, int64_t k, double shift, const PowerLaw& law, double mu) {
@@ -672,19 +705,24 @@ inline int64_t gather_candidates(const X* x, int64_t k, double shift, double am1
   return kept;
 }
 
-// Scratch space of one row solve: n doubles and n indices.
+// Scratch space of one row solve: gathered candidates u (or sparsemax/1.5-entmax's work),
+// their columns, and p of the last pass.
 struct RowWorkspace {
   std::vector<double> values;
   std::vector<int64_t> index;
-  explicit RowWorkspace(int64_t n) : values(static_cast<size_t>(n)), index(static_cast<size_t>(n)) {}
+  std::vector<double> probs;
+  explicit RowWorkspace(int64_t n)
+      : values(static_cast<size_t>(n)), index(static_cast<size_t>(n)), probs(static_cast<size_t>(n)) {}
 };
 
 // Where general_mu left the entries that can be in the support: the whole row (gathered =
-// false, k = n), or the first k of the workspace (u = z - max(z), column in index).
+// false, k = n), or the first k of the workspace (u = z - max(z), column in index); with
+// probs_ready, work.probs[0..k) holds their p (rounded to T) at mu.
 struct GeneralSolution {
   double mu;
   int64_t k;
   bool gathered;
+  bool probs_ready;
 };
 
 // Any alpha > 0, alpha != 1: safeguarded Halley iteration on mu within the bracket
@@ -697,6 +735,13 @@ struct GeneralSolution {
 // alpha - 1 below which general_mu takes Newton steps on log(sum p) (measured on Gaussian
 // rows: fewer passes below, more above).
 constexpr double kLogNewtonBelow = 0.4;
+// general_mu's float-precision steps: at most kMaxFloatSteps, only for |e| <= kMaxFloatExponent
+// (q's rounding grows by |e| in p). With err a bound on their relative error in sum p, they
+// end once |f| <= max(kFloatStepsEnd, 4 err) (a double Halley step from there lands within
+// the double tolerance) and move the bracket only where |f| > 16 err, beyond any rounding.
+constexpr int kMaxFloatSteps = 8;
+constexpr double kMaxFloatExponent = 64.0;
+constexpr double kFloatStepsEnd = 1e-5;
 
 template <typename T>
 inline GeneralSolution general_mu(const T* z, int64_t n, T zmax, const EntmaxParams<T>& prm, RowWorkspace& work) {
@@ -705,6 +750,7 @@ inline GeneralSolution general_mu(const T* z, int64_t n, T zmax, const EntmaxPar
   const double zmax_d = static_cast<double>(zmax);
   double* u = work.values.data();
   int64_t* index = work.index.data();
+  double* probs = work.probs.data();
   const CandidateCount count = count_candidates(z, n, zmax_d, am1);
   // Per entry, an Integer pass costs about what a gather does, a Vector pass ~3x, a Std pass
   // ~10x (but skips entries outside the support by a branch); a compaction pays when the
@@ -724,41 +770,32 @@ inline GeneralSolution general_mu(const T* z, int64_t n, T zmax, const EntmaxPar
   double lo = 0.0;
   double hi = (1.0 - std::pow(static_cast<double>(count.finite), -am1)) / am1;
   double mu = 0.0;
-  // Converged to double precision even for float rows: Newton's last steps are cheap and
-  // the float output then only carries its own rounding.
-  const double eps = std::numeric_limits<double>::epsilon();
-  const double tol = 2.0 * eps * static_cast<double>(std::max<int64_t>(count.finite, 1));
-  const double resolution = 4.0 * eps;
-  for (int iter = 0; iter < 400; ++iter) {
-    const GeneralSums sums = gathered ? general_sums(u, k, 0.0, law, mu) : general_sums(z, n, zmax_d, law, mu);
-    const double f = sums.mass - 1.0, slope = sums.slope, curvature = sums.curvature;
-    if (f > 0) {
-      lo = mu;
-      if (am1 > 0 && compaction_pays(sums.outside)) {
-        k = gathered ? gather_candidates(u, k, 0.0, am1, lo, false, u, index)
-                     : gather_candidates(z, n, zmax_d, am1, lo, true, u, index);
-        gathered = true;
-      }
-    } else {
-      hi = mu;
+  // After the bracket's left end moved to mu: entries outside the support there are out for
+  // good.
+  auto compact = [&](const GeneralSums& sums) {
+    if (am1 > 0 && compaction_pays(sums.outside)) {
+      k = gathered ? gather_candidates(u, k, 0.0, am1, lo, false, u, index)
+                   : gather_candidates(z, n, zmax_d, am1, lo, true, u, index);
+      gathered = true;
     }
-    if (std::abs(f) <= tol || hi - lo <= resolution * std::max(1.0, std::abs(mu))) break;
-    // For alpha <= 2, f is convex and Newton from the left end (f(0) >= 0) increases
-    // monotonically to the root. Near alpha = 1 the mass behaves like exp(-mu), and Newton
-    // on log(sum p) (exact for softmax) needs about half the passes. For alpha > 2 f has
-    // concave pieces: every fourth step is a bisection there, which bounds the steps.
-    // Halley steps (cubic convergence; f'' = (2 - alpha) sum p/q^2 costs no transcendental),
-    // on log(sum p) near alpha = 1, falling back to Newton where the Halley denominator is
-    // not positive.
-    const double mass = sums.mass;
-    const double f2 = (2.0 - prm.alpha) * curvature;
+  };
+  // For alpha <= 2, f is convex and Newton from the left end (f(0) >= 0) increases
+  // monotonically to the root. Near alpha = 1 the mass behaves like exp(-mu), and Newton
+  // on log(sum p) (exact for softmax) needs about half the passes. For alpha > 2 f has
+  // concave pieces: every fourth step is a bisection there, which bounds the steps.
+  // Halley steps (cubic convergence; f'' = (2 - alpha) sum p/q^2 costs no transcendental),
+  // on log(sum p) near alpha = 1, falling back to Newton where the Halley denominator is
+  // not positive.
+  auto next_mu = [&](const GeneralSums& sums, int iter) {
+    const double mass = sums.mass, slope = sums.slope;
+    const double f2 = (2.0 - prm.alpha) * sums.curvature;
     double value, d1, d2;
     if (am1 < kLogNewtonBelow) {
       value = std::log(mass);
       d1 = -slope / mass;
       d2 = (f2 * mass - slope * slope) / (mass * mass);
     } else {
-      value = f;
+      value = mass - 1.0;
       d1 = -slope;
       d2 = f2;
     }
@@ -766,9 +803,49 @@ inline GeneralSolution general_mu(const T* z, int64_t n, T zmax, const EntmaxPar
     double next = halley_denominator > 0 ? mu - 2.0 * value * d1 / halley_denominator : mu - value / d1;
     const bool forced_bisection = am1 > 1.0 && iter % 4 == 3;
     if (!(slope > 0) || !(next > lo && next < hi) || forced_bisection) next = 0.5 * (lo + hi);
-    mu = next;
+    return next;
+  };
+#if ENTMAX_FAST_AVX2_KERNELS
+  if (method == PowerMethod::Vector && std::abs(law.exponent) <= kMaxFloatExponent) {
+    // Float-precision steps first, ~3x cheaper than the double ones; the double steps then
+    // need about two passes. Per term: q's rounding times |e|, the power's few ulps; the float
+    // sums add up to k/8 roundings per lane.
+    for (int iter = 0; iter < kMaxFloatSteps; ++iter) {
+      const GeneralSums sums =
+          gathered ? general_sums_float_avx2(u, k, 0.0, law, mu) : general_sums_float_avx2(z, n, zmax_d, law, mu);
+      const double f = sums.mass - 1.0;
+      const double err = (2.0 * std::abs(law.exponent) + 8.0 + static_cast<double>(k) / 8.0) * 0x1p-24 *
+                         std::max(1.0, sums.mass);
+      if (std::abs(f) <= std::max(kFloatStepsEnd, 4.0 * err)) break;
+      if (f > 16.0 * err) {
+        lo = mu;
+        compact(sums);
+      } else if (f < -16.0 * err) {
+        hi = mu;
+      }
+      mu = next_mu(sums, iter);
+    }
   }
-  return {mu, k, gathered};
+#endif
+  // Converged to double precision even for float rows: Newton's last steps are cheap and
+  // the float output then only carries its own rounding.
+  const double eps = std::numeric_limits<double>::epsilon();
+  const double tol = 2.0 * eps * static_cast<double>(std::max<int64_t>(count.finite, 1));
+  const double resolution = 4.0 * eps;
+  for (int iter = 0; iter < 400; ++iter) {
+    const GeneralSums sums = gathered ? general_sums<T>(u, k, 0.0, law, mu, probs)
+                                      : general_sums<T>(z, n, zmax_d, law, mu, probs);
+    const double f = sums.mass - 1.0;
+    if (f > 0) {
+      lo = mu;
+    } else {
+      hi = mu;
+    }
+    if (std::abs(f) <= tol || hi - lo <= resolution * std::max(1.0, std::abs(mu))) return {mu, k, gathered, true};
+    if (f > 0) compact(sums);
+    mu = next_mu(sums, iter);
+  }
+  return {mu, k, gathered, false};
 }
 
 // Solves one row in place: on entry z holds scores (any may be -inf), on exit p.
@@ -798,19 +875,26 @@ inline RowStats<T> entmax_row_inplace(T* z, int64_t n, const EntmaxParams<T>& pr
       return {zmax, mu};
     default: {
       const GeneralSolution sol = general_mu(z, n, zmax, prm, work);
-      const PowerLaw law = prm.law();
+      double* probs = work.probs.data();
+      if (!sol.probs_ready) {
+        // The iteration cap ended the loop after a step: p at the returned mu is still due.
+        if (sol.gathered) {
+          std::copy(work.values.begin(), work.values.begin() + sol.k, probs);
+        } else {
+          std::copy(z, z + n, probs);
+        }
+        general_probs<T>(probs, sol.k, sol.gathered ? 0.0 : static_cast<double>(zmax), prm.law(), sol.mu);
+      }
       // Exact normalisation on the found support: the Newton tolerance never shows in sum p.
+      double total = 0;
+#pragma omp simd reduction(+ : total)
+      for (int64_t i = 0; i < sol.k; ++i) total += probs[i];
+      const T inv = static_cast<T>(1.0 / total);
       if (sol.gathered) {
-        // p only for the candidates left, where they lie contiguously, then placed.
-        double* u = work.values.data();
-        const double total = general_probs<T>(u, sol.k, 0.0, law, sol.mu);
-        const T inv = static_cast<T>(1.0 / total);
         std::fill(z, z + n, T(0));
-        for (int64_t i = 0; i < sol.k; ++i) z[work.index[i]] = static_cast<T>(u[i]) * inv;
+        for (int64_t i = 0; i < sol.k; ++i) z[work.index[i]] = static_cast<T>(probs[i]) * inv;
       } else {
-        const double total = general_probs<T>(z, n, static_cast<double>(zmax), law, sol.mu);
-        const T inv = static_cast<T>(1.0 / total);
-        for (int64_t j = 0; j < n; ++j) z[j] *= inv;
+        for (int64_t j = 0; j < n; ++j) z[j] = static_cast<T>(probs[j]) * inv;
       }
       return {zmax, sol.mu};
     }
