@@ -136,19 +136,33 @@ def _held_rows(p_base, stride, o_rows, n_rows, width, BLOCK_E: tl.constexpr,
 
 
 @triton.jit
-def _dot_rows(b_a, b_b, p_a, stride_a, o_a, n_a, p_b, stride_b, o_b, n_b, width,
+def _held_cols(p_base, stride, o_rows, n_rows, width, BLOCK_E: tl.constexpr,
+               BLOCK_EC: tl.constexpr):
+    """The transpose [BLOCK_E, len(o_rows)] of `_held_rows`, loaded as such: the right-hand
+    operand of `_dot_rows` (a transpose in registers would cost a layout conversion)."""
+    if BLOCK_EC >= BLOCK_E:
+        o_e = tl.arange(0, BLOCK_E)
+        b_cols = tl.load(p_base + o_rows[None, :] * stride + o_e[:, None],
+                         mask=(o_rows[None, :] < n_rows) & (o_e[:, None] < width), other=0.0)
+    else:
+        b_cols = 0.0
+    return b_cols
+
+
+@triton.jit
+def _dot_rows(b_a, b_bt, p_a, stride_a, o_a, n_a, p_b, stride_b, o_b, n_b, width,
               BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr):
     """a_i . b_j over the first `width` columns, for rows o_a of A and rows o_b of B (both
     row-major with unit column stride): [len(o_a), len(o_b)] fp32.
 
-    Whole head dim (BLOCK_EC >= BLOCK_E): from the held blocks b_a [., BE] and b_b [., BE]
-    (`_held_rows`). Chunked: both operands are reloaded BLOCK_EC columns at a time (from
+    Whole head dim (BLOCK_EC >= BLOCK_E): from the held blocks b_a [., BE] (`_held_rows`)
+    and b_bt [BE, .] (`_held_cols`). Chunked: both operands are reloaded BLOCK_EC columns at a time (from
     cache). A tensor-core operand A is replicated across the warps that share its rows, so a
     [16, 256] fp32 block alone fills 128 registers per thread (more with tf32x3's split):
     chunks keep the wide-head kernels within 255 registers without spilling.
     """
     if BLOCK_EC >= BLOCK_E:
-        b_c = _dot(b_a, tl.trans(b_b))
+        b_c = _dot(b_a, b_bt)
     else:
         b_c = tl.zeros([o_a.shape[0], o_b.shape[0]], dtype=tl.float32)
         for e0 in tl.range(0, width, BLOCK_EC, loop_unroll_factor=1):
@@ -170,8 +184,8 @@ def _score_tile(b_q, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base, stri
     """Scores z = scale * q k^T (+ mask) of one tile, -inf where masked. [BM, BN] fp32.
     b_q: the held query block (`_held_rows`)."""
     o_n = start_n + tl.arange(0, BLOCK_N)
-    b_k = _held_rows(p_k_base, stride_kl, o_n, k_len, head_e, BLOCK_E, BLOCK_EC)
-    b_qk = _dot_rows(b_q, b_k, p_q_base, stride_ql, o_m, q_len, p_k_base, stride_kl, o_n,
+    b_kt = _held_cols(p_k_base, stride_kl, o_n, k_len, head_e, BLOCK_E, BLOCK_EC)
+    b_qk = _dot_rows(b_q, b_kt, p_q_base, stride_ql, o_m, q_len, p_k_base, stride_kl, o_n,
                      k_len, head_e, BLOCK_E, BLOCK_EC)
     return _masked_scores(b_qk * scale, p_mask_base, stride_mq, stride_mk, o_m, start_n,
                           q_len, k_len, is_causal, BLOCK_N, MASK_KIND)
