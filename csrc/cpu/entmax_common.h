@@ -135,16 +135,6 @@ ENTMAX_FAST_ALWAYS_INLINE double vec_exp(double y) {
   return select(in_range, v, select(y >= 709.0, std::numeric_limits<double>::infinity(), 0.0));
 }
 
-// q^m for an integer 0 <= m < 16 by squarings: the same instructions for every lane.
-ENTMAX_FAST_ALWAYS_INLINE double small_integer_power(double q, int m) {
-  double result = 1.0, square = q;
-  for (int bit = 0; bit < 4; ++bit) {
-    result *= select((m >> bit) & 1, square, 1.0);
-    square *= square;
-  }
-  return result;
-}
-
 ENTMAX_FAST_ALWAYS_INLINE float fma_float(float a, float b, float c) {
 #if defined(__GNUC__)
   return __builtin_fmaf(a, b, c);
@@ -193,6 +183,20 @@ ENTMAX_FAST_ALWAYS_INLINE float vec_pow_float(float x, float beta) {
   const float v = e * std::bit_cast<float>(biased << 23);
   const bool in_range = (total > -126.0f) & (total < 127.5f);
   return select_float(in_range, v, select_float(total >= 127.5f, std::numeric_limits<float>::infinity(), 0.0f));
+}
+
+// q^m for an integer 0 <= m < 16 by squarings: the same instructions for every lane.
+ENTMAX_FAST_ALWAYS_INLINE double select_same(bool take_a, double a, double b) { return select(take_a, a, b); }
+ENTMAX_FAST_ALWAYS_INLINE float select_same(bool take_a, float a, float b) { return select_float(take_a, a, b); }
+
+template <typename F>
+ENTMAX_FAST_ALWAYS_INLINE F small_integer_power(F q, int m) {
+  F result = F(1), square = q;
+  for (int bit = 0; bit < 4; ++bit) {
+    result *= select_same((m >> bit) & 1, square, F(1));
+    square *= square;
+  }
+  return result;
 }
 
 }  // namespace vecmath
@@ -474,22 +478,31 @@ ENTMAX_FAST_ALWAYS_INLINE GeneralSums general_sums_body(const X* x, int64_t k, d
 
 // general_sums_body in float precision (8 float lanes, vec_pow_float, float sums): for the
 // first Halley steps, which only need to bring mu near the root.
-template <typename X>
+template <bool kInteger, typename X>
 ENTMAX_FAST_ALWAYS_INLINE GeneralSums general_sums_float_body(const X* x, int64_t k, double shift,
                                                               const PowerLaw& law, double mu) {
   const float am1 = static_cast<float>(law.am1), exponent = static_cast<float>(law.exponent);
+  const int integer_exponent = law.integer_exponent;
   const float shift_f = static_cast<float>(shift), mu_f = static_cast<float>(mu);
   float mass = 0, slope = 0, curvature = 0, outside = 0;
 #pragma omp simd reduction(+ : mass, slope, curvature, outside)
   for (int64_t i = 0; i < k; ++i) {
     const float q = vecmath::fma_float(am1, (static_cast<float>(x[i]) - shift_f) - mu_f, 1.0f);
     const bool inside = (q > 0.0f) & (q < std::numeric_limits<float>::infinity());
-    const float p = vecmath::vec_pow_float(q, exponent);
-    const float inv_q = 1.0f / q;
-    const float p_over_q = p * inv_q;
+    float p, p_over_q, p_over_q2;
+    if constexpr (kInteger) {
+      p_over_q2 = vecmath::small_integer_power(q, integer_exponent - 2);
+      p_over_q = p_over_q2 * q;
+      p = p_over_q * q;
+    } else {
+      p = vecmath::vec_pow_float(q, exponent);
+      const float inv_q = 1.0f / q;
+      p_over_q = p * inv_q;
+      p_over_q2 = p_over_q * inv_q;
+    }
     mass += vecmath::select_float(inside, p, 0.0f);
     slope += vecmath::select_float(inside, p_over_q, 0.0f);
-    curvature += vecmath::select_float(inside, p_over_q * inv_q, 0.0f);
+    curvature += vecmath::select_float(inside, p_over_q2, 0.0f);
     outside += vecmath::select_float(q > 0.0f, 0.0f, 1.0f);
   }
   return {mass, slope, curvature, outside};
@@ -616,7 +629,8 @@ ENTMAX_FAST_TARGET_AVX2 inline GeneralSums general_sums_avx2(const X* x, int64_t
 template <typename X>
 ENTMAX_FAST_TARGET_AVX2 inline GeneralSums general_sums_float_avx2(const X* x, int64_t k, double shift,
                                                                    const PowerLaw& law, double mu) {
-  return general_sums_float_body(x, k, shift, law, mu);
+  return law.integer_exponent ? general_sums_float_body<true>(x, k, shift, law, mu)
+                              : general_sums_float_body<false>(x, k, shift, law, mu);
 }
 
 template <typename T, typename X>
@@ -657,7 +671,6 @@ inline GeneralSums general_sums(const X* x, int64_t k, double shift, const Power
   return law.integer_exponent ? general_sums_body<PowerMethod::Integer, false, T>(x, k, shift, law, mu, p_out)
                               : general_sums_body<PowerMethod::Std, false, T>(x, k, shift, law, mu, p_out);
 }
-
 
 template <typename T, typename X>
 inline double general_probs(X* x, int64_t k, double shift, const PowerLaw& law, double mu) {
@@ -809,7 +822,7 @@ inline GeneralSolution general_mu(const T* z, int64_t n, T zmax, const EntmaxPar
     return next;
   };
 #if ENTMAX_FAST_AVX2_KERNELS
-  if (method == PowerMethod::Vector && std::abs(law.exponent) <= kMaxFloatExponent) {
+  if (method != PowerMethod::Std && std::abs(law.exponent) <= kMaxFloatExponent && use_avx2_kernels()) {
     // Float-precision steps first, ~3x cheaper than the double ones; the double steps then
     // need about two passes. Per term: q's rounding times |e|, the power's few ulps; the float
     // sums add up to k/8 roundings per lane.
