@@ -185,10 +185,10 @@ ENTMAX_FAST_ALWAYS_INLINE float vec_pow_float(float x, float beta) {
   return select_float(in_range, v, select_float(total >= 127.5f, std::numeric_limits<float>::infinity(), 0.0f));
 }
 
-// q^m for an integer 0 <= m < 16 by squarings: the same instructions for every lane.
 ENTMAX_FAST_ALWAYS_INLINE double select_same(bool take_a, double a, double b) { return select(take_a, a, b); }
 ENTMAX_FAST_ALWAYS_INLINE float select_same(bool take_a, float a, float b) { return select_float(take_a, a, b); }
 
+// q^m for an integer 0 <= m < 16 by squarings: the same instructions for every lane.
 template <typename F>
 ENTMAX_FAST_ALWAYS_INLINE F small_integer_power(F q, int m) {
   F result = F(1), square = q;
@@ -257,8 +257,8 @@ struct EntmaxParams {
   double exponent;  // 1 / (alpha - 1)
   // k when alpha = 1 + 1/k for an integer k in [3, kMaxIntegerExponent] (1.25, 4/3, 1.2, 1.1,
   // ...), else 0: then p = base^k by multiplications. 1 + 1/k is rarely a double, so k is
-  // accepted within a few ulps of 1/(alpha-1); base^(k(1+d)) and base^k differ by a relative
-  // d |log p| <= 1e-13 over the whole double range of p.
+  // accepted within 8 ulps of 1/(alpha-1); base^(k(1+d)) and base^k then differ by a relative
+  // |d log p| < 2e-15 |log p| (1e-13 at p = 1e-20).
   int integer_exponent;
 
   static constexpr int kMaxIntegerExponent = 16;
@@ -508,32 +508,6 @@ ENTMAX_FAST_ALWAYS_INLINE GeneralSums general_sums_float_body(const X* x, int64_
   return {mass, slope, curvature, outside};
 }
 
-// Unnormalised p of entries u = x - shift at mu, written in place into x rounded to T (the
-// output type; -inf and NaN scores give 0); returns sum p of the rounded values.
-template <PowerMethod kMethod, bool kFma, typename T, typename X>
-ENTMAX_FAST_ALWAYS_INLINE double general_probs_body(X* x, int64_t k, double shift, const PowerLaw& law_in, double mu) {
-  const PowerLaw law = law_in;  // a local copy: the stores to x cannot alias it
-  double total = 0;
-  if constexpr (kMethod == PowerMethod::Std) {
-    for (int64_t i = 0; i < k; ++i) {
-      const double q = 1.0 + law.am1 * ((static_cast<double>(x[i]) - shift) - mu);
-      const bool inside = q > 0.0 && q < std::numeric_limits<double>::infinity();
-      const T p = inside ? static_cast<T>(std::exp(std::log(q) * law.exponent)) : T(0);
-      x[i] = static_cast<X>(p);
-      total += static_cast<double>(p);
-    }
-  } else {
-#pragma omp simd reduction(+ : total)
-    for (int64_t i = 0; i < k; ++i) {
-      const double q = 1.0 + law.am1 * ((static_cast<double>(x[i]) - shift) - mu);
-      const T p = static_cast<T>(PowerTerms<kMethod, kFma>(q, law).p);
-      x[i] = static_cast<X>(p);
-      total += static_cast<double>(p);
-    }
-  }
-  return total;
-}
-
 // Finite entries and candidates (u > -1/(alpha-1) for alpha > 1) of a row, counted.
 struct CandidateCount {
   int64_t finite = 0, candidates = 0;
@@ -633,13 +607,6 @@ ENTMAX_FAST_TARGET_AVX2 inline GeneralSums general_sums_float_avx2(const X* x, i
                               : general_sums_float_body<false>(x, k, shift, law, mu);
 }
 
-template <typename T, typename X>
-ENTMAX_FAST_TARGET_AVX2 inline double general_probs_avx2(X* x, int64_t k, double shift, const PowerLaw& law,
-                                                         double mu) {
-  return law.integer_exponent ? general_probs_body<PowerMethod::Integer, true, T>(x, k, shift, law, mu)
-                              : general_probs_body<PowerMethod::Vector, true, T>(x, k, shift, law, mu);
-}
-
 template <typename T>
 ENTMAX_FAST_TARGET_AVX2 inline CandidateCount count_candidates_avx2(const T* z, int64_t n, double zmax, double am1) {
   return count_candidates_body(z, n, zmax, am1);
@@ -657,7 +624,7 @@ ENTMAX_FAST_TARGET_AVX2 inline int64_t count_positive_avx2(const T* p, int64_t n
 }
 #endif
 
-// The method general_sums/general_probs use for `law` on this machine.
+// The method general_sums uses for `law` on this machine.
 inline PowerMethod power_method(const PowerLaw& law) {
   if (law.integer_exponent) return PowerMethod::Integer;
   return use_avx2_kernels() ? PowerMethod::Vector : PowerMethod::Std;
@@ -670,15 +637,6 @@ inline GeneralSums general_sums(const X* x, int64_t k, double shift, const Power
 #endif
   return law.integer_exponent ? general_sums_body<PowerMethod::Integer, false, T>(x, k, shift, law, mu, p_out)
                               : general_sums_body<PowerMethod::Std, false, T>(x, k, shift, law, mu, p_out);
-}
-
-template <typename T, typename X>
-inline double general_probs(X* x, int64_t k, double shift, const PowerLaw& law, double mu) {
-#if ENTMAX_FAST_AVX2_KERNELS
-  if (use_avx2_kernels()) return general_probs_avx2<T>(x, k, shift, law, mu);
-#endif
-  return law.integer_exponent ? general_probs_body<PowerMethod::Integer, false, T>(x, k, shift, law, mu)
-                              : general_probs_body<PowerMethod::Std, false, T>(x, k, shift, law, mu);
 }
 
 template <typename T>
@@ -732,13 +690,12 @@ struct RowWorkspace {
 };
 
 // Where general_mu left the entries that can be in the support: the whole row (gathered =
-// false, k = n), or the first k of the workspace (u = z - max(z), column in index); with
-// probs_ready, work.probs[0..k) holds their p (rounded to T) at mu.
+// false, k = n), or the first k of the workspace (u = z - max(z), column in index);
+// work.probs[0..k) holds their p at mu, rounded to T.
 struct GeneralSolution {
   double mu;
   int64_t k;
   bool gathered;
-  bool probs_ready;
 };
 
 // Any alpha > 0, alpha != 1: safeguarded Halley iteration on mu within the bracket
@@ -848,7 +805,8 @@ inline GeneralSolution general_mu(const T* z, int64_t n, T zmax, const EntmaxPar
   const double eps = std::numeric_limits<double>::epsilon();
   const double tol = 2.0 * eps * static_cast<double>(std::max<int64_t>(count.finite, 1));
   const double resolution = 4.0 * eps;
-  for (int iter = 0; iter < 400; ++iter) {
+  constexpr int kMaxSteps = 400;
+  for (int iter = 0;; ++iter) {
     const GeneralSums sums = gathered ? general_sums<T>(u, k, 0.0, law, mu, probs)
                                       : general_sums<T>(z, n, zmax_d, law, mu, probs);
     const double f = sums.mass - 1.0;
@@ -857,11 +815,13 @@ inline GeneralSolution general_mu(const T* z, int64_t n, T zmax, const EntmaxPar
     } else {
       hi = mu;
     }
-    if (std::abs(f) <= tol || hi - lo <= resolution * std::max(1.0, std::abs(mu))) return {mu, k, gathered, true};
+    // Ends on an evaluated mu, whose p the pass just left in probs.
+    if (std::abs(f) <= tol || hi - lo <= resolution * std::max(1.0, std::abs(mu)) || iter == kMaxSteps) {
+      return {mu, k, gathered};
+    }
     if (f > 0) compact(sums);
     mu = next_mu(sums, iter);
   }
-  return {mu, k, gathered, false};
 }
 
 // Solves one row in place: on entry z holds scores (any may be -inf), on exit p.
@@ -891,16 +851,7 @@ inline RowStats<T> entmax_row_inplace(T* z, int64_t n, const EntmaxParams<T>& pr
       return {zmax, mu};
     default: {
       const GeneralSolution sol = general_mu(z, n, zmax, prm, work);
-      double* probs = work.probs.data();
-      if (!sol.probs_ready) {
-        // The iteration cap ended the loop after a step: p at the returned mu is still due.
-        if (sol.gathered) {
-          std::copy(work.values.begin(), work.values.begin() + sol.k, probs);
-        } else {
-          std::copy(z, z + n, probs);
-        }
-        general_probs<T>(probs, sol.k, sol.gathered ? 0.0 : static_cast<double>(zmax), prm.law(), sol.mu);
-      }
+      const double* probs = work.probs.data();
       // Exact normalisation on the found support: the Newton tolerance never shows in sum p.
       double total = 0;
 #pragma omp simd reduction(+ : total)
