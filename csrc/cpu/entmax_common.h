@@ -622,6 +622,19 @@ template <typename T>
 ENTMAX_FAST_TARGET_AVX2 inline int64_t count_positive_avx2(const T* p, int64_t n) {
   return count_positive_body(p, n);
 }
+
+// (sum p, number of p > 0) of a row in one pass.
+template <typename T>
+ENTMAX_FAST_TARGET_AVX2 inline std::pair<double, int64_t> total_and_support_avx2(const T* p, int64_t n) {
+  double total = 0;
+  int64_t count = 0;
+#pragma omp simd reduction(+ : total, count)
+  for (int64_t j = 0; j < n; ++j) {
+    total += static_cast<double>(p[j]);
+    count += p[j] > T(0);
+  }
+  return {total, count};
+}
 #endif
 
 // The method general_sums uses for `law` on this machine.
@@ -872,10 +885,7 @@ inline RowStats<T> entmax_row_inplace(T* z, int64_t n, const EntmaxParams<T>& pr
 // (p - p~)/(alpha-1)^2 term cancels catastrophically in float near alpha = 1.
 // At alpha == 1 the exact limit -1/2 (p log^2 p - p sum p log^2 p) is used.
 template <typename T>
-inline double row_alpha_grad_portable(const T* p, const T* g, int64_t n, double alpha) {
-  double p_total = 0;
-  for (int64_t j = 0; j < n; ++j) p_total += p[j];
-  if (!(p_total > 0)) return 0.0;
+inline double row_alpha_grad_portable(const T* p, const T* g, int64_t n, double alpha, double p_total) {
   const double inv_total = 1.0 / p_total;
   if (alpha == 1.0) {
     double sum_plog2 = 0, sum_g_plog2 = 0, sum_g_p = 0;
@@ -915,12 +925,9 @@ inline double row_alpha_grad_portable(const T* p, const T* g, int64_t n, double 
 #if ENTMAX_FAST_AVX2_KERNELS
 // row_alpha_grad_portable with vec_log/vec_exp, branch-free (0 < p enters through masks).
 template <typename T>
-ENTMAX_FAST_TARGET_AVX2 inline double row_alpha_grad_avx2(const T* p, const T* g, int64_t n, double alpha) {
+ENTMAX_FAST_TARGET_AVX2 inline double row_alpha_grad_avx2(const T* p, const T* g, int64_t n, double alpha,
+                                                          double p_total) {
   using vecmath::select;
-  double p_total = 0;
-#pragma omp simd reduction(+ : p_total)
-  for (int64_t j = 0; j < n; ++j) p_total += p[j];
-  if (!(p_total > 0)) return 0.0;
   const double inv_total = 1.0 / p_total;
   if (alpha == 1.0) {
     double sum_plog2 = 0, sum_g_plog2 = 0, sum_g_p = 0;
@@ -966,11 +973,19 @@ ENTMAX_FAST_TARGET_AVX2 inline double row_alpha_grad_avx2(const T* p, const T* g
 template <typename T>
 inline double row_alpha_grad(const T* p, const T* g, int64_t n, double alpha) {
 #if ENTMAX_FAST_AVX2_KERNELS
-  // As in general_weights: the portable loop skips p = 0 by a branch, and its pow and log on
-  // the support cost ~8x what the vector loop spends on every entry.
-  if (use_avx2_kernels() && 8 * count_positive_avx2(p, n) > n) return row_alpha_grad_avx2(p, g, n, alpha);
+  if (use_avx2_kernels()) {
+    const auto [p_total, support] = total_and_support_avx2(p, n);
+    if (!(p_total > 0)) return 0.0;
+    // As in general_weights: the portable loop skips p = 0 by a branch, and its pow and log
+    // on the support cost ~8x what the vector loop spends on every entry.
+    if (8 * support > n) return row_alpha_grad_avx2(p, g, n, alpha, p_total);
+    return row_alpha_grad_portable(p, g, n, alpha, p_total);
+  }
 #endif
-  return row_alpha_grad_portable(p, g, n, alpha);
+  double p_total = 0;
+  for (int64_t j = 0; j < n; ++j) p_total += p[j];
+  if (!(p_total > 0)) return 0.0;
+  return row_alpha_grad_portable(p, g, n, alpha, p_total);
 }
 
 }  // namespace entmax_fast_cpu
