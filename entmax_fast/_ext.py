@@ -16,7 +16,12 @@ def status() -> tuple[bool, str]:
         except OSError as exc:
             _STATUS = (False, f"the C++ extension entmax_fast._C failed to load ({exc})")
         else:
-            _STATUS = (True, "entmax_fast._C loaded")
+            import torch
+
+            # The row-wise kernels' instruction set: "portable" (scalar std:: maths) is the
+            # slower fallback on CPUs without AVX2+FMA, worth knowing when timing.
+            isa = torch.ops.entmax_fast.cpu_kernel_isa()
+            _STATUS = (True, f"entmax_fast._C loaded (CPU kernels: {isa})")
             # The Python side of the C++ ops (fake kernels, autograd) is registered here, at
             # load time: torch.library registration cannot happen inside a torch.compile trace.
             from . import cpp_ops, structured
