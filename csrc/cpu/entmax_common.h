@@ -560,6 +560,33 @@ ENTMAX_FAST_ALWAYS_INLINE std::pair<double, double> general_weights_body(const T
   return {s_total, sg_total};
 }
 
+// The attention backward's p of a General-kind row from its saved (max, mu), written over
+// the scores z in place: the same q and power method as the forward's final general_sums
+// pass, so that p, rounded to T, is the forward's (before renormalisation). Returns sum p.
+template <PowerMethod kMethod, bool kFma, typename T>
+ENTMAX_FAST_ALWAYS_INLINE double general_probs_body(T* z, int64_t n, double zmax, const PowerLaw& law_in,
+                                                    double mu) {
+  const PowerLaw law = law_in;  // a local copy: the stores to z cannot alias it
+  double total = 0;
+  if constexpr (kMethod == PowerMethod::Std) {
+    for (int64_t j = 0; j < n; ++j) {
+      const double q = 1.0 + law.am1 * ((static_cast<double>(z[j]) - zmax) - mu);
+      const T p = q > 0.0 ? static_cast<T>(PowerTerms<kMethod, kFma>(q, law).p) : T(0);
+      z[j] = p;
+      total += static_cast<double>(p);
+    }
+  } else {
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < n; ++j) {
+      const double q = 1.0 + law.am1 * ((static_cast<double>(z[j]) - zmax) - mu);
+      const T p = static_cast<T>(PowerTerms<kMethod, kFma>(q, law).p);
+      z[j] = p;
+      total += static_cast<double>(p);
+    }
+  }
+  return total;
+}
+
 template <typename T>
 ENTMAX_FAST_ALWAYS_INLINE int64_t count_positive_body(const T* p, int64_t n) {
   int64_t count = 0;
@@ -619,6 +646,13 @@ ENTMAX_FAST_TARGET_AVX2 inline std::pair<double, double> general_weights_avx2(co
 }
 
 template <typename T>
+ENTMAX_FAST_TARGET_AVX2 inline double general_probs_avx2(T* z, int64_t n, double zmax, const PowerLaw& law,
+                                                         double mu) {
+  return law.integer_exponent ? general_probs_body<PowerMethod::Integer, true>(z, n, zmax, law, mu)
+                              : general_probs_body<PowerMethod::Vector, true>(z, n, zmax, law, mu);
+}
+
+template <typename T>
 ENTMAX_FAST_TARGET_AVX2 inline int64_t count_positive_avx2(const T* p, int64_t n) {
   return count_positive_body(p, n);
 }
@@ -658,6 +692,15 @@ inline CandidateCount count_candidates(const T* z, int64_t n, double zmax, doubl
   if (use_avx2_kernels()) return count_candidates_avx2(z, n, zmax, am1);
 #endif
   return count_candidates_body(z, n, zmax, am1);
+}
+
+template <typename T>
+inline double general_probs(T* z, int64_t n, double zmax, const PowerLaw& law, double mu) {
+#if ENTMAX_FAST_AVX2_KERNELS
+  if (use_avx2_kernels()) return general_probs_avx2(z, n, zmax, law, mu);
+#endif
+  return law.integer_exponent ? general_probs_body<PowerMethod::Integer, false>(z, n, zmax, law, mu)
+                              : general_probs_body<PowerMethod::Std, false>(z, n, zmax, law, mu);
 }
 
 template <typename T>
