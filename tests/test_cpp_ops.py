@@ -422,6 +422,7 @@ def test_attention_backward_general_alpha_matches_reference(kernel_isa, dtype, a
     if "bool" in mask_kind:
         assert torch.equal(grads[0][0][:, :, 0], torch.zeros_like(grads[0][0][:, :, 0]))
 
+
 def test_attention_3d_inputs_and_masked_keys_invariance():
     q, k, v = torch.randn(3, 10, 8), torch.randn(3, 12, 8), torch.randn(3, 12, 5)
     keep = torch.ones(12, dtype=torch.bool)
