@@ -255,33 +255,29 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
               std::fill(g, g + kend, T(0));
               continue;
             }
+            // p and the Jacobian weights s = p^(2-alpha) from the saved (max, mu), while the
+            // scaled, masked scores are still in the row.
             double s_total = 0, sg_total = 0;
             if (prm.kind == RowKind::General) {
               // The forward's kernel at its final mu, renormalised as the forward did, gives the
               // forward's p; scalar pow per entry here cost more than the rest of the backward.
               const double p_total = general_probs(p, len, static_cast<double>(zmax), prm.law(), mu);
-              std::fill(p + len, p + kend, T(0));
               if (p_total > 0) {
                 const T inv = static_cast<T>(1.0 / p_total);
                 for (int64_t j = 0; j < len; ++j) p[j] *= inv;
               }
-              if (need_alpha_grad) dalpha_acc += row_alpha_grad(p, g, len, prm.alpha);
               std::tie(s_total, sg_total) = general_weights(p, g, weights.data(), len, 2.0 - prm.alpha);
             } else {
-              // p and the Jacobian weights s = p^(2-alpha) from the saved (max, mu), while
-              // the scaled, masked scores are still in the row.
               for (int64_t j = 0; j < len; ++j) {
                 const T pj = prm.prob(p[j], zmax, mu);
                 weights[j] = prm.jacobian_weight(p[j], zmax, mu, pj);
                 p[j] = pj;
-              }
-              std::fill(p + len, p + kend, T(0));
-              if (need_alpha_grad) dalpha_acc += row_alpha_grad(p, g, len, prm.alpha);
-              for (int64_t j = 0; j < len; ++j) {
                 s_total += weights[j];
                 sg_total += static_cast<double>(weights[j]) * g[j];
               }
             }
+            std::fill(p + len, p + kend, T(0));
+            if (need_alpha_grad) dalpha_acc += row_alpha_grad(p, g, len, prm.alpha);
             const T delta = s_total > 0 ? static_cast<T>(sg_total / s_total) : T(0);
             // dZ (MATH.md §3), with the score scale folded in for dQ and dK.
             for (int64_t j = 0; j < len; ++j) g[j] = scale * weights[j] * (g[j] - delta);

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <stdexcept>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -278,12 +279,8 @@ struct EntmaxParams {
     return std::abs(exponent - k) <= 8.0 * std::numeric_limits<double>::epsilon() * k ? static_cast<int>(k) : 0;
   }
 
-  // The General kind's base 1 + (alpha-1)(u - mu), in double; <= 0 outside the support.
-  inline double general_base(T z, T zmax, double mu) const {
-    return 1.0 + am1 * ((static_cast<double>(z) - static_cast<double>(zmax)) - mu);
-  }
-
-  // p of a score z in a row with maximum zmax; unnormalised for the General kind.
+  // p of a score z in a row with maximum zmax, for the kinds with a closed form; General rows
+  // get theirs, a whole row at a time, from general_mu (forward) or general_probs (backward).
   inline T prob(T z, T zmax, double mu) const {
     const T mu_t = static_cast<T>(mu);
     switch (kind) {
@@ -297,17 +294,14 @@ struct EntmaxParams {
         T b = T(1) + T(0.5) * (z - zmax - mu_t);
         return b > T(0) ? b * b : T(0);
       }
-      default: {
-        // base <= 0 is outside the support; -inf scores land there for alpha > 1 and give
-        // exp(-inf) = 0 for alpha < 1.
-        const double b = general_base(z, zmax, mu) - 1.0;
-        if (integer_exponent) return static_cast<T>(PowerTerms<PowerMethod::Integer, false>(b + 1.0, law()).p);
-        return b > -1.0 ? static_cast<T>(std::exp(std::log1p(b) * exponent)) : T(0);
-      }
+      case RowKind::General:
+        break;
     }
+    throw std::logic_error("EntmaxParams::prob: General rows go through general_mu/general_probs");
   }
 
-  // s = p^(2-alpha) on the support (the Jacobian weights of MATH.md §2), 0 elsewhere.
+  // s = p^(2-alpha) on the support (the Jacobian weights of MATH.md §2), 0 elsewhere, for the
+  // kinds with a closed form (General rows: general_weights).
   inline T jacobian_weight(T z, T zmax, double mu, T p) const {
     switch (kind) {
       case RowKind::Softmax:
@@ -318,12 +312,10 @@ struct EntmaxParams {
         T b = T(1) + T(0.5) * (z - zmax - static_cast<T>(mu));
         return b > T(0) ? b : T(0);
       }
-      default: {
-        // p^(2-alpha) = base^(1/(alpha-1) - 1) = p / base.
-        const double base = general_base(z, zmax, mu);
-        return (p > T(0) && base > 0.0) ? static_cast<T>(static_cast<double>(p) / base) : T(0);
-      }
+      case RowKind::General:
+        break;
     }
+    throw std::logic_error("EntmaxParams::jacobian_weight: General rows go through general_weights");
   }
 };
 
