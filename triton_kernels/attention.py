@@ -179,8 +179,8 @@ def attention_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is
         geo.head_e, geo.head_ev, float(scale), float(dropout_p), int(is_causal), int(need_grad),
         BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e, BLOCK_EV=geo.block_ev,
         BLOCK_EC=geo.block_ec["fwd"], ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind,
-        IS_VARLEN=geo.varlen, HAS_DROPOUT=dropout_p > 0.0, NUM_CAND=_fwd.NUM_CANDIDATES, num_warps=geo.num_warps,
-        num_stages=geo.num_stages,
+        IS_VARLEN=geo.varlen, HAS_DROPOUT=dropout_p > 0.0, NUM_CAND=_fwd.NUM_CANDIDATES,
+        num_warps=geo.num_warps, num_stages=geo.num_stages,
         maxnreg=_fwd.MAX_REGISTERS,
     )
     return out, stats, dvec, flags
@@ -216,7 +216,8 @@ def attention_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alp
         geo.head_e, geo.head_ev, float(scale), float(dropout_p), int(is_causal),
         int(need_alpha_grad),
         BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e, BLOCK_EV=geo.block_ev,
-        BLOCK_EC=geo.block_ec["dq"], ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind, IS_VARLEN=geo.varlen,
+        BLOCK_EC=geo.block_ec["dq"], ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind,
+        IS_VARLEN=geo.varlen,
         HAS_DROPOUT=dropout_p > 0.0, num_warps=geo.num_warps, num_stages=geo.num_stages,
         maxnreg=_fwd.MAX_REGISTERS,
     )
@@ -228,7 +229,8 @@ def attention_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alp
         geo.n_qblocks, geo.n_kblocks, geo.head_e, geo.head_ev, float(scale),
         float(dropout_p), int(is_causal),
         BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e, BLOCK_EV=geo.block_ev,
-        BLOCK_EC=geo.block_ec["dkdv"], ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind, IS_VARLEN=geo.varlen,
+        BLOCK_EC=geo.block_ec["dkdv"], ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind,
+        IS_VARLEN=geo.varlen,
         HAS_DROPOUT=dropout_p > 0.0, num_warps=geo.num_warps, num_stages=geo.num_stages,
         maxnreg=_fwd.MAX_REGISTERS,
     )

@@ -20,8 +20,9 @@ import triton.language as tl
 
 from .attention_fwd import (_DTYPES, MAX_REGISTERS, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C,
                             STAT_TAU_C, _config_space, _dot, _dot_rows, _dropout_scale,
-                            _held_cols, _held_rows, _load_rows, _mask_type, _masked_scores, _safe_log2, _sensitivity,
-                            _sequence_bounds, _weights, block_sizes, chunk_width, config_suffix)
+                            _held_cols, _held_rows, _load_rows, _mask_type, _safe_log2, _scores,
+                            _sensitivity, _sequence_bounds, _weights, block_sizes, chunk_width,
+                            config_suffix)
 
 # rows of the backward's per-row buffer
 ROW_DELTA, ROW_DALPHA = 0, 1
@@ -120,10 +121,9 @@ def entmax_attn_bwd_dq_kernel(
                 b_kt = tl.trans(b_k)  # one load of k for the scores and for dQ
             else:
                 b_kt = 0.0
-            b_qk = _dot_rows(b_q, b_kt, p_q, stride_ql, o_m, q_len, p_k, stride_kl, o_n, k_len,
-                             head_e, BLOCK_E, BLOCK_EC)
-            b_z = _masked_scores(b_qk * scale, p_mask, stride_mq, stride_mk, o_m, start_n,
-                                 q_len, k_len, is_causal, BLOCK_N, MASK_KIND)
+            b_z = _scores(b_q, b_kt, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk,
+                          o_m, start_n, q_len, k_len, head_e, scale, is_causal, BLOCK_N, BLOCK_E,
+                          BLOCK_EC, MASK_KIND)
             b_d, b_p, b_s = _row_weights(b_z, b_m, b_tau, b_l, am1, inv_am1, ALPHA_KIND)
             b_vt = _held_cols(p_v, stride_vl, o_n, k_len, head_ev, BLOCK_EV, BLOCK_EC)
             b_drop = _dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
@@ -215,10 +215,9 @@ def entmax_attn_bwd_dkdv_kernel(
                 b_l = tl.load(p_stats + o_m + STAT_SUM_C * stride_stat, mask=m_m, other=0.0)
                 b_l = tl.where(b_l > 0, b_l, 1.0)
                 b_delta = tl.load(p_rows + o_m + ROW_DELTA_C * stride_row, mask=m_m, other=0.0)
-                b_qk = _dot_rows(b_q, b_kt, p_q, stride_ql, o_m, q_len, p_k, stride_kl, o_n,
-                                 k_len, head_e, BLOCK_E, BLOCK_EC)
-                b_z = _masked_scores(b_qk * scale, p_mask, stride_mq, stride_mk, o_m, start_n,
-                                     q_len, k_len, is_causal, BLOCK_N, MASK_KIND)
+                b_z = _scores(b_q, b_kt, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq,
+                              stride_mk, o_m, start_n, q_len, k_len, head_e, scale, is_causal,
+                              BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND)
                 b_d, b_p, b_s = _row_weights(b_z, b_m, b_tau, b_l, am1, inv_am1, ALPHA_KIND)
                 b_drop = _dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
                                         BLOCK_M, BLOCK_N, HAS_DROPOUT)

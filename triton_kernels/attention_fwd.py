@@ -156,8 +156,8 @@ def _dot_rows(b_a, b_bt, p_a, stride_a, o_a, n_a, p_b, stride_b, o_b, n_b, width
     row-major with unit column stride): [len(o_a), len(o_b)] fp32.
 
     Whole head dim (BLOCK_EC >= BLOCK_E): from the held blocks b_a [., BE] (`_held_rows`)
-    and b_bt [BE, .] (`_held_cols`). Chunked: both operands are reloaded BLOCK_EC columns at a time (from
-    cache). A tensor-core operand A is replicated across the warps that share its rows, so a
+    and b_bt [BE, .] (`_held_cols`). Chunked: both operands are reloaded BLOCK_EC columns at
+    a time (from cache). A tensor-core operand A is replicated across the warps that share its rows, so a
     [16, 256] fp32 block alone fills 128 registers per thread (more with tf32x3's split):
     chunks keep the wide-head kernels within 255 registers without spilling.
     """
@@ -185,17 +185,21 @@ def _score_tile(b_q, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base, stri
     b_q: the held query block (`_held_rows`)."""
     o_n = start_n + tl.arange(0, BLOCK_N)
     b_kt = _held_cols(p_k_base, stride_kl, o_n, k_len, head_e, BLOCK_E, BLOCK_EC)
-    b_qk = _dot_rows(b_q, b_kt, p_q_base, stride_ql, o_m, q_len, p_k_base, stride_kl, o_n,
-                     k_len, head_e, BLOCK_E, BLOCK_EC)
-    return _masked_scores(b_qk * scale, p_mask_base, stride_mq, stride_mk, o_m, start_n,
-                          q_len, k_len, is_causal, BLOCK_N, MASK_KIND)
+    return _scores(b_q, b_kt, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base, stride_mq,
+                   stride_mk, o_m, start_n, q_len, k_len, head_e, scale, is_causal, BLOCK_N,
+                   BLOCK_E, BLOCK_EC, MASK_KIND)
 
 
 @triton.jit
-def _masked_scores(b_z, p_mask_base, stride_mq, stride_mk, o_m, start_n, q_len, k_len,
-                   is_causal, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr):
-    """The scaled scores b_z of a tile with the mask applied; -inf outside the sequences."""
+def _scores(b_q, b_kt, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base, stride_mq,
+            stride_mk, o_m, start_n, q_len, k_len, head_e, scale, is_causal,
+            BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
+            MASK_KIND: tl.constexpr):
+    """`_score_tile` from the held blocks b_q (`_held_rows`) and b_kt (`_held_cols`), or from
+    chunks reloaded by `_dot_rows`; -inf outside the sequences and where masked."""
     o_n = start_n + tl.arange(0, BLOCK_N)
+    b_z = _dot_rows(b_q, b_kt, p_q_base, stride_ql, o_m, q_len, p_k_base, stride_kl, o_n,
+                    k_len, head_e, BLOCK_E, BLOCK_EC) * scale
     m_valid = (o_n[None, :] < k_len) & (o_m[:, None] < q_len)
     # top-left aligned causal mask: query i sees keys j <= i
     # (without is_causal the limit lies past every key; integer arithmetic because the
