@@ -20,17 +20,17 @@ from common import machine, print_table, time_call, write_csv  # noqa: E402
 import entmax_fast  # noqa: E402
 from entmax_fast import dispatch  # noqa: E402
 
+def _bisect_mapping(alpha):
+    """ours, entmax 1.3's key for entmax_bisect at a given alpha."""
+    return (lambda X: entmax_fast.entmax_bisect(X, alpha)), ("entmax_bisect", alpha)
+
+
 MAPPINGS = {
     "sparsemax": (lambda X: entmax_fast.sparsemax(X), "sparsemax"),
     "entmax15": (lambda X: entmax_fast.entmax15(X), "entmax15"),
     "entmax_bisect (default α=1.5)": (lambda X: entmax_fast.entmax_bisect(X), "entmax_bisect_default"),
-    "entmax_bisect(1.25)": (lambda X: entmax_fast.entmax_bisect(X, 1.25), "entmax_bisect"),
+    "entmax_bisect(1.25)": _bisect_mapping(1.25),
 }
-
-
-def _bisect_mapping(alpha):
-    """ours, entmax 1.3's key for entmax_bisect at a given alpha."""
-    return (lambda X: entmax_fast.entmax_bisect(X, alpha)), ("entmax_bisect", alpha)
 
 
 def _entmax_pkg(name):
@@ -40,8 +40,7 @@ def _entmax_pkg(name):
         alpha = name[1]
         return lambda X: entmax.entmax_bisect(X, alpha)
     return {"sparsemax": entmax.sparsemax, "entmax15": entmax.entmax15,
-            "entmax_bisect_default": entmax.entmax_bisect,
-            "entmax_bisect": lambda X: entmax.entmax_bisect(X, 1.25)}[name]
+            "entmax_bisect_default": entmax.entmax_bisect}[name]
 
 
 def _fwd_bwd(fn, X):
