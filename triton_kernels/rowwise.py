@@ -1,55 +1,58 @@
-"""Row-wise α-entmax kernels: forward (threshold by sorting or by root finding) and backward.
+"""Row-wise α-entmax kernels, forward and backward, bound by memory traffic.
 
 Every row of ``x`` (R, n) is mapped to ``p = α-entmax(x_row)``, in the threshold form of
-``entmax_fast.reference.mappings`` written multiplicatively so that the iteration variable
-keeps full fp32 resolution where the support is small:
+``entmax_fast.reference.mappings`` written with ``c = −τ`` (MATH.md §1):
 
-    u = x − max(x),  t = α − 1,
-    α ≠ 1:  p_i = [c + t·u_i]_+ ^ (1/t),   c = 1 − t·μ
-    α = 1:  p_i = c · exp(u_i),            c = exp(−μ)
+    u = x − max(x),  t = α − 1,  v = t·u  (v = u for α = 1),  e = 1/t
+    α ≠ 1:  p_i = [c + v_i]_+ ^ e,      α = 1:  p_i = c · exp(u_i)
 
-(μ as in the reference; ``c`` is the support's largest ``[·]_+`` base, which for a sparse
-row is a small number that fp32 holds to 1e-7 relative, while μ ≈ 1/t would lose it).
-``F(c) = Σ p_i − 1`` is increasing in c for t ≥ 0 and decreasing for t < 0, with the
-root in ``c ∈ [min(1, n^{−t}), max(1, n^{−t})]`` (``[1/n, 1]`` at t = 0).
+``c`` is the support's largest ``[·]_+`` base: for a sparse row a small number that fp32
+holds to 1e-7 relative. The root lies in ``c ∈ [min(1, n^{−t}), max(1, n^{−t})]``.
 
-Two ways to find c:
+Forward (`_entmax_fwd_kernel`): a program takes ROWS rows. Rows of at most
+RESIDENT_MAX_COLS entries are read from memory once and kept in registers while c is found
+("resident"); every iteration is a pass over the on-chip row, a few operations per entry.
+Longer rows are swept in chunks of BLOCK (one row per program) and every iteration reads
+the row again (mostly from L2). Iterations, all starting from c = 1 (the top entry alone):
 
-- sort (`_entmax_fwd_sort_kernel`, α = 2 and α = 1.5 given as python floats, rows that fit
-  one block): ``tl.sort`` + prefix sums give the support and c in closed form (MATH.md §1),
-  exact, one read of the row.
-- root finding (`_entmax_fwd_root_kernel`, any α > 0, float or one per row, any length;
-  rows longer than BLOCK are swept in chunks). Passes over the row:
-    1. max and count of finite entries (softmax: online log-sum-exp, then done);
-    2. (t > 0) a histogram of v = t·u over the only range that can reach the support,
-       v ∈ (−1, 0], in NBINS bins. Putting every entry of a bin at the bin's upper / lower
-       edge bounds F from above / below, so bisection on these NBINS-term sums (registers
-       only) gives a bracket [lo, hi] around c that is about one bin wide, and the root of
-       the bin-centre sum a starting point c0 inside it;
-    3+. each pass evaluates F, F', F'' at c (one read), the entry nearest to leaving the
-       support (smallest d > 0) and the gap to the next entry to enter; it shrinks the
-       bracket and steps: for t > 0 to the root of a model that is Taylor for all entries
-       but those two, which it keeps exact (F's kinks are where entries enter; for α > 2
-       their slope is infinite and plain Halley steps stall there); else Halley, falling
-       back to Newton and to bisection when a step leaves the bracket. It stops when
-       |F(c)| ≤ tol, when the bracket is below resolution, or after max_passes.
-       c is carried as an unevaluated pair of fp32 (hi + lo) so that entries at d ≈ 0 keep
-       their precision (see `_pmap`).
-  The output pass (not counted) writes p(c) / Σp(c) with Σp(c) from the last evaluation,
-  so the output sums to one to rounding. Rows with α = 1 in a per-row α take one
-  evaluation pass: c·exp(u) normalised by its sum is exact for any c.
+- α = 2 (sparsemax): Michelot's exact support update ``c ← c − (Σ_S d − 1)/|S|`` with
+  d = c + u and S = {d > 0}. From c = 1 it decreases monotonically to c*; it is exact and
+  stops when no entry of S leaves at the new c (min_S d > step), which certifies that S is
+  the support. Per entry and pass: add, compare, 2 selects, 2 adds, a min.
+- α = 1.5 (entmax15): on S the equation Σ_S (d + δ)² = 1 is a quadratic; its root is
+  exact when no entry of S leaves (same certificate). Otherwise c moves by a Newton step
+  on φ(c) = (Σ d_+²)^{1/2} − 1, which is convex and increasing, so the step never crosses
+  c*; it is exact for rows whose support holds equal entries. Per entry and pass: ~9 ops.
+- any other α (float, or one per row, α ≤ 0 excluded): Newton on
+  φ(c) = (Σ d_+^e)^{1/e} − 1 (the e-norm of the support's bases). φ is increasing for every
+  t ≠ 0, convex for 1 < α ≤ 2 (monotone from c = 1 above c*) and concave for α < 1
+  (monotone from c = 1 below c*). For α > 2 φ has kinks where entries enter the support,
+  with infinite slope: a step is taken on the support without its smallest entry when that
+  entry leaves on the way, steps are kept in a bracket, and the bracket falls back to
+  bisection when two steps did not halve it. Per entry and pass: ~10 ops + log2 + exp2.
+  c is an unevaluated fp32 pair (hi + lo): for α > 2, p = d^e has an infinite slope at
+  d = 0 and a plain fp32 c (steps of 6e-8) moves such an entry's p by ~1e-4.
+  Stops when |Σp − 1| ≤ tol, when the bracket is below the pair's resolution, or after
+  max_passes. α = 1 rows (float α = 1 or in a per-row α) are softmax: one pass.
 
-Backward (`_entmax_bwd_kernel`, MATH.md §2): one pass of sums, one pass writing dx; dα
-(when asked) from the same pass, in a regrouped form that stays accurate as α → 1.
+The output pass writes p(c) / Σp(c) (Σp from the last evaluation, 1 after a certified
+exact step), so the output sums to one to rounding.
 
-Choice per call (`choose_method`): sort when α ∈ {2, 1.5} (python float) and
-n ≤ SORT_MAX_COLS, root finding otherwise. Why that bound: see SORT_MAX_COLS.
+NaN/inf rule (as torch.softmax): a row holding NaN or +inf gives an all-NaN row, −inf
+entries get weight zero, a row with no finite entry gives zeros. Scores are shifted by
+the row max before anything else, so large finite scores (1e30 fp32, fp16/bf16 maxima)
+are exact.
+
+Backward (`_entmax_bwd_kernel`, MATH.md §2): resident rows read p and g once; dα (when
+asked) from the same sums, in a regrouped form that stays accurate as α → 1.
+
+Configurations (rows per program, block, warps) come from `_config`, a table keyed on
+the row length: see its docstring for why a table and not triton.autotune.
 
 Layout contract of the launchers: 2-D input (R, n); the row stride is free, the last
 dimension must have stride 1 (a tensor whose last stride is not 1 is copied once with
 ``.contiguous()``, documented, not silent: see `entmax_rowwise_forward`). Outputs are
-contiguous. Input may hold −inf (weight 0); a row with no finite entry gives zeros. +inf
-and NaN inputs are not supported.
+contiguous.
 """
 from __future__ import annotations
 
@@ -63,9 +66,8 @@ __all__ = [
     "entmax_rowwise_forward",
     "entmax_rowwise_backward",
     "entmax_rowwise_threshold",
-    "choose_method",
     "aot_configs",
-    "SORT_MAX_COLS",
+    "RESIDENT_MAX_COLS",
 ]
 
 KIND_GENERAL = 0  # α read per row from a fp32 pointer (one value, or one per row)
@@ -77,82 +79,25 @@ _K_GENERAL = tl.constexpr(KIND_GENERAL)
 _K_SPARSEMAX = tl.constexpr(KIND_SPARSEMAX)
 _K_ENTMAX15 = tl.constexpr(KIND_ENTMAX15)
 _K_SOFTMAX = tl.constexpr(KIND_SOFTMAX)
+_LOG2E = tl.constexpr(1.4426950408889634)
 # 2!, 3!, …, 8!: Horner coefficients of the series Σ_k y^k / (k+2)! used by the backward
 _FACT = tl.constexpr((2.0, 6.0, 24.0, 120.0, 720.0, 5040.0, 40320.0))
 
-# Histogram resolution of pass 2 (bins over v ∈ (−1, 0]). Measured with
-# bench/bench_rowwise_passes.py (--nbins, 8–32 rows per cell, n ∈ {1k, 8k, 64k}): worst
-# case over α ∈ {1.25, 1.5, 2, 3} × σ² ∈ {1, 6} is 5 passes with 128 or 256 bins (α = 3,
-# σ² = 1: a start one bin off leaves the first step 1e-5 short) and 4 with 512. Rows that
-# fit the 128-wide block keep 128 bins: there every pass re-reads one resident block, and
-# the register-only bisection over the bins would cost more than the pass it saves.
-NBINS = 512
-NBINS_SMALL = 128
-ROOT_BLOCKS = (128, 1024, 4096)
-# Largest row the sort kernel takes (exact, one read). The rule comes from the compiled
-# code and the pass counts, not from a timing (no GPU was available): tl.sort is a bitonic
-# network of log2(B)(log2(B)+1)/2 stages over the whole block (55 at B = 1024, 78 at 4096)
-# while root finding streams the row ≤ 4 times (bench), so sorting pays only for short
-# rows; up to B = 1024 the sort kernel compiles without spills in ≤ 57 registers on
-# sm_80/sm_90 (AOT table). `bench/bench_rowwise_passes.py --gpu` times the crossover.
-SORT_MAX_COLS = 1024
-SORT_BLOCKS = (128, 256, 512, 1024)
+# Longest row kept in registers: 8192 entries over 16 warps are 16 fp32 per thread. At 16384
+# (32 per thread, the 128-register cap of 16 warps) the general-α forward and the dα
+# backward spill (AOT: 160 and 472 bytes of stack on sm_90).
+RESIDENT_MAX_COLS = 8192
+# Chunk of the swept rows, by 4 warps (16 per thread): pass 1 keeps four accumulators per
+# entry (max, finite count, NaN/+inf count, softmax sum); 4096 by 8 warps took 149
+# registers, 2048 by 8 warps a stack frame in the fp16/bf16 general-α forward (AOT).
+CHUNK_BLOCK = 2048
 DEFAULT_TOL = 1e-6
 DEFAULT_MAX_PASSES = 40
 
 _IO_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-@triton.jit
-def _pmap(b_u, c_hi, c_lo, t, e, KIND: tl.constexpr):
-    """p, dp/dc, d²p/dc² and the base d of entries u at the threshold c = c_hi + c_lo.
-    [BLOCK] each (d is p itself for softmax, where it only feeds unused statistics).
-
-    d = (c_hi + t·u) + c_lo: for the entries about to enter the support c_hi + t·u is exact
-    (Sterbenz), so d keeps its relative precision down to d ≈ 0. For α > 2 that is what
-    lets |Σp − 1| reach 1e-6 at all: p = d^(1/t) has an infinite slope at d = 0, and a
-    plain fp32 c (steps of 6e-8) moves such an entry's p by ~1e-4.
-    """
-    if KIND == _K_SOFTMAX:
-        b_eu = tl.exp(b_u)
-        b_p = c_hi * b_eu
-        b_dp = b_eu
-        b_d2p = tl.zeros_like(b_eu)
-        b_d = b_p
-    elif KIND == _K_SPARSEMAX:
-        b_d = (c_hi + b_u) + c_lo
-        b_pos = b_d > 0
-        b_p = tl.where(b_pos, b_d, 0.0)
-        b_dp = tl.where(b_pos, 1.0, 0.0)
-        b_d2p = tl.zeros_like(b_d)
-    elif KIND == _K_ENTMAX15:
-        b_d = (c_hi + 0.5 * b_u) + c_lo
-        b_d0 = tl.maximum(b_d, 0.0)
-        b_p = b_d0 * b_d0
-        b_dp = 2.0 * b_d0
-        b_d2p = tl.where(b_d > 0, 2.0, 0.0)
-    else:
-        b_d = (c_hi + t * b_u) + c_lo
-        b_pos = b_d > 0
-        # −inf entries: t > 0 gives d = −inf (excluded); t < 0 gives d = +inf and
-        # exp2(e·inf) = exp2(−inf) = 0, so no NaN reaches the sums.
-        b_ld = tl.log2(tl.where(b_pos, b_d, 1.0))
-        b_p = tl.where(b_pos, tl.exp2(e * b_ld), 0.0)
-        b_dp = tl.where(b_pos, e * b_p / b_d, 0.0)
-        b_d2p = tl.where(b_pos, (e - 1.0) * b_dp / b_d, 0.0)
-        # α = 1 rows of a per-row α: the exponential form.
-        b_eu = tl.exp(b_u)
-        b_p = tl.where(t == 0.0, c_hi * b_eu, b_p)
-        b_dp = tl.where(t == 0.0, b_eu, b_dp)
-        b_d2p = tl.where(t == 0.0, 0.0, b_d2p)
-    return b_p, b_dp, b_d2p, b_d
-
-
-@triton.jit
-def _pow_pos(y, e):
-    """[y]_+ ^ e for a scalar y (e > 0)."""
-    return tl.where(y > 0, tl.exp2(e * tl.log2(tl.where(y > 0, y, 1.0))), 0.0)
-
+# ----------------------------------------------------------------------------- device helpers
 
 @triton.jit
 def _add_to_pair(a_hi, a_lo, b):
@@ -166,332 +111,375 @@ def _add_to_pair(a_hi, a_lo, b):
 
 
 @triton.jit
-def _alpha_of_row(alpha_ptr, row, alpha_stride, KIND: tl.constexpr):
+def _pow_pos(y, e):
+    """[y]_+ ^ e (e > 0)."""
+    return tl.where(y > 0, tl.exp2(e * tl.log2(tl.where(y > 0, y, 1.0))), 0.0)
+
+
+@triton.jit
+def _row_alpha(alpha_ptr, rows, m_row, alpha_stride, KIND: tl.constexpr):
     if KIND == _K_SPARSEMAX:
-        alpha = tl.full((), 2.0, tl.float32)
+        alpha = tl.full(rows.shape, 2.0, tl.float32)
     elif KIND == _K_ENTMAX15:
-        alpha = tl.full((), 1.5, tl.float32)
+        alpha = tl.full(rows.shape, 1.5, tl.float32)
     elif KIND == _K_SOFTMAX:
-        alpha = tl.full((), 1.0, tl.float32)
+        alpha = tl.full(rows.shape, 1.0, tl.float32)
     else:
-        alpha = tl.load(alpha_ptr + row * alpha_stride).to(tl.float32)
+        alpha = tl.load(alpha_ptr + rows * alpha_stride, mask=m_row, other=2.0).to(tl.float32)
     return alpha
 
 
 @triton.jit
-def _hist_excess(b_cnt, b_edge, c, e, KIND: tl.constexpr):
-    """Σ_bins count · [c + edge]_+^e − 1: F with every entry of a bin moved to `edge`."""
-    b_d = tl.maximum(c + b_edge, 0.0)
+def _scaled(b_x, shift, t):
+    """v = t·(x − shift) (u itself on α = 1 rows).  [ROWS, BLOCK]"""
+    b_u = b_x - shift[:, None]
+    return tl.where(t[:, None] == 0.0, b_u, t[:, None] * b_u)
+
+
+@triton.jit
+def _pass_sums(b_v, c_hi, c_lo, t, e, KIND: tl.constexpr):
+    """One evaluation at c per row: (Σa, Σb, Σq2, min d over the support).  [ROWS] each
+
+    sparsemax: a = d_+, b = |S|, q2 unused; entmax15: a = d_+, b = |S|, q2 = Σd_+²;
+    general: a = Σp, b = Σd_+^(e−1) (φ's slope), q2 unused; α = 1 rows a = Σexp(u)."""
     if KIND == _K_SPARSEMAX:
-        b_p = b_d
+        b_d = c_hi[:, None] + b_v
+        b_pos = b_d > 0
+        b_a = tl.where(b_pos, b_d, 0.0)
+        b_b = b_pos.to(tl.float32)
+        b_q2 = b_a
     elif KIND == _K_ENTMAX15:
-        b_p = b_d * b_d
+        b_d = c_hi[:, None] + b_v
+        b_pos = b_d > 0
+        b_a = tl.where(b_pos, b_d, 0.0)
+        b_b = b_pos.to(tl.float32)
+        b_q2 = b_a * b_a
     else:
-        b_p = tl.where(b_d > 0, tl.exp2(e * tl.log2(tl.where(b_d > 0, b_d, 1.0))), 0.0)
-    return tl.sum(b_cnt * b_p, axis=0) - 1.0
+        # d = (c_hi + v) + c_lo: for entries near the support's edge c_hi + v is exact
+        # (Sterbenz), so d keeps its relative precision down to d ≈ 0.
+        b_d = (c_hi[:, None] + b_v) + c_lo[:, None]
+        # −inf entries: d = −inf (t > 0) or +inf (t < 0); both are outside.
+        b_pos = (b_d > 0) & (b_d < float("inf"))
+        is_soft = t[:, None] == 0.0
+        b_arg = tl.where(is_soft, b_v * _LOG2E, (e[:, None] - 1.0) * tl.log2(tl.where(b_pos, b_d, 1.0)))
+        b_q = tl.exp2(b_arg)
+        b_b = tl.where(b_pos, b_q, 0.0)
+        b_a = tl.where(is_soft, b_q, b_b * tl.where(b_pos, b_d, 0.0))
+        b_q2 = b_a
+    d_min = tl.min(tl.where(b_pos, b_d, float("inf")), axis=1)
+    return tl.sum(b_a, axis=1), tl.sum(b_b, axis=1), tl.sum(b_q2, axis=1), d_min
 
 
 @triton.jit
-def _hist_bisect(b_cnt, b_edge, lo, hi, e, KIND: tl.constexpr, ITERS: tl.constexpr):
-    """Bisection for the root of the (increasing) histogram bound; returns its bracket."""
-    for _ in range(ITERS):
-        mid = 0.5 * (lo + hi)
-        below = _hist_excess(b_cnt, b_edge, mid, e, KIND) < 0
-        lo = tl.where(below, mid, lo)
-        hi = tl.where(below, hi, mid)
-    return lo, hi
+def _p_at(b_v, c_hi, c_lo, t, e, KIND: tl.constexpr):
+    """p (not normalised) at the row's threshold.  [ROWS, BLOCK]"""
+    if KIND == _K_SPARSEMAX:
+        b_p = tl.maximum(c_hi[:, None] + b_v, 0.0)
+    elif KIND == _K_ENTMAX15:
+        b_d = tl.maximum(c_hi[:, None] + b_v, 0.0)
+        b_p = b_d * b_d
+    elif KIND == _K_SOFTMAX:
+        b_p = tl.exp2(b_v * _LOG2E)
+    else:
+        b_d = (c_hi[:, None] + b_v) + c_lo[:, None]
+        b_pos = (b_d > 0) & (b_d < float("inf"))
+        is_soft = t[:, None] == 0.0
+        b_arg = tl.where(is_soft, b_v * _LOG2E, e[:, None] * tl.log2(tl.where(b_pos, b_d, 1.0)))
+        b_p = tl.where(is_soft | b_pos, tl.exp2(b_arg), 0.0)
+    return b_p
 
 
 @triton.jit
-def _entmax_fwd_root_kernel(
+def _exact_step(s_a, s_b, s_q2, d_min, KIND: tl.constexpr):
+    """(step to the exact root on the current support, whether it is certified, whether
+    it is the last, the monotone step to take otherwise) for sparsemax / entmax15.  [ROWS]"""
+    k = tl.maximum(s_b, 1.0)
+    if KIND == _K_SPARSEMAX:
+        f = s_a - 1.0
+        step = -f / k
+        fallback = step
+    else:
+        f = s_q2 - 1.0
+        # Σ_S (d + δ)² = 1, the root nearest 0, in the form without cancellation
+        disc = tl.maximum(s_a * s_a - k * f, 0.0)
+        step = -f / tl.where(s_a > 0, s_a + tl.sqrt(disc), 1.0)
+        norm = tl.sqrt(s_q2)
+        fallback = -(s_q2 - norm) / tl.where(s_a > 0, s_a, 1.0)
+    # No entry of S leaves at c + step, no entry outside enters (steps are ≤ 0 from above).
+    # The step's rounding error is ~1e-7·Σp relative, so only a step from Σp ≤ 2 is final;
+    # from a flat row's Σp ≫ 1 it is taken and certified again at the next pass.
+    exact = d_min + step > 0
+    final = exact & (f <= 1.0)
+    return step, exact, final, fallback
+
+
+# ----------------------------------------------------------------------------- forward
+
+@triton.jit
+def _entmax_fwd_kernel(
     x_ptr, p_ptr, c_ptr, passes_ptr, alpha_ptr,
-    n_cols, stride_x_row, stride_p_row, alpha_stride, tol, max_passes,
-    BLOCK: tl.constexpr, NBINS: tl.constexpr, KIND: tl.constexpr,
+    n_rows, n_cols, stride_x_row, stride_p_row, alpha_stride, tol, max_passes,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr, RESIDENT: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    p_x = x_ptr + row * stride_x_row
-    p_p = p_ptr + row * stride_p_row
-    alpha = _alpha_of_row(alpha_ptr, row, alpha_stride, KIND)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    m_row = rows < n_rows
+    o_col = tl.arange(0, BLOCK)
+    p_x = x_ptr + rows[:, None] * stride_x_row + o_col[None, :]
+    p_p = p_ptr + rows[:, None] * stride_p_row + o_col[None, :]
+    alpha = _row_alpha(alpha_ptr, rows, m_row, alpha_stride, KIND)
     t = alpha - 1.0
     e = 1.0 / tl.where(t == 0.0, 1.0, t)  # unused on α = 1 rows
-    o_col = tl.arange(0, BLOCK)
 
-    # pass 1: max, number of finite entries; for softmax also the online sum of exp.
-    b_max = tl.full([BLOCK], float("-inf"), tl.float32)
-    b_fin = tl.zeros([BLOCK], tl.int32)
-    b_sum = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, n_cols, BLOCK):
-        m_col = start + o_col < n_cols
-        b_x = tl.load(p_x + start + o_col, mask=m_col, other=float("-inf")).to(tl.float32)
-        b_new = tl.maximum(b_max, b_x)
-        if KIND == _K_SOFTMAX:
-            # a lane that has seen only −inf keeps sum 0 (avoids −inf − (−inf)).
-            b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)
-            b_sum = b_sum * tl.exp(b_max - b_ref) + tl.exp(b_x - b_ref)
-        b_max = b_new
-        b_fin += (b_x > float("-inf")).to(tl.int32)
-    x_max = tl.max(b_max, axis=0)
-    n_fin = tl.sum(b_fin, axis=0)
-    x_shift = tl.where(n_fin > 0, x_max, 0.0)
+    # pass 1: max, finite count, NaN/+inf; softmax: the online sum of exp as well.
+    if RESIDENT:
+        m_tile = m_row[:, None] & (o_col[None, :] < n_cols)
+        b_x = tl.load(p_x, mask=m_tile, other=float("-inf")).to(tl.float32)
+        x_max = tl.max(b_x, axis=1)
+        n_fin = tl.sum((b_x > float("-inf")).to(tl.int32), axis=1)
+        n_bad = tl.sum(((b_x != b_x) | (b_x == float("inf"))).to(tl.int32), axis=1)
+    else:
+        b_max = tl.full([ROWS, BLOCK], float("-inf"), tl.float32)
+        b_fin = tl.zeros([ROWS, BLOCK], tl.int32)
+        b_bad = tl.zeros([ROWS, BLOCK], tl.int32)
+        b_sum = tl.zeros([ROWS, BLOCK], tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            m_tile = m_row[:, None] & (start + o_col[None, :] < n_cols)
+            b_x = tl.load(p_x + start, mask=m_tile, other=float("-inf")).to(tl.float32)
+            b_new = tl.maximum(b_max, b_x)
+            if KIND == _K_SOFTMAX:
+                # a lane that has seen only −inf keeps sum 0 (avoids −inf − (−inf)).
+                b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)
+                b_sum = b_sum * tl.exp2((b_max - b_ref) * _LOG2E) + tl.exp2((b_x - b_ref) * _LOG2E)
+            b_max = b_new
+            b_fin += (b_x > float("-inf")).to(tl.int32)
+            b_bad += ((b_x != b_x) | (b_x == float("inf"))).to(tl.int32)
+        x_max = tl.max(b_max, axis=1)
+        n_fin = tl.sum(b_fin, axis=1)
+        n_bad = tl.sum(b_bad, axis=1)
+    bad = n_bad > 0
+    shift = tl.where((n_fin > 0) & ~bad, x_max, 0.0)
     passes = tl.full((), 1, tl.int32)
-    s0 = tl.full((), 1.0, tl.float32)
+    c_hi = tl.full([ROWS], 1.0, tl.float32)
+    c_lo = tl.zeros([ROWS], tl.float32)
+    norm = tl.full([ROWS], 1.0, tl.float32)  # Σp at the final c
+    row_passes = tl.full([ROWS], 1, tl.int32)
+    if RESIDENT:
+        b_v = _scaled(b_x, shift, t)
 
     if KIND == _K_SOFTMAX:
-        total = tl.sum(b_sum * tl.exp(b_max - x_shift), axis=0)
-        c_hi = tl.where(total > 0, 1.0 / total, 0.0)
-        c_lo = tl.zeros((), tl.float32)
+        if RESIDENT:
+            norm = tl.sum(tl.exp2(b_v * _LOG2E), axis=1)
+        else:
+            norm = tl.sum(b_sum * tl.exp2((b_max - shift[:, None]) * _LOG2E), axis=1)
     else:
         n_fin_f = tl.maximum(n_fin, 1).to(tl.float32)
         n_pow = tl.exp2(-t * tl.log2(n_fin_f))  # n^{-t}
-        lo = tl.minimum(n_pow, 1.0)
-        hi = tl.maximum(n_pow, 1.0)
-        c = tl.full((), 1.0, tl.float32)
-        if t > 0:
-            # pass 2: histogram of v = t·u over (−1, 0]; v ≤ −1 never reaches the support.
-            b_hist = tl.zeros([NBINS], tl.int32)
-            for start in range(0, n_cols, BLOCK):
-                m_col = start + o_col < n_cols
-                b_x = tl.load(p_x + start + o_col, mask=m_col, other=float("-inf")).to(tl.float32)
-                b_v = t * (b_x - x_shift)
-                b_bin = tl.minimum(tl.maximum((b_v + 1.0) * NBINS, 0.0), NBINS - 1.0).to(tl.int32)
-                b_hist += tl.histogram(b_bin, NBINS, mask=m_col & (b_v > -1.0))
+        lo_hi = tl.minimum(n_pow, 1.0)
+        lo_lo = tl.zeros([ROWS], tl.float32)
+        hi_hi = tl.maximum(n_pow, 1.0)
+        hi_lo = tl.zeros([ROWS], tl.float32)
+        width_1 = hi_hi - lo_hi  # bracket widths after the last two passes
+        width_2 = width_1 * 2.0
+        done = (n_fin == 0) | bad | ~m_row
+        while (passes < max_passes) & (tl.sum((~done).to(tl.int32), axis=0) > 0):
+            if RESIDENT:
+                s_a, s_b, s_q2, d_min = _pass_sums(b_v, c_hi, c_lo, t, e, KIND)
+            else:
+                s_a = tl.zeros([ROWS], tl.float32)
+                s_b = tl.zeros([ROWS], tl.float32)
+                s_q2 = tl.zeros([ROWS], tl.float32)
+                d_min = tl.full([ROWS], float("inf"), tl.float32)
+                for start in range(0, n_cols, BLOCK):
+                    m_tile = m_row[:, None] & (start + o_col[None, :] < n_cols)
+                    b_xc = tl.load(p_x + start, mask=m_tile, other=float("-inf")).to(tl.float32)
+                    c_a, c_b, c_q2, c_min = _pass_sums(_scaled(b_xc, shift, t), c_hi, c_lo, t, e, KIND)
+                    s_a += c_a
+                    s_b += c_b
+                    s_q2 += c_q2
+                    d_min = tl.minimum(d_min, c_min)
             passes += 1
-            b_cnt = b_hist.to(tl.float32)
-            b_lower = -1.0 + tl.arange(0, NBINS).to(tl.float32) / NBINS  # [NBINS]
-            # entries at their bins' upper edges overestimate F: its root is ≤ c*;
-            # at the lower edges they underestimate it: its root is ≥ c*.
-            root_above, _ = _hist_bisect(b_cnt, b_lower + 1.0 / NBINS, lo, hi, e, KIND, 14)
-            _, root_below = _hist_bisect(b_cnt, b_lower, lo, hi, e, KIND, 14)
-            lo = tl.maximum(lo, root_above)
-            hi = tl.minimum(hi, root_below)
-            mid_lo, mid_hi = _hist_bisect(b_cnt, b_lower + 0.5 / NBINS, lo, hi, e, KIND, 16)
-            c = 0.5 * (mid_lo + mid_hi)
+            at_cap = passes >= max_passes
+            if KIND == _K_GENERAL:
+                f = s_a - 1.0
+                # φ increases with c; Σp − 1 has φ's sign for t > 0 and the opposite for t < 0.
+                c_above = (f > 0) == (t > 0)
+                hi_hi = tl.where(c_above, c_hi, hi_hi)
+                hi_lo = tl.where(c_above, c_lo, hi_lo)
+                lo_hi = tl.where(c_above, lo_hi, c_hi)
+                lo_lo = tl.where(c_above, lo_lo, c_lo)
+                to_lo = (lo_hi - c_hi) + (lo_lo - c_lo)
+                to_hi = (hi_hi - c_hi) + (hi_lo - c_lo)
+                width = to_hi - to_lo
+                # Newton on φ: δ = −(P − P^(1−t)) / Σd^(e−1)
+                p_safe = tl.where(s_a > 0, s_a, 1.0)
+                step = -(s_a - tl.exp2((1.0 - t) * tl.log2(p_safe))) / tl.where(s_b > 0, s_b, 1.0)
+                # α > 2 above c*: the entry nearest to leaving dominates Σd^(e−1); the step
+                # on the support without it is the right one when that entry leaves first.
+                p_min = _pow_pos(d_min, e)
+                rest = s_a - p_min
+                rest_slope = s_b - tl.where(d_min < float("inf"), p_min / tl.where(d_min > 0, d_min, 1.0), 0.0)
+                rest_safe = tl.where(rest > 0, rest, 1.0)
+                step_leave = -(rest - tl.exp2((1.0 - t) * tl.log2(rest_safe))) / tl.where(
+                    rest_slope > 0, rest_slope, 1.0)
+                leaves = (t > 1.0) & c_above & (rest > 0) & (rest_slope > 0) & (step_leave < -d_min)
+                step = tl.where(leaves, step_leave, step)
+                # NaN/inf steps fail the bracket test and bisect. For α ≤ 2 the steps are
+                # monotone (φ convex or concave); for α > 2 two passes that did not halve the
+                # bracket make the next step a bisection as well.
+                stalled = (t > 1.0) & (width > 0.5 * width_2)
+                inside = (step > to_lo) & (step < to_hi) & ~stalled
+                step = tl.where(inside, step, 0.5 * (to_lo + to_hi))
+                width_2 = width_1
+                width_1 = width
+                converged = (tl.abs(f) <= tol) | (width <= 5.7e-14 * tl.abs(c_hi)) | (t == 0.0)
+                stop = converged | at_cap
+                next_hi, next_lo = _add_to_pair(c_hi, c_lo, step)
+                fresh = ~done
+                row_passes = tl.where(fresh, passes, row_passes)
+                norm = tl.where(fresh & stop, s_a, norm)
+                c_hi = tl.where(fresh & ~stop, next_hi, c_hi)
+                c_lo = tl.where(fresh & ~stop, next_lo, c_lo)
+                done = done | stop
+            else:
+                step, exact, final, fallback = _exact_step(s_a, s_b, s_q2, d_min, KIND)
+                fresh = ~done
+                row_passes = tl.where(fresh, passes, row_passes)
+                stop = final | at_cap
+                if KIND == _K_SPARSEMAX:
+                    norm = tl.where(fresh & at_cap & ~final, s_a, norm)
+                else:
+                    norm = tl.where(fresh & at_cap & ~final, s_q2, norm)
+                c_hi = tl.where(fresh & (final | ~at_cap), c_hi + tl.where(exact, step, fallback), c_hi)
+                done = done | stop
 
-        # c, lo, hi as fp32 pairs (hi + lo part): see _pmap for why.
-        c_hi = c
-        c_lo = tl.zeros((), tl.float32)
-        lo_hi = lo
-        lo_lo = tl.zeros((), tl.float32)
-        hi_hi = hi
-        hi_lo = tl.zeros((), tl.float32)
-        done = n_fin == 0
-        while (passes < max_passes) & (done == 0):
-            # Sums of p, p', p'' over the entries, except that the entry with the smallest
-            # positive d (the next to leave the support) is kept apart per lane, so that the
-            # step model below can treat it exactly without a cancelling subtraction.
-            b_s0 = tl.zeros([BLOCK], tl.float32)
-            b_s1 = tl.zeros([BLOCK], tl.float32)
-            b_s2 = tl.zeros([BLOCK], tl.float32)
-            b_dmin = tl.full([BLOCK], float("inf"), tl.float32)
-            b_pmin = tl.zeros([BLOCK], tl.float32)
-            b_dpmin = tl.zeros([BLOCK], tl.float32)
-            b_d2pmin = tl.zeros([BLOCK], tl.float32)
-            b_gap = tl.full([BLOCK], float("inf"), tl.float32)  # −d of entries still outside
-            for start in range(0, n_cols, BLOCK):
-                m_col = start + o_col < n_cols
-                b_x = tl.load(p_x + start + o_col, mask=m_col, other=float("-inf")).to(tl.float32)
-                b_p, b_dp, b_d2p, b_d = _pmap(b_x - x_shift, c_hi, c_lo, t, e, KIND)
-                b_new_min = (b_d > 0) & (b_d < b_dmin)
-                b_s0 += tl.where(b_new_min, b_pmin, b_p)
-                b_s1 += tl.where(b_new_min, b_dpmin, b_dp)
-                b_s2 += tl.where(b_new_min, b_d2pmin, b_d2p)
-                b_dmin = tl.where(b_new_min, b_d, b_dmin)
-                b_pmin = tl.where(b_new_min, b_p, b_pmin)
-                b_dpmin = tl.where(b_new_min, b_dp, b_dpmin)
-                b_d2pmin = tl.where(b_new_min, b_d2p, b_d2pmin)
-                b_gap = tl.minimum(b_gap, tl.where(b_d <= 0, -b_d, float("inf")))
-            passes += 1
-            lane_min = tl.argmin(b_dmin, axis=0)
-            m_other = o_col != lane_min
-            rest0 = tl.sum(b_s0, axis=0) + tl.sum(tl.where(m_other, b_pmin, 0.0), axis=0)
-            rest1 = tl.sum(b_s1, axis=0) + tl.sum(tl.where(m_other, b_dpmin, 0.0), axis=0)
-            rest2 = tl.sum(b_s2, axis=0) + tl.sum(tl.where(m_other, b_d2pmin, 0.0), axis=0)
-            d_min = tl.min(b_dmin, axis=0)
-            p_min = tl.sum(tl.where(m_other, 0.0, b_pmin), axis=0)
-            s0 = rest0 + p_min
-            s1 = rest1 + tl.sum(tl.where(m_other, 0.0, b_dpmin), axis=0)
-            s2 = rest2 + tl.sum(tl.where(m_other, 0.0, b_d2pmin), axis=0)
-            gap = tl.min(b_gap, axis=0)
-            f = s0 - 1.0
-            # F increases with c for t ≥ 0, decreases for t < 0.
-            c_above = (f > 0) == (t >= 0)
-            hi_hi = tl.where(c_above, c_hi, hi_hi)
-            hi_lo = tl.where(c_above, c_lo, hi_lo)
-            lo_hi = tl.where(c_above, lo_hi, c_hi)
-            lo_lo = tl.where(c_above, lo_lo, c_lo)
-            # bracket ends relative to c: [to_lo ≤ 0, to_hi ≥ 0]
-            to_lo = (lo_hi - c_hi) + (lo_lo - c_lo)
-            to_hi = (hi_hi - c_hi) + (hi_lo - c_lo)
-            step_halley = -2.0 * f * s1 / (2.0 * s1 * s1 - f * s2)
-            step_newton = -f / s1
-            # NaN/inf steps (s1 = 0, overflow of s2) fail both tests and fall to bisection.
-            halley_ok = (step_halley >= to_lo) & (step_halley <= to_hi)
-            newton_ok = (step_newton >= to_lo) & (step_newton <= to_hi)
-            step = tl.where(halley_ok, step_halley,
-                            tl.where(newton_ok, step_newton, 0.5 * (to_lo + to_hi)))
-            if t > 0:
-                # Sparse rows: F has a kink wherever an entry enters the support (for α > 2
-                # with an infinite slope), which Taylor/Halley steps cannot see. Model F
-                # after a step δ by a Taylor expansion of all entries but the two next to a
-                # kink, which are kept exact: the one that leaves at δ = −d_min and the one
-                # that enters at δ = gap; solve the model by bisection (registers only).
-                m_lo = to_lo
-                m_hi = to_hi
-                for _ in range(32):
-                    m_mid = 0.5 * (m_lo + m_hi)
-                    model = (rest0 - 1.0 + m_mid * (rest1 + 0.5 * m_mid * rest2)
-                             + _pow_pos(d_min + m_mid, e) + _pow_pos(m_mid - gap, e))
-                    m_lo = tl.where(model < 0, m_mid, m_lo)
-                    m_hi = tl.where(model < 0, m_hi, m_mid)
-                step_model = 0.5 * (m_lo + m_hi)
-                # a model root on a bracket end would re-evaluate a known point
-                model_ok = (step_model > to_lo) & (step_model < to_hi)
-                step = tl.where(model_ok, step_model, step)
-            # converged, or the bracket is below the pair's resolution (~2^-44 relative), or
-            # out of passes: then keep the c whose Σp normalises the output.
-            done = ((tl.abs(f) <= tol) | (step == 0.0) | (to_hi - to_lo <= 5.7e-14 * tl.abs(c_hi))
-                    | (passes >= max_passes))
-            # α = 1 rows of a per-row α: p = c·exp(u) normalised by its sum is exact for any c
-            done = done | (t == 0.0)
-            next_hi, next_lo = _add_to_pair(c_hi, c_lo, step)
-            c_hi = tl.where(done, c_hi, next_hi)
-            c_lo = tl.where(done, c_lo, next_lo)
-        # ... and their threshold is c/Σp, i.e. 1/Σexp(u)
-        c_hi = tl.where(t == 0.0, c_hi / tl.where(s0 > 0, s0, 1.0), c_hi)
-        s0 = tl.where(t == 0.0, 1.0, s0)
-
-    inv_s0 = tl.where(s0 > 0, 1.0 / s0, 0.0)
-    for start in range(0, n_cols, BLOCK):
-        m_col = start + o_col < n_cols
-        b_x = tl.load(p_x + start + o_col, mask=m_col, other=float("-inf")).to(tl.float32)
-        b_p, _, _, _ = _pmap(b_x - x_shift, c_hi, c_lo, t, e, KIND)
-        tl.store(p_p + start + o_col, (b_p * inv_s0).to(p_ptr.dtype.element_ty), mask=m_col)
-    tl.store(c_ptr + 2 * row, c_hi)
-    tl.store(c_ptr + 2 * row + 1, c_lo)
-    tl.store(passes_ptr + row, passes)
-
-
-@triton.jit
-def _entmax_fwd_sort_kernel(
-    x_ptr, p_ptr, c_ptr, passes_ptr,
-    n_cols, stride_x_row, stride_p_row,
-    BLOCK: tl.constexpr, KIND: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    o_col = tl.arange(0, BLOCK)
-    m_col = o_col < n_cols
-    b_x = tl.load(x_ptr + row * stride_x_row + o_col, mask=m_col, other=float("-inf")).to(tl.float32)
-    m_fin = b_x > float("-inf")
-    n_fin = tl.sum(m_fin.to(tl.int32), axis=0)
-    x_shift = tl.where(n_fin > 0, tl.max(b_x, axis=0), 0.0)
-    if KIND == _K_SPARSEMAX:
-        b_v = b_x - x_shift
+    inv_norm = tl.where(norm > 0, 1.0 / norm, 0.0)
+    inv_norm = tl.where(bad, float("nan"), inv_norm)
+    if RESIDENT:
+        b_p = _p_at(b_v, c_hi, c_lo, t, e, KIND) * inv_norm[:, None]
+        tl.store(p_p, b_p.to(p_ptr.dtype.element_ty), mask=m_tile)
     else:
-        b_v = 0.5 * (b_x - x_shift)
-    b_sorted = tl.sort(b_v, descending=True)  # [BLOCK], −inf last
-    b_sorted0 = tl.where(b_sorted > float("-inf"), b_sorted, 0.0)
-    b_k = (o_col + 1).to(tl.float32)
-    b_mean = tl.cumsum(b_sorted0, axis=0) / b_k
-    if KIND == _K_SPARSEMAX:
-        # Σ_{j≤k} (c + v_j) = 1
-        b_ck = 1.0 / b_k - b_mean
+        for start in range(0, n_cols, BLOCK):
+            m_tile = m_row[:, None] & (start + o_col[None, :] < n_cols)
+            b_xc = tl.load(p_x + start, mask=m_tile, other=float("-inf")).to(tl.float32)
+            b_p = _p_at(_scaled(b_xc, shift, t), c_hi, c_lo, t, e, KIND) * inv_norm[:, None]
+            tl.store(p_p + start, b_p.to(p_ptr.dtype.element_ty), mask=m_tile)
+    if KIND == _K_SOFTMAX:
+        c_hi = inv_norm  # the threshold c of softmax is 1/Σexp(u)
     else:
-        # Σ_{j≤k} (c + v_j)² = 1  →  c = −M + sqrt(M² − mean(v²) + 1/k)
-        b_mean_sq = tl.cumsum(b_sorted0 * b_sorted0, axis=0) / b_k
-        b_ck = -b_mean + tl.sqrt(tl.maximum(b_mean * b_mean - b_mean_sq + 1.0 / b_k, 0.0))
-    m_support = (b_ck + b_sorted > 0) & (o_col < n_fin)
-    last = tl.max(tl.where(m_support, o_col, -1), axis=0)
-    c = tl.sum(tl.where(o_col == last, b_ck, 0.0), axis=0)
-    b_d = tl.maximum(c + b_v, 0.0)
-    if KIND == _K_SPARSEMAX:
-        b_p = b_d
-    else:
-        b_p = b_d * b_d
-    tl.store(p_ptr + row * stride_p_row + o_col, b_p.to(p_ptr.dtype.element_ty), mask=m_col)
-    tl.store(c_ptr + 2 * row, c)
-    tl.store(c_ptr + 2 * row + 1, 0.0)
-    tl.store(passes_ptr + row, 1)
+        c_hi = tl.where(t == 0.0, inv_norm, c_hi)
+    tl.store(c_ptr + 2 * rows, c_hi, mask=m_row)
+    tl.store(c_ptr + 2 * rows + 1, c_lo, mask=m_row)
+    tl.store(passes_ptr + rows, row_passes, mask=m_row)
 
+
+# ----------------------------------------------------------------------------- backward
 
 @triton.jit
 def _jacobian_weight(b_p, t, KIND: tl.constexpr):
-    """s = p^(2−α) on the support, 0 elsewhere.  [BLOCK]"""
+    """s = p^(2−α) on the support, 0 elsewhere.  [ROWS, BLOCK]"""
     b_pos = b_p > 0
     if KIND == _K_SPARSEMAX:
         b_s = tl.where(b_pos, 1.0, 0.0)
     elif KIND == _K_ENTMAX15:
-        b_s = tl.sqrt(b_p)
+        b_s = tl.sqrt(tl.where(b_pos, b_p, 0.0))
     elif KIND == _K_SOFTMAX:
-        # same as b_p for p ≥ 0; the plain `b_s = b_p` form crashes LLVM's O3 pipeline
-        # (segfault in make_llir) for fp32, BLOCK 4096, sm_90 with triton 3.9.
         b_s = tl.where(b_pos, b_p, 0.0)
     else:
-        b_s = tl.where(b_pos, tl.exp2((1.0 - t) * tl.log2(tl.where(b_pos, b_p, 1.0))), 0.0)
-    return b_s
+        b_s = tl.where(b_pos, tl.exp2((1.0 - t[:, None]) * tl.log2(tl.where(b_pos, b_p, 1.0))), 0.0)
+    # NaN in p (rows of NaN scores) stays NaN in dx.
+    return tl.where(b_p != b_p, b_p, b_s)
+
+
+@triton.jit
+def _bwd_sums(b_p, b_g, t, KIND: tl.constexpr, NEED_DALPHA: tl.constexpr):
+    """Σs, Σsg and, for dα, Σgp, Σgp·log p, Σp·log p, Σp·r, Σgp·r (r: see below).  [ROWS]"""
+    b_s = _jacobian_weight(b_p, t, KIND)
+    s_sum = tl.sum(b_s, axis=1)
+    sg_sum = tl.sum(b_s * b_g, axis=1)
+    zero = tl.zeros_like(s_sum)
+    gp = zero
+    gpl = zero
+    pl = zero
+    pr = zero
+    gpr = zero
+    if NEED_DALPHA:
+        t_safe = tl.where(t == 0.0, 1.0, t)[:, None]
+        b_logp = tl.log(tl.where(b_p > 0, b_p, 1.0))
+        # r = (e^y − 1 − y)/t² with y = −t·log p, i.e. s = p(1 − t·log p + t²·r);
+        # a series for small y, where the direct form cancels.
+        b_y = -t[:, None] * b_logp
+        b_series = tl.full(b_y.shape, 1.0 / 362880.0, tl.float32)  # 1/9!, the y^7 coefficient
+        for k in tl.static_range(7):
+            b_series = b_series * b_y + 1.0 / _FACT[6 - k]
+        b_r = tl.where(tl.abs(b_y) < 0.5, b_logp * b_logp * b_series,
+                       (tl.exp(b_y) - 1.0 - b_y) / (t_safe * t_safe))
+        b_gp = b_g * b_p
+        gp = tl.sum(b_gp, axis=1)
+        gpl = tl.sum(b_gp * b_logp, axis=1)
+        pl = tl.sum(b_p * b_logp, axis=1)
+        pr = tl.sum(b_p * b_r, axis=1)
+        gpr = tl.sum(b_gp * b_r, axis=1)
+    return s_sum, sg_sum, gp, gpl, pl, pr, gpr
 
 
 @triton.jit
 def _entmax_bwd_kernel(
     p_ptr, g_ptr, dx_ptr, dalpha_ptr, alpha_ptr,
-    n_cols, stride_p_row, stride_g_row, stride_dx_row, alpha_stride,
-    BLOCK: tl.constexpr, KIND: tl.constexpr, NEED_DALPHA: tl.constexpr,
+    n_rows, n_cols, stride_p_row, stride_g_row, stride_dx_row, alpha_stride,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr, NEED_DALPHA: tl.constexpr,
+    RESIDENT: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    p_p = p_ptr + row * stride_p_row
-    p_g = g_ptr + row * stride_g_row
-    p_dx = dx_ptr + row * stride_dx_row
-    t = _alpha_of_row(alpha_ptr, row, alpha_stride, KIND) - 1.0
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    m_row = rows < n_rows
     o_col = tl.arange(0, BLOCK)
+    p_p = p_ptr + rows[:, None] * stride_p_row + o_col[None, :]
+    p_g = g_ptr + rows[:, None] * stride_g_row + o_col[None, :]
+    p_dx = dx_ptr + rows[:, None] * stride_dx_row + o_col[None, :]
+    t = _row_alpha(alpha_ptr, rows, m_row, alpha_stride, KIND) - 1.0
 
-    b_s_sum = tl.zeros([BLOCK], tl.float32)
-    b_sg_sum = tl.zeros([BLOCK], tl.float32)
-    b_gp_sum = tl.zeros([BLOCK], tl.float32)
-    b_gpl_sum = tl.zeros([BLOCK], tl.float32)
-    b_pl_sum = tl.zeros([BLOCK], tl.float32)
-    b_pr_sum = tl.zeros([BLOCK], tl.float32)
-    b_gpr_sum = tl.zeros([BLOCK], tl.float32)
-    t_safe = tl.where(t == 0.0, 1.0, t)
-    for start in range(0, n_cols, BLOCK):
-        m_col = start + o_col < n_cols
-        b_p = tl.load(p_p + start + o_col, mask=m_col, other=0.0).to(tl.float32)
-        b_g = tl.load(p_g + start + o_col, mask=m_col, other=0.0).to(tl.float32)
-        b_s = _jacobian_weight(b_p, t, KIND)
-        b_s_sum += b_s
-        b_sg_sum += b_s * b_g
-        if NEED_DALPHA:
-            b_logp = tl.log(tl.where(b_p > 0, b_p, 1.0))
-            # r = (e^y − 1 − y)/t² with y = −t·log p, i.e. s = p(1 − t·log p + t²·r);
-            # a series for small y, where the direct form cancels.
-            b_y = -t * b_logp
-            b_series = 1.0 / 362880.0  # 1/9!, the y^7 coefficient
-            for k in tl.static_range(7):
-                b_series = b_series * b_y + 1.0 / _FACT[6 - k]
-            b_r = tl.where(tl.abs(b_y) < 0.5, b_logp * b_logp * b_series,
-                           (tl.exp(b_y) - 1.0 - b_y) / (t_safe * t_safe))
-            b_gp = b_g * b_p
-            b_gp_sum += b_gp
-            b_gpl_sum += b_gp * b_logp
-            b_pl_sum += b_p * b_logp
-            b_pr_sum += b_p * b_r
-            b_gpr_sum += b_gp * b_r
-    s_sum = tl.sum(b_s_sum, axis=0)
-    sg_sum = tl.sum(b_sg_sum, axis=0)
+    if RESIDENT:
+        m_tile = m_row[:, None] & (o_col[None, :] < n_cols)
+        b_p = tl.load(p_p, mask=m_tile, other=0.0).to(tl.float32)
+        b_g = tl.load(p_g, mask=m_tile, other=0.0).to(tl.float32)
+        s_sum, sg_sum, gp, gpl, pl, pr, gpr = _bwd_sums(b_p, b_g, t, KIND, NEED_DALPHA)
+    else:
+        s_sum = tl.zeros([ROWS], tl.float32)
+        sg_sum = tl.zeros([ROWS], tl.float32)
+        gp = tl.zeros([ROWS], tl.float32)
+        gpl = tl.zeros([ROWS], tl.float32)
+        pl = tl.zeros([ROWS], tl.float32)
+        pr = tl.zeros([ROWS], tl.float32)
+        gpr = tl.zeros([ROWS], tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            m_tile = m_row[:, None] & (start + o_col[None, :] < n_cols)
+            b_pc = tl.load(p_p + start, mask=m_tile, other=0.0).to(tl.float32)
+            b_gc = tl.load(p_g + start, mask=m_tile, other=0.0).to(tl.float32)
+            c_s, c_sg, c_gp, c_gpl, c_pl, c_pr, c_gpr = _bwd_sums(b_pc, b_gc, t, KIND, NEED_DALPHA)
+            s_sum += c_s
+            sg_sum += c_sg
+            gp += c_gp
+            gpl += c_gpl
+            pl += c_pl
+            pr += c_pr
+            gpr += c_gpr
     # Σ g p̃ with the escort p̃ = s / Σs; an empty support gives 0.
-    g_escort = tl.where(s_sum > 0, sg_sum / tl.where(s_sum > 0, s_sum, 1.0), 0.0)
+    s_safe = tl.where(s_sum > 0, s_sum, 1.0)
+    g_escort = tl.where(s_sum > 0, sg_sum / s_safe, 0.0)
+    g_escort = tl.where(s_sum != s_sum, s_sum, g_escort)
 
-    for start in range(0, n_cols, BLOCK):
-        m_col = start + o_col < n_cols
-        b_p = tl.load(p_p + start + o_col, mask=m_col, other=0.0).to(tl.float32)
-        b_g = tl.load(p_g + start + o_col, mask=m_col, other=0.0).to(tl.float32)
+    if RESIDENT:
         b_s = _jacobian_weight(b_p, t, KIND)
-        tl.store(p_dx + start + o_col, (b_s * (b_g - g_escort)).to(dx_ptr.dtype.element_ty), mask=m_col)
+        tl.store(p_dx, (b_s * (b_g - g_escort[:, None])).to(dx_ptr.dtype.element_ty), mask=m_tile)
+    else:
+        for start in range(0, n_cols, BLOCK):
+            m_tile = m_row[:, None] & (start + o_col[None, :] < n_cols)
+            b_pc = tl.load(p_p + start, mask=m_tile, other=0.0).to(tl.float32)
+            b_gc = tl.load(p_g + start, mask=m_tile, other=0.0).to(tl.float32)
+            b_s = _jacobian_weight(b_pc, t, KIND)
+            tl.store(p_dx + start, (b_s * (b_gc - g_escort[:, None])).to(dx_ptr.dtype.element_ty), mask=m_tile)
 
     if NEED_DALPHA:
-        gp = tl.sum(b_gp_sum, axis=0)
-        gpl = tl.sum(b_gpl_sum, axis=0)
-        pl = tl.sum(b_pl_sum, axis=0)
-        pr = tl.sum(b_pr_sum, axis=0)
-        gpr = tl.sum(b_gpr_sum, axis=0)
+        t_safe = tl.where(t == 0.0, 1.0, t)
         # MATH.md §2 summed over g: dα = Σg(p − p̃)/t² + (Σgh − Σgp̃·Σh)/t, h = −p log p.
         # Far from α = 1 directly:
         d_direct = (gp - g_escort) / (t_safe * t_safe) + (g_escort * pl - gpl) / t_safe
@@ -502,35 +490,42 @@ def _entmax_bwd_kernel(
         # The second line is zero on the simplex and is dropped: evaluated literally it
         # turns p's normalisation rounding (~1e-7) into an error of 1e-7/t² (α = 1.0001:
         # O(1)). At t = 0 the first line is the exact limit −½(Σgp log²p − Σgp·Σp log²p).
-        d_stable = (gp * pr - gpr + t * (gpr * pl - gpl * pr)) / tl.where(s_sum > 0, s_sum, 1.0)
+        d_stable = (gp * pr - gpr + t * (gpr * pl - gpl * pr)) / s_safe
         d_alpha = tl.where(tl.abs(t) < 0.25, d_stable, d_direct)
-        tl.store(dalpha_ptr + row, tl.where(s_sum > 0, d_alpha, 0.0))
+        d_alpha = tl.where(s_sum > 0, d_alpha, 0.0)
+        tl.store(dalpha_ptr + rows, tl.where(s_sum != s_sum, s_sum, d_alpha), mask=m_row)
 
 
 # ----------------------------------------------------------------------------- host side
 
-def _num_warps(block: int) -> int:
-    # 4–8 entries of the block per thread: the root kernel keeps ~8 per-lane statistics per
-    # entry (sums and the per-lane minimum), 16 entries per thread took 227 registers.
-    return max(4, min(16, block // 128))
+def _config(n_cols: int) -> dict:
+    """(ROWS, BLOCK, RESIDENT, num_warps) for rows of n_cols entries, forward and backward.
+
+    A table, not triton.autotune: the kernels are bound by memory for every shape the rule
+    below produces, so what matters is a rule that keeps each thread's share of the tile
+    small enough for registers and the whole tile large enough to keep memory busy, and a
+    table keeps the first call free of tuning runs, keeps the configuration deterministic
+    (identical results run to run), and lets the AOT check (triton_kernels/aot.py) compile
+    exactly the configurations that can run. The rule: about 16 fp32 entries per thread
+    (4 warps over ≤ 2048 entries, several rows per program for rows shorter than that; 8
+    warps up to 4096, 16 beyond) and resident rows up to RESIDENT_MAX_COLS; longer rows are
+    swept in CHUNK_BLOCK chunks by 4 warps. `bench/bench_rowwise_gpu.py --sweep` times the
+    neighbours of each entry on a GPU.
+    """
+    if n_cols > RESIDENT_MAX_COLS:
+        return {"ROWS": 1, "BLOCK": CHUNK_BLOCK, "RESIDENT": False, "num_warps": 4}
+    block = max(16, triton.next_power_of_2(max(n_cols, 1)))
+    if block <= 2048:
+        return {"ROWS": max(1, 2048 // block), "BLOCK": block, "RESIDENT": True, "num_warps": 4}
+    return {"ROWS": 1, "BLOCK": block, "RESIDENT": True, "num_warps": 8 if block <= 4096 else 16}
 
 
-def _nbins(block: int) -> int:
-    return NBINS_SMALL if block <= 128 else NBINS
-
-
-def _root_block(n: int) -> int:
-    for block in ROOT_BLOCKS:
-        if n <= block:
-            return block
-    return ROOT_BLOCKS[-1]
-
-
-def _sort_block(n: int) -> int:
-    for block in SORT_BLOCKS:
-        if n <= block:
-            return block
-    raise ValueError(f"sort method takes rows of at most {SORT_BLOCKS[-1]} entries, got {n}")
+def _config_blocks() -> list[int]:
+    """Every n_cols class `_config` distinguishes (one representative length each)."""
+    lengths = [16]
+    while lengths[-1] < RESIDENT_MAX_COLS:
+        lengths.append(lengths[-1] * 2)
+    return lengths + [RESIDENT_MAX_COLS + 1]
 
 
 def _alpha_args(alpha, n_rows: int, device):
@@ -558,46 +553,28 @@ def _check_rows(name: str, x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()
 
 
-def choose_method(n_cols: int, alpha) -> str:
-    """'sort' for α ∈ {2, 1.5} (python float) rows of ≤ SORT_MAX_COLS, else 'root'."""
-    if not isinstance(alpha, torch.Tensor) and float(alpha) in (2.0, 1.5) and n_cols <= SORT_MAX_COLS:
-        return "sort"
-    return "root"
-
-
-def _forward(x: torch.Tensor, alpha, method: str = "auto", tol: float = DEFAULT_TOL,
-             max_passes: int = DEFAULT_MAX_PASSES, nbins: int | None = None):
+def _forward(x: torch.Tensor, alpha, tol: float = DEFAULT_TOL, max_passes: int = DEFAULT_MAX_PASSES,
+             config: dict | None = None):
     """Returns (p, c, passes): output; threshold in c-form (module docstring) as (R, 2) fp32
-    pairs, c = c[:, 0] + c[:, 1]; passes per row (int32)."""
+    pairs, c = c[:, 0] + c[:, 1]; passes per row (int32). ``config`` overrides `_config`
+    (benchmarks and tests of the chunked path)."""
     x = _check_rows("x", x)
     n_rows, n_cols = x.shape
     kind, alpha_t, alpha_stride = _alpha_args(alpha, n_rows, x.device)
     if not (tol > 0):
         raise ValueError(f"tol must be > 0, got {tol}")
-    if max_passes < 3:
-        raise ValueError(f"max_passes must be >= 3 (max, histogram, one evaluation), got {max_passes}")
-    if method == "auto":
-        method = choose_method(n_cols, alpha)
-    if method not in ("sort", "root"):
-        raise ValueError(f"method must be 'auto', 'sort' or 'root', got {method!r}")
-    if method == "sort" and kind not in (KIND_SPARSEMAX, KIND_ENTMAX15):
-        raise ValueError(f"method 'sort' needs alpha 2.0 or 1.5 given as a python float, got {alpha!r}")
+    if max_passes < 2:
+        raise ValueError(f"max_passes must be >= 2 (max, one evaluation), got {max_passes}")
     p = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     c = torch.empty((n_rows, 2), dtype=torch.float32, device=x.device)
     passes = torch.empty((n_rows,), dtype=torch.int32, device=x.device)
     if n_rows == 0 or n_cols == 0:
         return p, c.fill_(0.0), passes.fill_(0)
-    if method == "sort":
-        block = _sort_block(n_cols)
-        _entmax_fwd_sort_kernel[(n_rows,)](
-            x, p, c, passes, n_cols, x.stride(0), p.stride(0),
-            BLOCK=block, KIND=kind, num_warps=_num_warps(block), num_stages=1)
-    else:
-        block = _root_block(n_cols)
-        _entmax_fwd_root_kernel[(n_rows,)](
-            x, p, c, passes, alpha_t, n_cols, x.stride(0), p.stride(0), alpha_stride,
-            float(tol), int(max_passes),
-            BLOCK=block, NBINS=nbins or _nbins(block), KIND=kind, num_warps=_num_warps(block), num_stages=1)
+    cfg = dict(config or _config(n_cols))
+    num_warps = cfg.pop("num_warps")
+    _entmax_fwd_kernel[(triton.cdiv(n_rows, cfg["ROWS"]),)](
+        x, p, c, passes, alpha_t, n_rows, n_cols, x.stride(0), p.stride(0), alpha_stride,
+        float(tol), int(max_passes), KIND=kind, num_warps=num_warps, num_stages=1, **cfg)
     return p, c, passes
 
 
@@ -607,19 +584,19 @@ def entmax_rowwise_forward(x: torch.Tensor, alpha) -> torch.Tensor:
     x: (R, n) float32/float16/bfloat16; row stride free, last stride 1 expected (else one
     ``.contiguous()`` copy). alpha: python float > 0, or float tensor (R,) of values > 0
     (not checked on the device, to avoid a host sync). Returns p (R, n) in x's dtype,
-    computed in fp32. Method per `choose_method`.
+    computed in fp32. A row holding NaN or +inf gives NaN; −inf entries get weight 0.
     """
     return _forward(x, alpha)[0]
 
 
-def entmax_rowwise_threshold(x: torch.Tensor, alpha, method: str = "auto", tol: float = DEFAULT_TOL,
+def entmax_rowwise_threshold(x: torch.Tensor, alpha, tol: float = DEFAULT_TOL,
                              max_passes: int = DEFAULT_MAX_PASSES):
     """(mu, passes): the reference's μ per row (fp32, (R,)) and passes over the row (int32).
 
-    Passes count reads of the row before the output pass: 1 for sort and softmax; for root
-    finding 1 (max) + 1 (histogram, α > 1) + one per evaluation of F.
+    Passes count evaluations over the row before the output: 1 (max) + one per iteration
+    (softmax: 1). For resident rows they are passes over registers, not memory reads.
     """
-    _, c, passes = _forward(x, alpha, method, tol, max_passes)
+    _, c, passes = _forward(x, alpha, tol, max_passes)
     n_rows = x.shape[0]
     if isinstance(alpha, torch.Tensor):
         t = alpha.to(torch.float32) - 1
@@ -632,7 +609,8 @@ def entmax_rowwise_threshold(x: torch.Tensor, alpha, method: str = "auto", tol: 
     return mu.float(), passes
 
 
-def entmax_rowwise_backward(p: torch.Tensor, grad: torch.Tensor, alpha, need_alpha_grad: bool):
+def entmax_rowwise_backward(p: torch.Tensor, grad: torch.Tensor, alpha, need_alpha_grad: bool,
+                            config: dict | None = None):
     """(dx, dalpha or None) of α-entmax from its output p (MATH.md §2).
 
     p, grad: (R, n), float32/float16/bfloat16 (last stride 1 expected). dx has grad's dtype;
@@ -648,12 +626,12 @@ def entmax_rowwise_backward(p: torch.Tensor, grad: torch.Tensor, alpha, need_alp
     dalpha = torch.zeros((n_rows,), dtype=torch.float32, device=p.device) if need_alpha_grad else None
     if n_rows == 0 or n_cols == 0:
         return dx, dalpha
-    block = _root_block(n_cols)
-    _entmax_bwd_kernel[(n_rows,)](
+    cfg = dict(config or _config(n_cols))
+    num_warps = cfg.pop("num_warps")
+    _entmax_bwd_kernel[(triton.cdiv(n_rows, cfg["ROWS"]),)](
         p, grad, dx, dalpha if need_alpha_grad else alpha_t, alpha_t,
-        n_cols, p.stride(0), grad.stride(0), dx.stride(0), alpha_stride,
-        BLOCK=block, KIND=kind, NEED_DALPHA=bool(need_alpha_grad),
-        num_warps=_num_warps(block), num_stages=1)
+        n_rows, n_cols, p.stride(0), grad.stride(0), dx.stride(0), alpha_stride,
+        KIND=kind, NEED_DALPHA=bool(need_alpha_grad), num_warps=num_warps, num_stages=1, **cfg)
     return dx, dalpha
 
 
@@ -669,39 +647,32 @@ def aot_configs() -> list[dict]:
     for dt_name in _IO_DTYPES.values():
         io = f"*{dt_name}"
         for kind in (KIND_GENERAL, KIND_SPARSEMAX, KIND_ENTMAX15, KIND_SOFTMAX):
-            for block in ROOT_BLOCKS:
+            for n_cols in _config_blocks():
+                cfg = _config(n_cols)
+                shape = {k: cfg[k] for k in ("ROWS", "BLOCK", "RESIDENT")}
+                tag = f"r{cfg['ROWS']}_b{cfg['BLOCK']}_{'res' if cfg['RESIDENT'] else 'chunk'}"
                 configs.append({
-                    "name": f"fwd_root_{dt_name}_k{kind}_b{block}",
-                    "fn": _entmax_fwd_root_kernel,
+                    "name": f"fwd_{dt_name}_k{kind}_{tag}",
+                    "fn": _entmax_fwd_kernel,
                     "signature": {"x_ptr": io, "p_ptr": io, "c_ptr": "*fp32", "passes_ptr": "*i32",
-                                  "alpha_ptr": "*fp32", "n_cols": "i32", "stride_x_row": "i32",
-                                  "stride_p_row": "i32", "alpha_stride": "i32", "tol": "fp32",
-                                  "max_passes": "i32", "BLOCK": "constexpr", "NBINS": "constexpr",
-                                  "KIND": "constexpr"},
-                    "constexprs": {"BLOCK": block, "NBINS": _nbins(block), "KIND": kind},
-                    "num_warps": _num_warps(block), "num_stages": 1,
+                                  "alpha_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32",
+                                  "stride_x_row": "i32", "stride_p_row": "i32", "alpha_stride": "i32",
+                                  "tol": "fp32", "max_passes": "i32", "ROWS": "constexpr",
+                                  "BLOCK": "constexpr", "KIND": "constexpr", "RESIDENT": "constexpr"},
+                    "constexprs": dict(shape, KIND=kind),
+                    "num_warps": cfg["num_warps"], "num_stages": 1,
                 })
-                for need in (False, True):
+                for need in (False, True) if kind == KIND_GENERAL else (False,):
                     configs.append({
-                        "name": f"bwd_{dt_name}_k{kind}_b{block}_da{int(need)}",
+                        "name": f"bwd_{dt_name}_k{kind}_{tag}_da{int(need)}",
                         "fn": _entmax_bwd_kernel,
                         "signature": {"p_ptr": io, "g_ptr": io, "dx_ptr": io, "dalpha_ptr": "*fp32",
-                                      "alpha_ptr": "*fp32", "n_cols": "i32", "stride_p_row": "i32",
-                                      "stride_g_row": "i32", "stride_dx_row": "i32",
-                                      "alpha_stride": "i32", "BLOCK": "constexpr", "KIND": "constexpr",
-                                      "NEED_DALPHA": "constexpr"},
-                        "constexprs": {"BLOCK": block, "KIND": kind, "NEED_DALPHA": need},
-                        "num_warps": _num_warps(block), "num_stages": 1,
+                                      "alpha_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32",
+                                      "stride_p_row": "i32", "stride_g_row": "i32", "stride_dx_row": "i32",
+                                      "alpha_stride": "i32", "ROWS": "constexpr", "BLOCK": "constexpr",
+                                      "KIND": "constexpr", "NEED_DALPHA": "constexpr",
+                                      "RESIDENT": "constexpr"},
+                        "constexprs": dict(shape, KIND=kind, NEED_DALPHA=need),
+                        "num_warps": cfg["num_warps"], "num_stages": 1,
                     })
-        for kind in (KIND_SPARSEMAX, KIND_ENTMAX15):
-            for block in SORT_BLOCKS:
-                configs.append({
-                    "name": f"fwd_sort_{dt_name}_k{kind}_b{block}",
-                    "fn": _entmax_fwd_sort_kernel,
-                    "signature": {"x_ptr": io, "p_ptr": io, "c_ptr": "*fp32", "passes_ptr": "*i32",
-                                  "n_cols": "i32", "stride_x_row": "i32", "stride_p_row": "i32",
-                                  "BLOCK": "constexpr", "KIND": "constexpr"},
-                    "constexprs": {"BLOCK": block, "KIND": kind},
-                    "num_warps": _num_warps(block), "num_stages": 1,
-                })
     return configs
