@@ -1,16 +1,18 @@
 """Test setup shared by every test file.
 
-- TRITON_INTERPRET=1 before anything imports triton, so forcing the `triton` backend on
-  CPU tensors runs the kernels in the Triton interpreter.
+- Without a CUDA device, TRITON_INTERPRET=1 before anything imports triton, so the Triton
+  tests run the kernels in the Triton interpreter on CPU tensors; with one, they run the
+  compiled kernels on CUDA tensors (tests/devices.py).
 - `torch.empty`/`torch.empty_like` return NaN-filled float tensors, so an output a kernel
   or launcher forgets to write fails loudly instead of passing on lucky zeros.
 """
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch  # importing torch does not import triton
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _empty = torch.empty
 _empty_like = torch.empty_like

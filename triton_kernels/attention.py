@@ -153,7 +153,8 @@ def attention_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is
     alpha: fp32 tensor (H,); alpha_kind: attention_fwd.ALPHA_* specialisation;
     seed: int64 tensor (1,) for dropout.
     stats: (4, B, H, Lq) or (4, H, total_q) fp32 row statistics (attention_fwd.STAT_*);
-    dvec: fp32 like out (the D-vector; empty when need_grad is False);
+    need_grad: attention_fwd.GRAD_* (what the backward will need);
+    dvec: fp32 like out (the D-vector; a placeholder without gradients);
     flags: (B, H, n_qblocks, n_kblocks) int8, 1 where a tile holds non-zero weight.
     """
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
@@ -176,12 +177,11 @@ def attention_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is
         *geo.q_strides, *geo.k_strides, *geo.v_strides, *geo.out_strides(out),
         *mask_strides, *geo.stats_strides(stats),
         geo.n_heads, geo.kv_group, geo.seqlen_q, geo.seqlen_k, geo.n_qblocks, geo.n_kblocks,
-        geo.head_e, geo.head_ev, float(scale), float(dropout_p), int(is_causal), int(need_grad),
+        geo.head_e, geo.head_ev, float(scale), float(dropout_p), int(is_causal),
         BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e, BLOCK_EV=geo.block_ev,
         BLOCK_EC=geo.block_ec["fwd"], ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind,
-        IS_VARLEN=geo.varlen, HAS_DROPOUT=dropout_p > 0.0, NUM_CAND=_fwd.NUM_CANDIDATES,
+        IS_VARLEN=geo.varlen, HAS_DROPOUT=dropout_p > 0.0, NEED_GRAD=int(need_grad),
         num_warps=geo.num_warps, num_stages=geo.num_stages,
-        maxnreg=_fwd.MAX_REGISTERS,
     )
     return out, stats, dvec, flags
 
@@ -219,7 +219,6 @@ def attention_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alp
         BLOCK_EC=geo.block_ec["dq"], ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind,
         IS_VARLEN=geo.varlen,
         HAS_DROPOUT=dropout_p > 0.0, num_warps=geo.num_warps, num_stages=geo.num_stages,
-        maxnreg=_fwd.MAX_REGISTERS,
     )
     _bwd.entmax_attn_bwd_dkdv_kernel[(geo.n_kblocks, geo.batch * geo.n_kv_heads)](
         q, k, v, do, dk, dv, stats, rows, flags, mask, alpha, seed, cu_q_arg, cu_k_arg,
@@ -232,7 +231,6 @@ def attention_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alp
         BLOCK_EC=geo.block_ec["dkdv"], ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind,
         IS_VARLEN=geo.varlen,
         HAS_DROPOUT=dropout_p > 0.0, num_warps=geo.num_warps, num_stages=geo.num_stages,
-        maxnreg=_fwd.MAX_REGISTERS,
     )
     if need_alpha_grad:
         dalpha_rows = rows[_bwd.ROW_DALPHA]
@@ -251,7 +249,7 @@ def _attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tenso
                       alpha: Tensor, seed: Tensor, cu_seqlens_q: Optional[Tensor],
                       cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
                       dropout_p: float, is_causal: bool, scale: float, alpha_kind: int,
-                      need_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                      need_grad: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return attention_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p,
                              is_causal, scale, need_grad, cu_seqlens_q, cu_seqlens_k,
                              max_seqlen_q, max_seqlen_k)
@@ -303,7 +301,7 @@ def _backward(ctx, grad_out, grad_stats, grad_dvec, grad_flags):
     max_q, max_k, dropout_p, is_causal, scale, alpha_kind, need_grad = ctx.args
     if not need_grad:
         raise RuntimeError("entmax_attention_triton: the forward ran without gradient "
-                           "statistics (need_grad=False) and cannot be differentiated")
+                           "statistics (it ran without gradients enabled) and cannot be differentiated")
     need_alpha_grad = ctx.needs_input_grad[4]
     dq, dk, dv, dalpha = _attention_bwd_op(
         grad_out, q, k, v, out, dvec, stats, flags, attn_mask, alpha, seed, cu_q, cu_k,
@@ -327,9 +325,15 @@ def _seed(dropout_p, device):
     return torch.zeros(1, dtype=torch.int64, device=device)
 
 
-def _needs_grad(*tensors):
-    return torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+def _grad_level(inputs, alpha):
+    """attention_fwd.GRAD_*: what the forward must store for the backward of this call."""
+    if not torch.is_grad_enabled():
+        return _fwd.GRAD_NONE
+    if isinstance(alpha, torch.Tensor) and alpha.requires_grad:
+        return _fwd.GRAD_ALPHA
+    if any(t.requires_grad for t in inputs):
+        return _fwd.GRAD_INPUTS
+    return _fwd.GRAD_NONE
 
 
 def entmax_attention_triton(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
@@ -356,7 +360,7 @@ def entmax_attention_triton(query, key, value, attn_mask=None, dropout_p=0.0, is
                          "kernels do not differentiate the mask; expected a mask with "
                          "requires_grad=False (the reference backend differentiates it)")
     alpha_t = _alpha_tensor(alpha, n_heads, query.device)
-    need_grad = _needs_grad(query, key, value, alpha_t)
+    need_grad = _grad_level((query, key, value), alpha_t)
     out = torch.ops.entmax_fast.triton_attention_fwd(
         query, key, value, attn_mask, alpha_t, _seed(dropout_p, query.device), None, None,
         0, 0, float(dropout_p), bool(is_causal), float(scale), _alpha_kind(alpha), need_grad)[0]
@@ -387,7 +391,7 @@ def entmax_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
         raise ValueError(f"entmax_attention_varlen: cu_seqlens_q and cu_seqlens_k must have the "
                          f"same length, got {cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
     alpha_t = _alpha_tensor(alpha, n_heads, q.device)
-    need_grad = _needs_grad(q, k, v, alpha_t)
+    need_grad = _grad_level((q, k, v), alpha_t)
     out = torch.ops.entmax_fast.triton_attention_fwd(
         q, k, v, None, alpha_t, _seed(dropout_p, q.device), cu_seqlens_q, cu_seqlens_k,
         int(max_seqlen_q), int(max_seqlen_k), float(dropout_p), bool(is_causal), float(scale),

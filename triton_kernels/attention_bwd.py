@@ -1,8 +1,8 @@
 """Fused entmax attention, backward kernels (deterministic: no atomics).
 
-From q, k, v, dO, the row statistics of the forward (score max m, tau, weight sum l) and
-the D-vector ``D = sum_j s_j v_j / sum_j s_j`` (MATH.md section 3), one row's weights are
-``p_j = [(alpha-1)(z_j - m) - tau]_+^(1/(alpha-1)) / l`` and, with
+From q, k, v, dO, the row statistics of the forward (the shift m = max of y = (alpha-1) z,
+tau, weight sum l) and the D-vector ``D = sum_j s_j v_j / sum_j s_j`` (docs/attention.md,
+"Backward"), one row's weights are ``p_j = [y_j - m - tau]_+^(1/(alpha-1)) / l`` and, with
 ``g_j = dO . v_j`` (times the dropout factor) and ``delta = dO . D``:
 
     dV_j += p_j dO,   dz_j = s_j (g_j - delta),   dQ = scale sum_j dz_j k_j,
@@ -10,19 +10,20 @@ the D-vector ``D = sum_j s_j v_j / sum_j s_j`` (MATH.md section 3), one row's we
 
 Two kernels, each writing its outputs exactly once:
 - `entmax_attn_bwd_dq_kernel`, one program per query block: dQ, delta per row, and the
-  per-row term of d(alpha) (Correia et al. 2019, MATH.md section 2);
+  per-row term of d(alpha) (Correia et al. 2019; docs/attention.md, "Gradient of alpha");
 - `entmax_attn_bwd_dkdv_kernel`, one program per key block of one key/value head: dK and
   dV, summing over the query heads of its group (GQA) in a fixed order.
-Both visit only the tiles the forward flagged as holding non-zero weight.
+Both visit only the tiles the forward flagged as holding non-zero weight, and spend the
+causal and key-end masks only on the tiles that cross them.
 """
 import triton
 import triton.language as tl
 
-from .attention_fwd import (_DTYPES, MAX_REGISTERS, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C,
+from .attention_fwd import (_DTYPES, FWD_POINTERS, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C,
                             STAT_TAU_C, _config_space, _dot, _dot_rows, _dropout_scale,
-                            _held_cols, _held_rows, _load_rows, _mask_type, _safe_log2, _scores,
-                            _sensitivity, _sequence_bounds, _weights, block_sizes, chunk_width,
-                            config_suffix)
+                            _full_tiles_end, _held_cols, _held_rows, _load_rows, _safe_log2,
+                            _scores, _sensitivity, _sequence_bounds, _weights, block_sizes,
+                            chunk_width, config_suffix, kernel_signature)
 
 # rows of the backward's per-row buffer
 ROW_DELTA, ROW_DALPHA = 0, 1
@@ -32,13 +33,52 @@ ROW_DALPHA_C = tl.constexpr(ROW_DALPHA)
 
 
 @triton.jit
-def _row_weights(b_z, b_m, b_tau, b_l, am1, inv_am1, ALPHA_KIND: tl.constexpr):
-    """Normalised weights p, sensitivities s = p^(2-alpha) and d = [u - tau]_+. [BM, BN]"""
-    b_d = tl.maximum(am1 * (b_z - b_m[:, None]) - b_tau[:, None], 0.0)
+def _row_weights(b_u, b_tau, b_l, am1, inv_am1, ALPHA_KIND: tl.constexpr):
+    """Normalised weights p, sensitivities s = p^(2-alpha) and d = [u - tau]_+ from the
+    shifted scores u. [BM, BN]"""
+    b_d = tl.maximum(b_u - b_tau[:, None], 0.0)
     b_p = _weights(b_d, inv_am1, ALPHA_KIND) / b_l[:, None]
     # s = (d^e / l)^(2 - alpha) = d^(e - 1) * l^(alpha - 2)
     b_s = _sensitivity(b_d, inv_am1, ALPHA_KIND) * tl.exp2((am1 - 1.0) * tl.log2(b_l))[:, None]
     return b_d, b_p, b_s
+
+
+@triton.jit
+def _dq_tile(b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
+             p_mask, stride_mq, stride_mk, p_flags, o_m, start_n, q_len, k_len, head_e, head_ev,
+             scale_y, am1, inv_am1, b_my, b_tau, b_l, b_delta, is_causal, seed, pid_bh,
+             seqlen_q, seqlen_k, dropout_p, need_alpha_grad, b_dq, b_gh,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+             BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
+             MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, BOUNDARY: tl.constexpr):
+    """Adds one key tile, when the forward flagged it, to dQ and to sum_j g_j h_j."""
+    if tl.load(p_flags + start_n // BLOCK_N) != 0:
+        o_n = start_n + tl.arange(0, BLOCK_N)
+        b_k = _held_rows(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E, BLOCK_EC)  # [BN, BE]
+        if BLOCK_EC >= BLOCK_E:
+            b_kt = tl.trans(b_k)  # one load of k for the scores and for dQ
+        else:
+            b_kt = 0.0
+        b_u = _scores(b_q, b_kt, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk,
+                      o_m, start_n, q_len, k_len, head_e, scale_y, am1, b_my, is_causal,
+                      BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
+        b_d, b_p, b_s = _row_weights(b_u, b_tau, b_l, am1, inv_am1, ALPHA_KIND)
+        b_vt = _held_cols(p_v, stride_vl, o_n, k_len, head_ev, BLOCK_EV, BLOCK_EC)
+        b_g = _dot_rows(b_do, b_vt, p_do, stride_ol, o_m, q_len, p_v, stride_vl, o_n, k_len,
+                        head_ev, BLOCK_EV, BLOCK_EC)  # dL/dp [BM, BN]
+        if HAS_DROPOUT:
+            b_g = b_g * _dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
+                                       BLOCK_M, BLOCK_N, HAS_DROPOUT)
+        b_dz = b_s * (b_g - b_delta[:, None])
+        if BLOCK_EC < BLOCK_E:
+            # loaded only now, so that it is not live during the chunked products
+            b_k = _load_rows(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E)
+        b_dq += _dot(b_dz.to(b_k.dtype), b_k)
+        if need_alpha_grad != 0:
+            # h = -p log p with log p = log(d) / (alpha - 1) - log l
+            b_logp = (_safe_log2(b_d) * inv_am1 - tl.log2(b_l)[:, None]) * 0.6931471805599453
+            b_gh -= tl.sum(tl.where(b_d > 0, b_p * b_logp, 0.0) * b_g, 1)
+    return b_dq, b_gh
 
 
 @triton.jit
@@ -63,7 +103,8 @@ def entmax_attn_bwd_dq_kernel(
     i_b = (pid_bh // n_heads).to(tl.int64)
     i_h = (pid_bh % n_heads).to(tl.int64)
     i_hk = i_h // kv_group
-    q_start, q_len, k_start, k_len = _sequence_bounds(cu_q_ptr, cu_k_ptr, i_b, seqlen_q, seqlen_k, IS_VARLEN)
+    q_start, q_len, k_start, k_len = _sequence_bounds(cu_q_ptr, cu_k_ptr, i_b, seqlen_q,
+                                                      seqlen_k, IS_VARLEN)
     start_m = pid_m * BLOCK_M
     if start_m >= q_len:
         return
@@ -99,54 +140,87 @@ def entmax_attn_bwd_dq_kernel(
         # chunked products reload dO: the full block need not stay live through the loop
         b_do = 0.0
     b_q = _held_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, BLOCK_EC)
-    b_m = tl.load(p_stats + STAT_MAX_C * stride_stat, mask=m_m, other=0.0)
+    b_my = tl.load(p_stats + STAT_MAX_C * stride_stat, mask=m_m, other=0.0)
     b_tau = tl.load(p_stats + STAT_TAU_C * stride_stat, mask=m_m, other=0.0)
     b_l = tl.load(p_stats + STAT_SUM_C * stride_stat, mask=m_m, other=0.0)
     b_l = tl.where(b_l > 0, b_l, 1.0)
     alpha = tl.load(alpha_ptr + i_h).to(tl.float32)
     am1 = alpha - 1.0
     inv_am1 = 1.0 / am1
+    scale_y = scale * am1
     seed = tl.load(seed_ptr)
 
     kv_end = k_len
     if is_causal != 0:
         kv_end = tl.minimum(k_len, start_m + BLOCK_M)
+    n_full = _full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
     b_dq = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
     b_gh = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum_j g_j h_j for d(alpha)
-    for start_n in range(0, kv_end, BLOCK_N):
-        if tl.load(p_flags + start_n // BLOCK_N) != 0:
-            o_n = start_n + tl.arange(0, BLOCK_N)
-            b_k = _held_rows(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E, BLOCK_EC)  # [BN, BE]
-            if BLOCK_EC >= BLOCK_E:
-                b_kt = tl.trans(b_k)  # one load of k for the scores and for dQ
-            else:
-                b_kt = 0.0
-            b_z = _scores(b_q, b_kt, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk,
-                          o_m, start_n, q_len, k_len, head_e, scale, is_causal, BLOCK_N, BLOCK_E,
-                          BLOCK_EC, MASK_KIND)
-            b_d, b_p, b_s = _row_weights(b_z, b_m, b_tau, b_l, am1, inv_am1, ALPHA_KIND)
-            b_vt = _held_cols(p_v, stride_vl, o_n, k_len, head_ev, BLOCK_EV, BLOCK_EC)
-            b_drop = _dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
-                                    BLOCK_M, BLOCK_N, HAS_DROPOUT)
-            b_g = _dot_rows(b_do, b_vt, p_do, stride_ol, o_m, q_len, p_v, stride_vl, o_n, k_len,
-                            head_ev, BLOCK_EV, BLOCK_EC) * b_drop  # dL/dp [BM, BN]
-            b_dz = b_s * (b_g - b_delta[:, None])
-            if BLOCK_EC < BLOCK_E:
-                # loaded only now, so that it is not live during the chunked products
-                b_k = _load_rows(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E)
-            b_dq += _dot(b_dz.to(b_k.dtype), b_k)
-            if need_alpha_grad != 0:
-                # h = -p log p with log p = log(d) / (alpha - 1) - log l
-                b_logp = (_safe_log2(b_d) * inv_am1 - tl.log2(b_l)[:, None]) * 0.6931471805599453
-                b_gh -= tl.sum(tl.where(b_d > 0, b_p * b_logp, 0.0) * b_g, 1)
+    for start_n in range(0, n_full, BLOCK_N):
+        b_dq, b_gh = _dq_tile(
+            b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol, p_mask,
+            stride_mq, stride_mk, p_flags, o_m, start_n, q_len, k_len, head_e, head_ev, scale_y,
+            am1, inv_am1, b_my, b_tau, b_l, b_delta, is_causal, seed, pid_bh, seqlen_q, seqlen_k,
+            dropout_p, need_alpha_grad, b_dq, b_gh, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
+            BLOCK_EC, ALPHA_KIND, MASK_KIND, HAS_DROPOUT, False)
+    for start_n in range(n_full, kv_end, BLOCK_N):
+        b_dq, b_gh = _dq_tile(
+            b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol, p_mask,
+            stride_mq, stride_mk, p_flags, o_m, start_n, q_len, k_len, head_e, head_ev, scale_y,
+            am1, inv_am1, b_my, b_tau, b_l, b_delta, is_causal, seed, pid_bh, seqlen_q, seqlen_k,
+            dropout_p, need_alpha_grad, b_dq, b_gh, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
+            BLOCK_EC, ALPHA_KIND, MASK_KIND, HAS_DROPOUT, True)
     tl.store(dq_ptr + q_off + o_m[:, None] * stride_ql + o_e[None, :],
              (b_dq * scale).to(dq_ptr.dtype.element_ty), mask=m_qe)
     tl.store(p_rows + ROW_DELTA_C * stride_row, b_delta, mask=m_m)
     if need_alpha_grad != 0:
-        # dalpha = sum_i g_i dp_i/dalpha with sum g p = dO.o, sum g p~ = delta (MATH.md s.2)
+        # dalpha = sum_i g_i dp_i/dalpha with sum g p = dO.o, sum g p~ = delta
+        # (docs/attention.md, "Gradient of alpha")
         b_entropy = tl.load(p_stats + STAT_ENTROPY_C * stride_stat, mask=m_m, other=0.0)
         b_dalpha = (b_gp - b_delta) * inv_am1 * inv_am1 + (b_gh - b_delta * b_entropy) * inv_am1
         tl.store(p_rows + ROW_DALPHA_C * stride_row, b_dalpha, mask=m_m)
+
+
+@triton.jit
+def _dkdv_tile(b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
+               p_mask, stride_mq, stride_mk, p_flags, p_stats, stride_stat, p_rows, stride_row,
+               o_n, start_n, start_m, q_len, k_len, n_kblocks, head_e, head_ev, scale_y, am1,
+               inv_am1, is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+               BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
+               MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, BOUNDARY: tl.constexpr):
+    """Adds one query tile, when the forward flagged it, to dK and dV. Rows past q_len load
+    as zeros (q, dO, the statistics), so their weights and gradients are zero."""
+    if tl.load(p_flags + (start_m // BLOCK_M) * n_kblocks) != 0:
+        o_m = start_m + tl.arange(0, BLOCK_M)
+        m_m = o_m < q_len
+        b_q = _held_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, BLOCK_EC)
+        b_do = _held_rows(p_do, stride_ol, o_m, q_len, head_ev, BLOCK_EV, BLOCK_EC)
+        b_my = tl.load(p_stats + o_m + STAT_MAX_C * stride_stat, mask=m_m, other=0.0)
+        b_tau = tl.load(p_stats + o_m + STAT_TAU_C * stride_stat, mask=m_m, other=0.0)
+        b_l = tl.load(p_stats + o_m + STAT_SUM_C * stride_stat, mask=m_m, other=0.0)
+        b_l = tl.where(b_l > 0, b_l, 1.0)
+        b_delta = tl.load(p_rows + o_m + ROW_DELTA_C * stride_row, mask=m_m, other=0.0)
+        b_u = _scores(b_q, b_kt, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk,
+                      o_m, start_n, q_len, k_len, head_e, scale_y, am1, b_my, is_causal,
+                      BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
+        b_d, b_p, b_s = _row_weights(b_u, b_tau, b_l, am1, inv_am1, ALPHA_KIND)
+        b_g = _dot_rows(b_do, b_vt, p_do, stride_ol, o_m, q_len, p_v, stride_vl, o_n, k_len,
+                        head_ev, BLOCK_EV, BLOCK_EC)  # [BM, BN]
+        if HAS_DROPOUT:
+            b_drop = _dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
+                                    BLOCK_M, BLOCK_N, HAS_DROPOUT)
+            b_g = b_g * b_drop
+            b_p = b_p * b_drop
+        b_dz = b_s * (b_g - b_delta[:, None])
+        if BLOCK_EC < BLOCK_E:
+            # loaded only now, so that they are not live during the chunked products
+            b_q = _load_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E)
+        if BLOCK_EC < BLOCK_EV:
+            b_do = _load_rows(p_do, stride_ol, o_m, q_len, head_ev, BLOCK_EV)
+        b_dv += _dot(tl.trans(b_p.to(b_do.dtype)), b_do)
+        b_dk += _dot(tl.trans(b_dz.to(b_q.dtype)), b_q)
+    return b_dk, b_dv
 
 
 @triton.jit
@@ -170,7 +244,8 @@ def entmax_attn_bwd_dkdv_kernel(
     pid_bhk = tl.program_id(1)
     i_b = (pid_bhk // n_kv_heads).to(tl.int64)
     i_hk = (pid_bhk % n_kv_heads).to(tl.int64)
-    q_start, q_len, k_start, k_len = _sequence_bounds(cu_q_ptr, cu_k_ptr, i_b, seqlen_q, seqlen_k, IS_VARLEN)
+    q_start, q_len, k_start, k_len = _sequence_bounds(cu_q_ptr, cu_k_ptr, i_b, seqlen_q,
+                                                      seqlen_k, IS_VARLEN)
     start_n = pid_n * BLOCK_N
     if start_n >= k_len:
         return
@@ -187,9 +262,17 @@ def entmax_attn_bwd_dkdv_kernel(
     seed = tl.load(seed_ptr)
 
     m_begin = 0
+    # query blocks from m_full on need no mask: causal, their first query sees the whole
+    # key block; a key block past the end of the keys masks every tile (it reads the mask
+    # and scores only in bounds then)
+    m_full = 0
     if is_causal != 0:
         # query i sees key j only when j <= i: earlier query blocks are all masked
         m_begin = (start_n // BLOCK_M) * BLOCK_M
+        m_full = tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M
+    if start_n + BLOCK_N > k_len:
+        m_full = q_len
+    m_full = tl.minimum(m_full, q_len)
     b_dk = tl.zeros([BLOCK_N, BLOCK_E], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_EV], dtype=tl.float32)
     for i_g in range(0, kv_group):
@@ -198,39 +281,29 @@ def entmax_attn_bwd_dkdv_kernel(
         alpha = tl.load(alpha_ptr + i_h).to(tl.float32)
         am1 = alpha - 1.0
         inv_am1 = 1.0 / am1
+        scale_y = scale * am1
         p_q = q_ptr + i_b * stride_qb + i_h * stride_qh + q_start * stride_ql
         p_do = do_ptr + i_b * stride_ob + i_h * stride_oh + q_start * stride_ol
         p_mask = mask_ptr + i_b * stride_mb + i_h * stride_mh
         p_flags = flags_ptr + pid_bh * n_qblocks * n_kblocks + pid_n
         p_stats = stats_ptr + i_b * stride_sb + i_h * stride_sh + q_start
         p_rows = rows_ptr + i_b * stride_sb + i_h * stride_sh + q_start
-        for start_m in range(m_begin, q_len, BLOCK_M):
-            if tl.load(p_flags + (start_m // BLOCK_M) * n_kblocks) != 0:
-                o_m = start_m + tl.arange(0, BLOCK_M)
-                m_m = o_m < q_len
-                b_q = _held_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, BLOCK_EC)
-                b_do = _held_rows(p_do, stride_ol, o_m, q_len, head_ev, BLOCK_EV, BLOCK_EC)
-                b_m = tl.load(p_stats + o_m + STAT_MAX_C * stride_stat, mask=m_m, other=0.0)
-                b_tau = tl.load(p_stats + o_m + STAT_TAU_C * stride_stat, mask=m_m, other=0.0)
-                b_l = tl.load(p_stats + o_m + STAT_SUM_C * stride_stat, mask=m_m, other=0.0)
-                b_l = tl.where(b_l > 0, b_l, 1.0)
-                b_delta = tl.load(p_rows + o_m + ROW_DELTA_C * stride_row, mask=m_m, other=0.0)
-                b_z = _scores(b_q, b_kt, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq,
-                              stride_mk, o_m, start_n, q_len, k_len, head_e, scale, is_causal,
-                              BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND)
-                b_d, b_p, b_s = _row_weights(b_z, b_m, b_tau, b_l, am1, inv_am1, ALPHA_KIND)
-                b_drop = _dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
-                                        BLOCK_M, BLOCK_N, HAS_DROPOUT)
-                b_g = _dot_rows(b_do, b_vt, p_do, stride_ol, o_m, q_len, p_v, stride_vl, o_n,
-                                k_len, head_ev, BLOCK_EV, BLOCK_EC) * b_drop  # [BM, BN]
-                b_dz = b_s * (b_g - b_delta[:, None])
-                if BLOCK_EC < BLOCK_E:
-                    # loaded only now, so that they are not live during the chunked products
-                    b_q = _load_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E)
-                if BLOCK_EC < BLOCK_EV:
-                    b_do = _load_rows(p_do, stride_ol, o_m, q_len, head_ev, BLOCK_EV)
-                b_dv += _dot(tl.trans((b_p * b_drop).to(b_do.dtype)), b_do)
-                b_dk += _dot(tl.trans(b_dz.to(b_q.dtype)), b_q)
+        for start_m in range(m_begin, m_full, BLOCK_M):
+            b_dk, b_dv = _dkdv_tile(
+                b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
+                p_mask, stride_mq, stride_mk, p_flags, p_stats, stride_stat, p_rows, stride_row,
+                o_n, start_n, start_m, q_len, k_len, n_kblocks, head_e, head_ev, scale_y, am1,
+                inv_am1, is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
+                BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND,
+                HAS_DROPOUT, True)
+        for start_m in range(m_full, q_len, BLOCK_M):
+            b_dk, b_dv = _dkdv_tile(
+                b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
+                p_mask, stride_mq, stride_mk, p_flags, p_stats, stride_stat, p_rows, stride_row,
+                o_n, start_n, start_m, q_len, k_len, n_kblocks, head_e, head_ev, scale_y, am1,
+                inv_am1, is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
+                BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND,
+                HAS_DROPOUT, False)
     tl.store(dk_ptr + k_off + o_n[:, None] * stride_kl + o_e[None, :],
              (b_dk * scale).to(dk_ptr.dtype.element_ty),
              mask=m_n[:, None] & (o_e[None, :] < head_e))
@@ -238,56 +311,12 @@ def entmax_attn_bwd_dkdv_kernel(
              b_dv.to(dv_ptr.dtype.element_ty), mask=m_n[:, None] & (o_ev[None, :] < head_ev))
 
 
-def _stride_signature():
-    sig = {}
-    for name in ("stride_qb", "stride_qh", "stride_ql", "stride_kb", "stride_kh", "stride_kl",
-                 "stride_vb", "stride_vh", "stride_vl", "stride_ob", "stride_oh", "stride_ol",
-                 "stride_mb", "stride_mh", "stride_mq", "stride_mk",
-                 "stride_sb", "stride_sh", "stride_stat", "stride_row"):
-        sig[name] = "i32"
-    return sig
-
-
-def dq_signature(dtype_key, mask_kind):
-    t = _DTYPES[dtype_key]
-    sig = {"q_ptr": t, "k_ptr": t, "v_ptr": t, "o_ptr": t, "do_ptr": t, "dq_ptr": t,
-           "dvec_ptr": "*fp32", "stats_ptr": "*fp32", "rows_ptr": "*fp32", "flags_ptr": "*i8",
-           "mask_ptr": _mask_type(dtype_key, mask_kind), "alpha_ptr": "*fp32",
-           "seed_ptr": "*i64", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}
-    sig.update(_stride_signature())
-    for name in ("n_heads", "kv_group", "seqlen_q", "seqlen_k", "n_qblocks", "n_kblocks",
-                 "head_e", "head_ev"):
-        sig[name] = "i32"
-    sig.update({"scale": "fp32", "dropout_p": "fp32", "is_causal": "i32",
-                "need_alpha_grad": "i32"})
-    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_E", "BLOCK_EV", "BLOCK_EC", "ALPHA_KIND",
-                 "MASK_KIND", "IS_VARLEN", "HAS_DROPOUT"):
-        sig[name] = "constexpr"
-    return sig
-
-
-def dkdv_signature(dtype_key, mask_kind):
-    t = _DTYPES[dtype_key]
-    sig = {"q_ptr": t, "k_ptr": t, "v_ptr": t, "do_ptr": t, "dk_ptr": t, "dv_ptr": t,
-           "stats_ptr": "*fp32", "rows_ptr": "*fp32", "flags_ptr": "*i8",
-           "mask_ptr": _mask_type(dtype_key, mask_kind), "alpha_ptr": "*fp32",
-           "seed_ptr": "*i64", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}
-    sig.update(_stride_signature())
-    for name in ("n_heads", "n_kv_heads", "kv_group", "seqlen_q", "seqlen_k", "n_qblocks",
-                 "n_kblocks", "head_e", "head_ev"):
-        sig[name] = "i32"
-    sig.update({"scale": "fp32", "dropout_p": "fp32", "is_causal": "i32"})
-    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_E", "BLOCK_EV", "BLOCK_EC", "ALPHA_KIND",
-                 "MASK_KIND", "IS_VARLEN", "HAS_DROPOUT"):
-        sig[name] = "constexpr"
-    return sig
+BWD_POINTERS = dict(FWD_POINTERS, do_ptr="T", dq_ptr="T", dk_ptr="T", dv_ptr="T",
+                    rows_ptr="*fp32")
 
 
 def aot_configs():
-    """Every backward configuration the launcher in attention.py can choose.
-
-    "options" holds the extra triton.compile options the launcher also passes (maxnreg).
-    """
+    """Every backward configuration the launcher in attention.py can choose."""
     configs = []
     for dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout in _config_space():
         block_m, block_n, num_warps, num_stages = block_sizes(block_e, dtype_key, dropout)
@@ -295,13 +324,11 @@ def aot_configs():
                       "BLOCK_EV": block_e, "ALPHA_KIND": alpha_kind, "MASK_KIND": mask_kind,
                       "IS_VARLEN": int(varlen), "HAS_DROPOUT": int(dropout)}
         suffix = config_suffix(dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout)
-        for name, fn, signature in (
-                ("dq", entmax_attn_bwd_dq_kernel, dq_signature(dtype_key, mask_kind)),
-                ("dkdv", entmax_attn_bwd_dkdv_kernel, dkdv_signature(dtype_key, mask_kind))):
+        for name, fn in (("dq", entmax_attn_bwd_dq_kernel),
+                         ("dkdv", entmax_attn_bwd_dkdv_kernel)):
             configs.append({"name": f"entmax_attn_bwd_{name}_{suffix}", "fn": fn,
-                            "signature": signature,
+                            "signature": kernel_signature(fn, dtype_key, mask_kind, BWD_POINTERS),
                             "constexprs": dict(constexprs,
                                                BLOCK_EC=chunk_width(name, block_e, dtype_key)),
-                            "num_warps": num_warps, "num_stages": num_stages,
-                            "options": {"maxnreg": MAX_REGISTERS}})
+                            "num_warps": num_warps, "num_stages": num_stages})
     return configs

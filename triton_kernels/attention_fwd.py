@@ -1,28 +1,30 @@
 """Fused entmax attention, forward kernel (never materialises Lq x Lk).
 
-One program handles one block of BLOCK_M query rows of one (batch, query head) and makes
-three dense passes over the keys, then one sparse pass:
+One program handles one block of BLOCK_M query rows of one (batch, query head). Every pass
+works on y = (alpha - 1) z (z the scaled, masked scores), in which the threshold tau lies
+in [max(y) - 1, max(y)) (docs/attention.md):
 
-1. row max ``m`` of the scores and the number ``n`` of finite (unmasked) scores;
-2. in shifted coordinates ``u = (alpha - 1)(z - m)`` the threshold lies in
-   ``[-1, -n^(1-alpha)]`` (MATH.md section 1). Each of two passes evaluates
-   ``f(tau) = sum [u - tau]_+^(1/(alpha-1)) - 1`` and its first two derivatives at
-   NUM_CANDIDATES points of the current bracket at once. f is convex and decreasing for
-   alpha in (1, 2], so Newton steps from the candidates either side of the sign change
-   are lower bounds of the root and the secant through them an upper bound: the bracket
-   shrinks by NUM_CANDIDATES and then quadratically. After the second pass a Halley step
-   from the last candidate with f >= 0 gives tau (bench/bench_attention_passes.py
-   measures the error this leaves: <= 5e-7 for alpha in [1.1, 2], n up to 8k). Tiles
-   whose scores all lie below the bracket contribute nothing and skip the evaluation;
-3. the second candidate pass also records, per (query block, key block) tile, whether any
-   score lies above the bracket's lower end (a lower bound of tau): only those tiles can
-   hold non-zero weight;
-4. the output pass visits only flagged tiles and divides by the row sum of the weights,
-   so every output row is an exact convex combination whatever tau's residual error.
+1. a dense pass for the row maximum m of y;
+2. threshold passes in shifted coordinates u = y - m, each a few operations per score, like
+   a softmax pass: the sums of `_moments` at one threshold t (two in the first pass: the
+   bracket's lower end -1 and its middle). From them `_update_threshold` gives a Newton
+   step (a lower bound of tau, f being convex and decreasing for alpha in (1, 2]) and, for
+   alpha = 2 and 1.5, the closed-form root on the support at t, which *is* tau when no
+   score lies between t and that root (checked with the smallest positive d: an exact
+   certificate). Passes repeat, for the rows of the block still open, until every row is
+   exact or its Newton step is below TAU_STEP_TOL (at most MAX_TAU_PASSES);
+   bench/bench_attention_passes.py counts the passes on random and peaked scores;
+3. each threshold pass flags the key tiles holding a score above its t (a lower bound of
+   tau, which only rises): later passes skip the rest, so on local attention the passes
+   after the first touch only the tiles near each query;
+4. the output pass visits the flagged tiles, divides by the row sum of the weights (every
+   output row is an exact convex combination whatever tau's residual error) and rewrites
+   the flags to "holds a non-zero weight" for the backward.
 
-Row statistics (score max, tau, weight sum, entropy) are stored for the backward, and,
+Masks cost per-score work only on the tiles that need them (`_full_tiles_end`).
+Row statistics (the shift m, tau, weight sum, entropy) are stored for the backward, and,
 when gradients are needed, the D-vector ``sum_j s_j v_j / sum_j s_j`` with
-``s_j = p_j^(2 - alpha)`` (MATH.md section 3).
+``s_j = p_j^(2 - alpha)`` (docs/attention.md, "Backward").
 """
 import itertools
 
@@ -33,12 +35,31 @@ import triton.language as tl
 ALPHA_GENERAL = 0
 ALPHA_15 = 1
 ALPHA_2 = 2
+ALPHA_GENERAL_C = tl.constexpr(ALPHA_GENERAL)
+ALPHA_15_C = tl.constexpr(ALPHA_15)
+ALPHA_2_C = tl.constexpr(ALPHA_2)
 # MASK_KIND: how attn_mask enters the scores.
 MASK_NONE = 0
 MASK_BOOL = 1
 MASK_ADDITIVE = 2
+MASK_BOOL_C = tl.constexpr(MASK_BOOL)
+MASK_ADDITIVE_C = tl.constexpr(MASK_ADDITIVE)
+# NEED_GRAD: what the forward stores for the backward (the D-vector for q, k, v; the row
+# entropy as well for alpha).
+GRAD_NONE = 0
+GRAD_INPUTS = 1
+GRAD_ALPHA = 2
+GRAD_INPUTS_C = tl.constexpr(GRAD_INPUTS)
+GRAD_ALPHA_C = tl.constexpr(GRAD_ALPHA)
 
-NUM_CANDIDATES = 16
+# Threshold passes: a row is done when its tau is certified exact or its Newton step (in
+# u = y - max(y), where tau lies in [-1, 0)) is below TAU_STEP_TOL, which leaves an error
+# of the order of its square. MAX_TAU_PASSES bounds adversarial rows.
+TAU_STEP_TOL = 1e-6
+MAX_TAU_PASSES = 24
+TAU_STEP_TOL_C = tl.constexpr(TAU_STEP_TOL)
+MAX_TAU_PASSES_C = tl.constexpr(MAX_TAU_PASSES)
+
 # Row statistics stored per query row, stacked along the first dimension of `stats`.
 STAT_MAX, STAT_TAU, STAT_SUM, STAT_ENTROPY = 0, 1, 2, 3
 NUM_STATS = 4
@@ -48,36 +69,29 @@ STAT_SUM_C = tl.constexpr(STAT_SUM)
 STAT_ENTROPY_C = tl.constexpr(STAT_ENTROPY)
 
 
-# Register limit handed to ptxas (Triton's maxnreg, PTX .maxnreg) by the launchers and the
-# AOT check. Without it ptxas caps some 8-warp configurations at 128 registers (room for two
-# CTAs per SM) and spills the rest to the stack even though 255 fit (KERNELS.md section 2).
-MAX_REGISTERS = 255
-
-
 def block_sizes(block_e, dtype_key, dropout=False):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a padded head dimension and dtype.
 
     Shared by forward and backward: the tile flags written by the forward are read by the
-    backward, so both must tile the same way. Chosen by compiling for sm_80/sm_90 and
-    reading the stack frame (cuobjdump): fp32 operands go through three TF32 products and
-    need smaller tiles than fp16/bf16, dropout's Philox state halves BLOCK_M, and at
-    E = 256 the [BLOCK_M, E] operands leave room only for BLOCK_N = 16. Where even these
-    tiles spill, the products run over head-dim chunks (`chunk_width`).
+    backward, so both tile the same way. fp16/bf16 E <= 64 is the configuration measured
+    fastest on an H200 (docs/gpu.md: 64x64 tiles, 4 warps, 3 stages, no register cap: 16x
+    faster than the 32x32/8-warp/maxnreg-255 table it replaces); E = 128 doubles the
+    [BM, E] accumulators (output and D-vector), which 8 warps hold without spilling; E = 256
+    halves BLOCK_N. fp32 runs its products as three TF32 products and takes half-size
+    tiles. Dropout's Philox state halves BLOCK_M. bench/tune_attention.py re-measures the
+    table on a GPU.
     """
     if dtype_key == "fp32":
-        block_m, block_n = (32, 16) if block_e <= 32 else (16, 16)
-    elif block_e <= 32:
-        block_m, block_n = 64, 32
+        block_m, block_n, num_warps, num_stages = (32, 32, 4, 2) if block_e <= 64 else (16, 32, 4, 1)
+    elif block_e <= 64:
+        block_m, block_n, num_warps, num_stages = 64, 64, 4, 3
     elif block_e <= 128:
-        block_m, block_n = 32, 32
+        block_m, block_n, num_warps, num_stages = 64, 64, 8, 2
     else:
-        block_m, block_n = 16, 16
+        block_m, block_n, num_warps, num_stages = 64, 32, 8, 1
     if dropout:
         block_m = max(16, block_m // 2)
-    # the pipelined key loads of a second stage cost the fp32 E = 128 forward its last
-    # registers
-    num_stages = 2 if block_e <= 64 or (block_e == 128 and dtype_key != "fp32") else 1
-    return block_m, block_n, 8, num_stages
+    return block_m, block_n, num_warps, num_stages
 
 
 # Head-dim chunk (BLOCK_EC) of the q.k and dO.v products, per (kernel, dtype) and padded
@@ -177,43 +191,53 @@ def _dot_rows(b_a, b_bt, p_a, stride_a, o_a, n_a, p_b, stride_b, o_b, n_b, width
 
 
 @triton.jit
-def _score_tile(b_q, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base, stride_mq,
-                stride_mk, o_m, start_n, q_len, k_len, head_e, scale, is_causal,
-                BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
-                MASK_KIND: tl.constexpr):
-    """Scores z = scale * q k^T (+ mask) of one tile, -inf where masked. [BM, BN] fp32.
-    b_q: the held query block (`_held_rows`)."""
+def _scores(b_q, b_kt, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base, stride_mq,
+            stride_mk, o_m, start_n, q_len, k_len, head_e, scale, mask_mult, b_shift,
+            is_causal, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
+            MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr):
+    """scale * q k^T - shift (+ mask_mult * additive mask) of one tile, -inf where masked.
+    [BM, BN]; b_shift [BM] is subtracted in the same fused multiply-add as the scale, so
+    that scores near 1e30 keep their differences.
+
+    From the held blocks b_q (`_held_rows`) and b_kt (`_held_cols`), or from chunks that
+    `_dot_rows` reloads. BOUNDARY: the tile crosses the end of the keys or the causal
+    diagonal and needs their masks; tiles inside both skip that per-score work (the
+    launchers' loops put every tile that needs it into the boundary loop).
+    """
     o_n = start_n + tl.arange(0, BLOCK_N)
-    b_kt = _held_cols(p_k_base, stride_kl, o_n, k_len, head_e, BLOCK_E, BLOCK_EC)
-    return _scores(b_q, b_kt, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base, stride_mq,
-                   stride_mk, o_m, start_n, q_len, k_len, head_e, scale, is_causal, BLOCK_N,
-                   BLOCK_E, BLOCK_EC, MASK_KIND)
+    b_z = _dot_rows(b_q, b_kt, p_q_base, stride_ql, o_m, q_len, p_k_base, stride_kl, o_n,
+                    k_len, head_e, BLOCK_E, BLOCK_EC) * scale - b_shift[:, None]
+    # rows past q_len are never stored, but a mask row past the end must not be read
+    m_load = o_m[:, None] < q_len
+    if BOUNDARY:
+        m_load = m_load & (o_n[None, :] < k_len)
+    if MASK_KIND == MASK_BOOL_C:
+        b_keep = tl.load(p_mask_base + o_m[:, None] * stride_mq + o_n[None, :] * stride_mk,
+                         mask=m_load, other=0)
+        b_z = tl.where(b_keep != 0, b_z, float("-inf"))
+    if MASK_KIND == MASK_ADDITIVE_C:
+        b_add = tl.load(p_mask_base + o_m[:, None] * stride_mq + o_n[None, :] * stride_mk,
+                        mask=m_load, other=0.0).to(tl.float32)
+        b_z = b_z + mask_mult * b_add
+    if BOUNDARY:
+        # top-left aligned causal mask: query i sees keys j <= i (without is_causal the
+        # limit lies past every key; integer arithmetic because the interpreter cannot load
+        # under a mask built from a scalar boolean)
+        m_valid = (o_n[None, :] < k_len) & (
+            o_n[None, :] <= (o_m + (1 - is_causal) * k_len)[:, None])
+        b_z = tl.where(m_valid, b_z, float("-inf"))
+    return b_z
 
 
 @triton.jit
-def _scores(b_q, b_kt, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base, stride_mq,
-            stride_mk, o_m, start_n, q_len, k_len, head_e, scale, is_causal,
-            BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
-            MASK_KIND: tl.constexpr):
-    """`_score_tile` from the held blocks b_q (`_held_rows`) and b_kt (`_held_cols`), or from
-    chunks reloaded by `_dot_rows`; -inf outside the sequences and where masked."""
-    o_n = start_n + tl.arange(0, BLOCK_N)
-    b_z = _dot_rows(b_q, b_kt, p_q_base, stride_ql, o_m, q_len, p_k_base, stride_kl, o_n,
-                    k_len, head_e, BLOCK_E, BLOCK_EC) * scale
-    m_valid = (o_n[None, :] < k_len) & (o_m[:, None] < q_len)
-    # top-left aligned causal mask: query i sees keys j <= i
-    # (without is_causal the limit lies past every key; integer arithmetic because the
-    # interpreter cannot load under a mask built from a scalar boolean)
-    m_valid = m_valid & (o_n[None, :] <= (o_m + (1 - is_causal) * k_len)[:, None])
-    if MASK_KIND == 1:
-        b_keep = tl.load(p_mask_base + o_m[:, None] * stride_mq + o_n[None, :] * stride_mk,
-                         mask=m_valid, other=0)
-        m_valid = m_valid & (b_keep != 0)
-    if MASK_KIND == 2:
-        b_add = tl.load(p_mask_base + o_m[:, None] * stride_mq + o_n[None, :] * stride_mk,
-                        mask=m_valid, other=0.0).to(tl.float32)
-        b_z = b_z + b_add
-    return tl.where(m_valid, b_z, float("-inf"))
+def _full_tiles_end(start_m, k_len, is_causal, BLOCK_N: tl.constexpr):
+    """End of the key tiles that need neither the key-end nor the causal mask for the query
+    block starting at start_m: tile [n, n + BN) is inside when n + BN <= k_len and, causal,
+    n + BN <= start_m + 1 (its last key is visible to the block's first query)."""
+    n_end = k_len
+    if is_causal != 0:
+        n_end = tl.minimum(n_end, start_m + 1)
+    return (n_end // BLOCK_N) * BLOCK_N
 
 
 @triton.jit
@@ -274,90 +298,189 @@ def _dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
 
 
 @triton.jit
-def _candidate_pass(b_q, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base, stride_mq,
-                    stride_mk, o_m, q_len, k_len, kv_end, head_e, scale, is_causal,
-                    b_m, am1, inv_am1, b_lo, b_hi, b_fhi, b_fphi, b_has_fhi,
-                    p_flags, record_flags, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
-                    MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr, NUM_CAND: tl.constexpr):
-    """One dense pass evaluating f, f', f'' at NUM_CAND points of [lo, hi) per row.
+def _max_nan(b_a, b_b):
+    """max that keeps NaN (tl.maximum's default returns the other operand), so that a NaN
+    score reaches the row maximum and marks its row."""
+    return tl.maximum(b_a, b_b, propagate_nan=tl.PropagateNan.ALL)
 
-    Returns the new bracket (lo, hi, f(hi), f'(hi), whether they are known) and the
-    Halley estimate of tau. With record_flags, writes one int8 per key block: does any score of
-    the tile lie above lo (a lower bound of tau)?
-    """
-    o_c = tl.arange(0, NUM_CAND)
-    b_step = (b_hi - b_lo) / NUM_CAND  # [BM]
-    b_f0 = tl.zeros([BLOCK_M, NUM_CAND], dtype=tl.float32)   # sum d^e
-    b_f1 = tl.zeros([BLOCK_M, NUM_CAND], dtype=tl.float32)   # sum d^(e-1)
-    b_f2 = tl.zeros([BLOCK_M, NUM_CAND], dtype=tl.float32)   # sum d^(e-2)
-    for start_n in range(0, kv_end, BLOCK_N):
-        b_z = _score_tile(b_q, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base,
-                          stride_mq, stride_mk, o_m, start_n, q_len, k_len, head_e, scale,
-                          is_causal, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND)
-        b_u = am1 * (b_z - b_m[:, None])  # [BM, BN], -inf where masked
-        b_above = tl.max(tl.max(b_u - b_lo[:, None], 1), 0)
-        if record_flags != 0:
-            tl.store(p_flags + start_n // BLOCK_N, (b_above > 0).to(tl.int8))
-        # tiles with every score below lo contribute nothing to f at any candidate
-        if b_above > 0:
-            # not unrolled: unrolled candidates get interleaved by the scheduler and spill
-            for c in tl.range(0, NUM_CAND, loop_unroll_factor=1):
-                b_t = b_lo + c * b_step
-                b_d = tl.maximum(b_u - b_t[:, None], 0.0)
-                if ALPHA_KIND == 2:
-                    b_p0 = b_d
-                    b_p1 = tl.where(b_d > 0, 1.0, 0.0)
-                    b_p2 = tl.zeros_like(b_d)
-                elif ALPHA_KIND == 1:
-                    b_p0 = b_d * b_d
-                    b_p1 = b_d
-                    b_p2 = tl.where(b_d > 0, 1.0, 0.0)
-                else:
-                    b_p2 = tl.where(b_d > 0, tl.exp2((inv_am1 - 2.0) * _safe_log2(b_d)), 0.0)
-                    b_p1 = b_p2 * b_d
-                    b_p0 = b_p1 * b_d
-                m_c = o_c[None, :] == c
-                b_f0 += tl.where(m_c, tl.sum(b_p0, 1)[:, None], 0.0)
-                b_f1 += tl.where(m_c, tl.sum(b_p1, 1)[:, None], 0.0)
-                b_f2 += tl.where(m_c, tl.sum(b_p2, 1)[:, None], 0.0)
-    b_f = b_f0 - 1.0
-    b_fp = -inv_am1 * b_f1
-    b_fpp = inv_am1 * (inv_am1 - 1.0) * b_f2
-    # last candidate with f >= 0 (candidate 0 is lo, where f >= 0 up to rounding)
-    b_il = tl.max(tl.where(b_f >= 0, o_c[None, :], 0), 1)  # [BM]
-    m_l = o_c[None, :] == b_il[:, None]
-    m_r = o_c[None, :] == (b_il + 1)[:, None]
-    b_left = b_lo + b_il * b_step
-    b_fl = tl.sum(tl.where(m_l, b_f, 0.0), 1)
-    b_fpl = tl.sum(tl.where(m_l, b_fp, 0.0), 1)
-    b_fppl = tl.sum(tl.where(m_l, b_fpp, 0.0), 1)
-    m_has_r = (b_il + 1) < NUM_CAND
-    b_right = tl.where(m_has_r, b_left + b_step, b_hi)
-    b_fr = tl.where(m_has_r, tl.sum(tl.where(m_r, b_f, 0.0), 1), b_fhi)
-    b_fpr = tl.where(m_has_r, tl.sum(tl.where(m_r, b_fp, 0.0), 1), b_fphi)
-    m_has_fr = m_has_r | (b_has_fhi != 0)
-    # convexity: Newton steps from either end land left of the root, the secant right of
-    # it; for piecewise-linear f (alpha = 2) one of the two Newton steps is exact when at
-    # most one score lies between the ends
-    m_newton = b_fpl < 0
-    b_newton = tl.where(m_newton, b_left - b_fl / tl.where(m_newton, b_fpl, -1.0), b_left)
-    m_newton_r = m_has_fr & (b_fpr < 0) & (b_fr <= 0)
-    b_newton_r = tl.where(m_newton_r, b_right - b_fr / tl.where(m_newton_r, b_fpr, -1.0),
-                          b_left)
-    b_new_lo = tl.maximum(b_left, tl.minimum(tl.maximum(b_newton, b_newton_r), b_right))
-    m_secant = m_has_fr & (b_fl - b_fr > 0)
-    b_secant = tl.where(m_secant, b_left + b_fl * (b_right - b_left) /
-                        tl.where(m_secant, b_fl - b_fr, 1.0), b_right)
-    m_secant_inside = m_secant & (b_secant < b_right)
-    b_new_hi = tl.minimum(b_right, tl.maximum(b_secant, b_new_lo))
-    b_new_has_fhi = tl.where(m_secant_inside, 0, m_has_fr.to(tl.int32))
-    b_den = 2.0 * b_fpl * b_fpl - b_fl * b_fppl
-    m_halley = m_newton & (b_den > 0)
-    b_halley = b_left - 2.0 * b_fl * b_fpl / tl.where(m_halley, b_den, 1.0)
-    b_tau = tl.where(m_halley & (b_halley == b_halley),
-                     tl.minimum(tl.maximum(b_halley, b_new_lo), b_new_hi), b_new_lo)
-    return b_new_lo, b_new_hi, b_fr, b_fpr, b_new_has_fhi, b_tau
+
+@triton.jit
+def _score_tile(b_q, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base, stride_mq,
+                stride_mk, o_m, start_n, q_len, k_len, head_e, scale, mask_mult, b_shift,
+                is_causal, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+                BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr):
+    """`_scores` of the key tile at start_n, loading the key block."""
+    o_n = start_n + tl.arange(0, BLOCK_N)
+    b_kt = _held_cols(p_k_base, stride_kl, o_n, k_len, head_e, BLOCK_E, BLOCK_EC)
+    return _scores(b_q, b_kt, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base, stride_mq,
+                   stride_mk, o_m, start_n, q_len, k_len, head_e, scale, mask_mult, b_shift,
+                   is_causal, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
+
+
+@triton.jit
+def _row_max(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_m,
+             q_len, k_len, kv_end, head_e, scale, mask_mult, is_causal,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+             BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr):
+    """Pass 1: the row maximum of the scores (NaN if any score is NaN, -inf if all are
+    masked). [BM]"""
+    b_zero = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    n_full = _full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
+    for start_n in range(0, n_full, BLOCK_N):
+        b_y = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
+                          start_n, q_len, k_len, head_e, scale, mask_mult, b_zero, is_causal,
+                          BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, False)
+        b_m = _max_nan(b_m, tl.reduce(b_y, 1, _max_nan))
+    for start_n in range(n_full, kv_end, BLOCK_N):
+        b_y = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
+                          start_n, q_len, k_len, head_e, scale, mask_mult, b_zero, is_causal,
+                          BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, True)
+        b_m = _max_nan(b_m, tl.reduce(b_y, 1, _max_nan))
+    return b_m
+
+
+@triton.jit
+def _moments(b_d, inv_am1, ALPHA_KIND: tl.constexpr):
+    """Per-row sums over one tile of d = [u - t]_+ that fix the threshold update
+    (docs/attention.md, "Threshold"): (a, b, c, dmin) with
+
+        alpha = 2:    a = sum d      b = #{d > 0}     c = b
+        alpha = 1.5:  a = sum d^2    b = sum d        c = #{d > 0}
+        general:      a = sum d^e    b = sum d^(e-1)  c = b        (e = 1/(alpha-1))
+
+    and dmin the smallest positive d (the exactness certificate of alpha 2 and 1.5; general
+    alpha returns b there, unused). f(t) = a - 1 in every case."""
+    if ALPHA_KIND == ALPHA_2_C:
+        b_a = tl.sum(b_d, 1)
+        b_b = tl.sum(tl.where(b_d > 0, 1.0, 0.0), 1)
+        b_c = b_b
+    elif ALPHA_KIND == ALPHA_15_C:
+        b_a = tl.sum(b_d * b_d, 1)
+        b_b = tl.sum(b_d, 1)
+        b_c = tl.sum(tl.where(b_d > 0, 1.0, 0.0), 1)
+    else:
+        b_pw = tl.where(b_d > 0, tl.exp2((inv_am1 - 1.0) * _safe_log2(b_d)), 0.0)
+        b_a = tl.sum(b_pw * b_d, 1)
+        b_b = tl.sum(b_pw, 1)
+        b_c = b_b
+    if ALPHA_KIND == ALPHA_GENERAL_C:
+        b_dmin = b_b
+    else:
+        b_dmin = tl.min(tl.where(b_d > 0, b_d, float("inf")), 1)
+    return b_a, b_b, b_c, b_dmin
+
+
+@triton.jit
+def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
+                    start_n, q_len, k_len, head_e, scale, mask_mult, b_shift, is_causal,
+                    b_t0, b_t1, m_rows, p_flags, inv_am1,
+                    b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
+                    SKIP: tl.constexpr, TWO: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr,
+                    ALPHA_KIND: tl.constexpr, BOUNDARY: tl.constexpr):
+    """Adds one key tile to the sums at threshold t0 (and t1 when TWO). With SKIP, tiles not
+    flagged by the previous pass are skipped: t0 is a lower bound of tau that only rises,
+    so a tile with no score above it then has none above it later. Rewrites the tile's flag:
+    does any row have a score above t0?"""
+    if SKIP:
+        visit = tl.load(p_flags + start_n // BLOCK_N)
+    else:
+        visit = 1
+    if visit != 0:
+        b_u = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
+                          start_n, q_len, k_len, head_e, scale, mask_mult, b_shift, is_causal,
+                          BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
+        b_a, b_b, b_c, b_n = _moments(tl.maximum(b_u - b_t0[:, None], 0.0), inv_am1, ALPHA_KIND)
+        b_a0 += b_a
+        b_b0 += b_b
+        b_c0 += b_c
+        b_n0 = tl.minimum(b_n0, b_n)
+        # rows without a threshold (masked, NaN, past the end) must not keep tiles alive
+        b_alive = tl.max(tl.where(m_rows, b_b, 0.0), 0)
+        tl.store(p_flags + start_n // BLOCK_N, (b_alive > 0).to(tl.int8))
+        if TWO:
+            b_a, b_b, b_c, b_n = _moments(tl.maximum(b_u - b_t1[:, None], 0.0), inv_am1,
+                                          ALPHA_KIND)
+            b_a1 += b_a
+            b_b1 += b_b
+            b_c1 += b_c
+            b_n1 = tl.minimum(b_n1, b_n)
+    return b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1
+
+
+@triton.jit
+def _threshold_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
+                    start_m, q_len, k_len, kv_end, head_e, scale, mask_mult, b_shift, is_causal,
+                    b_t0, b_t1, m_rows, p_flags, inv_am1,
+                    SKIP: tl.constexpr, TWO: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
+                    MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr):
+    """One pass over the keys: the `_moments` sums at t0 (and t1), inner tiles first."""
+    b_zero = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_inf = tl.full([BLOCK_M], float("inf"), dtype=tl.float32)
+    b_a0, b_b0, b_c0, b_n0 = b_zero, b_zero, b_zero, b_inf
+    b_a1, b_b1, b_c1, b_n1 = b_zero, b_zero, b_zero, b_inf
+    n_full = _full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
+    for start_n in range(0, n_full, BLOCK_N):
+        b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_tile(
+            b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_n,
+            q_len, k_len, head_e, scale, mask_mult, b_shift, is_causal, b_t0, b_t1, m_rows,
+            p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
+            SKIP, TWO, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, False)
+    for start_n in range(n_full, kv_end, BLOCK_N):
+        b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_tile(
+            b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_n,
+            q_len, k_len, head_e, scale, mask_mult, b_shift, is_causal, b_t0, b_t1, m_rows,
+            p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
+            SKIP, TWO, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, True)
+    return b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1
+
+
+@triton.jit
+def _update_threshold(b_t, b_a, b_b, b_c, b_dmin, b_lo, b_hi, b_tau, m_done, am1,
+                      ALPHA_KIND: tl.constexpr):
+    """Tighter bracket [lo, hi] of tau from the `_moments` sums at t, and tau where it is
+    now known. f(tau) = sum [u - tau]_+^e - 1 is convex and decreasing, so a Newton step
+    from either side lands left of the root. The root of the closed form on the support
+    at t (alpha 2: linear, alpha 1.5: quadratic) is tau itself when no score lies between
+    t and it (all positive d above the step); otherwise it bounds tau from below (alpha 2,
+    or t right of the root) or from above (alpha 1.5, t left of the root). Rows in m_done
+    keep their tau. Returns (lo, hi, tau, done)."""
+    b_f = b_a - 1.0
+    m_left = b_f >= 0
+    b_bs = tl.where(b_b > 0, b_b, 1.0)
+    if ALPHA_KIND == ALPHA_2_C:
+        b_step = b_f / b_bs
+        b_root = b_t + b_step
+        m_exact = m_left & (b_step <= b_dmin)
+        b_new_lo = b_root
+        b_new_hi = tl.where(m_left, b_hi, b_t)
+    elif ALPHA_KIND == ALPHA_15_C:
+        b_disc = b_b * b_b - b_c * b_f
+        m_real = b_disc >= 0
+        b_root = b_t + (b_b - tl.sqrt(tl.maximum(b_disc, 0.0))) / tl.where(b_c > 0, b_c, 1.0)
+        b_step = b_f / (2.0 * b_bs)
+        m_exact = m_left & m_real & (b_root - b_t <= b_dmin)
+        b_new_lo = tl.where(m_left, b_t + b_step, tl.maximum(b_root, b_t + b_step))
+        b_new_hi = tl.where(m_left, tl.where(m_real, b_root, b_hi), b_t)
+    else:
+        b_step = b_f * am1 / b_bs
+        b_root = b_t + b_step
+        m_exact = m_left & (b_step <= TAU_STEP_TOL_C)
+        b_new_lo = b_root
+        b_new_hi = tl.where(m_left, b_hi, b_t)
+    # a Newton step this small leaves an error of its square: done for every kind
+    m_small = m_left & (b_step <= TAU_STEP_TOL_C)
+    b_root = tl.where(m_exact, b_root, b_t + b_step)
+    m_exact = m_exact | m_small
+    b_hi_next = tl.minimum(b_hi, b_new_hi)
+    b_lo_next = tl.minimum(tl.maximum(b_lo, b_new_lo), b_hi_next)
+    m_new = m_exact & ~m_done
+    b_tau = tl.where(m_new, b_root, b_tau)
+    # a row that is done is evaluated at its tau from now on: tight tile flags
+    b_lo_next = tl.where(m_new, b_root, tl.where(m_done, b_lo, b_lo_next))
+    return b_lo_next, tl.where(m_done, b_hi, b_hi_next), b_tau, m_done | m_exact
 
 
 @triton.jit
@@ -371,18 +494,19 @@ def entmax_attn_fwd_kernel(
     stride_mb, stride_mh, stride_mq, stride_mk,
     stride_sb, stride_sh, stride_stat,
     n_heads, kv_group, seqlen_q, seqlen_k, n_qblocks, n_kblocks, head_e, head_ev,
-    scale, dropout_p, is_causal, need_grad,
+    scale, dropout_p, is_causal,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    NUM_CAND: tl.constexpr,
+    NEED_GRAD: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     i_b = (pid_bh // n_heads).to(tl.int64)
     i_h = (pid_bh % n_heads).to(tl.int64)
     i_hk = i_h // kv_group
-    q_start, q_len, k_start, k_len = _sequence_bounds(cu_q_ptr, cu_k_ptr, i_b, seqlen_q, seqlen_k, IS_VARLEN)
+    q_start, q_len, k_start, k_len = _sequence_bounds(cu_q_ptr, cu_k_ptr, i_b, seqlen_q,
+                                                      seqlen_k, IS_VARLEN)
     start_m = pid_m * BLOCK_M
     if start_m >= q_len:
         return
@@ -400,91 +524,146 @@ def entmax_attn_fwd_kernel(
     alpha = tl.load(alpha_ptr + i_h).to(tl.float32)
     am1 = alpha - 1.0
     inv_am1 = 1.0 / am1
+    # every pass works on y = (alpha - 1) z, whose threshold lies in [max - 1, max)
+    scale_y = scale * am1
 
     kv_end = k_len
     if is_causal != 0:
         kv_end = tl.minimum(k_len, start_m + BLOCK_M)
 
-    # pass 1: row max and count of finite scores
-    b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    b_n = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for start_n in range(0, kv_end, BLOCK_N):
-        b_z = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk,
-                          o_m, start_n, q_len, k_len, head_e, scale, is_causal, BLOCK_N,
-                          BLOCK_E, BLOCK_EC, MASK_KIND)
-        b_m = tl.maximum(b_m, tl.max(b_z, 1))
-        b_n += tl.sum(tl.where(b_z > float("-inf"), 1.0, 0.0), 1)
-    # a fully masked row keeps every u at -inf, so its weights come out as exact zeros
-    b_m = tl.where(b_m > float("-inf"), b_m, 0.0)
+    # pass 1: row max
+    b_m = _row_max(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
+                   start_m, q_len, k_len, kv_end, head_e, scale_y, am1, is_causal, BLOCK_M,
+                   BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND)
+    # torch.softmax's rule: a NaN or +inf score makes its row NaN; a row with every key
+    # masked gets zeros. Neither has a threshold to find.
+    m_bad = (b_m != b_m) | (b_m == float("inf"))
+    m_rows = m_m & (b_m > float("-inf")) & (b_m < float("inf"))
+    b_my = tl.where(m_rows, b_m, 0.0)
 
-    # passes 2 and 3: tau by bracketed multi-point Newton/secant, Halley at the end
+    # threshold passes, in shifted coordinates u = y - max(y): tau in [-1, 0)
     b_lo = tl.full([BLOCK_M], -1.0, dtype=tl.float32)
-    b_hi = -tl.exp2((1.0 - alpha) * tl.log2(tl.maximum(b_n, 1.0)))
-    b_fhi = tl.zeros([BLOCK_M], dtype=tl.float32)
-    b_fphi = tl.zeros([BLOCK_M], dtype=tl.float32)
-    b_has_fhi = tl.zeros([BLOCK_M], dtype=tl.int32)
-    b_lo, b_hi, b_fhi, b_fphi, b_has_fhi, b_tau = _candidate_pass(
-        b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, q_len, k_len,
-        kv_end, head_e, scale, is_causal, b_m, am1, inv_am1, b_lo, b_hi, b_fhi, b_fphi,
-        b_has_fhi, p_flags, 0, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND,
-        NUM_CAND)
-    b_lo, b_hi, b_fhi, b_fphi, b_has_fhi, b_tau = _candidate_pass(
-        b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, q_len, k_len,
-        kv_end, head_e, scale, is_causal, b_m, am1, inv_am1, b_lo, b_hi, b_fhi, b_fphi,
-        b_has_fhi, p_flags, 1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND,
-        NUM_CAND)
-    # the flags written above are read back by other threads of this program
+    b_hi = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_tau = b_lo
+    m_done = ~m_rows
+    b_mid = 0.5 * (b_lo + b_hi)
+    b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_pass(
+        b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_m, q_len,
+        k_len, kv_end, head_e, scale_y, am1, b_my, is_causal, b_lo, b_mid, m_rows, p_flags,
+        inv_am1, False, True, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
+    b_lo, b_hi, b_tau, m_done = _update_threshold(b_lo, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi,
+                                                  b_tau, m_done, am1, ALPHA_KIND)
+    b_lo, b_hi, b_tau, m_done = _update_threshold(b_mid, b_a1, b_b1, b_c1, b_n1, b_lo, b_hi,
+                                                  b_tau, m_done, am1, ALPHA_KIND)
+    n_pass = 1
+    while (tl.max(tl.where(m_done, 0, 1), 0) > 0) & (n_pass < MAX_TAU_PASSES_C):
+        # this pass reads the flags the previous one wrote from other threads
+        tl.debug_barrier()
+        b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_pass(
+            b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_m,
+            q_len, k_len, kv_end, head_e, scale_y, am1, b_my, is_causal, b_lo, b_lo, m_rows,
+            p_flags, inv_am1, True, False, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND,
+            ALPHA_KIND)
+        b_lo, b_hi, b_tau, m_done = _update_threshold(b_lo, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi,
+                                                      b_tau, m_done, am1, ALPHA_KIND)
+        n_pass += 1
+    # rows still open after MAX_TAU_PASSES: the last lower bound (a Newton step)
+    b_tau = tl.where(m_done, b_tau, b_lo)
     tl.debug_barrier()
 
-    # pass 4 (sparse): output over the flagged tiles only
+    # output pass (sparse): tiles flagged by the last threshold pass; it flags exactly the
+    # tiles holding non-zero weight, for the backward
     seed = tl.load(seed_ptr)
     b_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_plogp = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_ssum = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_EV], dtype=tl.float32)
     b_dacc = tl.zeros([BLOCK_M, BLOCK_EV], dtype=tl.float32)
-    for start_n in range(0, kv_end, BLOCK_N):
-        if tl.load(p_flags + start_n // BLOCK_N) != 0:
-            b_z = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq,
-                              stride_mk, o_m, start_n, q_len, k_len, head_e, scale,
-                              is_causal, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND)
-            b_d = tl.maximum(am1 * (b_z - b_m[:, None]) - b_tau[:, None], 0.0)  # [BM, BN]
-            b_p = _weights(b_d, inv_am1, ALPHA_KIND)
-            b_sum += tl.sum(b_p, 1)
-            o_n = start_n + tl.arange(0, BLOCK_N)
-            b_vt = tl.load(p_v + o_n[:, None] * stride_vl + o_ev[None, :],
-                           mask=(o_n[:, None] < k_len) & (o_ev[None, :] < head_ev),
-                           other=0.0)  # [BN, BEV]
-            b_drop = _dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
-                                    BLOCK_M, BLOCK_N, HAS_DROPOUT)
-            b_acc += _dot((b_p * b_drop).to(b_vt.dtype), b_vt)
-            if need_grad != 0:
-                b_s = _sensitivity(b_d, inv_am1, ALPHA_KIND)
-                b_ssum += tl.sum(b_s, 1)
-                b_dacc += _dot((b_s * b_drop).to(b_vt.dtype), b_vt)
-                # p log p = p * log(d) / (alpha - 1)
-                b_plogp += tl.sum(tl.where(b_d > 0, b_p * _safe_log2(b_d), 0.0), 1) * (
-                    inv_am1 * 0.6931471805599453)
+    n_full = _full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
+    for start_n in range(0, n_full, BLOCK_N):
+        b_sum, b_ssum, b_plogp, b_acc, b_dacc = _output_tile(
+            b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq, stride_mk,
+            o_m, start_n, q_len, k_len, head_e, head_ev, scale_y, am1, inv_am1, b_my, b_tau,
+            m_rows, is_causal, p_flags, seed, pid_bh, seqlen_q, seqlen_k, dropout_p,
+            b_sum, b_ssum, b_plogp, b_acc, b_dacc, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
+            BLOCK_EC, MASK_KIND, ALPHA_KIND, HAS_DROPOUT, NEED_GRAD, False)
+    for start_n in range(n_full, kv_end, BLOCK_N):
+        b_sum, b_ssum, b_plogp, b_acc, b_dacc = _output_tile(
+            b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq, stride_mk,
+            o_m, start_n, q_len, k_len, head_e, head_ev, scale_y, am1, inv_am1, b_my, b_tau,
+            m_rows, is_causal, p_flags, seed, pid_bh, seqlen_q, seqlen_k, dropout_p,
+            b_sum, b_ssum, b_plogp, b_acc, b_dacc, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
+            BLOCK_EC, MASK_KIND, ALPHA_KIND, HAS_DROPOUT, NEED_GRAD, True)
 
     m_pos = b_sum > 0
     b_sum_safe = tl.where(m_pos, b_sum, 1.0)
     b_out = b_acc / b_sum_safe[:, None]
+    b_out = tl.where(m_bad[:, None], float("nan"), b_out)
     p_o = o_ptr + i_b * stride_ob + i_h * stride_oh + q_start * stride_ol
     m_o = m_m[:, None] & (o_ev[None, :] < head_ev)
     tl.store(p_o + o_m[:, None] * stride_ol + o_ev[None, :], b_out.to(o_ptr.dtype.element_ty),
              mask=m_o)
 
+    # the backward recomputes u from the stored shift: NaN on NaN rows keeps them NaN there
     p_stats = stats_ptr + i_b * stride_sb + i_h * stride_sh + q_start + o_m
-    tl.store(p_stats + STAT_MAX_C * stride_stat, b_m, mask=m_m)
+    tl.store(p_stats + STAT_MAX_C * stride_stat, tl.where(m_bad, float("nan"), b_my), mask=m_m)
     tl.store(p_stats + STAT_TAU_C * stride_stat, b_tau, mask=m_m)
     tl.store(p_stats + STAT_SUM_C * stride_stat, b_sum, mask=m_m)
-    if need_grad != 0:
+    if NEED_GRAD >= GRAD_ALPHA_C:
         # entropy of the normalised row: -sum (p/l) log(p/l) = log l - (sum p log p) / l
         b_entropy = tl.where(m_pos, tl.log(b_sum_safe) - b_plogp / b_sum_safe, 0.0)
         tl.store(p_stats + STAT_ENTROPY_C * stride_stat, b_entropy, mask=m_m)
+    if NEED_GRAD >= GRAD_INPUTS_C:
         b_dvec = b_dacc / tl.where(b_ssum > 0, b_ssum, 1.0)[:, None]
         p_dv = dvec_ptr + i_b * stride_ob + i_h * stride_oh + q_start * stride_ol
         tl.store(p_dv + o_m[:, None] * stride_ol + o_ev[None, :], b_dvec, mask=m_o)
+
+
+@triton.jit
+def _output_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq,
+                 stride_mk, o_m, start_n, q_len, k_len, head_e, head_ev, scale_y, am1, inv_am1,
+                 b_my, b_tau, m_rows, is_causal, p_flags, seed, pid_bh, seqlen_q, seqlen_k,
+                 dropout_p, b_sum, b_ssum, b_plogp, b_acc, b_dacc,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+                 BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr,
+                 ALPHA_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                 NEED_GRAD: tl.constexpr, BOUNDARY: tl.constexpr):
+    """Adds one flagged key tile to the output sums; rewrites its flag to "holds a non-zero
+    weight" and skips the products when it does not."""
+    if tl.load(p_flags + start_n // BLOCK_N) != 0:
+        b_u = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
+                          start_n, q_len, k_len, head_e, scale_y, am1, b_my, is_causal,
+                          BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
+        b_d = tl.maximum(b_u - b_tau[:, None], 0.0)  # [BM, BN]
+        b_p = _weights(b_d, inv_am1, ALPHA_KIND)
+        b_prow = tl.sum(b_p, 1)
+        b_sum += b_prow
+        b_alive = tl.max(tl.where(m_rows, b_prow, 0.0), 0) > 0
+        tl.store(p_flags + start_n // BLOCK_N, b_alive.to(tl.int8))
+        if b_alive:
+            o_n = start_n + tl.arange(0, BLOCK_N)
+            o_ev = tl.arange(0, BLOCK_EV)
+            b_v = tl.load(p_v + o_n[:, None] * stride_vl + o_ev[None, :],
+                          mask=(o_n[:, None] < k_len) & (o_ev[None, :] < head_ev),
+                          other=0.0)  # [BN, BEV]
+            b_drop = _dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
+                                    BLOCK_M, BLOCK_N, HAS_DROPOUT)
+            if HAS_DROPOUT:
+                b_acc += _dot((b_p * b_drop).to(b_v.dtype), b_v)
+            else:
+                b_acc += _dot(b_p.to(b_v.dtype), b_v)
+            if NEED_GRAD >= GRAD_INPUTS_C:
+                b_s = _sensitivity(b_d, inv_am1, ALPHA_KIND)
+                b_ssum += tl.sum(b_s, 1)
+                if HAS_DROPOUT:
+                    b_dacc += _dot((b_s * b_drop).to(b_v.dtype), b_v)
+                else:
+                    b_dacc += _dot(b_s.to(b_v.dtype), b_v)
+            if NEED_GRAD >= GRAD_ALPHA_C:
+                # p log p = p * log(d) / (alpha - 1)
+                b_plogp += tl.sum(tl.where(b_d > 0, b_p * _safe_log2(b_d), 0.0), 1) * (
+                    inv_am1 * 0.6931471805599453)
+    return b_sum, b_ssum, b_plogp, b_acc, b_dacc
 
 
 _DTYPES = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16"}
@@ -498,24 +677,26 @@ def _mask_type(dtype_key, mask_kind):
     return "*i8"
 
 
-def fwd_signature(dtype_key, mask_kind):
-    t = _DTYPES[dtype_key]
-    mask_t = _mask_type(dtype_key, mask_kind)
-    sig = {"q_ptr": t, "k_ptr": t, "v_ptr": t, "o_ptr": t, "dvec_ptr": "*fp32",
-           "stats_ptr": "*fp32", "flags_ptr": "*i8", "mask_ptr": mask_t, "alpha_ptr": "*fp32",
-           "seed_ptr": "*i64", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}
-    for name in ("stride_qb", "stride_qh", "stride_ql", "stride_kb", "stride_kh", "stride_kl",
-                 "stride_vb", "stride_vh", "stride_vl", "stride_ob", "stride_oh", "stride_ol",
-                 "stride_mb", "stride_mh", "stride_mq", "stride_mk",
-                 "stride_sb", "stride_sh", "stride_stat",
-                 "n_heads", "kv_group", "seqlen_q", "seqlen_k", "n_qblocks", "n_kblocks",
-                 "head_e", "head_ev"):
-        sig[name] = "i32"
-    sig.update({"scale": "fp32", "dropout_p": "fp32", "is_causal": "i32", "need_grad": "i32"})
-    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_E", "BLOCK_EV", "BLOCK_EC", "ALPHA_KIND",
-                 "MASK_KIND", "IS_VARLEN", "HAS_DROPOUT", "NUM_CAND"):
-        sig[name] = "constexpr"
+def kernel_signature(fn, dtype_key, mask_kind, pointers, floats=("scale", "dropout_p")):
+    """The AOT signature of a @triton.jit kernel from its own parameter list: constexpr
+    parameters as such, `pointers` (name -> type; "T" = the tensors' dtype, "MASK" = the
+    mask's), `floats` fp32, every other parameter (strides, sizes, flags) i32."""
+    types = {"T": _DTYPES[dtype_key], "MASK": _mask_type(dtype_key, mask_kind)}
+    sig = {}
+    for param in fn.params:
+        if param.is_constexpr:
+            sig[param.name] = "constexpr"
+        elif param.name in pointers:
+            sig[param.name] = types.get(pointers[param.name], pointers[param.name])
+        else:
+            sig[param.name] = "fp32" if param.name in floats else "i32"
     return sig
+
+
+FWD_POINTERS = {"q_ptr": "T", "k_ptr": "T", "v_ptr": "T", "o_ptr": "T", "dvec_ptr": "*fp32",
+                "stats_ptr": "*fp32", "flags_ptr": "*i8", "mask_ptr": "MASK",
+                "alpha_ptr": "*fp32", "seed_ptr": "*i64", "cu_q_ptr": "*i32",
+                "cu_k_ptr": "*i32"}
 
 
 def _config_space():
@@ -534,26 +715,26 @@ def config_suffix(dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout):
 
 
 def aot_configs():
-    """Every forward configuration the launcher in attention.py can choose.
-
-    "options" holds the extra triton.compile options the launcher also passes (maxnreg).
-    """
+    """Every forward configuration the launcher in attention.py can choose."""
     configs = []
     for dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout in _config_space():
         block_m, block_n, num_warps, num_stages = block_sizes(block_e, dtype_key, dropout)
-        constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_E": block_e,
-                      "BLOCK_EV": block_e, "BLOCK_EC": chunk_width("fwd", block_e, dtype_key),
-                      "ALPHA_KIND": alpha_kind, "MASK_KIND": mask_kind,
-                      "IS_VARLEN": int(varlen), "HAS_DROPOUT": int(dropout),
-                      "NUM_CAND": NUM_CANDIDATES}
-        configs.append({
-            "name": "entmax_attn_fwd_" + config_suffix(dtype_key, block_e, alpha_kind, mask_kind,
-                                                       varlen, dropout),
-            "fn": entmax_attn_fwd_kernel,
-            "signature": fwd_signature(dtype_key, mask_kind),
-            "constexprs": constexprs,
-            "num_warps": num_warps,
-            "num_stages": num_stages,
-            "options": {"maxnreg": MAX_REGISTERS},
-        })
+        for need_grad in (GRAD_NONE, GRAD_INPUTS, GRAD_ALPHA):
+            if need_grad == GRAD_ALPHA and alpha_kind != ALPHA_GENERAL:
+                continue  # a differentiable alpha is a tensor: the general kind
+            constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_E": block_e,
+                          "BLOCK_EV": block_e, "BLOCK_EC": chunk_width("fwd", block_e, dtype_key),
+                          "ALPHA_KIND": alpha_kind, "MASK_KIND": mask_kind,
+                          "IS_VARLEN": int(varlen), "HAS_DROPOUT": int(dropout),
+                          "NEED_GRAD": need_grad}
+            suffix = config_suffix(dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout)
+            configs.append({
+                "name": f"entmax_attn_fwd_{suffix}_g{need_grad}",
+                "fn": entmax_attn_fwd_kernel,
+                "signature": kernel_signature(entmax_attn_fwd_kernel, dtype_key, mask_kind,
+                                              FWD_POINTERS),
+                "constexprs": constexprs,
+                "num_warps": num_warps,
+                "num_stages": num_stages,
+            })
     return configs

@@ -1,0 +1,221 @@
+"""Fused entmax attention on a GPU: the grid of the fused-attention issue, in one run.
+
+For each (L, E, causal) of the grid (bf16, H = 16, B·L = 16384 tokens; and L = 32768 at
+B = 1), times with `triton.testing.do_bench` (median ms) the forward without autograd and a
+training step (forward + backward) of:
+- softmax attention (`scaled_dot_product_attention`, the baseline of every ratio),
+- entmax_fast at α = 1.5 and α = 2,
+- AdaSplash at α = 1.5 with its default arguments, when the package is importable,
+- FlashAttention (softmax), when importable;
+plus a structured input whose weights are local (scores peaked near the diagonal, so most
+key tiles hold no weight) at L ≥ 16384, and the peak memory of one training step.
+
+Writes attention_gpu.md (tables with ratios to SDPA), attention_gpu.csv and
+attention_gpu.png into --out. Needs a CUDA device; exits with a message otherwise.
+
+    python bench/bench_attention_gpu.py --out bench/out/gpu [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+# (L, E, causal); B = 16384 // L
+GRID = [(1024, 64, False), (4096, 64, False), (16384, 64, False),
+        (1024, 64, True), (4096, 64, True), (16384, 64, True),
+        (4096, 128, True), (16384, 128, True), (32768, 64, True)]
+QUICK_GRID = [(1024, 64, True), (4096, 64, False), (4096, 64, True), (4096, 128, True)]
+HEADS = 16
+TOKENS = 16384
+
+
+def _versions() -> str:
+    parts = [f"torch {torch.__version__}"]
+    for package in ("triton", "adasplash", "flash-attn", "transformers"):
+        try:
+            parts.append(f"{package} {importlib.metadata.version(package)}")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return ", ".join(parts)
+
+
+def _methods() -> dict:
+    """name -> callable(q, k, v, causal) in (B, H, L, E) layout."""
+    import entmax_fast
+
+    methods = {
+        "sdpa": lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c),
+        "entmax_fast a=1.5": lambda q, k, v, c: entmax_fast.entmax_attention(
+            q, k, v, is_causal=c, alpha=1.5),
+        "entmax_fast a=2": lambda q, k, v, c: entmax_fast.entmax_attention(
+            q, k, v, is_causal=c, alpha=2.0),
+    }
+    try:
+        import adasplash
+
+        # its default arguments (iterations, block masking), as a user calls it
+        methods["adasplash a=1.5"] = lambda q, k, v, c: adasplash.adasplash(
+            q, k, v, alpha=1.5, is_causal=c)
+        if hasattr(adasplash, "adasplash_no_block_mask"):
+            methods["adasplash_no_block_mask a=1.5"] = (
+                lambda q, k, v, c: adasplash.adasplash_no_block_mask(q, k, v, alpha=1.5,
+                                                                    is_causal=c))
+    except ImportError:
+        pass
+    try:
+        from flash_attn import flash_attn_func
+
+        methods["flash_attn"] = lambda q, k, v, c: flash_attn_func(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            causal=c).transpose(1, 2)
+    except ImportError:
+        pass
+    return methods
+
+
+def _inputs(batch, length, head_dim, local, grad):
+    torch.manual_seed(0)
+    shape = (batch, HEADS, length, head_dim)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    if local:
+        # q_i . k_j large only for |i - j| small: smooth random walks along the sequence,
+        # scaled so that a query's scores fall by several units within ~100 positions
+        walk = torch.randn(batch, HEADS, length, head_dim, device="cuda").cumsum(2)
+        walk = walk / walk.std(dim=2, keepdim=True)
+        k = (walk * 3).to(torch.bfloat16)
+        q = (walk * 3 + 0.3 * torch.randn_like(walk)).to(torch.bfloat16)
+    if grad:
+        for t in (q, k, v):
+            t.requires_grad_(True)
+    return q, k, v
+
+
+def _time(method, batch, length, head_dim, causal, local):
+    from triton.testing import do_bench
+
+    q, k, v = _inputs(batch, length, head_dim, local, grad=False)
+    with torch.no_grad():
+        fwd = do_bench(lambda: method(q, k, v, causal), warmup=5, rep=40)
+    q, k, v = _inputs(batch, length, head_dim, local, grad=True)
+    grad_out = torch.randn(batch, HEADS, length, head_dim, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        for t in (q, k, v):
+            t.grad = None
+        method(q, k, v, causal).backward(grad_out)
+
+    fwdbwd = do_bench(step, warmup=3, rep=40)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    return fwd, fwdbwd, peak
+
+
+def run(grid, out_dir):
+    methods = _methods()
+    rows = []
+    cases = [(length, e, causal, False) for length, e, causal in grid]
+    cases += [(length, 64, True, True) for length in (16384, 32768)
+              if any(g[0] >= 16384 for g in grid)]
+    for length, head_dim, causal, local in cases:
+        batch = max(1, TOKENS // length)
+        base = None
+        for name, method in methods.items():
+            try:
+                fwd, fwdbwd, peak = _time(method, batch, length, head_dim, causal, local)
+                error = ""
+            except Exception as exc:  # noqa: BLE001 - a baseline that fails is reported
+                fwd = fwdbwd = peak = math.nan
+                error = f"{type(exc).__name__}: {str(exc)[:80]}"
+            if name == "sdpa":
+                base = (fwd, fwdbwd)
+            row = {"input": "local" if local else "random", "L": length, "B": batch,
+                   "E": head_dim, "causal": causal, "method": name, "fwd_ms": fwd,
+                   "fwdbwd_ms": fwdbwd, "fwd_x_sdpa": fwd / base[0],
+                   "fwdbwd_x_sdpa": fwdbwd / base[1], "peak_mib": peak, "error": error}
+            rows.append(row)
+            print(f"{row['input']:6s} L={length:6d} E={head_dim:3d} causal={causal!s:5s} "
+                  f"{name:32s} fwd {fwd:9.3f} ms ({row['fwd_x_sdpa']:6.1f}x)  "
+                  f"fwd+bwd {fwdbwd:9.3f} ms ({row['fwdbwd_x_sdpa']:6.1f}x)  "
+                  f"peak {peak:7.0f} MiB {error}", flush=True)
+    _write(rows, out_dir)
+    return rows
+
+
+def _write(rows, out_dir):
+    from bench.common import write_csv
+
+    os.makedirs(out_dir, exist_ok=True)
+    write_csv(rows, os.path.join(out_dir, "attention_gpu.csv"))
+    header = (f"# Fused attention on {torch.cuda.get_device_name()}\n\n{_versions()}; bf16, "
+              f"H = {HEADS}, B·L = {TOKENS} (B = 1 at L = 32768); `triton.testing.do_bench` "
+              f"medians. ×SDPA: ratio to scaled_dot_product_attention in the same run.\n\n")
+    lines = ["| input | L | E | causal | method | fwd ms | ×SDPA | fwd+bwd ms | ×SDPA | peak MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['input']} | {r['L']} | {r['E']} | {r['causal']} | {r['method']} | "
+                     f"{r['fwd_ms']:.3f} | {r['fwd_x_sdpa']:.2f} | {r['fwdbwd_ms']:.3f} | "
+                     f"{r['fwdbwd_x_sdpa']:.2f} | {r['peak_mib']:.0f} |"
+                     + (f" {r['error']}" if r["error"] else ""))
+    with open(os.path.join(out_dir, "attention_gpu.md"), "w") as f:
+        f.write(header + "\n".join(lines) + "\n")
+    _plot(rows, os.path.join(out_dir, "attention_gpu.png"))
+
+
+def _plot(rows, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    cases = sorted({(r["input"], r["L"], r["E"], r["causal"]) for r in rows},
+                   key=lambda c: (c[0], c[2], c[3], c[1]))
+    names = list(dict.fromkeys(r["method"] for r in rows if r["method"] != "sdpa"))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
+    for ax, key, title in ((axes[0], "fwd_x_sdpa", "forward"),
+                           (axes[1], "fwdbwd_x_sdpa", "forward + backward")):
+        width = 0.8 / max(1, len(names))
+        for i, name in enumerate(names):
+            values = [next((r[key] for r in rows if r["method"] == name and
+                            (r["input"], r["L"], r["E"], r["causal"]) == c), math.nan)
+                      for c in cases]
+            ax.bar([j + i * width for j in range(len(cases))], values, width, label=name)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_yscale("log")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
+        ax.set_xticklabels([f"{c[0][:3]} L{c[1]}\nE{c[2]}{' c' if c[3] else ''}" for c in cases],
+                           fontsize=7)
+        ax.set_title(f"{title}: time / SDPA time (log scale; 1 = SDPA)")
+        ax.legend(fontsize=7, loc="upper left")
+    fig.suptitle(f"entmax attention vs softmax, {torch.cuda.get_device_name()} (bf16, H=16)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.path.join("bench", "out", "gpu"))
+    parser.add_argument("--quick", action="store_true", help="four cells of the grid only")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_attention_gpu: needs a CUDA device (none here); nothing measured")
+        return 0
+    print(f"{torch.cuda.get_device_name()}; {_versions()}")
+    run(QUICK_GRID if args.quick else GRID, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
