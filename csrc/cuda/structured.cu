@@ -1,365 +1,626 @@
-// fusedmax and oscarmax, CUDA kernels (MATH.md §4; semantics and algorithms as in
-// csrc/cpu/structured.cpp, which also holds the schemas and, under ENTMAX_FAST_WITH_CUDA,
-// the host side of the CUDA operators that call the launchers below).
+// fusedmax and oscarmax, CUDA kernels (MATH.md §4). The row algorithms (Condat's TV scan,
+// pool-adjacent-violators, Michelot's threshold, the large-score transform) are the ones of
+// csrc/common/structured_algos.h, shared with the CPU operators; the host side of the CUDA
+// operators is csrc/cuda/structured_ops.cpp. No torch header here: nvcc stays fast.
 //
-// This file includes no torch header: the kernels take raw pointers, which keeps an
-// nvcc compile to a few seconds instead of about a minute for the ATen headers.
-//
-// One thread per row: Condat's TV algorithm and PAV are sequential scans whose restarts
-// depend on the data, so a row cannot be split across threads without changing the
-// algorithm. Rows are independent, so a grid of rows keeps the GPU busy when there are
-// many rows (attention: B·H·Lq rows); a single long row runs on one thread.
+// One block per row, its size chosen by the row length (a single warp up to 512 entries for
+// the TV forward, up to 256 otherwise; 1024 threads from 16k / 8k entries on):
+//   forward: a coalesced load that packs the valid entries (ballot compaction); the scaling
+//   pass, the OSCAR sort (bitonic network on (|v| key, index)), the restoring of order and
+//   signs, the projection's max and Michelot passes (block reductions) and the stores run on
+//   every thread; Condat's scan and PAV, which are sequential, run on one thread over shared
+//   memory.
+//   backward: the support's mean of g (block reduction); the groups (TV: runs of equal y over
+//   the valid entries; OSCAR: equal |y| != 0, after the same bitonic sort) are averaged by a
+//   block-wide segmented scan.
+// Where a row's arrays fit in 48 KiB of shared memory they live there (fp32: TV forward up to
+// ~6k entries, OSCAR forward ~1.7k, backward ~2k / ~1.5k); longer rows keep them in a global
+// scratch, one slice per block, with a grid of at most 2 blocks per SM looping over the rows.
 //
 // Differences from the CPU operators, both to avoid a host sync: lengths are clamped to
-// [0, n] instead of checked, and a row holding NaN or +inf gets NaN weights and prox
-// instead of raising.
-// ENTMAX_FAST_HOST_EMULATION: tests/test_structured.py compiles the kernels with g++ and runs
-// them row by row on the host (no GPU here); it drops the runtime header and the launchers.
+// [0, n] instead of checked. NaN/+inf rows give NaN, as on the CPU.
+//
+// ENTMAX_FAST_HOST_EMULATION: tests/test_structured.py compiles this file with g++, defines
+// the CUDA built-ins it uses (threads of a block are std::threads, __syncthreads a barrier,
+// warp intrinsics exchanges through memory) and runs the kernels on the host.
 #ifndef ENTMAX_FAST_HOST_EMULATION
 #include <cuda_runtime.h>
 #endif
 
-#include <cmath>
+#include <cstddef>
 #include <cstdint>
+
+#include "../common/structured_algos.h"
+#include "structured_cuda.h"
 
 namespace entmax_fast {
 namespace structured_cuda {
 
-enum class Prox { kTV, kOSCAR };
+using structured::Prox;
 
-constexpr int kThreads = 128;
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr size_t kSharedLimit = 48 * 1024;  // dynamic shared memory without an opt-in
 
-template <typename T>
-__device__ __forceinline__ T neg_inf() {
-  return static_cast<T>(-INFINITY);
+#ifdef ENTMAX_FAST_HOST_EMULATION
+unsigned char* dynamic_shared_memory();  // the harness's per-block buffer
+#else
+__device__ __forceinline__ unsigned char* dynamic_shared_memory() {
+  extern __shared__ __align__(16) unsigned char structured_shared[];
+  return structured_shared;
+}
+#endif
+
+__host__ __device__ inline int next_pow2(int64_t v) {
+  int p = 1;
+  while (p < v) p <<= 1;
+  return p;
 }
 
 template <typename T>
-__device__ __forceinline__ T abs_value(T v) {
+__host__ __device__ inline T max_of(T a, T b) {
+  return a > b ? a : b;
+}
+
+template <typename T>
+__host__ __device__ inline T abs_of(T v) {
   return v < T(0) ? -v : v;
 }
 
-// Keys whose unsigned ascending order is the decreasing order of |v|.
-__device__ __forceinline__ uint32_t descending_abs_key(float v) { return ~__float_as_uint(fabsf(v)); }
-__device__ __forceinline__ unsigned long long descending_abs_key(double v) {
-  return ~static_cast<unsigned long long>(__double_as_longlong(fabs(v)));
-}
-
-template <typename T>
-struct KeyType {
-  using type = unsigned long long;
+// Hands out 16-byte aligned arrays from one buffer; with a null base it only counts bytes,
+// which is how the host sizes exactly what the kernel will carve.
+struct Carver {
+  unsigned char* base;
+  size_t offset;
+  template <typename U>
+  __host__ __device__ U* take(int64_t count) {
+    offset = (offset + 15) & ~size_t(15);
+    U* at = base ? reinterpret_cast<U*>(base + offset) : nullptr;
+    offset += static_cast<size_t>(count) * sizeof(U);
+    return at;
+  }
+  __host__ __device__ size_t size() const { return (offset + 15) & ~size_t(15); }
 };
-template <>
-struct KeyType<float> {
-  using type = uint32_t;
+
+template <typename T>
+struct Reductions {  // one slot per warp
+  T* a;
+  T* b;
+  int* i;
+  int* j;
 };
 
-// Condat's direct algorithm, in place (see the CPU source for why in place is safe).
 template <typename T>
-__device__ void tv1d_prox_inplace(T* w, int64_t width, T lambda) {
-  if (width <= 1 || lambda == T(0)) return;
-  int64_t k = 0, k0 = 0, kplus = 0, kminus = 0;
-  T umin = lambda, umax = -lambda;
-  T vmin = w[0] - lambda, vmax = w[0] + lambda;
-  const T twolambda = T(2) * lambda;
-  const T minlambda = -lambda;
-  for (;;) {
-    while (k == width - 1) {
-      if (umin < T(0)) {
-        do w[k0++] = vmin; while (k0 <= kminus);
-        k = kminus = k0;
-        vmin = w[k0];
-        umin = lambda;
-        umax = vmin + umin - vmax;
-      } else if (umax > T(0)) {
-        do w[k0++] = vmax; while (k0 <= kplus);
-        k = kplus = k0;
-        vmax = w[k0];
-        umax = minlambda;
-        umin = vmax + umax - vmin;
-      } else {
-        vmin += umin / T(k - k0 + 1);
-        do w[k0++] = vmin; while (k0 <= k);
-        return;
-      }
-    }
-    umin += w[k + 1] - vmin;
-    if (umin < minlambda) {
-      do w[k0++] = vmin; while (k0 <= kminus);
-      k = kplus = kminus = k0;
-      vmin = w[k0];
-      vmax = vmin + twolambda;
-      umin = lambda;
-      umax = minlambda;
-    } else {
-      umax += w[k + 1] - vmax;
-      if (umax > lambda) {
-        do w[k0++] = vmax; while (k0 <= kplus);
-        k = kplus = kminus = k0;
-        vmax = w[k0];
-        vmin = vmax - twolambda;
-        umin = lambda;
-        umax = minlambda;
-      } else {
-        k++;
-        if (umin >= lambda) {
-          kminus = k;
-          vmin += (umin - lambda) / T(kminus - k0 + 1);
-          umin = lambda;
-        }
-        if (umax <= minlambda) {
-          kplus = k;
-          vmax += (umax + lambda) / T(kplus - k0 + 1);
-          umax = minlambda;
-        }
-      }
-    }
-  }
-}
-
-// In-place heap sort of (keys, order) by ascending key: O(m log m), no extra memory.
-template <typename Key>
-__device__ void heap_sort(Key* keys, int32_t* order, int64_t m) {
-  auto sift_down = [&](int64_t root, int64_t end) {
-    while (2 * root + 1 < end) {
-      int64_t child = 2 * root + 1;
-      if (child + 1 < end && keys[child] < keys[child + 1]) ++child;
-      if (!(keys[root] < keys[child])) return;
-      const Key key = keys[root];
-      keys[root] = keys[child];
-      keys[child] = key;
-      const int32_t index = order[root];
-      order[root] = order[child];
-      order[child] = index;
-      root = child;
-    }
-  };
-  for (int64_t start = m / 2 - 1; start >= 0; --start) sift_down(start, m);
-  for (int64_t end = m - 1; end > 0; --end) {
-    const Key key = keys[0];
-    keys[0] = keys[end];
-    keys[end] = key;
-    const int32_t index = order[0];
-    order[0] = order[end];
-    order[end] = index;
-    sift_down(0, end);
-  }
-}
-
-// OSCAR prox in place: sort |v| decreasingly, subtract w_r = beta (m-1-r), PAV
-// (non-increasing, equal means pooled), clip at 0, restore order and signs.
-template <typename T>
-__device__ void oscar_prox_inplace(T* v, int64_t m, T beta, typename KeyType<T>::type* keys, int32_t* order,
-                                   T* block_sum, int32_t* block_len) {
-  if (m == 0 || beta == T(0)) return;
-  for (int64_t i = 0; i < m; ++i) {
-    keys[i] = descending_abs_key(v[i]);
-    order[i] = static_cast<int32_t>(i);
-  }
-  heap_sort(keys, order, m);
-  int64_t nb = 0;
-  for (int64_t r = 0; r < m; ++r) {
-    block_sum[nb] = abs_value(v[order[r]]) - beta * T(m - 1 - r);
-    block_len[nb] = 1;
-    ++nb;
-    while (nb > 1 && block_sum[nb - 2] / T(block_len[nb - 2]) <= block_sum[nb - 1] / T(block_len[nb - 1])) {
-      block_sum[nb - 2] += block_sum[nb - 1];
-      block_len[nb - 2] += block_len[nb - 1];
-      --nb;
-    }
-  }
-  int64_t r = 0;
-  for (int64_t b = 0; b < nb; ++b) {
-    const T mean = block_sum[b] / T(block_len[b]);
-    const T t = mean > T(0) ? mean : T(0);
-    for (int32_t c = 0; c < block_len[b]; ++c, ++r) {
-      T& x = v[order[r]];
-      x = x > T(0) ? t : (x < T(0) ? -t : T(0));
-    }
-  }
-}
-
-// Michelot's sparsemax threshold without scratch memory: each pass recounts the entries
-// above tau; passes stop when the set no longer shrinks.
-template <typename T>
-__device__ T simplex_threshold(const T* v, int64_t m) {
-  T vmax = v[0];
-  for (int64_t i = 1; i < m; ++i) vmax = v[i] > vmax ? v[i] : vmax;
-  T tau = vmax - T(1);
-  int64_t previous = -1;
-  for (;;) {
-    T sum = 0;
-    int64_t count = 0;
-    for (int64_t i = 0; i < m; ++i) {
-      if (v[i] > tau) {
-        sum += v[i];
-        ++count;
-      }
-    }
-    if (count == previous || count == 0) return tau;
-    previous = count;
-    tau = (sum - T(1)) / T(count);
-  }
+__host__ __device__ Reductions<T> carve_reductions(Carver& c) {
+  Reductions<T> r;
+  r.a = c.take<T>(32);
+  r.b = c.take<T>(32);
+  r.i = c.take<int>(32);
+  r.j = c.take<int>(32);
+  return r;
 }
 
 template <typename T>
-__global__ void forward_kernel(Prox kind, bool project, const T* __restrict__ x, const int64_t* __restrict__ lengths,
-                               T* __restrict__ p, T* __restrict__ y, int64_t rows, int64_t n, T reg,
-                               typename KeyType<T>::type* keys, int32_t* order, T* block_sum, int32_t* block_len) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (row >= rows) return;
-  const T* x_row = x + row * n;
-  T* y_row = y + row * n;
-  T* p_row = project ? p + row * n : nullptr;
-  int64_t len = lengths ? lengths[row] : n;
-  len = len < 0 ? 0 : (len > n ? n : len);
-  // The valid entries are packed at the front of y_row, where the prox works in place.
-  int64_t m = 0;
-  bool bad = false;
-  for (int64_t j = 0; j < len; ++j) {
-    const T v = x_row[j];
-    if (v == neg_inf<T>()) continue;
-    bad |= !isfinite(v);
-    y_row[m++] = v;
+struct ForwardRow {
+  using Key = typename structured::AbsKey<T>::type;
+  T* values;  // the packed valid entries, then the prox and the projection input in place
+  int* position;
+  Key* keys;  // OSCAR only: the sort, padded to a power of two
+  int* order;
+  T* magnitude;
+  T* block_sum;
+  int* block_len;
+};
+
+template <typename T>
+__host__ __device__ ForwardRow<T> carve_forward_row(Carver& c, Prox kind, int n) {
+  using Key = typename ForwardRow<T>::Key;
+  ForwardRow<T> row{};
+  row.values = c.take<T>(n);
+  row.position = c.take<int>(n);
+  if (kind == Prox::kOSCAR) {
+    row.keys = c.take<Key>(next_pow2(n));
+    row.order = c.take<int>(next_pow2(n));
+    row.magnitude = c.take<T>(n);
+    row.block_sum = c.take<T>(n);
+    row.block_len = c.take<int>(n);
   }
-  if (bad) {
-    const T nan = static_cast<T>(NAN);
-    for (int64_t j = 0; j < n; ++j) {
-      y_row[j] = nan;
-      if (project) p_row[j] = nan;
-    }
-    return;
+  return row;
+}
+
+template <typename T>
+struct BackwardRow {
+  using Key = typename structured::AbsKey<T>::type;
+  T* y;  // the packed group members: y, J_sparsemax g, position
+  T* u;
+  int* position;
+  int* group;  // group index of each member (in sorted order for OSCAR)
+  T* group_mean;
+  Key* keys;  // OSCAR only
+  int* order;
+};
+
+template <typename T>
+__host__ __device__ BackwardRow<T> carve_backward_row(Carver& c, Prox kind, bool grouped, int n) {
+  using Key = typename BackwardRow<T>::Key;
+  BackwardRow<T> row{};
+  if (!grouped) return row;
+  row.y = c.take<T>(n);
+  row.u = c.take<T>(n);
+  row.position = c.take<int>(n);
+  row.group = c.take<int>(n);
+  row.group_mean = c.take<T>(n);
+  if (kind == Prox::kOSCAR) {
+    row.keys = c.take<Key>(next_pow2(n));
+    row.order = c.take<int>(next_pow2(n));
   }
-  if (kind == Prox::kTV) {
-    tv1d_prox_inplace(y_row, m, reg);
+  return row;
+}
+
+struct LaunchPlan {
+  int threads;
+  bool rows_in_shared;
+  size_t row_bytes;
+  size_t shared_bytes;
+  int64_t blocks;
+  size_t scratch_bytes;  // global scratch when the rows do not fit in shared memory
+};
+
+// Threads per block: about 16 (TV forward) or 8 entries per thread, a warp at least.
+template <typename T>
+LaunchPlan plan_launch(bool backward, Prox kind, bool grouped, int64_t rows, int64_t n, int sm_count,
+                       size_t shared_limit) {
+  LaunchPlan plan;
+  const int64_t per_thread = (!backward && kind == Prox::kTV) ? 16 : 8;
+  const int64_t wanted = next_pow2((n + per_thread - 1) / per_thread);
+  plan.threads = static_cast<int>(wanted < 32 ? 32 : (wanted > 1024 ? 1024 : wanted));
+  Carver reductions{nullptr, 0};
+  carve_reductions<T>(reductions);
+  Carver row{nullptr, 0};
+  if (backward) {
+    carve_backward_row<T>(row, kind, grouped, static_cast<int>(n));
   } else {
-    oscar_prox_inplace(y_row, m, reg, keys + row * n, order + row * n, block_sum + row * n, block_len + row * n);
+    carve_forward_row<T>(row, kind, static_cast<int>(n));
   }
-  const T tau = (project && m > 0) ? simplex_threshold(y_row, m) : T(0);
-  // Unpack from the end: packed index k <= j, so no packed entry is overwritten unread.
-  int64_t k = m;
-  for (int64_t j = n - 1; j >= 0; --j) {
-    const bool valid = j < len && x_row[j] != neg_inf<T>();
-    const T v = valid ? y_row[--k] : neg_inf<T>();
-    y_row[j] = v;
-    if (project) p_row[j] = valid ? (v > tau ? v - tau : T(0)) : T(0);
+  plan.row_bytes = row.size();
+  plan.rows_in_shared = reductions.size() + plan.row_bytes <= shared_limit;
+  plan.shared_bytes = reductions.size() + (plan.rows_in_shared ? plan.row_bytes : 0);
+  const int64_t max_blocks = plan.rows_in_shared ? int64_t(0x7fffffff) : int64_t(2) * (sm_count > 0 ? sm_count : 1);
+  plan.blocks = rows < max_blocks ? rows : max_blocks;
+  plan.scratch_bytes = plan.rows_in_shared ? 0 : static_cast<size_t>(plan.blocks) * plan.row_bytes;
+  return plan;
+}
+
+// ---------------------------------------------------------------------------------------
+// Block-wide primitives. Every thread of the block must call them (they synchronise).
+
+__device__ __forceinline__ int lane_id() { return static_cast<int>(threadIdx.x) & 31; }
+__device__ __forceinline__ int warp_id() { return static_cast<int>(threadIdx.x) >> 5; }
+__device__ __forceinline__ int warp_count() { return static_cast<int>(blockDim.x) >> 5; }
+
+struct MaxOp {
+  template <typename U>
+  __device__ U operator()(U a, U b) const {
+    return a > b ? a : b;
+  }
+};
+struct SumOp {
+  template <typename U>
+  __device__ U operator()(U a, U b) const {
+    return a + b;
+  }
+};
+
+// Both values reduced over the block and returned to every thread, in a fixed order
+// (deterministic results).
+template <typename A, typename B, typename OpA, typename OpB>
+__device__ void block_allreduce(A& a, B& b, OpA op_a, OpB op_b, A* slots_a, B* slots_b) {
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    a = op_a(a, __shfl_xor_sync(kFullMask, a, offset));
+    b = op_b(b, __shfl_xor_sync(kFullMask, b, offset));
+  }
+  if (lane_id() == 0) {
+    slots_a[warp_id()] = a;
+    slots_b[warp_id()] = b;
+  }
+  __syncthreads();
+  a = slots_a[0];
+  b = slots_b[0];
+  for (int w = 1; w < warp_count(); ++w) {
+    a = op_a(a, slots_a[w]);
+    b = op_b(b, slots_b[w]);
+  }
+  __syncthreads();
+}
+
+// Rank of this thread among the threads whose flag is set, and their number (a stream
+// compaction step over one tile of blockDim.x positions).
+__device__ int block_rank(bool flag, int* slots, int& total) {
+  const unsigned ballot = __ballot_sync(kFullMask, flag);
+  const int lane = lane_id();
+  const int in_warp = __popc(ballot & ((1u << lane) - 1u));
+  if (lane == 0) slots[warp_id()] = __popc(ballot);
+  __syncthreads();
+  int before = 0;
+  total = 0;
+  for (int w = 0; w < warp_count(); ++w) {
+    const int count = slots[w];
+    if (w < warp_id()) before += count;
+    total += count;
+  }
+  __syncthreads();
+  return before + in_warp;
+}
+
+// Sorts (keys, order) by (key, order) ascending: a bitonic network over size (a power of
+// two) entries. The index breaks ties, so padding (index >= the real count, key of |v| = 0)
+// sorts after every real entry and the order is deterministic.
+template <typename Key>
+__device__ void bitonic_sort(Key* keys, int* order, int size) {
+  for (int k = 2; k <= size; k <<= 1) {
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      for (int i = static_cast<int>(threadIdx.x); i < size / 2; i += static_cast<int>(blockDim.x)) {
+        const int lo = ((i & ~(j - 1)) << 1) | (i & (j - 1));
+        const int hi = lo + j;
+        const Key key_lo = keys[lo], key_hi = keys[hi];
+        const int index_lo = order[lo], index_hi = order[hi];
+        const bool greater = key_lo > key_hi || (key_lo == key_hi && index_lo > index_hi);
+        if (greater == ((lo & k) == 0)) {
+          keys[lo] = key_hi;
+          keys[hi] = key_lo;
+          order[lo] = index_hi;
+          order[hi] = index_lo;
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// Segments of a sequence: starts counted, sum and length since the last start. Combining
+// is associative, so a block scan gives each entry its segment and running sum.
+template <typename T>
+struct Segment {
+  int starts;
+  T sum;
+  int len;
+};
+
+template <typename T>
+__device__ Segment<T> combine(const Segment<T>& a, const Segment<T>& b) {
+  return Segment<T>{a.starts + b.starts, b.starts ? b.sum : a.sum + b.sum, b.starts ? b.len : a.len + b.len};
+}
+
+template <typename T>
+__device__ Segment<T> shuffle_up(const Segment<T>& s, int delta) {
+  return Segment<T>{__shfl_up_sync(kFullMask, s.starts, delta), __shfl_up_sync(kFullMask, s.sum, delta),
+                    __shfl_up_sync(kFullMask, s.len, delta)};
+}
+
+// For entries 0..count-1 split into segments (is_start(0) must hold): group[i] = the index
+// of i's segment, group_mean[s] = the mean of value over segment s. Each thread scans a
+// contiguous chunk; the chunks' carries come from a block scan.
+template <typename T, typename IsStart, typename Value>
+__device__ void segment_means(int count, IsStart is_start, Value value, int* group, T* group_mean,
+                              const Reductions<T>& slots) {
+  const int chunk = (count + static_cast<int>(blockDim.x) - 1) / static_cast<int>(blockDim.x);
+  const int begin = min(count, static_cast<int>(threadIdx.x) * chunk);
+  const int end = min(count, begin + chunk);
+  Segment<T> local{0, T(0), 0};
+  for (int i = begin; i < end; ++i) local = combine(local, Segment<T>{is_start(i) ? 1 : 0, value(i), 1});
+  Segment<T> inclusive = local;
+  for (int delta = 1; delta < 32; delta <<= 1) {
+    const Segment<T> earlier = shuffle_up(inclusive, delta);
+    if (lane_id() >= delta) inclusive = combine(earlier, inclusive);
+  }
+  Segment<T> running = shuffle_up(inclusive, 1);
+  if (lane_id() == 0) running = Segment<T>{0, T(0), 0};
+  if (lane_id() == 31) {
+    slots.i[warp_id()] = inclusive.starts;
+    slots.a[warp_id()] = inclusive.sum;
+    slots.j[warp_id()] = inclusive.len;
+  }
+  __syncthreads();
+  Segment<T> carry{0, T(0), 0};
+  for (int w = 0; w < warp_id(); ++w) carry = combine(carry, Segment<T>{slots.i[w], slots.a[w], slots.j[w]});
+  __syncthreads();
+  running = combine(carry, running);
+  for (int i = begin; i < end; ++i) {
+    running = combine(running, Segment<T>{is_start(i) ? 1 : 0, value(i), 1});
+    group[i] = running.starts - 1;
+    if (i == count - 1 || is_start(i + 1)) group_mean[running.starts - 1] = running.sum / T(running.len);
+  }
+  __syncthreads();
+}
+
+// ---------------------------------------------------------------------------------------
+// Kernels.
+
+template <typename T>
+struct ForwardParams {
+  const T* x;
+  const int64_t* lengths;
+  T* p;  // null when only the prox is wanted
+  T* y;
+  int64_t rows;
+  int n;
+  double reg;
+  Prox kind;
+  bool rows_in_shared;
+  unsigned char* scratch;
+  size_t row_bytes;
+};
+
+template <typename T>
+__global__ void __launch_bounds__(1024) forward_kernel(ForwardParams<T> params) {
+  using Key = typename ForwardRow<T>::Key;
+  const T inf = structured::positive_infinity<T>();
+  const int n = params.n;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int threads = static_cast<int>(blockDim.x);
+  Carver shared{dynamic_shared_memory(), 0};
+  const Reductions<T> slots = carve_reductions<T>(shared);
+  Carver row_memory{params.rows_in_shared ? shared.base + shared.size()
+                                          : params.scratch + static_cast<size_t>(blockIdx.x) * params.row_bytes,
+                    0};
+  const ForwardRow<T> row = carve_forward_row<T>(row_memory, params.kind, n);
+
+  for (int64_t r = blockIdx.x; r < params.rows; r += gridDim.x) {
+    const T* x = params.x + r * n;
+    T* y = params.y + r * n;
+    T* p = params.p ? params.p + r * n : nullptr;
+    int64_t length = params.lengths ? params.lengths[r] : n;
+    length = length < 0 ? 0 : (length > n ? n : length);
+
+    // Coalesced load; the valid entries are packed in order.
+    int m = 0;
+    T max_value = -inf, max_abs = T(0);  // max_abs = inf flags NaN / +inf
+    for (int base = 0; base < n; base += threads) {
+      const int j = base + tid;
+      const T v = j < n ? x[j] : T(0);
+      const bool valid = j < length && !structured::is_masked(v);
+      int tile_count;
+      const int rank = block_rank(valid, slots.i, tile_count);
+      if (valid) {
+        row.values[m + rank] = v;
+        row.position[m + rank] = j;
+        max_value = max_of(max_value, v);
+        max_abs = structured::poisons_row(v) ? inf : max_of(max_abs, abs_of(v));
+      } else if (j < n) {
+        y[j] = -inf;
+        if (p) p[j] = T(0);
+      }
+      m += tile_count;
+    }
+    block_allreduce(max_value, max_abs, MaxOp{}, MaxOp{}, slots.a, slots.b);
+    if (max_abs == inf) {
+      const T nan = static_cast<T>(NAN);
+      for (int j = tid; j < n; j += threads) {
+        y[j] = nan;
+        if (p) p[j] = nan;
+      }
+      continue;
+    }
+
+    const auto transform = structured::make_row_transform(params.kind, max_value, max_abs);
+    const T work_reg = static_cast<T>(structured::work_regularisation(params.kind, params.reg, transform.exponent, m));
+    for (int i = tid; i < m; i += threads) row.values[i] = transform.to_work(row.values[i]);
+    __syncthreads();
+    if (params.kind == Prox::kTV) {
+      if (tid == 0) structured::tv1d_prox_inplace<T, int>(row.values, m, work_reg);
+      __syncthreads();
+    } else if (work_reg > T(0) && m > 1) {
+      const int padded = next_pow2(m);
+      for (int i = tid; i < padded; i += threads) {
+        row.keys[i] = i < m ? structured::descending_abs_key(row.values[i]) : ~Key(0);
+        row.order[i] = i;
+      }
+      __syncthreads();
+      bitonic_sort(row.keys, row.order, padded);
+      for (int rank = tid; rank < m; rank += threads) row.magnitude[rank] = abs_of(row.values[row.order[rank]]);
+      __syncthreads();
+      if (tid == 0) structured::oscar_pav_inplace<T, int>(row.magnitude, m, work_reg, row.block_sum, row.block_len);
+      __syncthreads();
+      for (int rank = tid; rank < m; rank += threads) {
+        const int i = row.order[rank];
+        row.values[i] = structured::with_sign_of(row.values[i], row.magnitude[rank]);
+      }
+      __syncthreads();
+    }
+
+    T work_max = -inf, unused = T(0);
+    for (int i = tid; i < m; i += threads) work_max = max_of(work_max, row.values[i]);
+    block_allreduce(work_max, unused, MaxOp{}, MaxOp{}, slots.a, slots.b);
+    for (int i = tid; i < m; i += threads) {
+      const T w = row.values[i];
+      y[row.position[i]] = transform.to_prox_output(w);
+      row.values[i] = transform.to_projection_input(w, work_max);
+    }
+    if (!p) continue;
+    __syncthreads();
+    const T tau = structured::sparsemax_threshold<T, int>([&](T threshold, T& sum, int& count) {
+      T local_sum = T(0);
+      int local_count = 0;
+      for (int i = tid; i < m; i += threads) {
+        if (row.values[i] > threshold) {
+          local_sum += row.values[i];
+          ++local_count;
+        }
+      }
+      block_allreduce(local_sum, local_count, SumOp{}, SumOp{}, slots.a, slots.i);
+      sum = local_sum;
+      count = local_count;
+    });
+    for (int i = tid; i < m; i += threads) p[row.position[i]] = max_of(row.values[i] - tau, T(0));
   }
 }
 
 template <typename T>
-__global__ void backward_kernel(Prox kind, bool grouped, const T* __restrict__ g, const T* __restrict__ p,
-                                const T* __restrict__ y, T* __restrict__ dz, int64_t rows, int64_t n,
-                                typename KeyType<T>::type* keys, int32_t* order) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (row >= rows) return;
-  const T* g_row = g + row * n;
-  const T* p_row = p + row * n;
-  const T* y_row = y + row * n;
-  T* dz_row = dz + row * n;
-  // J_sparsemax g = s * (g - mean_S g); u_j is recomputed where needed instead of stored.
-  T g_sum = 0;
-  int64_t support = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    if (p_row[j] > T(0)) {
-      g_sum += g_row[j];
-      ++support;
-    }
-  }
-  const T g_mean = support > 0 ? g_sum / T(support) : T(0);
-  auto u = [&](int64_t j) { return p_row[j] > T(0) ? g_row[j] - g_mean : T(0); };
-  for (int64_t j = 0; j < n; ++j) dz_row[j] = grouped ? T(0) : u(j);
-  if (!grouped) return;
-  if (kind == Prox::kTV) {
-    // Groups: runs of equal y over consecutive valid positions (masked ones skipped).
-    int64_t run_start = 0, run_len = 0;
-    T run_value = 0, run_sum = 0;
-    for (int64_t j = 0; j <= n; ++j) {
-      const bool at_end = j == n;
-      if (!at_end && y_row[j] == neg_inf<T>()) continue;
-      if (!at_end && run_len > 0 && y_row[j] == run_value) {
-        run_sum += u(j);
-        ++run_len;
-        continue;
+struct BackwardParams {
+  const T* g;
+  const T* p;
+  const T* y;
+  T* dz;
+  int64_t rows;
+  int n;
+  Prox kind;
+  bool grouped;
+  bool rows_in_shared;
+  unsigned char* scratch;
+  size_t row_bytes;
+};
+
+// dz = J_prox (J_sparsemax g), both Jacobians symmetric: J_sparsemax g = s (g - mean_S g)
+// on the support S; J_prox averages over the prox's groups (signed for OSCAR).
+template <typename T>
+__global__ void __launch_bounds__(1024) backward_kernel(BackwardParams<T> params) {
+  using Key = typename BackwardRow<T>::Key;
+  const int n = params.n;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int threads = static_cast<int>(blockDim.x);
+  const bool tv = params.kind == Prox::kTV;
+  Carver shared{dynamic_shared_memory(), 0};
+  const Reductions<T> slots = carve_reductions<T>(shared);
+  Carver row_memory{params.rows_in_shared ? shared.base + shared.size()
+                                          : params.scratch + static_cast<size_t>(blockIdx.x) * params.row_bytes,
+                    0};
+  const BackwardRow<T> row = carve_backward_row<T>(row_memory, params.kind, params.grouped, n);
+
+  for (int64_t r = blockIdx.x; r < params.rows; r += gridDim.x) {
+    const T* g = params.g + r * n;
+    const T* p = params.p + r * n;
+    const T* y = params.y + r * n;
+    T* dz = params.dz + r * n;
+
+    T g_sum = T(0);
+    int support = 0, poisoned = 0, unused = 0;
+    for (int j = tid; j < n; j += threads) {
+      const T pj = p[j];
+      poisoned |= pj != pj;
+      if (pj > T(0)) {
+        g_sum += g[j];
+        ++support;
       }
-      if (run_len > 0) {
-        const T mean = run_sum / T(run_len);
-        for (int64_t i = run_start; i < j; ++i)
-          if (y_row[i] != neg_inf<T>()) dz_row[i] = mean;
+    }
+    block_allreduce(g_sum, support, SumOp{}, SumOp{}, slots.a, slots.i);
+    block_allreduce(poisoned, unused, MaxOp{}, MaxOp{}, slots.i, slots.j);
+    if (poisoned) {  // the forward's NaN row: NaN gradient, as softmax
+      for (int j = tid; j < n; j += threads) dz[j] = static_cast<T>(NAN);
+      continue;
+    }
+    const T g_mean = support > 0 ? g_sum / T(support) : T(0);
+    if (!params.grouped) {
+      for (int j = tid; j < n; j += threads) dz[j] = p[j] > T(0) ? g[j] - g_mean : T(0);
+      continue;
+    }
+
+    // Pack the group members: valid entries (TV), valid entries with y != 0 (OSCAR).
+    int count = 0;
+    for (int base = 0; base < n; base += threads) {
+      const int j = base + tid;
+      const T yj = j < n ? y[j] : T(0);
+      const bool member = j < n && !structured::is_masked(yj) && (tv || yj != T(0));
+      int tile_count;
+      const int rank = block_rank(member, slots.i, tile_count);
+      if (member) {
+        row.y[count + rank] = yj;
+        row.u[count + rank] = p[j] > T(0) ? g[j] - g_mean : T(0);
+        row.position[count + rank] = j;
+      } else if (j < n) {
+        dz[j] = T(0);
       }
-      if (at_end) break;
-      run_start = j;
-      run_value = y_row[j];
-      run_sum = u(j);
-      run_len = 1;
+      count += tile_count;
     }
-    return;
-  }
-  // Groups: valid entries with equal |y| != 0; dz_i = sign(y_i) mean_G sign(y_j) u_j.
-  typename KeyType<T>::type* row_keys = keys + row * n;
-  int32_t* row_order = order + row * n;
-  int64_t count = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    if (y_row[j] != neg_inf<T>() && y_row[j] != T(0)) {
-      row_keys[count] = descending_abs_key(y_row[j]);
-      row_order[count] = static_cast<int32_t>(j);
-      ++count;
+    __syncthreads();
+    if (tv) {
+      segment_means<T>(
+          count, [&](int i) { return i == 0 || row.y[i] != row.y[i - 1]; }, [&](int i) { return row.u[i]; },
+          row.group, row.group_mean, slots);
+      for (int i = tid; i < count; i += threads) dz[row.position[i]] = row.group_mean[row.group[i]];
+      continue;
     }
-  }
-  heap_sort(row_keys, row_order, count);
-  for (int64_t a = 0; a < count;) {
-    int64_t b = a;
-    T sum = 0;
-    while (b < count && row_keys[b] == row_keys[a]) {
-      const int64_t j = row_order[b];
-      sum += y_row[j] > T(0) ? u(j) : -u(j);
-      ++b;
+    const int padded = next_pow2(count);
+    for (int i = tid; i < padded; i += threads) {
+      row.keys[i] = i < count ? structured::descending_abs_key(row.y[i]) : ~Key(0);
+      row.order[i] = i;
     }
-    const T mean = sum / T(b - a);
-    for (int64_t c = a; c < b; ++c) {
-      const int64_t j = row_order[c];
-      dz_row[j] = y_row[j] > T(0) ? mean : -mean;
+    __syncthreads();
+    bitonic_sort(row.keys, row.order, padded);
+    segment_means<T>(
+        count, [&](int rank) { return rank == 0 || row.keys[rank] != row.keys[rank - 1]; },
+        [&](int rank) {
+          const int i = row.order[rank];
+          return row.y[i] > T(0) ? row.u[i] : -row.u[i];
+        },
+        row.group, row.group_mean, slots);
+    for (int rank = tid; rank < count; rank += threads) {
+      const int i = row.order[rank];
+      const T mean = row.group_mean[row.group[rank]];
+      dz[row.position[i]] = row.y[i] > T(0) ? mean : -mean;
     }
-    a = b;
   }
 }
 
 #ifndef ENTMAX_FAST_HOST_EMULATION
 // ---------------------------------------------------------------------------------------
-// Launchers (called from csrc/cpu/structured.cpp). kind: 0 = TV, 1 = OSCAR. keys holds
-// rows x n uint32 (float) or uint64 (double) entries; keys, order and the block arrays are
-// needed by OSCAR only (the backward needs keys and order) and may be null otherwise.
+// Launchers (called from structured_ops.cpp).
 
-constexpr unsigned int blocks_for(int64_t rows) { return static_cast<unsigned int>((rows + kThreads - 1) / kThreads); }
+int current_sm_count() {
+  int device = 0, count = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    return 1;
+  return count;
+}
+
+template <typename T>
+size_t forward_scratch_bytes(int kind, int64_t rows, int64_t n) {
+  if (rows == 0 || n == 0) return 0;
+  return plan_launch<T>(false, static_cast<Prox>(kind), true, rows, n, current_sm_count(), kSharedLimit).scratch_bytes;
+}
+
+template <typename T>
+size_t backward_scratch_bytes(int kind, bool grouped, int64_t rows, int64_t n) {
+  if (rows == 0 || n == 0) return 0;
+  return plan_launch<T>(true, static_cast<Prox>(kind), grouped, rows, n, current_sm_count(), kSharedLimit)
+      .scratch_bytes;
+}
 
 template <typename T>
 cudaError_t launch_forward(int kind, bool project, const T* x, const int64_t* lengths, T* p, T* y, int64_t rows,
-                           int64_t n, T reg, void* keys, int32_t* order, T* block_sum, int32_t* block_len,
-                           cudaStream_t stream) {
-  if (rows == 0) return cudaSuccess;
-  forward_kernel<T><<<blocks_for(rows), kThreads, 0, stream>>>(
-      kind == 0 ? Prox::kTV : Prox::kOSCAR, project, x, lengths, p, y, rows, n, reg,
-      static_cast<typename KeyType<T>::type*>(keys), order, block_sum, block_len);
+                           int64_t n, double reg, void* scratch, cudaStream_t stream) {
+  if (rows == 0 || n == 0) return cudaSuccess;
+  const Prox prox = static_cast<Prox>(kind);
+  const LaunchPlan plan = plan_launch<T>(false, prox, true, rows, n, current_sm_count(), kSharedLimit);
+  const ForwardParams<T> params{x,    lengths, project ? p : nullptr, y, rows, static_cast<int>(n), reg, prox,
+                                plan.rows_in_shared, static_cast<unsigned char*>(scratch), plan.row_bytes};
+  forward_kernel<T><<<static_cast<unsigned>(plan.blocks), plan.threads, plan.shared_bytes, stream>>>(params);
   return cudaGetLastError();
 }
 
 template <typename T>
 cudaError_t launch_backward(int kind, bool grouped, const T* g, const T* p, const T* y, T* dz, int64_t rows,
-                            int64_t n, void* keys, int32_t* order, cudaStream_t stream) {
-  if (rows == 0) return cudaSuccess;
-  backward_kernel<T><<<blocks_for(rows), kThreads, 0, stream>>>(
-      kind == 0 ? Prox::kTV : Prox::kOSCAR, grouped, g, p, y, dz, rows, n,
-      static_cast<typename KeyType<T>::type*>(keys), order);
+                            int64_t n, void* scratch, cudaStream_t stream) {
+  if (rows == 0 || n == 0) return cudaSuccess;
+  const Prox prox = static_cast<Prox>(kind);
+  const LaunchPlan plan = plan_launch<T>(true, prox, grouped, rows, n, current_sm_count(), kSharedLimit);
+  const BackwardParams<T> params{g,       p,    y, dz, rows, static_cast<int>(n), prox, grouped, plan.rows_in_shared,
+                                 static_cast<unsigned char*>(scratch), plan.row_bytes};
+  backward_kernel<T><<<static_cast<unsigned>(plan.blocks), plan.threads, plan.shared_bytes, stream>>>(params);
   return cudaGetLastError();
 }
 
+template size_t forward_scratch_bytes<float>(int, int64_t, int64_t);
+template size_t forward_scratch_bytes<double>(int, int64_t, int64_t);
+template size_t backward_scratch_bytes<float>(int, bool, int64_t, int64_t);
+template size_t backward_scratch_bytes<double>(int, bool, int64_t, int64_t);
 template cudaError_t launch_forward<float>(int, bool, const float*, const int64_t*, float*, float*, int64_t, int64_t,
-                                           float, void*, int32_t*, float*, int32_t*, cudaStream_t);
+                                           double, void*, cudaStream_t);
 template cudaError_t launch_forward<double>(int, bool, const double*, const int64_t*, double*, double*, int64_t,
-                                            int64_t, double, void*, int32_t*, double*, int32_t*, cudaStream_t);
+                                            int64_t, double, void*, cudaStream_t);
 template cudaError_t launch_backward<float>(int, bool, const float*, const float*, const float*, float*, int64_t,
-                                            int64_t, void*, int32_t*, cudaStream_t);
+                                            int64_t, void*, cudaStream_t);
 template cudaError_t launch_backward<double>(int, bool, const double*, const double*, const double*, double*,
-                                             int64_t, int64_t, void*, int32_t*, cudaStream_t);
+                                             int64_t, int64_t, void*, cudaStream_t);
 #endif  // ENTMAX_FAST_HOST_EMULATION
 
 }  // namespace structured_cuda

@@ -16,6 +16,14 @@ Masking: along the mapped dimension a position is valid when its score is not �
 ``lengths``) its index is < the row's length. Only valid positions enter the prox (they are
 sliced out in order, so the TV chain joins the valid neighbours across a masked position) and
 the projection; masked positions get weight 0. A row without valid positions gives zeros.
+A row with NaN or +inf at a valid position gives NaN weights and a NaN gradient
+(torch.softmax's rule).
+
+Large scores: each row is scaled by a power of two 2^−e (exact) so that its valid entries
+have |z| < 1 (for TV also shifted by their max: prox_TV commutes with shifts), the prox runs
+with reg 2^−e (the prox is positively homogeneous) and is mapped back, and the projection
+sees y − max y (sparsemax is shift invariant). Any finite scores
+give finite weights; unshifted, scores of ~1e18 gave all-zero weights (1 + y rounds to y).
 """
 from __future__ import annotations
 
@@ -71,8 +79,6 @@ def check_mapping_args(name: str, X, reg, reg_name: str, dim: int, lengths, chec
             if lo < 0 or hi > X.shape[dim]:
                 raise ValueError(f"{name}: lengths must lie in [0, {X.shape[dim]}] (the size of dim {dim}), "
                                  f"got values in [{lo}, {hi}]")
-    if check_values and bool(torch.isnan(X).any() | torch.isposinf(X).any()):
-        raise ValueError(f"{name}: X must be finite except for -inf (masked positions); found NaN or +inf")
 
 
 # ---------------------------------------------------------------------------------------
@@ -183,8 +189,9 @@ def _valid_positions(Z: torch.Tensor, lengths) -> torch.Tensor:
     return valid
 
 
-def _prox_rows(Z64: torch.Tensor, valid: torch.Tensor, reg: float, kind: str):
-    """Exact prox of every row of the (rows, n) float64 tensor Z64 over its valid entries.
+def _prox_rows(Z64: torch.Tensor, valid: torch.Tensor, reg: list, kind: str):
+    """Exact prox of every row of the (rows, n) float64 tensor Z64 over its valid entries,
+    row r with regularisation reg[r].
 
     Returns y (rows, n; 0 at masked positions) and global group ids (rows, n; −1 where the
     entry belongs to no group: masked, or OWL output 0)."""
@@ -197,7 +204,7 @@ def _prox_rows(Z64: torch.Tensor, valid: torch.Tensor, reg: float, kind: str):
     next_group = 0
     for r in range(rows):
         positions = [j for j in range(n) if valid_rows[r][j]]
-        values, ids = prox([z_rows[r][j] for j in positions], reg)
+        values, ids = prox([z_rows[r][j] for j in positions], reg[r])
         for j, value, gid in zip(positions, values, ids):
             y[r][j] = value
             group[r][j] = next_group + gid if gid >= 0 else -1
@@ -219,7 +226,7 @@ def _group_mean(values: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
     return torch.where(in_group.reshape(-1), mean, torch.zeros_like(mean)).reshape(values.shape)
 
 
-def _differentiable_prox(Z64: torch.Tensor, valid: torch.Tensor, reg: float, kind: str) -> torch.Tensor:
+def _differentiable_prox(Z64: torch.Tensor, valid: torch.Tensor, reg: list, kind: str) -> torch.Tensor:
     """The prox of each row as an affine function of Z64 with the groups held fixed: its
     values are the exact prox, its autograd Jacobian is J_prox (MATH.md §4)."""
     y_exact, group = _prox_rows(Z64, valid, reg, kind)
@@ -249,6 +256,43 @@ def _masked_sparsemax(y: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.where(support, y - tau, torch.zeros_like(y))
 
 
+class _NanRows(torch.autograd.Function):
+    """NaN in the rows marked ``poisoned`` and 0 elsewhere, with a NaN gradient in those rows
+    only; added to a mapping's output, it gives softmax's NaN rows without touching the
+    values or gradients of the other rows."""
+
+    @staticmethod
+    def forward(ctx, Z, poisoned):
+        ctx.save_for_backward(poisoned)
+        return torch.where(poisoned, float("nan"), 0.0).to(Z.dtype).expand(Z.shape).clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (poisoned,) = ctx.saved_tensors
+        return torch.where(poisoned, float("nan"), 0.0).to(grad.dtype).expand(grad.shape).clone(), None
+
+
+def _row_exponent(Z64: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """e per row (rows, 1) with max |z| 2^−e in [0.5, 1) over the valid entries (0 for an
+    all-zero or empty row)."""
+    max_abs = torch.where(valid, Z64.abs(), torch.zeros_like(Z64)).amax(-1, keepdim=True)
+    _, exponent = torch.frexp(max_abs)
+    return exponent.to(torch.int64)
+
+
+def _times_pow2(values: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
+    """values · 2^exponent, exact; in two factors, since 2^±1074 alone is not a float64."""
+    half = torch.div(exponent, 2, rounding_mode="floor")
+    return values * torch.pow(2.0, half.to(values.dtype)) * torch.pow(2.0, (exponent - half).to(values.dtype))
+
+
+def _valid_max(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Row max (rows, 1) over the valid entries, 0 for a row without any; no gradient (the
+    shifts it serves cancel out)."""
+    masked = torch.where(valid, values, torch.full_like(values, float("-inf"))).amax(-1, keepdim=True)
+    return torch.where(torch.isinf(masked), torch.zeros_like(masked), masked).detach()
+
+
 def _structured_map(name: str, X: torch.Tensor, reg, reg_name: str, dim: int, lengths, kind: str, project: bool):
     check_mapping_args(name, X, reg, reg_name, dim, lengths)
     Z = X.movedim(dim, -1)
@@ -256,11 +300,23 @@ def _structured_map(name: str, X: torch.Tensor, reg, reg_name: str, dim: int, le
     n = shape[-1]
     Z64 = Z.to(torch.float64).reshape(-1, n)
     valid = _valid_positions(Z64, None if lengths is None else lengths.reshape(-1))
-    y = _differentiable_prox(Z64, valid, float(reg), kind)
+    poisoned = (valid & (torch.isnan(Z64) | torch.isposinf(Z64))).any(-1, keepdim=True)
+    valid_and_finite = valid & ~poisoned
+    Z64_finite = torch.where(valid_and_finite, Z64, torch.zeros_like(Z64))
+    exponent = _row_exponent(Z64_finite, valid_and_finite)
+    scaled = _times_pow2(Z64_finite, -exponent)
+    count = valid_and_finite.sum(-1).tolist()
+    # Capped where a larger value no longer changes the prox (csrc/common/structured_algos.h).
+    reg_rows = [min(math.ldexp(float(reg), -e), 4.0 * (m + 1) if kind == "tv" else 4.0)
+                for e, m in zip(exponent.reshape(-1).tolist(), count)]
+    shift = _valid_max(scaled, valid_and_finite) if kind == "tv" else torch.zeros_like(scaled[:, :1])
+    y_work = _differentiable_prox(scaled - shift, valid_and_finite, reg_rows, kind)
     if project:
-        out = _masked_sparsemax(y, valid)
+        y_max = _valid_max(y_work, valid_and_finite)
+        out = _masked_sparsemax(_times_pow2(y_work - y_max, exponent), valid_and_finite)
     else:
-        out = torch.where(valid, y, torch.full_like(y, float("-inf")))
+        out = torch.where(valid, _times_pow2(y_work + shift, exponent), torch.full_like(y_work, float("-inf")))
+    out = out + _NanRows.apply(Z64, poisoned)
     return out.reshape(shape).to(X.dtype).movedim(-1, dim)
 
 

@@ -1,0 +1,237 @@
+// fusedmax / oscarmax row algorithms, one implementation for the CPU operators
+// (csrc/cpu/structured.cpp, plain C++) and the CUDA kernels (csrc/cuda/structured.cu), where
+// the same functions are __host__ __device__. MATH.md §4.
+//
+// Per row, on the m valid entries (not -inf, index < length), in this order:
+//   1. RowTransform: scale by 2^-e so that |v| < 1 (exact: a power of two), and for TV also
+//      subtract the scaled row max (its prox commutes with shifts). Without it, fp32 scores
+//      of ~3e7 gave +inf weights (max - 1 rounds to max, so no entry lay above the
+//      threshold) and scores near FLT_MAX overflowed the scans' differences and sums.
+//   2. The prox on the work values: Condat's TV scan, or sort + pool-adjacent-violators.
+//   3. The sparsemax threshold of d = (w - max w) 2^e (max d = 0) by Michelot's iteration,
+//      written once over a caller-supplied reduction (a serial loop on the host, a block
+//      reduction on the GPU).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define ENTMAX_FAST_HD __host__ __device__ __forceinline__
+#else
+#define ENTMAX_FAST_HD inline
+#endif
+
+namespace entmax_fast {
+namespace structured {
+
+enum class Prox : int { kTV = 0, kOSCAR = 1 };
+
+template <typename T>
+ENTMAX_FAST_HD T positive_infinity() {
+  return static_cast<T>(INFINITY);
+}
+
+template <typename T>
+ENTMAX_FAST_HD bool is_masked(T v) {
+  return v == -positive_infinity<T>();
+}
+
+// NaN or +inf: the whole row's weights and prox become NaN (torch.softmax's rule).
+template <typename T>
+ENTMAX_FAST_HD bool poisons_row(T v) {
+  return v != v || v == positive_infinity<T>();
+}
+
+ENTMAX_FAST_HD float times_pow2(float v, int exponent) { return ldexpf(v, exponent); }
+ENTMAX_FAST_HD double times_pow2(double v, int exponent) { return ldexp(v, exponent); }
+
+ENTMAX_FAST_HD int binary_exponent(float v) {
+  int exponent = 0;
+  frexpf(v, &exponent);
+  return exponent;
+}
+ENTMAX_FAST_HD int binary_exponent(double v) {
+  int exponent = 0;
+  frexp(v, &exponent);
+  return exponent;
+}
+
+// Maps a row's valid entries to the work values the prox runs on, and back.
+template <typename T>
+struct RowTransform {
+  int exponent;  // work = v 2^-exponent - shift, |v| 2^-exponent < 1
+  T shift;
+  ENTMAX_FAST_HD T to_work(T v) const { return times_pow2(v, -exponent) - shift; }
+  ENTMAX_FAST_HD T to_prox_output(T w) const { return times_pow2(w + shift, exponent); }
+  // Sparsemax is shift invariant: projecting w - max w keeps the threshold arithmetic near
+  // 0 whatever the row's offset; an overflow gives -inf, which gets weight 0.
+  ENTMAX_FAST_HD T to_projection_input(T w, T w_max) const { return times_pow2(w - w_max, exponent); }
+};
+
+template <typename T>
+ENTMAX_FAST_HD RowTransform<T> make_row_transform(Prox kind, T max_value, T max_abs) {
+  RowTransform<T> transform;
+  transform.exponent = max_abs > T(0) ? binary_exponent(max_abs) : 0;
+  transform.shift = kind == Prox::kTV ? times_pow2(max_value, -transform.exponent) : T(0);
+  return transform;
+}
+
+// The regularisation in work units (the prox is positively homogeneous: prox_r(c z) =
+// c prox_{r/c}(z)), capped where a larger value cannot change the result, so that a huge
+// lam or beta over a tiny row neither overflows nor reaches the scans as inf:
+// TV: with |w| < 2 every partial sum of w - mean(w) is below 2m, and lam above that fuses
+// the whole row; OSCAR: with |w| < 1 and beta >= 2, |w|_(r) - beta (m-1-r) increases with r,
+// so PAV pools everything into one block of mean <= 1 - beta/2 <= 0: all zeros.
+ENTMAX_FAST_HD double work_regularisation(Prox kind, double reg, int exponent, int64_t m) {
+  const double scaled = ldexp(reg, -exponent);
+  const double cap = kind == Prox::kTV ? 4.0 * static_cast<double>(m) : 4.0;
+  return scaled < cap ? scaled : cap;
+}
+
+// Condat (2013), "A direct algorithm for 1-D total variation denoising", in place: every
+// read is at an index >= k0 and every write at an index < k0, so input and output can share
+// the buffer. Each segment is written with one value, which the backward relies on (it finds
+// the groups by exact equality).
+template <typename T, typename Index>
+ENTMAX_FAST_HD void tv1d_prox_inplace(T* w, Index width, T lambda) {
+  if (width <= 1 || lambda == T(0)) return;
+  Index k = 0, k0 = 0, kplus = 0, kminus = 0;
+  T umin = lambda, umax = -lambda;
+  T vmin = w[0] - lambda, vmax = w[0] + lambda;
+  const T twolambda = T(2) * lambda;
+  const T minlambda = -lambda;
+  for (;;) {
+    while (k == width - 1) {  // right boundary
+      if (umin < T(0)) {      // vmin too high: negative jump
+        do w[k0++] = vmin; while (k0 <= kminus);
+        k = kminus = k0;
+        vmin = w[k0];
+        umin = lambda;
+        umax = vmin + umin - vmax;
+      } else if (umax > T(0)) {  // vmax too low: positive jump
+        do w[k0++] = vmax; while (k0 <= kplus);
+        k = kplus = k0;
+        vmax = w[k0];
+        umax = minlambda;
+        umin = vmax + umax - vmin;
+      } else {
+        vmin += umin / T(k - k0 + 1);
+        do w[k0++] = vmin; while (k0 <= k);
+        return;
+      }
+    }
+    umin += w[k + 1] - vmin;
+    if (umin < minlambda) {  // negative jump
+      do w[k0++] = vmin; while (k0 <= kminus);
+      k = kplus = kminus = k0;
+      vmin = w[k0];
+      vmax = vmin + twolambda;
+      umin = lambda;
+      umax = minlambda;
+    } else {
+      umax += w[k + 1] - vmax;
+      if (umax > lambda) {  // positive jump
+        do w[k0++] = vmax; while (k0 <= kplus);
+        k = kplus = kminus = k0;
+        vmax = w[k0];
+        vmin = vmax - twolambda;
+        umin = lambda;
+        umax = minlambda;
+      } else {  // no jump: extend the segment
+        k++;
+        if (umin >= lambda) {
+          kminus = k;
+          vmin += (umin - lambda) / T(kminus - k0 + 1);
+          umin = lambda;
+        }
+        if (umax <= minlambda) {
+          kplus = k;
+          vmax += (umax + lambda) / T(kplus - k0 + 1);
+          umax = minlambda;
+        }
+      }
+    }
+  }
+}
+
+// Keys whose unsigned ascending order is the decreasing order of |v| (non-negative IEEE
+// floats order like their bit patterns; the complement reverses the order).
+ENTMAX_FAST_HD uint32_t descending_abs_key(float v) {
+  const float a = fabsf(v);
+  uint32_t bits;
+  memcpy(&bits, &a, sizeof(bits));
+  return ~bits;
+}
+ENTMAX_FAST_HD uint64_t descending_abs_key(double v) {
+  const double a = fabs(v);
+  uint64_t bits;
+  memcpy(&bits, &a, sizeof(bits));
+  return ~bits;
+}
+
+template <typename T>
+struct AbsKey;
+template <>
+struct AbsKey<float> {
+  using type = uint32_t;
+};
+template <>
+struct AbsKey<double> {
+  using type = uint64_t;
+};
+
+// OSCAR prox magnitudes: magnitude[0..m) holds |v| sorted decreasingly and is replaced by
+// the prox's |y| at the same ranks: subtract w_r = beta (m-1-r), non-increasing isotonic
+// regression by pool-adjacent-violators, clip at 0. Blocks with equal means are pooled too,
+// so distinct groups have distinct |y|. block_sum/block_len: scratch of m entries each.
+template <typename T, typename Index>
+ENTMAX_FAST_HD void oscar_pav_inplace(T* magnitude, Index m, T beta, T* block_sum, Index* block_len) {
+  Index blocks = 0;
+  for (Index r = 0; r < m; ++r) {
+    block_sum[blocks] = magnitude[r] - beta * T(m - 1 - r);
+    block_len[blocks] = 1;
+    ++blocks;
+    while (blocks > 1 &&
+           block_sum[blocks - 2] / T(block_len[blocks - 2]) <= block_sum[blocks - 1] / T(block_len[blocks - 1])) {
+      block_sum[blocks - 2] += block_sum[blocks - 1];
+      block_len[blocks - 2] += block_len[blocks - 1];
+      --blocks;
+    }
+  }
+  Index r = 0;
+  for (Index b = 0; b < blocks; ++b) {
+    const T mean = block_sum[b] / T(block_len[b]);
+    const T clipped = mean > T(0) ? mean : T(0);
+    for (Index c = 0; c < block_len[b]; ++c) magnitude[r++] = clipped;
+  }
+}
+
+// Sign of original restored on an OSCAR magnitude (0 stays 0).
+template <typename T>
+ENTMAX_FAST_HD T with_sign_of(T original, T magnitude) {
+  return original > T(0) ? magnitude : (original < T(0) ? -magnitude : T(0));
+}
+
+// Sparsemax threshold of d (max d = 0) by Michelot's algorithm: start at tau = -1 (every
+// entry of the support lies above it), then tau = (sum_{d > tau} d - 1) / count until the set
+// stops shrinking; tau only increases, so the support is never lost. reduce_above(tau, sum,
+// count) sets the sum and count of the entries > tau; a reduction that drops the entries
+// <= tau from its candidates (tau never decreases) is allowed.
+template <typename T, typename Index, typename ReduceAbove>
+ENTMAX_FAST_HD T sparsemax_threshold(ReduceAbove&& reduce_above) {
+  T tau = T(-1);
+  Index previous = -1;
+  for (;;) {
+    T sum = T(0);
+    Index count = 0;
+    reduce_above(tau, sum, count);
+    if (count == previous || count == 0) return tau;
+    previous = count;
+    tau = (sum - T(1)) / T(count);
+  }
+}
+
+}  // namespace structured
+}  // namespace entmax_fast
