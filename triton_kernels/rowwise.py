@@ -118,12 +118,13 @@ def _pow_pos(y, e):
 
 @triton.jit
 def _row_alpha(alpha_ptr, rows, m_row, alpha_stride, KIND: tl.constexpr):
+    zero = rows.to(tl.float32) * 0.0
     if KIND == _K_SPARSEMAX:
-        alpha = tl.full(rows.shape, 2.0, tl.float32)
+        alpha = zero + 2.0
     elif KIND == _K_ENTMAX15:
-        alpha = tl.full(rows.shape, 1.5, tl.float32)
+        alpha = zero + 1.5
     elif KIND == _K_SOFTMAX:
-        alpha = tl.full(rows.shape, 1.0, tl.float32)
+        alpha = zero + 1.0
     else:
         alpha = tl.load(alpha_ptr + rows * alpha_stride, mask=m_row, other=2.0).to(tl.float32)
     return alpha
@@ -408,7 +409,7 @@ def _bwd_sums(b_p, b_g, t, KIND: tl.constexpr, NEED_DALPHA: tl.constexpr):
         # r = (e^y − 1 − y)/t² with y = −t·log p, i.e. s = p(1 − t·log p + t²·r);
         # a series for small y, where the direct form cancels.
         b_y = -t[:, None] * b_logp
-        b_series = tl.full(b_y.shape, 1.0 / 362880.0, tl.float32)  # 1/9!, the y^7 coefficient
+        b_series = 1.0 / 362880.0  # 1/9!, the y^7 coefficient
         for k in tl.static_range(7):
             b_series = b_series * b_y + 1.0 / _FACT[6 - k]
         b_r = tl.where(tl.abs(b_y) < 0.5, b_logp * b_logp * b_series,

@@ -1,0 +1,213 @@
+"""Row-wise mappings on a GPU: the table of the row-wise issue (#14), in one run.
+
+For each shape (16384×1024 and 1024×32768) and dtype (fp32, bf16), times with
+`triton.testing.do_bench` (median ms) the forward without autograd and forward + backward
+(a training step: autograd forward, then backward of a fixed upstream gradient) of:
+- torch.softmax (the baseline of every ratio),
+- entmax_fast's sparsemax, entmax15 and entmax_bisect at α = 1.3 (float α) and with a
+  per-row α tensor of 1.3 (the learnable-α path, fwd+bwd with dα),
+- AdaSplash's `triton_entmax` at α = 1.5 when importable,
+- entmax 1.3's entmax15, sparsemax and entmax_bisect α = 1.3 when importable.
+GB/s count one read and one write of the rows for the forward, and three reads and two
+writes (x, p, grad, dx) for forward + backward. Each entmax_fast row also gets its largest
+error against the float64 reference (max |p − p64|) on the same input.
+
+Inputs are N(0, 1) scores (the issue's measurement). Writes rowwise_gpu.md and
+rowwise_gpu.csv into --out. Needs a CUDA device; on a machine without one it says so and
+exits with status 0, measuring nothing.
+
+    python bench/bench_rowwise_gpu.py --out bench/out/gpu
+    python bench/bench_rowwise_gpu.py --sweep      # also time the neighbours of each
+                                                   # configuration of triton_kernels/rowwise._config
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+SHAPES = [(16384, 1024), (1024, 32768)]
+DTYPES = [torch.float32, torch.bfloat16]
+BISECT_ALPHA = 1.3
+
+
+def _versions() -> str:
+    parts = [f"torch {torch.__version__}"]
+    for package in ("triton", "adasplash", "entmax"):
+        try:
+            parts.append(f"{package} {importlib.metadata.version(package)}")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return ", ".join(parts)
+
+
+def _methods(n_rows: int, device) -> dict:
+    """name -> (callable(x) -> p, whether it is entmax_fast's, α for the reference)."""
+    import entmax_fast
+
+    alpha_rows = torch.full((n_rows, 1), BISECT_ALPHA, device=device, requires_grad=True)
+    methods = {
+        "softmax": (lambda x: torch.softmax(x, -1), False, None),
+        "ef sparsemax": (entmax_fast.sparsemax, True, 2.0),
+        "ef entmax15": (entmax_fast.entmax15, True, 1.5),
+        f"ef bisect a={BISECT_ALPHA}": (lambda x: entmax_fast.entmax_bisect(x, BISECT_ALPHA), True, BISECT_ALPHA),
+        f"ef bisect a-tensor={BISECT_ALPHA}": (lambda x: entmax_fast.entmax_bisect(x, alpha_rows), True,
+                                               BISECT_ALPHA),
+    }
+    try:
+        from adasplash import triton_entmax
+
+        def ada(x):
+            try:
+                return triton_entmax(x, alpha=1.5, n_iter=10)
+            except TypeError:
+                return triton_entmax(x, alpha=1.5)
+
+        methods["adasplash triton_entmax a=1.5"] = (ada, False, None)
+    except ImportError:
+        pass
+    try:
+        import entmax
+
+        methods["entmax1.3 sparsemax"] = (entmax.sparsemax, False, None)
+        methods["entmax1.3 entmax15"] = (entmax.entmax15, False, None)
+        methods[f"entmax1.3 bisect a={BISECT_ALPHA}"] = (lambda x: entmax.entmax_bisect(x, BISECT_ALPHA), False,
+                                                         None)
+    except ImportError:
+        pass
+    return methods
+
+
+def _max_error(fn, x, alpha) -> float:
+    from entmax_fast.reference.mappings import entmax_forward
+
+    with torch.no_grad():
+        p = fn(x).double()
+        ref = entmax_forward(x.double(), alpha)
+    return float((p - ref).abs().max())
+
+
+def _time_pair(fn, x, grad):
+    import triton
+
+    def forward():
+        with torch.no_grad():
+            fn(x)
+
+    x_grad = x.detach().clone().requires_grad_(True)
+
+    def training_step():
+        fn(x_grad).backward(grad)
+        x_grad.grad = None
+
+    return (triton.testing.do_bench(forward, return_mode="median"),
+            triton.testing.do_bench(training_step, return_mode="median"))
+
+
+def run(out_dir: str) -> list[dict]:
+    rows = []
+    for n_rows, n_cols in SHAPES:
+        for dtype in DTYPES:
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            x = torch.randn(n_rows, n_cols, device="cuda", generator=gen).to(dtype)
+            grad = torch.randn(n_rows, n_cols, device="cuda", generator=gen).to(dtype)
+            row_bytes = n_rows * n_cols * x.element_size()
+            soft_fwd = soft_step = None
+            for name, (fn, ours, alpha) in _methods(n_rows, x.device).items():
+                entry = {"shape": f"{n_rows}x{n_cols}", "dtype": str(dtype).replace("torch.", ""), "method": name}
+                try:
+                    fwd_ms, step_ms = _time_pair(fn, x, grad)
+                    error = _max_error(fn, x, alpha) if ours else float("nan")
+                except Exception as exc:  # noqa: BLE001 - a failing baseline is a cell of the table
+                    print(f"{name} {entry['shape']} {entry['dtype']}: {type(exc).__name__}: "
+                          f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}")
+                    entry.update(fwd_ms=float("nan"), fwdbwd_ms=float("nan"), fwd_gbps=float("nan"),
+                                 fwdbwd_gbps=float("nan"), fwd_vs_softmax=float("nan"),
+                                 fwdbwd_vs_softmax=float("nan"), max_err_vs_f64=float("nan"), error=type(exc).__name__)
+                    rows.append(entry)
+                    continue
+                if name == "softmax":
+                    soft_fwd, soft_step = fwd_ms, step_ms
+                entry.update(fwd_ms=fwd_ms, fwdbwd_ms=step_ms,
+                             fwd_gbps=2 * row_bytes / fwd_ms / 1e6, fwdbwd_gbps=5 * row_bytes / step_ms / 1e6,
+                             fwd_vs_softmax=fwd_ms / soft_fwd, fwdbwd_vs_softmax=step_ms / soft_step,
+                             max_err_vs_f64=error, error="")
+                rows.append(entry)
+                print(f"{entry['shape']:>11} {entry['dtype']:>8} {name:<34} fwd {fwd_ms:8.4f} ms "
+                      f"({entry['fwd_gbps']:6.0f} GB/s, {entry['fwd_vs_softmax']:5.2f}x)  fwd+bwd {step_ms:8.4f} ms "
+                      f"({entry['fwdbwd_vs_softmax']:5.2f}x)  err {error:.1e}", flush=True)
+    _write(rows, out_dir)
+    return rows
+
+
+def _write(rows, out_dir):
+    from bench.common import write_csv
+
+    os.makedirs(out_dir, exist_ok=True)
+    write_csv(rows, os.path.join(out_dir, "rowwise_gpu.csv"))
+    lines = [f"# Row-wise mappings, {torch.cuda.get_device_name()}", "", _versions(), "",
+             "Median ms (triton.testing.do_bench); ratio to torch.softmax in the same run; GB/s: "
+             "fwd one read + one write, fwd+bwd three reads + two writes.", "",
+             "| shape | dtype | method | fwd ms | fwd GB/s | fwd / softmax | fwd+bwd ms | fwd+bwd / softmax "
+             "| max err vs f64 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["error"]:
+            lines.append(f"| {r['shape']} | {r['dtype']} | {r['method']} | — ({r['error']}) | | | | | |")
+            continue
+        lines.append(f"| {r['shape']} | {r['dtype']} | {r['method']} | {r['fwd_ms']:.4f} | {r['fwd_gbps']:.0f} | "
+                     f"{r['fwd_vs_softmax']:.2f} | {r['fwdbwd_ms']:.4f} | {r['fwdbwd_vs_softmax']:.2f} | "
+                     f"{r['max_err_vs_f64']:.1e} |")
+    with open(os.path.join(out_dir, "rowwise_gpu.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def sweep():
+    """Forward ms of each `_config` entry at 16384×1024-sized problems and its neighbours
+    (rows per program ×½, ×2; warps ×½, ×2), fp32, for α = 1.5 and 1.3."""
+    import triton
+
+    from entmax_fast.triton_kernels import rowwise
+
+    for n_cols in (128, 512, 1024, 2048, 4096, 8192, 32768):
+        n_rows = max(1, 16384 * 1024 // n_cols)
+        x = torch.randn(n_rows, n_cols, device="cuda")
+        base = rowwise._config(n_cols)
+        candidates = [base]
+        for rows_factor, warps_factor in ((0.5, 1), (2, 1), (1, 0.5), (1, 2)):
+            cand = dict(base, ROWS=int(base["ROWS"] * rows_factor), num_warps=int(base["num_warps"] * warps_factor))
+            if cand["ROWS"] >= 1 and 1 <= cand["num_warps"] <= 32 and (cand["RESIDENT"] or cand["ROWS"] == 1):
+                candidates.append(cand)
+        for alpha in (1.5, 1.3):
+            for cand in candidates:
+                ms = triton.testing.do_bench(lambda: rowwise._forward(x, alpha, config=cand), return_mode="median")
+                mark = "  (table)" if cand is base else ""
+                print(f"n={n_cols:>6} alpha={alpha} rows={cand['ROWS']:>3} block={cand['BLOCK']:>5} "
+                      f"warps={cand['num_warps']:>2} resident={cand['RESIDENT']}: {ms:.4f} ms{mark}", flush=True)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.path.join("bench", "out", "gpu"))
+    parser.add_argument("--sweep", action="store_true", help="also time neighbours of each table configuration")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_rowwise_gpu: needs a CUDA device (none here); nothing measured")
+        return 0
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("bench_rowwise_gpu: TRITON_INTERPRET is set; unset it to time the compiled kernels")
+        return 1
+    print(f"{torch.cuda.get_device_name()}; {_versions()}")
+    run(args.out)
+    if args.sweep:
+        sweep()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
