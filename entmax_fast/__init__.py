@@ -33,16 +33,22 @@ __all__ = [
 
 
 def backend_info() -> dict:
-    """Which backends exist on this machine (and why not), what is forced, and which
-    backend every op used on its last call, with the reason.
+    """Which backends exist on this machine (and why not), whether each will be used for
+    CPU and for CUDA tensors, what is forced, and which backend every op used on this
+    thread's last call of it, with the reason in words.
 
-    >>> info = backend_info(); info["backends"]["cpp"]  # doctest: +SKIP
-    {'available': False, 'reason': 'the C++ extension entmax_fast._C is not built (...)'}
+    >>> backend_info()["backends"]["triton"]  # doctest: +SKIP
+    {'available': True, 'reason': 'triton 3.9.0, no CUDA device: interpreter only (...)',
+     'cpu': 'only when forced, in the Triton interpreter (slow: for testing kernels)',
+     'cuda': 'no: no CUDA device'}
+    >>> backend_info()["last_choice"]["entmax"]  # doctest: +SKIP
+    {'backend': 'cpp', 'reason': 'cpp: C++ extension, avx2-fma CPU kernels (first choice for CPU tensors)'}
     """
     backends = {}
     for name in dispatch.BACKENDS:
         ok, why = dispatch.availability(name)
-        backends[name] = {"available": ok, "reason": why}
+        backends[name] = {"available": ok, "reason": why,
+                          "cpu": dispatch.device_usage(name, "cpu"), "cuda": dispatch.device_usage(name, "cuda")}
     last = {}
     for op in dispatch.registered_ops():
         choice = dispatch.last_choice(op)

@@ -14,7 +14,12 @@ implementation of the op at all leaves that op to the default order, and the rec
 reason says so.
 
 :func:`last_choice` and ``entmax_fast.backend_info()`` tell which backend each op used
-last and why; a CUDA call that does not get a fast backend also warns once.
+last in the calling thread and why; a CUDA call that does not get a fast backend also warns
+once.
+
+Importing this module imports neither triton nor ``torch._dynamo`` (together seconds of
+start-up): triton is imported when a backend's availability is first asked for, dynamo only
+by ``torch.compile`` itself.
 """
 from __future__ import annotations
 
@@ -61,11 +66,15 @@ class BackendUnavailableError(RuntimeError):
 
 
 _REGISTRY: dict[str, dict[str, _Impl]] = {}
-_LAST: dict[str, Choice] = {}
 _LOADED: dict[tuple[str, str], Any] = {}
 _WARNED: set = set()
+# Per thread: the forced backend and the last choice of every op (another thread's calls
+# must not change what this thread is told).
 _LOCAL = threading.local()
 _AVAILABILITY: dict[str, tuple[bool, str]] = {}
+# Loading a backend registers torch.library kernels once per process; two threads doing it
+# at the same time register twice ("Overriding a previously registered kernel").
+_LOAD_LOCK = threading.RLock()
 
 
 def register(op: str, backend: str, module: str, attrs, supports=None) -> None:
@@ -87,9 +96,10 @@ def _triton_availability() -> tuple[bool, str]:
     if torch.cuda.is_available():
         return True, f"triton {triton.__version__} with CUDA device {torch.cuda.get_device_name()}"
     if os.environ.get("TRITON_INTERPRET") == "1":
-        return True, f"triton {triton.__version__} in interpreter mode (TRITON_INTERPRET=1), CPU tensors only"
-    return True, (f"triton {triton.__version__} importable but no CUDA device; CPU tensors need "
-                  "TRITON_INTERPRET=1 set before triton is imported")
+        return True, (f"triton {triton.__version__}, no CUDA device: interpreter only "
+                      "(TRITON_INTERPRET=1; CPU tensors, when forced; slow, for testing)")
+    return False, (f"triton {triton.__version__} is importable, but there is no CUDA device, and the "
+                   "interpreter needs TRITON_INTERPRET=1 set before triton is imported")
 
 
 def _cpp_availability() -> tuple[bool, str]:
@@ -101,45 +111,54 @@ def _cpp_availability() -> tuple[bool, str]:
 def availability(backend: str) -> tuple[bool, str]:
     """(available, reason) for a backend on this machine; cached."""
     if backend not in _AVAILABILITY:
-        if backend == "reference":
-            _AVAILABILITY[backend] = (True, "plain torch, always available")
-        elif backend == "triton":
-            _AVAILABILITY[backend] = _triton_availability()
-        elif backend == "cpp":
-            _AVAILABILITY[backend] = _cpp_availability()
-        else:
+        if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        with _LOAD_LOCK:
+            if backend not in _AVAILABILITY:
+                if backend == "reference":
+                    _AVAILABILITY[backend] = (True, "plain torch, always available")
+                elif backend == "triton":
+                    _AVAILABILITY[backend] = _triton_availability()
+                else:
+                    _AVAILABILITY[backend] = _cpp_availability()
     return _AVAILABILITY[backend]
 
 
 def _runs_on(backend: str, request: Request) -> Optional[str]:
     """None if ``backend`` can run on the request's device, else why not."""
+    if backend == "triton" and request.device.type != "cuda" and not (
+            request.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+        return (f"triton cannot run {request.device.type} tensors here (only CUDA tensors, or CPU "
+                "tensors in the interpreter: TRITON_INTERPRET=1 set before triton is imported)")
     ok, why = availability(backend)
     if not ok:
         return why
-    if backend == "triton":
-        if request.device.type == "cuda":
-            return None if torch.cuda.is_available() else "no CUDA device"
-        if request.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
-            return None
-        return f"triton cannot run {request.device.type} tensors here ({why})"
+    if backend == "triton" and request.device.type == "cuda" and not torch.cuda.is_available():
+        return "no CUDA device"
     if backend == "cpp" and request.device.type not in ("cpu", "cuda"):
         return f"the extension has no {request.device.type} kernels"
     return None
 
 
 def forced_backend() -> Optional[str]:
+    return _forcing()[0]
+
+
+def _forcing() -> tuple[Optional[str], str]:
+    """(forced backend or None, how it was forced)."""
     forced = getattr(_LOCAL, "forced", None)
-    if forced is None:
-        forced = os.environ.get(ENV_VAR) or None
-        if forced is not None and forced not in BACKENDS:
-            raise ValueError(f"{ENV_VAR} must be one of {BACKENDS}, got {forced!r}")
-    return forced
+    if forced is not None:
+        return forced, f"use_backend({forced!r})"
+    forced = os.environ.get(ENV_VAR) or None
+    if forced is not None and forced not in BACKENDS:
+        raise ValueError(f"{ENV_VAR} must be one of {BACKENDS}, got {forced!r}")
+    return forced, f"{ENV_VAR}={forced}"
 
 
 @contextlib.contextmanager
 def use_backend(backend: Optional[str]):
-    """Force ``backend`` for every op called inside the block (None: default choice)."""
+    """Force ``backend`` for every op called inside the block, in this thread (None:
+    default choice)."""
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     previous = getattr(_LOCAL, "forced", None)
@@ -156,11 +175,28 @@ def _default_order(device: torch.device):
 
 def _load(op: str, backend: str):
     if (op, backend) not in _LOADED:
-        impl = _REGISTRY[op][backend]
-        module = importlib.import_module(impl.module, package=__package__)
-        objs = tuple(getattr(module, name) for name in impl.attrs)
-        _LOADED[(op, backend)] = objs if len(objs) > 1 else objs[0]
+        with _LOAD_LOCK:
+            if (op, backend) not in _LOADED:
+                impl = _REGISTRY[op][backend]
+                module = importlib.import_module(impl.module, package=__package__)
+                objs = tuple(getattr(module, name) for name in impl.attrs)
+                _LOADED[(op, backend)] = objs if len(objs) > 1 else objs[0]
     return _LOADED[(op, backend)]
+
+
+def _last_choices() -> dict[str, Choice]:
+    last = getattr(_LOCAL, "last", None)
+    if last is None:
+        last = _LOCAL.last = {}
+    return last
+
+
+def _mark_constant_for_compile(fn):
+    """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo`` (about
+    2.5 s) at import time: that decorator only sets this attribute, which dynamo reads when
+    it traces a call (tests/test_import.py checks the two agree)."""
+    fn._dynamo_marked_constant = True
+    return fn
 
 
 def select(op: str, request: Request) -> tuple[Any, Choice]:
@@ -171,21 +207,42 @@ def select(op: str, request: Request) -> tuple[Any, Choice]:
     """
     if torch.compiler.is_compiling():
         options = tuple(sorted(request.options.items()))
-        backend = _backend_name_while_tracing(op, request.device.type, request.dtype, options)
-        return _LOADED[(op, backend)], _LAST[op]
+        backend, reason = _choice_while_tracing(op, request.device.type, request.dtype, options)
+        return _LOADED[(op, backend)], Choice(op, backend, reason)
     return _select(op, request)
 
 
-@torch.compiler.assume_constant_result
-def _backend_name_while_tracing(op: str, device_type: str, dtype: torch.dtype, options: tuple) -> str:
-    return _select(op, Request(torch.device(device_type), dtype, dict(options)))[1].backend
+@_mark_constant_for_compile
+def _choice_while_tracing(op: str, device_type: str, dtype: torch.dtype, options: tuple) -> tuple[str, str]:
+    choice = _select(op, Request(torch.device(device_type), dtype, dict(options)))[1]
+    return choice.backend, choice.reason
+
+
+def _describe(backend: str, request: Request, op: str) -> str:
+    """What runs the call, in a user's words: "cpp: C++ extension, avx2-fma kernels"."""
+    if backend == "cpp":
+        if request.device.type == "cpu":
+            from . import _ext
+
+            return f"cpp: C++ extension, {_ext.cpu_kernel_set()} CPU kernels"
+        return f"cpp: C++ extension, {request.device.type.upper()} kernels"
+    if backend == "triton":
+        where = "CUDA tensor" if request.device.type == "cuda" else "CPU tensor in the Triton interpreter"
+        # The fused attention kernels take only 1 < alpha <= 2; the row-wise ones any alpha.
+        alpha = request.options.get("alpha") if op.startswith("attention") else None
+        if isinstance(alpha, float):
+            where += f", alpha = {alpha:g} in (1, 2]"
+        elif alpha is not None:
+            where += ", alpha per head"
+        return f"triton: {where}"
+    return "reference: plain torch"
 
 
 def _select(op: str, request: Request) -> tuple[Any, Choice]:
     impls = _REGISTRY.get(op)
     if not impls:
         raise KeyError(f"no backend registered for op {op!r}")
-    forced = forced_backend()
+    forced, forced_by = _forcing()
     refusals = []
     if forced is not None:
         if forced in impls:
@@ -199,24 +256,28 @@ def _select(op: str, request: Request) -> tuple[Any, Choice]:
                 raise BackendUnavailableError(
                     f"backend {forced!r} was forced for {op} but failed to load: {type(exc).__name__}: {exc}"
                 ) from exc
-            choice = Choice(op, forced, "forced")
-            _LAST[op] = choice
+            choice = Choice(op, forced, f"{_describe(forced, request, op)}; forced by {forced_by}")
+            _last_choices()[op] = choice
             return implementation, choice
-        refusals.append(f"forced {forced!r} has no {op} implementation")
+        refusals.append(f"forced {forced!r} has no {op} implementation ({forced_by})")
     for backend in _default_order(request.device):
         if backend not in impls:
             refusals.append(f"{backend}: no {op} implementation")
             continue
         why_not = _runs_on(backend, request) or impls[backend].supports(request)
         if why_not is None:
-            reason = "default order" if not refusals else "; ".join(refusals)
             try:
                 implementation = _load(op, backend)
             except Exception as exc:  # noqa: BLE001 - a broken optional backend must not break the op
                 refusals.append(f"{backend}: failed to load ({type(exc).__name__}: {exc})")
                 continue
+            reason = _describe(backend, request, op)
+            if refusals:
+                reason += ", because " + "; ".join(refusals)
+            else:
+                reason += f" (first choice for {request.device.type.upper()} tensors)"
             choice = Choice(op, backend, reason)
-            _LAST[op] = choice
+            _last_choices()[op] = choice
             if request.device.type == "cuda" and backend == "reference" and op not in _WARNED:
                 _WARNED.add(op)
                 warnings.warn(f"entmax_fast: {op} on CUDA runs the plain-torch reference: {reason}",
@@ -227,8 +288,35 @@ def _select(op: str, request: Request) -> tuple[Any, Choice]:
 
 
 def last_choice(op: str) -> Optional[Choice]:
-    """The backend the last call of ``op`` used, and why (None before the first call)."""
-    return _LAST.get(op)
+    """The backend the last call of ``op`` in this thread used, and why (None before this
+    thread's first call)."""
+    return _last_choices().get(op)
+
+
+def device_usage(backend: str, device_type: str) -> str:
+    """Whether ``backend`` will be used for float32 tensors on ``device_type`` here, in words:
+    "no: ...", "yes: first choice for ...", or "only when forced ..."."""
+    if device_type == "cuda" and not torch.cuda.is_available():
+        return "no: no CUDA device here"
+    request = Request(torch.device(device_type), torch.float32, {})
+    why_not = _runs_on(backend, request)
+    if why_not is not None:
+        return f"no: {why_not}"
+    first_for = []
+    for op, impls in _REGISTRY.items():
+        for candidate in _default_order(request.device):
+            if candidate in impls and _runs_on(candidate, request) is None and impls[candidate].supports(request) is None:
+                if candidate == backend:
+                    first_for.append(op)
+                break
+    if backend == "reference":
+        fallback = "the fallback for calls the other backends refuse (dropout, for example)"
+        return f"yes: first choice for {', '.join(first_for)}; {fallback}" if first_for else f"yes: {fallback}"
+    if first_for:
+        return f"yes: first choice for {', '.join(first_for)}"
+    if backend == "triton":
+        return "only when forced, in the Triton interpreter (slow: for testing kernels)"
+    return "only when forced"
 
 
 def registered_ops() -> dict[str, tuple[str, ...]]:

@@ -1,4 +1,9 @@
 """Every branch of the dispatch registry, forced or chosen, is exercised here."""
+import os
+import subprocess
+import sys
+import threading
+
 import pytest
 import torch
 
@@ -32,13 +37,14 @@ def test_backend_info_reports_every_backend_and_last_choice():
 def test_context_manager_forces_reference():
     with entmax_fast.use_backend("reference"):
         entmax_fast.entmax15(torch.randn(2, 3))
-    assert dispatch.last_choice("entmax") == dispatch.Choice("entmax", "reference", "forced")
+    assert dispatch.last_choice("entmax") == dispatch.Choice(
+        "entmax", "reference", "reference: plain torch; forced by use_backend('reference')")
 
 
 def test_env_var_forces_backend(monkeypatch):
     monkeypatch.setenv(dispatch.ENV_VAR, "reference")
     entmax_fast.sparsemax(torch.randn(2, 3))
-    assert dispatch.last_choice("entmax").reason == "forced"
+    assert dispatch.last_choice("entmax").reason == "reference: plain torch; forced by ENTMAX_FAST_BACKEND=reference"
     monkeypatch.setenv(dispatch.ENV_VAR, "cuda-magic")
     with pytest.raises(ValueError, match="ENTMAX_FAST_BACKEND must be one of"):
         entmax_fast.sparsemax(torch.randn(2, 3))
@@ -133,3 +139,119 @@ def test_torch_compile_fullgraph_traces_mappings_and_attention(backend):
     torch.testing.assert_close(got, expected)
     for g, e in zip(got_grads, expected_grads):
         torch.testing.assert_close(g, e)
+
+
+def test_reasons_say_what_runs_and_why_in_words(monkeypatch):
+    if dispatch.availability("cpp")[0]:
+        entmax_fast.entmax15(torch.randn(2, 3))
+        isa = torch.ops.entmax_fast.cpu_kernel_isa()
+        assert dispatch.last_choice("entmax").reason == \
+            f"cpp: C++ extension, {isa} CPU kernels (first choice for CPU tensors)"
+        entmax_fast.entmax_attention(*(torch.randn(1, 1, 3, 4) for _ in range(3)), dropout_p=0.5)
+        assert dispatch.last_choice("attention").reason == \
+            "reference: plain torch, because cpp: the C++ attention has no dropout"
+    entmax_fast.normmax_bisect(torch.randn(2, 3))
+    assert dispatch.last_choice("normmax").reason == "reference: plain torch, because cpp: no normmax implementation"
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(dispatch._AVAILABILITY, "triton", (True, "pretend GPU"))
+    monkeypatch.setitem(dispatch._LOADED, ("attention", "triton"), "a kernel")
+    request = dispatch.Request(torch.device("cuda"), torch.float16, {"alpha": 1.5})
+    assert dispatch.select("attention", request)[1].reason == \
+        "triton: CUDA tensor, alpha = 1.5 in (1, 2] (first choice for CUDA tensors)"
+
+
+def test_last_choice_is_per_thread():
+    """Each thread sees its own last call, like the forcing; a thread that has not called
+    an op sees None for it."""
+    entmax_fast.entmax15(torch.randn(2, 3))
+    mine = dispatch.last_choice("entmax")
+    barrier = threading.Barrier(2)
+    seen = {}
+
+    def other_thread():
+        seen["before"] = dispatch.last_choice("entmax")
+        with entmax_fast.use_backend("reference"):
+            entmax_fast.entmax15(torch.randn(2, 3))
+        barrier.wait()
+        barrier.wait()
+        seen["after"] = dispatch.last_choice("entmax")
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    barrier.wait()
+    assert dispatch.last_choice("entmax") == mine
+    assert entmax_fast.backend_info()["last_choice"]["entmax"]["reason"] == mine.reason
+    entmax_fast.sparsemax(torch.randn(2, 3))
+    barrier.wait()
+    thread.join()
+    assert seen["before"] is None
+    assert seen["after"].backend == "reference" and "forced by use_backend('reference')" in seen["after"].reason
+
+
+_CONCURRENT_FIRST_USE = """
+import threading, warnings
+import torch
+import entmax_fast
+
+warnings.simplefilter("error")
+x = torch.randn(4, 16)
+calls = [entmax_fast.entmax15, lambda x: entmax_fast.fusedmax(x, 0.1), entmax_fast.sparsemax,
+         lambda x: entmax_fast.entmax_attention(x[None, None], x[None, None], x[None, None])]
+barrier = threading.Barrier(8)
+errors = []
+
+def first_use(i):
+    barrier.wait()
+    try:
+        calls[i % len(calls)](x)
+    except Exception as exc:
+        errors.append(repr(exc))
+
+threads = [threading.Thread(target=first_use, args=(i,)) for i in range(8)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+assert not errors, errors
+"""
+
+
+def test_concurrent_first_use_registers_kernels_once():
+    """Eight threads that use the package for the first time at once: the ops' Python side
+    is registered once (torch warns "Overriding a previously registered kernel" otherwise,
+    an error here). A fresh interpreter, since registration happens once per process."""
+    env = dict(os.environ, ENTMAX_FAST_BACKEND="")
+    result = subprocess.run([sys.executable, "-c", _CONCURRENT_FIRST_USE], capture_output=True, text=True,
+                            timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Overriding a previously registered kernel" not in result.stderr
+
+
+def test_backend_info_says_per_device_whether_each_backend_is_used(monkeypatch):
+    info = entmax_fast.backend_info()["backends"]
+    for name, entry in info.items():
+        assert entry["cpu"].startswith(("yes: ", "no: ", "only when forced")), (name, entry["cpu"])
+        assert entry["cuda"].startswith(("yes: ", "no: ", "only when forced")), (name, entry["cuda"])
+    assert info["reference"]["cpu"].startswith("yes: ")
+    if not torch.cuda.is_available():
+        assert all(entry["cuda"] == "no: no CUDA device here" for entry in info.values())
+        assert info["triton"]["cpu"].startswith(("no: ", "only when forced, in the Triton interpreter"))
+    if dispatch.availability("cpp")[0]:
+        assert info["cpp"]["cpu"].startswith("yes: first choice for entmax")
+        assert "entmax," not in info["reference"]["cpu"]
+
+    monkeypatch.setitem(dispatch._AVAILABILITY, "cpp", (False, "not built in this test"))
+    info = entmax_fast.backend_info()["backends"]
+    assert info["cpp"]["cpu"] == "no: not built in this test"
+    assert info["reference"]["cpu"].startswith("yes: first choice for entmax")
+
+
+def test_triton_without_cuda_is_reported_as_interpreter_only_or_unusable():
+    ok, reason = dispatch.availability("triton")
+    if torch.cuda.is_available() or "not importable" in reason:
+        pytest.skip("this test is about a machine with triton and without CUDA")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        assert ok and "no CUDA device: interpreter only" in reason
+    else:
+        assert not ok and "no CUDA device" in reason
