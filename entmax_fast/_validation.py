@@ -73,3 +73,79 @@ def mapping_alpha(alpha, X: torch.Tensor, dim: int):
         raise ValueError(f"alpha must be broadcastable to {tuple(row_shape)} (X's shape with size 1 "
                          f"along dim={dim}), got shape {tuple(alpha.shape)}")
     return alpha.reshape(padded).expand(row_shape)
+
+
+def check_scalar_parameter(name: str, value, like: torch.Tensor, minimum: float, what: str,
+                           maximum: float | None = None, maximum_name: str | None = None):
+    """A float, or a 0-d tensor as ``entmax`` accepts, that must be finite and > ``minimum``
+    (and at most ``maximum``). Returns a python float, or for a 0-d tensor on the input's
+    GPU the detached tensor (reading it would sync the host)."""
+    above = f"{name} must be > {minimum:g} for {what}"
+    below = f"{name} must be at most {maximum_name} ({maximum})"
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0:
+            raise ValueError(f"{name} must be a float or a 0-d tensor for {what}, got shape {tuple(value.shape)}")
+        if value.requires_grad:
+            raise ValueError(f"{name} of {what} is not differentiated; pass a float or a tensor that does not "
+                             f"require grad (e.g. {name}.detach())")
+        if value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{name} must be a real number for {what}, got dtype {value.dtype}")
+        if value.device.type != "cpu":
+            if value.device != like.device:
+                raise ValueError(f"{name} must be on X's device {like.device} or the CPU, got {value.device}")
+            value = value.detach().to(torch.float64 if like.dtype == torch.float64 else torch.float32)
+            _assert_values(torch.isfinite(value) & (value > minimum), above)
+            if maximum is not None:
+                _assert_values(value <= maximum, below)
+            return value
+    value = float(value)
+    if not (math.isfinite(value) and value > minimum):
+        raise ValueError(f"{above}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{below}, got {value}")
+    return value
+
+
+def check_backend_dtype(choice, tensor: torch.Tensor) -> None:
+    """Refuse the combinations a backend would answer wrongly instead of failing: bf16 in the
+    Triton interpreter (its bf16 ``tl.dot`` is off by orders of magnitude in triton 3.9)."""
+    if choice.backend == "triton" and tensor.device.type == "cpu" and tensor.dtype == torch.bfloat16:
+        raise TypeError(f"{choice.op}: the Triton backend on CPU tensors (the interpreter) gives wrong bfloat16 "
+                        "results; use float32/float16, or the cpp/reference backend for bfloat16 on CPU")
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """Identity on the first-order gradients whose own backward raises: differentiating them
+    again fails loudly instead of silently dropping a term."""
+
+    @staticmethod
+    def forward(ctx, what, n_grads, *tensors):
+        ctx.what = what
+        return tuple(t.clone() for t in tensors[:n_grads])
+
+    @staticmethod
+    def backward(ctx, *grads_of_grads):
+        raise RuntimeError(f"{ctx.what} is only once differentiable: double backward (create_graph=True through "
+                           "its backward, gradgradcheck, Hessian-vector products) is not supported")
+
+
+def once_differentiable_grads(what: str, grads, inputs):
+    """A backward's outputs ``grads``, unchanged; under ``create_graph=True`` they hang on a
+    graph node that raises a clear error when anything differentiates them again.
+
+    ``inputs`` are the forward's saved inputs: the gradients depend on them, so the node is
+    attached to them even when the incoming gradient is a constant (torch's
+    ``once_differentiable`` misses that case, e.g. the Hessian of ``v·f(x)``). None entries
+    stay None.
+    """
+    if not torch.is_grad_enabled():
+        return grads
+    present = [i for i, g in enumerate(grads) if g is not None]
+    sources = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not present:
+        return grads
+    wrapped = _NoDoubleBackward.apply(what, len(present), *(grads[i] for i in present), *sources)
+    out = list(grads)
+    for i, g in zip(present, wrapped):
+        out[i] = g
+    return tuple(out)

@@ -31,7 +31,8 @@ import math
 import torch
 
 from . import dispatch
-from ._validation import check_alpha_float, check_alpha_tensor, check_floating
+from ._validation import _assert_values, check_alpha_float, check_alpha_tensor, check_backend_dtype, check_floating
+from .reference.attention import is_empty_attention, zero_attention
 
 __all__ = ["entmax_attention", "sparsemax_attention", "entmax_attention_varlen"]
 
@@ -115,15 +116,27 @@ def entmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
             1 is softmax attention, 1.5 is 1.5-entmax, 2 is sparsemax.
 
     Returns (B, H, Lq, Ev) in query's dtype. Rows whose keys are all masked give zeros.
+    Bad values: a NaN in query, key or a float mask, or a +inf score, makes NaN every output
+    row whose scores it reaches (a NaN in value: every row that attends to its key).
+    Zero-size dims: Lk = 0 gives zeros; B, H, Lq or Ev = 0 an empty output; E = 0 scores
+    every key 0 (uniform weights unless masked). Once differentiable: double backward raises.
     """
     alpha = _check_attention_args(query, key, value, attn_mask, dropout_p, scale, enable_gqa, alpha)
+    if is_empty_attention(query, key, value):
+        return zero_attention(query, key, value, alpha)
+    if query.shape[-1] == 0:
+        # The empty dot product scores every key 0: a zero feature gives the same scores on
+        # every backend, none of which has kernels for E = 0; the scale multiplies zeros.
+        query, key = torch.nn.functional.pad(query, (0, 1)), torch.nn.functional.pad(key, (0, 1))
+        scale = 1.0
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     options = {"alpha": alpha if isinstance(alpha, float) else "tensor", "dropout_p": float(dropout_p),
                "head_dim": max(query.shape[-1], value.shape[-1]), "is_causal": bool(is_causal),
                "mask": None if attn_mask is None else attn_mask.dtype,
                "mask_requires_grad": attn_mask is not None and attn_mask.requires_grad}
-    implementation, _ = dispatch.select("attention", dispatch.Request(query.device, query.dtype, options))
+    implementation, choice = dispatch.select("attention", dispatch.Request(query.device, query.dtype, options))
+    check_backend_dtype(choice, query)
     return implementation(query, key, value, attn_mask=attn_mask, dropout_p=float(dropout_p),
                           is_causal=bool(is_causal), scale=float(scale), enable_gqa=bool(enable_gqa), alpha=alpha)
 
@@ -132,6 +145,20 @@ def sparsemax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_cau
                         enable_gqa=False):
     """:func:`entmax_attention` with α = 2 (sparsemax weights)."""
     return entmax_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alpha=2.0)
+
+
+def _check_offsets(name, cu, total, max_name, max_seqlen):
+    """cu_seqlens must start at 0, never decrease, end at the number of tokens, and no
+    sequence may be longer than max_seqlen. Eager on CPU; on a GPU checked on the device
+    (``torch._assert_async``: no host sync, the error surfaces at the next synchronisation)."""
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise ValueError(f"{max_name} must be an int >= 0, got {max_seqlen!r}")
+    lengths = cu[1:] - cu[:-1]
+    _assert_values(cu[:1] == 0, f"{name} must start at 0")
+    _assert_values(lengths >= 0, f"{name} must be non-decreasing (sequence lengths >= 0)")
+    _assert_values(cu[-1:] == total, f"{name} must end at the number of tokens ({total})")
+    _assert_values(lengths <= max_seqlen, f"{max_name} ({max_seqlen}) must be at least the longest sequence "
+                                          f"length in {name}")
 
 
 def entmax_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -145,6 +172,12 @@ def entmax_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     Hkv (GQA). ``is_causal`` is top-left aligned within each sequence. ``alpha`` as in
     :func:`entmax_attention`. CUDA tensors run the fused Triton kernel; elsewhere the
     reference loops over the sequences.
+
+    The offsets are validated: they must start at 0, never decrease, end at total_q
+    (total_k), and ``max_seqlen_q``/``max_seqlen_k`` must bound every length. On CPU a
+    ValueError is raised at once; on CUDA the check runs on the device without a host sync
+    (``torch._assert_async``), so a violation surfaces as a device-side assertion at the
+    next synchronisation. A sequence without keys gives zeros.
     """
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         check_floating(name, tensor)
@@ -165,11 +198,14 @@ def entmax_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got "
                          f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    _check_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
+    _check_offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
     alpha = _check_dropout_scale_alpha(dropout_p, scale, alpha, q.shape[1], q)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     options = {"alpha": alpha if isinstance(alpha, float) else "tensor", "dropout_p": float(dropout_p),
                "head_dim": max(q.shape[-1], v.shape[-1]), "is_causal": bool(is_causal)}
-    implementation, _ = dispatch.select("attention_varlen", dispatch.Request(q.device, q.dtype, options))
+    implementation, choice = dispatch.select("attention_varlen", dispatch.Request(q.device, q.dtype, options))
+    check_backend_dtype(choice, q)
     return implementation(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                           dropout_p=float(dropout_p), is_causal=bool(is_causal), scale=float(scale), alpha=alpha)

@@ -18,6 +18,9 @@ import math
 import torch
 
 from . import _ext
+from ._validation import once_differentiable_grads
+from .reference import attention as _reference_attention
+from .reference import mappings as _reference_mappings
 
 __all__ = [
     "is_available",
@@ -90,6 +93,11 @@ def _rowwise_setup_context(ctx, inputs, output):
 def _rowwise_backward(ctx, grad):
     p, alpha = ctx.saved_tensors
     need_alpha_grad = ctx.needs_input_grad[1]
+    if torch.is_grad_enabled():
+        # create_graph=True: the reference's closed form in p, in torch ops, so that autograd
+        # can differentiate the backward (the C++ kernel cannot be).
+        dx, dalpha = _reference_mappings.entmax_rowwise_backward(p, grad, alpha, need_alpha_grad)
+        return dx, (dalpha.to(alpha.dtype) if need_alpha_grad else None)
     dx, dalpha = torch.ops.entmax_fast.entmax_rowwise_bwd(p, grad, alpha, need_alpha_grad)
     return dx, (dalpha if need_alpha_grad else None)
 
@@ -108,7 +116,10 @@ def _attention_backward(ctx, grad_out, grad_stats):
     need_alpha_grad = ctx.needs_input_grad[4]
     dq, dk, dv, dalpha = torch.ops.entmax_fast.entmax_attention_bwd(
         grad_out, query, key, value, attn_mask, stats, alpha, ctx.scale, ctx.is_causal, need_alpha_grad)
-    return dq, dk, dv, None, (dalpha.to(alpha.dtype) if need_alpha_grad else None), None, None
+    grads = (dq, dk, dv, (dalpha.to(alpha.dtype) if need_alpha_grad else None))
+    dq, dk, dv, dalpha = once_differentiable_grads("entmax attention (cpp backend)", grads,
+                                                   (query, key, value, alpha, grad_out))
+    return dq, dk, dv, None, dalpha, None, None
 
 
 def _register_python_side() -> None:
@@ -207,6 +218,8 @@ def entmax_attention_cpp(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
     ``alpha``: float or tensor (H,) (one per query head, differentiable). A query whose keys
     are all masked gets a zero output and zero gradients. ``dropout_p`` > 0 is not
     supported here (NotImplementedError; the reference backend implements it).
+    Zero-size dims and bad values follow :func:`entmax_fast.entmax_attention`. Once
+    differentiable: double backward raises.
     """
     _require_ops()
     if dropout_p != 0.0:
@@ -243,9 +256,17 @@ def entmax_attention_cpp(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
         if target != (B, H, Lq, Lk):
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
                              f"(B, H, Lq, Lk) = {(B, H, Lq, Lk)}")
+    alpha_t = _alpha_vector(alpha, H, query.device, "query head")
+    if _reference_attention.is_empty_attention(query, key, value):
+        out = _reference_attention.zero_attention(query, key, value, alpha if isinstance(alpha, torch.Tensor) else None)
+        return out.squeeze(0) if squeeze else out
+    if E == 0:
+        # Every score is the empty dot product 0 (the scale multiplies zeros): a zero feature
+        # gives the same scores to the kernels, which need E >= 1.
+        query, key = torch.nn.functional.pad(query, (0, 1)), torch.nn.functional.pad(key, (0, 1))
+        scale = 1.0
     if scale is None:
         scale = 1.0 / math.sqrt(E)
-    alpha_t = _alpha_vector(alpha, H, query.device, "query head")
     out, _ = torch.ops.entmax_fast.entmax_attention_fwd(query, key, value, attn_mask, alpha_t, float(scale),
                                                         bool(is_causal))
     return out.squeeze(0) if squeeze else out

@@ -2,17 +2,23 @@
 
 ``L(X, y) = max_p [pᵀX + H_α(p)] − X_y = H_α(p*) + (p* − e_y)ᵀX`` with ``p* = entmax(X)``.
 By the envelope theorem the gradient w.r.t. X is ``p* − e_y`` and the gradient w.r.t. α
-is ``∂H_α(p*)/∂α`` at fixed p*, so the loss is written with p* detached and autograd
-gives exactly those gradients (α may be a tensor that requires grad).
+is ``∂H_α(p*)/∂α`` at fixed p* (α may be a tensor that requires grad).
+
+Twice differentiable: under ``create_graph=True`` the backward recomputes p* through the
+(twice differentiable) mapping, so Hessian-vector products see p*'s dependence on X and α.
+
+Targets are class indices in [0, n_classes): anything else raises (on a GPU without a host
+sync, asynchronously). The modules' ``ignore_index`` works as in ``F.cross_entropy``: those
+positions get loss 0 and are left out of the mean (default −100; ``entmax`` only honoured
+it when >= 0).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ._validation import check_floating, mapping_alpha
+from ._validation import _assert_values, check_floating, mapping_alpha
 from .mappings import _entmax, normmax_bisect
-from .reference.mappings import tsallis_entropy
 
 __all__ = [
     "sparsemax_loss", "sparsemax_bisect_loss", "entmax15_loss", "entmax_bisect_loss", "normmax_bisect_loss",
@@ -20,7 +26,7 @@ __all__ = [
 ]
 
 
-def _check_loss_args(X, target):
+def _check_loss_args(X, target, ignore_index=None):
     check_floating("X", X)
     if X.dim() != 2:
         raise ValueError(f"X must be 2-D (n_samples, n_classes), got shape {tuple(X.shape)}")
@@ -30,21 +36,89 @@ def _check_loss_args(X, target):
         raise ValueError(f"target must have shape ({X.shape[0]},), got {tuple(target.shape)}")
     if target.device != X.device:
         raise ValueError(f"target must be on X's device {X.device}, got {target.device}")
+    valid = (target >= 0) & (target < X.shape[1])
+    if ignore_index is not None:
+        valid = valid | (target == ignore_index)
+    _assert_values(valid, f"target must hold class indices in [0, {X.shape[1]})"
+                          + (f" or ignore_index={ignore_index}" if ignore_index is not None else ""))
 
 
-def _one_hot_term(p_star, X, target):
-    one_hot = torch.zeros_like(p_star).scatter_(1, target.long().clamp(min=0).unsqueeze(1), 1.0)
-    return ((p_star - one_hot) * X).sum(dim=1)
+def _one_hot(p, target):
+    return torch.zeros_like(p).scatter_(1, target.long().unsqueeze(1), 1.0)
+
+
+def _tsallis_and_alpha_derivative(p: torch.Tensor, alpha: torch.Tensor):
+    """(H_α(p), ∂H_α(p)/∂α at fixed p) per row, in float64, in torch ops (differentiable).
+
+    ``H_α = (1 − S)/(α(α − 1))`` with ``S = Σ p^α``; ``∂H/∂α = −(T + H(2α − 1))/(α(α − 1))``
+    with ``T = Σ p^α log p``. At α = 1, Shannon's ``H = −Σ p log p`` and the limit
+    ``∂H/∂α = −(H + ½ Σ p log² p)``, written with its first-order term in (α − 1) so that its
+    own α-derivative (double backward) is the limit ``∂²H/∂α² = 2H + L₂ − L₃/3`` too
+    (``L_k = Σ p log^k p``).
+    """
+    p = p.to(torch.float64)
+    a = alpha.to(torch.float64)
+    positive = p > 0
+    log_p = torch.where(positive, torch.log(torch.where(positive, p, torch.ones_like(p))), torch.zeros_like(p))
+    is_shannon = a == 1
+    a_safe = torch.where(is_shannon, torch.full_like(a, 2.0), a)
+    p_pow = torch.where(positive, torch.exp(a_safe * log_p), torch.zeros_like(p))
+    denominator = a_safe * (a_safe - 1)
+    tsallis = (1 - p_pow.sum(1, keepdim=True)) / denominator
+    d_tsallis = -((p_pow * log_p).sum(1, keepdim=True) + tsallis * (2 * a_safe - 1)) / denominator
+    shannon = -(p * log_p).sum(1, keepdim=True)
+    log_sq_sum = (p * log_p.square()).sum(1, keepdim=True)
+    log_cube_sum = (p * log_p.pow(3)).sum(1, keepdim=True)
+    d_shannon = -(shannon + 0.5 * log_sq_sum) + (a - 1) * (2 * shannon + log_sq_sum - log_cube_sum / 3)
+    return (torch.where(is_shannon, shannon, tsallis).squeeze(1),
+            torch.where(is_shannon, d_shannon, d_tsallis).squeeze(1))
+
+
+class _FenchelYoungLoss(torch.autograd.Function):
+    """Per-sample Fenchel–Young loss of α-entmax (``kind`` "entmax") or α-normmax."""
+
+    @staticmethod
+    def forward(ctx, X, alpha, target, kind):
+        p = _FenchelYoungLoss._mapping(X, alpha, kind)
+        if kind == "entmax":
+            regulariser = _tsallis_and_alpha_derivative(p, alpha if isinstance(alpha, torch.Tensor)
+                                                        else torch.tensor(alpha, dtype=torch.float64,
+                                                                          device=X.device))[0]
+        else:
+            regulariser = 1 - p.to(torch.float64).pow(alpha).sum(1).pow(1 / alpha)
+        loss = regulariser.to(X.dtype) + ((p - _one_hot(p, target)) * X).sum(1)
+        ctx.kind = kind
+        ctx.alpha_float = None if isinstance(alpha, torch.Tensor) else alpha
+        ctx.save_for_backward(X, alpha if isinstance(alpha, torch.Tensor) else None, target, p)
+        return loss
+
+    @staticmethod
+    def _mapping(X, alpha, kind):
+        if kind == "entmax":
+            return _entmax(X, alpha, 1)
+        return normmax_bisect(X, alpha, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        X, alpha_tensor, target, p = ctx.saved_tensors
+        alpha = ctx.alpha_float if alpha_tensor is None else alpha_tensor
+        if torch.is_grad_enabled():
+            # create_graph=True: p* again, through the twice-differentiable mapping, so that
+            # the gradient below depends on X and α as p* does.
+            p = _FenchelYoungLoss._mapping(X, alpha, ctx.kind)
+        g = grad.unsqueeze(1)
+        dX = g * (p - _one_hot(p, target)) if ctx.needs_input_grad[0] else None
+        dalpha = None
+        if alpha_tensor is not None and ctx.needs_input_grad[1]:
+            d_entropy = _tsallis_and_alpha_derivative(p, alpha_tensor)[1]
+            dalpha = (g * d_entropy.unsqueeze(1).to(g.dtype)).to(alpha_tensor.dtype)
+        return dX, dalpha, None, None
 
 
 def _fy_loss(X: torch.Tensor, target: torch.Tensor, alpha) -> torch.Tensor:
     _check_loss_args(X, target)
     alpha = mapping_alpha(alpha, X, 1)
-    with torch.no_grad():
-        p_star = _entmax(X.detach(), alpha.detach() if isinstance(alpha, torch.Tensor) else alpha, 1)
-    p_star = p_star.to(X.dtype)
-    entropy = tsallis_entropy(p_star, alpha, dim=1).to(X.dtype)
-    return entropy + _one_hot_term(p_star, X, target)
+    return _FenchelYoungLoss.apply(X, alpha, target, "entmax")
 
 
 def sparsemax_loss(X, target, k=None):
@@ -69,9 +143,7 @@ def entmax_bisect_loss(X, target, alpha=1.5, n_iter=50):
 def normmax_bisect_loss(X, target, alpha=2, n_iter=50):
     """α-normmax Fenchel–Young loss: ``1 − ‖p*‖_α + (p* − e_y)ᵀX``."""
     _check_loss_args(X, target)
-    with torch.no_grad():
-        p_star = normmax_bisect(X.detach(), alpha, dim=1)
-    return 1 - p_star.pow(float(alpha)).sum(dim=1).pow(1 / float(alpha)) + _one_hot_term(p_star, X, target)
+    return _FenchelYoungLoss.apply(X, alpha, target, "normmax")
 
 
 class _GenericLoss(nn.Module):
@@ -83,13 +155,10 @@ class _GenericLoss(nn.Module):
         self.reduction = reduction
 
     def forward(self, X, target):
-        loss = self.loss(X, target)
-        if self.ignore_index >= 0:
-            ignored = target == self.ignore_index
-            loss = loss.masked_fill(ignored, 0.0)
-            size = (~ignored).sum().to(loss.dtype)
-        else:
-            size = torch.tensor(float(target.shape[0]), dtype=loss.dtype, device=loss.device)
+        _check_loss_args(X, target, self.ignore_index)
+        ignored = target == self.ignore_index
+        loss = self.loss(X, torch.where(ignored, torch.zeros_like(target), target)).masked_fill(ignored, 0.0)
+        size = (~ignored).sum().to(loss.dtype)
         if self.reduction == "sum":
             return loss.sum()
         if self.reduction in ("elementwise_mean", "mean"):

@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 
 from . import dispatch
-from ._validation import check_dim, check_floating, mapping_alpha
+from ._validation import check_backend_dtype, check_dim, check_floating, check_scalar_parameter, mapping_alpha
+from .reference import mappings as _reference
+from .reference import normmax_budget as _reference_normmax_budget
 from .reference.mappings import compute_dtype
 
 __all__ = ["sparsemax", "entmax15", "entmax_bisect", "sparsemax_bisect", "normmax_bisect", "budget_bisect",
@@ -30,38 +32,49 @@ def _from_rows(rows: torch.Tensor, moved_shape, dim: int):
     return rows.reshape(moved_shape).movedim(-1, dim)
 
 
+def _alpha_rows(alpha, X, dim):
+    if isinstance(alpha, torch.Tensor):
+        return _to_rows(alpha, dim)[0].reshape(-1).to(compute_dtype(X.dtype))
+    return alpha
+
+
 class EntmaxFunction(torch.autograd.Function):
-    """α-entmax along ``dim`` with gradients for X and (tensor) α, on the dispatched backend."""
+    """α-entmax along ``dim`` with gradients for X and (tensor) α, on the dispatched backend.
+
+    Twice differentiable: under ``create_graph=True`` the backward is the reference's closed
+    form in p (plain torch ops on the saved output), so autograd differentiates it again,
+    whatever backend ran the forward.
+    """
 
     @staticmethod
     def forward(ctx, X, alpha, dim):
         x_rows, moved_shape = _to_rows(X, dim)
-        alpha_rows = alpha
-        if isinstance(alpha, torch.Tensor):
-            alpha_rows = _to_rows(alpha, dim)[0].reshape(-1).to(compute_dtype(X.dtype))
+        alpha_rows = _alpha_rows(alpha, X, dim)
         request = dispatch.Request(X.device, X.dtype, {"alpha": alpha if isinstance(alpha, float) else "tensor"})
-        (forward, backward), _ = dispatch.select("entmax", request)
-        p_rows = forward(x_rows, alpha_rows)
+        (forward, backward), choice = dispatch.select("entmax", request)
+        check_backend_dtype(choice, X)
+        out = _from_rows(forward(x_rows, alpha_rows), moved_shape, dim)
         ctx.backward_impl = backward
         ctx.dim = dim
-        ctx.moved_shape = moved_shape
         ctx.alpha_float = None if isinstance(alpha, torch.Tensor) else alpha
-        ctx.save_for_backward(p_rows, alpha_rows if isinstance(alpha, torch.Tensor) else None)
-        return _from_rows(p_rows, moved_shape, dim)
+        ctx.save_for_backward(out, alpha if isinstance(alpha, torch.Tensor) else None)
+        return out
 
     @staticmethod
     def backward(ctx, grad_output):
-        p_rows, alpha_rows = ctx.saved_tensors
-        alpha = ctx.alpha_float if alpha_rows is None else alpha_rows
-        need_alpha_grad = alpha_rows is not None and ctx.needs_input_grad[1]
+        out, alpha_input = ctx.saved_tensors
+        p_rows, moved_shape = _to_rows(out, ctx.dim)
+        alpha = ctx.alpha_float if alpha_input is None else _alpha_rows(alpha_input, out, ctx.dim)
+        need_alpha_grad = alpha_input is not None and ctx.needs_input_grad[1]
         g_rows, _ = _to_rows(grad_output, ctx.dim)
-        dx_rows, dalpha_rows = ctx.backward_impl(p_rows, g_rows, alpha, need_alpha_grad)
-        dX = _from_rows(dx_rows, ctx.moved_shape, ctx.dim) if ctx.needs_input_grad[0] else None
+        backward = _reference.entmax_rowwise_backward if torch.is_grad_enabled() else ctx.backward_impl
+        dx_rows, dalpha_rows = backward(p_rows, g_rows, alpha, need_alpha_grad)
+        dX = _from_rows(dx_rows, moved_shape, ctx.dim) if ctx.needs_input_grad[0] else None
         dalpha = None
         if need_alpha_grad:
-            moved = list(ctx.moved_shape)
+            moved = list(moved_shape)
             moved[-1] = 1
-            dalpha = dalpha_rows.reshape(moved).movedim(-1, ctx.dim).to(alpha_rows.dtype)
+            dalpha = dalpha_rows.reshape(moved).movedim(-1, ctx.dim).to(alpha_input.dtype)
         return dX, dalpha, None
 
 
@@ -69,7 +82,7 @@ def _entmax(X, alpha, dim):
     check_floating("X", X)
     dim = check_dim("X", X, dim)
     alpha = mapping_alpha(alpha, X, dim)
-    if X.shape[dim] == 0:
+    if X.numel() == 0:
         return X.clone()
     if isinstance(alpha, torch.Tensor):
         # Gradients flow to the caller's α through `expand`, which sums over broadcast dims.
@@ -112,53 +125,60 @@ def sparsemax_bisect(X, dim=-1, n_iter=50, ensure_sum_one=True):
 
 
 class _RowwiseFunction(torch.autograd.Function):
-    """normmax / budget along ``dim`` on the dispatched backend (rows flattened)."""
+    """normmax / budget along ``dim`` on the dispatched backend (rows flattened).
+
+    Twice differentiable: under ``create_graph=True`` the backward is the reference's closed
+    form in p, which autograd differentiates again.
+    """
+
+    _REFERENCE_BACKWARD = {"normmax": _reference_normmax_budget.normmax_backward,
+                           "budget": _reference_normmax_budget.budget_backward}
 
     @staticmethod
     def forward(ctx, X, parameter, dim, op):
         x_rows, moved_shape = _to_rows(X, dim)
         (forward, backward), _ = dispatch.select(op, dispatch.Request(X.device, X.dtype, {}))
-        p_rows = forward(x_rows, parameter)
-        ctx.save_for_backward(p_rows)
-        ctx.backward_impl, ctx.parameter, ctx.dim, ctx.moved_shape = backward, parameter, dim, moved_shape
-        return _from_rows(p_rows, moved_shape, dim)
+        out = _from_rows(forward(x_rows, parameter), moved_shape, dim)
+        ctx.save_for_backward(out)
+        ctx.backward_impl, ctx.parameter, ctx.dim, ctx.op = backward, parameter, dim, op
+        return out
 
     @staticmethod
     def backward(ctx, grad_output):
-        (p_rows,) = ctx.saved_tensors
+        (out,) = ctx.saved_tensors
+        p_rows, moved_shape = _to_rows(out, ctx.dim)
         g_rows, _ = _to_rows(grad_output, ctx.dim)
-        dx_rows = ctx.backward_impl(p_rows, g_rows, ctx.parameter)
-        return _from_rows(dx_rows, ctx.moved_shape, ctx.dim), None, None, None
+        backward = _RowwiseFunction._REFERENCE_BACKWARD[ctx.op] if torch.is_grad_enabled() else ctx.backward_impl
+        dx_rows = backward(p_rows, g_rows, ctx.parameter)
+        return _from_rows(dx_rows, moved_shape, ctx.dim), None, None, None
 
 
 def normmax_bisect(X, alpha=2, dim=-1, n_iter=50):
-    """α-normmax: ``argmax_{p ∈ Δ} pᵀX − ‖p‖_α`` along ``dim`` (α > 1, a float).
+    """α-normmax: ``argmax_{p ∈ Δ} pᵀX − ‖p‖_α`` along ``dim``.
 
-    The threshold is found to a tolerance; ``n_iter`` is kept for compatibility.
+    ``alpha``: a float > 1 or a 0-d tensor (not differentiated: one that requires grad is
+    refused). The threshold is found to a tolerance; ``n_iter`` is kept for compatibility.
     """
     check_floating("X", X)
     dim = check_dim("X", X, dim)
-    if isinstance(alpha, torch.Tensor):
-        raise TypeError("alpha must be a python float for normmax_bisect, got a tensor")
-    alpha = float(alpha)
-    if not alpha > 1:
-        raise ValueError(f"alpha must be > 1 for normmax_bisect, got {alpha}")
+    alpha = check_scalar_parameter("alpha", alpha, X, minimum=1.0, what="normmax_bisect")
+    if X.numel() == 0:
+        return X.clone()
     return _RowwiseFunction.apply(X, alpha, dim, "normmax")
 
 
 def budget_bisect(X, budget=2, dim=-1, n_iter=50):
     """budget-sparsemax: ``argmax_{0 ≤ p ≤ 1, Σp = budget} pᵀX − ½‖p‖²`` along ``dim``.
 
-    ``budget`` a float > 0 (at most the number of finite entries per row); ``n_iter`` is kept
-    for compatibility (the threshold is exact on the final active set).
+    ``budget`` a float > 0 or a 0-d tensor (not differentiated), at most the size of ``dim``;
+    ``n_iter`` is kept for compatibility (the threshold is exact on the final active set).
     """
     check_floating("X", X)
     dim = check_dim("X", X, dim)
-    if isinstance(budget, torch.Tensor):
-        raise TypeError("budget must be a python float for budget_bisect, got a tensor")
-    budget = float(budget)
-    if not budget > 0:
-        raise ValueError(f"budget must be > 0, got {budget}")
-    if budget > X.shape[dim]:
-        raise ValueError(f"budget must be at most the size of dim {dim} ({X.shape[dim]}), got {budget}")
+    # A row of length 0 has no budget to meet; its output is empty whatever the budget.
+    budget = check_scalar_parameter("budget", budget, X, minimum=0.0, what="budget_bisect",
+                                    maximum=X.shape[dim] if X.numel() else None,
+                                    maximum_name=f"the size of dim {dim}")
+    if X.numel() == 0:
+        return X.clone()
     return _RowwiseFunction.apply(X, budget, dim, "budget")

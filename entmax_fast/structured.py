@@ -21,6 +21,7 @@ import math
 import torch
 
 from . import dispatch
+from ._validation import check_floating
 from .reference import structured as _reference
 
 __all__ = [
@@ -211,6 +212,7 @@ def fusedmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
     training memory is O(B·H·Lq·Lk).
     """
     _check_reg("fusedmax_attention", lam, "lam")
+    _check_attention_tensors("fusedmax_attention", query, key, value, attn_mask)
     return _reference.structured_attention(lambda scores: fusedmax(scores, lam, dim=-1), query, key, value,
                                            attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
@@ -223,8 +225,40 @@ def oscarmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
     materialised one query chunk at a time).
     """
     _check_reg("oscarmax_attention", beta, "beta")
+    _check_attention_tensors("oscarmax_attention", query, key, value, attn_mask)
     return _reference.structured_attention(lambda scores: oscarmax(scores, beta, dim=-1), query, key, value,
                                            attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _check_attention_tensors(name: str, query, key, value, attn_mask) -> None:
+    """Shapes and dtypes of the structured attention's tensors, with the argument named
+    (instead of a broadcast error from deep inside the scores)."""
+    for arg, tensor in (("query", query), ("key", key), ("value", value)):
+        check_floating(f"{name}: {arg}", tensor)
+        if tensor.dim() < 2:
+            raise ValueError(f"{name}: {arg} must have at least 2 dims (..., L, E), got shape {tuple(tensor.shape)}")
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(f"{name}: key's last dim (E) must equal query's {query.shape[-1]}, got {key.shape[-1]}")
+    if value.shape[-2] != key.shape[-2]:
+        raise ValueError(f"{name}: value's length (dim -2) must equal key's {key.shape[-2]}, got {value.shape[-2]}")
+    if attn_mask is None:
+        return
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"{name}: attn_mask must be a tensor or None, got {type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise TypeError(f"{name}: attn_mask must be bool or floating point, got {attn_mask.dtype}")
+    try:
+        leading = torch.broadcast_shapes(query.shape[:-2], key.shape[:-2])
+    except RuntimeError:
+        leading = query.shape[:-2]
+    target = (*leading, query.shape[-2], key.shape[-2])
+    try:
+        fits = torch.broadcast_shapes(attn_mask.shape, target) == target
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"{name}: attn_mask must be broadcastable to the scores' shape (..., Lq, Lk) = {target}, "
+                         f"got shape {tuple(attn_mask.shape)}")
 
 
 def _check_reg(name: str, reg, reg_name: str) -> None:

@@ -87,19 +87,23 @@ def _bisect_decreasing(f, lo, hi, iterations=200):
 
 
 def oracle_normmax(X: torch.Tensor, alpha: float) -> torch.Tensor:
-    """α-normmax along the last dim in float64: bisection on Σ [z − τ]_+^{α/(α−1)} = 1."""
+    """α-normmax along the last dim in float64: bisection on Σ [z − τ]_+^{α/(α−1)} = 1, on
+    z shifted to max 0 (the bracket [−1, 0] is then resolved at any offset)."""
     z = X.to(torch.float64)
-    top = z.amax(-1, keepdim=True)
+    z = z - z.amax(-1, keepdim=True)
     power = alpha / (alpha - 1)
+    top = torch.zeros_like(z[..., :1])
     tau = _bisect_decreasing(lambda t: (z - t).clamp(min=0).pow(power).sum(-1, keepdim=True) - 1,
-                             top - 1, top + 0 * top)
+                             top - 1, top)
     r = (z - tau).clamp(min=0).pow(1 / (alpha - 1))
     return r / r.sum(-1, keepdim=True)
 
 
 def oracle_budget(X: torch.Tensor, budget: float) -> torch.Tensor:
-    """budget-sparsemax along the last dim in float64: bisection on Σ clip(z − τ, 0, 1) = b."""
+    """budget-sparsemax along the last dim in float64: bisection on Σ clip(z − τ, 0, 1) = b,
+    on z shifted to max 0."""
     z = X.to(torch.float64)
+    z = z - z.amax(-1, keepdim=True)
     tau = _bisect_decreasing(lambda t: (z - t).clamp(0, 1).sum(-1, keepdim=True) - budget,
                              z.amin(-1, keepdim=True) - 1, z.amax(-1, keepdim=True))
     return (z - tau).clamp(0, 1)

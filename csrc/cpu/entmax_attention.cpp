@@ -250,6 +250,14 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
             const int64_t len = row_length(is_causal, q0 + i, kend);
             const T zmax = static_cast<T>(st[2 * i]);
             const double mu = st[2 * i + 1];
+            if (std::isnan(zmax)) {
+              // A NaN row of the forward (NaN or +inf score) passes NaN on to every gradient
+              // it touches, as softmax attention's backward does.
+              std::fill(p, p + kend, std::numeric_limits<T>::quiet_NaN());
+              std::fill(g, g + kend, std::numeric_limits<T>::quiet_NaN());
+              if (need_alpha_grad) dalpha_acc = std::numeric_limits<double>::quiet_NaN();
+              continue;
+            }
             if (!(zmax > -std::numeric_limits<T>::infinity())) {
               std::fill(p, p + kend, T(0));
               std::fill(g, g + kend, T(0));

@@ -319,17 +319,26 @@ struct EntmaxParams {
   }
 };
 
+// Max of a row, or NaN when the row holds a NaN or +inf (such a row gives an all-NaN p, as
+// torch.softmax does). !(z < inf) is true exactly for NaN and +inf.
 template <typename T>
 inline T row_max(const T* z, int64_t n) {
   T m0 = -std::numeric_limits<T>::infinity(), m1 = m0, m2 = m0, m3 = m0;
+  constexpr T inf = std::numeric_limits<T>::infinity();
+  bool invalid = false;
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
     m0 = z[j] > m0 ? z[j] : m0;
     m1 = z[j + 1] > m1 ? z[j + 1] : m1;
     m2 = z[j + 2] > m2 ? z[j + 2] : m2;
     m3 = z[j + 3] > m3 ? z[j + 3] : m3;
+    invalid |= !(z[j] < inf) | !(z[j + 1] < inf) | !(z[j + 2] < inf) | !(z[j + 3] < inf);
   }
-  for (; j < n; ++j) m0 = z[j] > m0 ? z[j] : m0;
+  for (; j < n; ++j) {
+    m0 = z[j] > m0 ? z[j] : m0;
+    invalid |= !(z[j] < inf);
+  }
+  if (invalid) return std::numeric_limits<T>::quiet_NaN();
   return std::max(std::max(m0, m1), std::max(m2, m3));
 }
 
@@ -873,10 +882,15 @@ inline GeneralSolution general_mu(const T* z, int64_t n, T zmax, const EntmaxPar
 }
 
 // Solves one row in place: on entry z holds scores (any may be -inf), on exit p.
-// `work` must hold n elements. A row without a finite entry gives zeros and max = -inf.
+// `work` must hold n elements. A row without a finite entry gives zeros and max = -inf; a row
+// holding NaN or +inf gives NaNs and max = mu = NaN.
 template <typename T>
 inline RowStats<T> entmax_row_inplace(T* z, int64_t n, const EntmaxParams<T>& prm, RowWorkspace& work) {
   const T zmax = row_max(z, n);
+  if (std::isnan(zmax)) {
+    std::fill(z, z + n, std::numeric_limits<T>::quiet_NaN());
+    return {zmax, std::numeric_limits<double>::quiet_NaN()};
+  }
   if (!(zmax > -std::numeric_limits<T>::infinity())) {
     std::fill(z, z + n, T(0));
     return {-std::numeric_limits<T>::infinity(), 0.0};

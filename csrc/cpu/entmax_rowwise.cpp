@@ -6,6 +6,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <limits>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -92,6 +94,13 @@ std::tuple<at::Tensor, at::Tensor> entmax_rowwise_bwd_cpu(const at::Tensor& p_in
         const acc_t beta = static_cast<acc_t>(2.0 - a);
         const scalar_t* pp = p_ptr + r * n;
         const scalar_t* gg = g_ptr + r * n;
+        scalar_t* d = dx_ptr + r * n;
+        // The forward's NaN rows (NaN or +inf input) pass NaN on, as torch.softmax's backward.
+        if (std::any_of(pp, pp + n, [](scalar_t v) { return std::isnan(static_cast<acc_t>(v)); })) {
+          std::fill(d, d + n, std::numeric_limits<scalar_t>::quiet_NaN());
+          if (need_alpha_grad) dalpha_ptr[r] = std::numeric_limits<double>::quiet_NaN();
+          continue;
+        }
         double s_total = 0, sg_total = 0;
         if (kind == RowKind::General && std::is_same<acc_t, scalar_t>::value) {
           // acc_t is scalar_t here; the casts only satisfy the branch not taken.
@@ -113,7 +122,6 @@ std::tuple<at::Tensor, at::Tensor> entmax_rowwise_bwd_cpu(const at::Tensor& p_in
           }
         }
         const acc_t delta = s_total > 0 ? static_cast<acc_t>(sg_total / s_total) : acc_t(0);
-        scalar_t* d = dx_ptr + r * n;
         for (int64_t j = 0; j < n; ++j) d[j] = static_cast<scalar_t>(s[j] * (static_cast<acc_t>(gg[j]) - delta));
         if (need_alpha_grad) {
           for (int64_t j = 0; j < n; ++j) {

@@ -11,9 +11,11 @@ import math
 
 import torch
 
+from .._validation import once_differentiable_grads
 from .mappings import compute_dtype, entmax_backward, entmax_forward
 
-__all__ = ["entmax_attention", "entmax_attention_varlen", "masked_scores", "CHUNK_ELEMENTS"]
+__all__ = ["entmax_attention", "entmax_attention_varlen", "masked_scores", "zero_attention", "is_empty_attention",
+           "CHUNK_ELEMENTS"]
 
 # Scores per chunk: 4M entries, 16 MB in float32.
 CHUNK_ELEMENTS = 1 << 22
@@ -52,6 +54,29 @@ def _dropout_keep(shape, dropout_p, seed, chunk_index, device):
     generator = torch.Generator(device=device)
     generator.manual_seed(seed + chunk_index)
     return torch.rand(shape, generator=generator, device=device) >= dropout_p
+
+
+def is_empty_attention(query, key, value) -> bool:
+    """True when the output is all zeros by the zero-size rule: no batch, head, query or
+    value feature (an empty output), or no key (every query fully masked)."""
+    return math.prod(query.shape[:-1]) == 0 or value.shape[-1] == 0 or key.shape[-2] == 0
+
+
+class _ZeroAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, alpha):
+        ctx.save_for_backward(query, key, value, alpha)
+        return query.new_zeros(query.shape[:-1] + value.shape[-1:])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return tuple(None if t is None else torch.zeros_like(t) for t in ctx.saved_tensors)
+
+
+def zero_attention(query, key, value, alpha=None):
+    """The output of an empty attention call (:func:`is_empty_attention`): zeros of shape
+    (..., Lq, Ev) in query's dtype, whose gradients are zero for every input."""
+    return _ZeroAttentionFunction.apply(query, key, value, alpha if isinstance(alpha, torch.Tensor) else None)
 
 
 class _EntmaxAttentionFunction(torch.autograd.Function):
@@ -113,10 +138,13 @@ class _EntmaxAttentionFunction(torch.autograd.Function):
                     dmask += d_scores.sum_to_size(mask.shape)
                 else:
                     dmask[..., start:stop, :] += d_scores.sum_to_size(mask[..., start:stop, :].shape)
-        return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype),
-                dmask.to(mask.dtype) if need_mask_grad else None,
-                dalpha.to(alpha_tensor.dtype) if need_alpha_grad else None,
-                None, None, None, None, None)
+        grads = once_differentiable_grads(
+            "entmax attention (reference backend)",
+            (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype),
+             dmask.to(mask.dtype) if need_mask_grad else None,
+             dalpha.to(alpha_tensor.dtype) if need_alpha_grad else None),
+            (query, key, value, mask, alpha_tensor, grad_out))
+        return (*grads, None, None, None, None, None)
 
 
 def entmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -127,9 +155,14 @@ def entmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     (True = attend) or float (added), broadcastable to (B, H, Lq, Lk); ``is_causal``
     top-left aligned (query i sees keys j ≤ i); ``alpha`` float ≥ 1 or tensor (H,).
     Arguments are assumed valid (the public ``entmax_fast.entmax_attention`` checks them).
+    Zero-size dims: no key gives zeros, as a fully masked row does; an empty query, head or
+    batch gives an empty output; E = 0 gives all scores 0 (the default scale is then 1).
+    Once differentiable: double backward raises.
     """
+    if is_empty_attention(query, key, value):
+        return zero_attention(query, key, value, alpha)
     if scale is None:
-        scale = 1.0 / math.sqrt(query.shape[-1])
+        scale = 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] > 0 else 1.0
     heads = query.shape[-3]
     if enable_gqa and key.shape[-3] != heads:
         group = heads // key.shape[-3]
@@ -159,12 +192,6 @@ def entmax_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
         q_b = q[starts_q[b]:starts_q[b + 1]].transpose(0, 1).unsqueeze(0)
         k_b = k[starts_k[b]:starts_k[b + 1]].transpose(0, 1).unsqueeze(0)
         v_b = v[starts_k[b]:starts_k[b + 1]].transpose(0, 1).unsqueeze(0)
-        if q_b.shape[2] == 0:
-            outputs.append(q.new_zeros(0, q.shape[1], v.shape[-1]))
-            continue
-        if k_b.shape[2] == 0:
-            outputs.append(q.new_zeros(q_b.shape[2], q.shape[1], v.shape[-1]))
-            continue
         out = entmax_attention(q_b, k_b, v_b, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                                enable_gqa=gqa, alpha=alpha)
         outputs.append(out.squeeze(0).transpose(0, 1))

@@ -17,9 +17,17 @@ with ``μ ∈ [0, (1 − n^{1−α}) / (α − 1)]`` (n = number of finite entri
   then exact normalisation on the found support (``entmax_threshold_root``).
 - α = 1: ``torch.softmax``.
 
-Arithmetic is float64 for float64 input and float32 otherwise; the output has the input's
-dtype. −inf entries get zero weight; a row with no finite entry gives zeros (and zero
-gradients). Nothing here syncs with the host when the input lives on a GPU.
+Every mapping shifts by the row max first and computes p from ``u``, never from ``X``: a
+score of 1e30 and one of 1 give the same p as scores of 1e30 − 1 and 0 would in exact
+arithmetic, as far as the input dtype resolves them.
+
+Arithmetic is float64 for float64 input and float32 otherwise (float64 for the general-α
+root, whose exponent 1/(α − 1) amplifies float32 rounding: 1e4-fold at α = 1.0001); the
+output has the input's dtype.
+
+Bad input follows ``torch.softmax``: a row holding NaN or +inf gives an all-NaN row (and
+NaN gradients); −inf entries get zero weight; a row with no finite entry gives zeros (and
+zero gradients). Nothing here syncs with the host when the input lives on a GPU.
 """
 from __future__ import annotations
 
@@ -42,14 +50,28 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _shifted(X: torch.Tensor, dim: int):
-    """u = X − max(X) in the compute dtype; rows without a finite entry are flagged."""
-    X = X.to(compute_dtype(X.dtype))
+def invalid_rows(X: torch.Tensor, dim: int) -> torch.Tensor:
+    """Rows (keepdim along ``dim``) holding a NaN or +inf: their output is all NaN."""
+    return (torch.isnan(X) | torch.isposinf(X)).any(dim=dim, keepdim=True)
+
+
+def _shifted(X: torch.Tensor, dim: int, dtype: torch.dtype | None = None):
+    """u = X − max(X) in the compute dtype (or ``dtype``), with the rows to zero (no finite
+    entry) and the rows to make NaN (a NaN or +inf entry) flagged. Flagged rows get u = 0
+    or −inf entries only, so that the solvers run on them without NaN."""
+    X = X.to(dtype or compute_dtype(X.dtype))
+    invalid = invalid_rows(X, dim)
+    X = torch.where(invalid, torch.zeros_like(X), X)
     row_max = X.amax(dim=dim, keepdim=True)
     empty_row = torch.isneginf(row_max)
     # An all −inf row would give (−inf) − (−inf) = NaN; shift it by 0 and zero it later.
     u = X - torch.where(empty_row, torch.zeros_like(row_max), row_max)
-    return u, empty_row
+    return u, empty_row, invalid
+
+
+def _finish(p: torch.Tensor, empty_row: torch.Tensor, invalid: torch.Tensor) -> torch.Tensor:
+    p = torch.where(empty_row, torch.zeros_like(p), p)
+    return torch.where(invalid, torch.full_like(p, float("nan")), p)
 
 
 def _alpha_like(alpha, ref: torch.Tensor) -> torch.Tensor:
@@ -58,13 +80,9 @@ def _alpha_like(alpha, ref: torch.Tensor) -> torch.Tensor:
     return torch.tensor(float(alpha), device=ref.device, dtype=ref.dtype)
 
 
-def sparsemax_threshold(X: torch.Tensor, dim: int = -1):
-    """Exact sparsemax threshold by sorting.
-
-    Returns ``(tau, support_size)`` with ``sparsemax(X) = [X − tau]_+`` (tau in the
-    compute dtype, keepdim along ``dim``). Rows without finite entries get support 0.
-    """
-    u, empty_row = _shifted(X, dim)
+def _sparsemax_shifted_threshold(u: torch.Tensor, dim: int):
+    """Sparsemax threshold of rows already shifted to max 0: ``(tau_u, support_size)``
+    with ``sparsemax = [u − tau_u]_+``."""
     u_sorted = torch.sort(u, dim=dim, descending=True).values
     # Only entries above max − 1 can be in the support; masking the rest keeps −inf and
     # huge magnitudes out of the prefix sums.
@@ -77,18 +95,31 @@ def sparsemax_threshold(X: torch.Tensor, dim: int = -1):
     in_support = candidate & (1 + k * u_sorted > prefix_sum)
     support_size = in_support.sum(dim=dim, keepdim=True)
     last = (support_size - 1).clamp(min=0)
-    tau_shifted = (prefix_sum.gather(dim, last) - 1) / support_size.clamp(min=1).to(u.dtype)
-    row_max = X.to(u.dtype).amax(dim=dim, keepdim=True)
-    tau = torch.where(empty_row, torch.zeros_like(tau_shifted), tau_shifted + torch.where(empty_row, 0, row_max))
-    return tau, support_size
+    tau_u = (prefix_sum.gather(dim, last) - 1) / support_size.clamp(min=1).to(u.dtype)
+    return tau_u, support_size
 
 
-def entmax15_threshold(X: torch.Tensor, dim: int = -1):
-    """Exact 1.5-entmax threshold by sorting (MATH.md §1).
+def _unshift(tau_u, X, empty_row, dim, factor=1.0):
+    row_max = X.to(tau_u.dtype).amax(dim=dim, keepdim=True)
+    return torch.where(empty_row, torch.zeros_like(tau_u), tau_u + torch.where(empty_row, 0, row_max) * factor)
 
-    Returns ``(tau, support_size)`` with ``entmax15(X) = [X/2 − tau]_+²``.
+
+def sparsemax_threshold(X: torch.Tensor, dim: int = -1):
+    """Exact sparsemax threshold by sorting.
+
+    Returns ``(tau, support_size)`` with ``sparsemax(X) = [X − tau]_+`` (tau in the
+    compute dtype, keepdim along ``dim``). Rows without finite entries get support 0.
+    For scores far from 0, tau is rounded at the scale of max(X): ``entmax_forward``
+    works on ``X − max(X)`` instead.
     """
-    u, empty_row = _shifted(X, dim)
+    u, empty_row, _ = _shifted(X, dim)
+    tau_u, support_size = _sparsemax_shifted_threshold(u, dim)
+    return _unshift(tau_u, X, empty_row, dim), support_size
+
+
+def _entmax15_shifted_threshold(u: torch.Tensor, dim: int):
+    """1.5-entmax threshold of rows shifted to max 0: ``(tau_u, support_size)`` with
+    ``entmax15 = [u/2 − tau_u]_+²`` (MATH.md §1)."""
     y_sorted = torch.sort(u / 2, dim=dim, descending=True).values
     candidate = y_sorted > -1
     y_cand = torch.where(candidate, y_sorted, torch.zeros_like(y_sorted))
@@ -102,10 +133,19 @@ def entmax15_threshold(X: torch.Tensor, dim: int = -1):
     tau_k = mean - torch.sqrt(delta)
     in_support = candidate & (tau_k <= y_sorted)
     support_size = in_support.sum(dim=dim, keepdim=True)
-    tau_shifted = tau_k.gather(dim, (support_size - 1).clamp(min=0))
-    row_max = X.to(u.dtype).amax(dim=dim, keepdim=True)
-    tau = torch.where(empty_row, torch.zeros_like(tau_shifted), tau_shifted + torch.where(empty_row, 0, row_max) / 2)
-    return tau, support_size
+    tau_u = tau_k.gather(dim, (support_size - 1).clamp(min=0))
+    return tau_u, support_size
+
+
+def entmax15_threshold(X: torch.Tensor, dim: int = -1):
+    """Exact 1.5-entmax threshold by sorting (MATH.md §1).
+
+    Returns ``(tau, support_size)`` with ``entmax15(X) = [X/2 − tau]_+²`` (rounded at the
+    scale of max(X), as ``sparsemax_threshold``).
+    """
+    u, empty_row, _ = _shifted(X, dim)
+    tau_u, support_size = _entmax15_shifted_threshold(u, dim)
+    return _unshift(tau_u, X, empty_row, dim, factor=0.5), support_size
 
 
 def _max_root_iterations(dtype: torch.dtype) -> int:
@@ -122,9 +162,10 @@ def entmax_threshold_root(X: torch.Tensor, alpha, dim: int = -1, tol: float | No
     the bracket, or that are not at least half the step before last, are replaced by
     bisection (rtsafe), which bounds the number of steps.
     α must be > 0 and ≠ 1 (broadcastable to X with size 1 along ``dim``).
-    Returns ``(mu, u, empty_row)``.
+    Runs in float64 whatever X's dtype. Returns ``(mu, u, empty_row)``; rows holding NaN or
+    +inf are solved as if they held zeros (``entmax_forward`` makes them NaN).
     """
-    u, empty_row = _shifted(X, dim)
+    u, empty_row, _ = _shifted(X, dim, torch.float64)
     a = _alpha_like(alpha, u)
     am1 = a - 1
     exponent = 1 / am1
@@ -168,9 +209,8 @@ def entmax_threshold_root(X: torch.Tensor, alpha, dim: int = -1, tol: float | No
 
 
 def _softmax(X: torch.Tensor, dim: int) -> torch.Tensor:
-    u, empty_row = _shifted(X, dim)
-    p = torch.softmax(u, dim=dim)
-    return torch.where(empty_row, torch.zeros_like(p), p)
+    u, empty_row, invalid = _shifted(X, dim)
+    return _finish(torch.softmax(u, dim=dim), empty_row, invalid)
 
 
 def _entmax_root(X: torch.Tensor, alpha, dim: int) -> torch.Tensor:
@@ -179,7 +219,7 @@ def _entmax_root(X: torch.Tensor, alpha, dim: int) -> torch.Tensor:
     p = (1 + (a - 1) * (u - mu)).clamp(min=0).pow(1 / (a - 1))
     total = p.sum(dim=dim, keepdim=True)
     p = p / torch.where(total > 0, total, torch.ones_like(total))
-    return torch.where(empty_row, torch.zeros_like(p), p)
+    return _finish(p, empty_row, invalid_rows(X, dim)).to(compute_dtype(X.dtype))
 
 
 def entmax_forward(X: torch.Tensor, alpha=1.5, dim: int = -1) -> torch.Tensor:
@@ -189,13 +229,13 @@ def entmax_forward(X: torch.Tensor, alpha=1.5, dim: int = -1) -> torch.Tensor:
     if not isinstance(alpha, torch.Tensor):
         alpha = float(alpha)
         if alpha == 2.0:
-            tau, support = sparsemax_threshold(X, dim)
-            p = (X.to(tau.dtype) - tau).clamp(min=0)
-            p = torch.where(support > 0, p, torch.zeros_like(p))
+            u, empty_row, invalid = _shifted(X, dim)
+            tau_u, _ = _sparsemax_shifted_threshold(u, dim)
+            p = _finish((u - tau_u).clamp(min=0), empty_row, invalid)
         elif alpha == 1.5:
-            tau, support = entmax15_threshold(X, dim)
-            p = (X.to(tau.dtype) / 2 - tau).clamp(min=0).square()
-            p = torch.where(support > 0, p, torch.zeros_like(p))
+            u, empty_row, invalid = _shifted(X, dim)
+            tau_u, _ = _entmax15_shifted_threshold(u, dim)
+            p = _finish((u / 2 - tau_u).clamp(min=0).square(), empty_row, invalid)
         elif alpha == 1.0:
             p = _softmax(X, dim)
         else:
@@ -208,10 +248,15 @@ def entmax_forward(X: torch.Tensor, alpha=1.5, dim: int = -1) -> torch.Tensor:
     return p.to(out_dtype)
 
 
+def _on_support(p: torch.Tensor) -> torch.Tensor:
+    """p with the entries outside the support replaced by 1: a pow or log of it stays finite,
+    and so do their derivatives, which double backward evaluates even where masked."""
+    return torch.where(p > 0, p, torch.ones_like(p))
+
+
 def _weights_of_jacobian(p: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """s = p^(2−α) on the support, 0 elsewhere (MATH.md §2)."""
-    positive = p > 0
-    return torch.where(positive, p.clamp(min=torch.finfo(p.dtype).tiny).pow(2 - a), torch.zeros_like(p))
+    return torch.where(p > 0, _on_support(p).pow(2 - a), torch.zeros_like(p))
 
 
 def entmax_backward(p: torch.Tensor, grad: torch.Tensor, alpha=1.5, dim: int = -1,
@@ -230,6 +275,9 @@ def entmax_backward(p: torch.Tensor, grad: torch.Tensor, alpha=1.5, dim: int = -
     s_sum = s.sum(dim=dim, keepdim=True)
     s_sum_safe = torch.where(s_sum > 0, s_sum, torch.ones_like(s_sum))
     dX = s * g - s * (s * g).sum(dim=dim, keepdim=True) / s_sum_safe
+    # A NaN row (NaN or +inf input) passes NaN on, as torch.softmax's backward does.
+    nan_row = torch.isnan(p).any(dim=dim, keepdim=True)
+    dX = torch.where(nan_row, torch.full_like(dX, float("nan")), dX)
     dalpha = None
     if need_alpha_grad:
         # Float64 on p renormalised there: the two terms below are O(1/(α−1)) and cancel,
@@ -242,7 +290,7 @@ def entmax_backward(p: torch.Tensor, grad: torch.Tensor, alpha=1.5, dim: int = -
         a64 = a.to(torch.float64)
         s64 = _weights_of_jacobian(p64, a64)
         s64_sum = s64.sum(dim=dim, keepdim=True)
-        log_p = torch.where(p64 > 0, torch.log(p64.clamp(min=torch.finfo(torch.float64).tiny)), torch.zeros_like(p64))
+        log_p = torch.where(p64 > 0, torch.log(_on_support(p64)), torch.zeros_like(p64))
         is_softmax = a64 == 1
         am1 = torch.where(is_softmax, torch.ones_like(a64), a64 - 1)
         p_skewed = s64 / torch.where(s64_sum > 0, s64_sum, torch.ones_like(s64_sum))
@@ -252,6 +300,7 @@ def entmax_backward(p: torch.Tensor, grad: torch.Tensor, alpha=1.5, dim: int = -
         dp_dalpha_at_1 = -0.5 * (p_log_sq - p64 * p_log_sq.sum(dim=dim, keepdim=True))
         dp_dalpha = torch.where(is_softmax, dp_dalpha_at_1, dp_dalpha)
         dalpha = (g64 * dp_dalpha).sum(dim=dim, keepdim=True).to(cdt)
+        dalpha = torch.where(nan_row, torch.full_like(dalpha, float("nan")), dalpha)
     return dX.to(grad.dtype), dalpha
 
 
@@ -277,9 +326,9 @@ def tsallis_entropy(p: torch.Tensor, alpha, dim: int = -1) -> torch.Tensor:
     a = _alpha_like(alpha, p)
     is_shannon = a == 1
     a_safe = torch.where(is_shannon, torch.full_like(a, 2.0), a)
-    p_pow = torch.where(p > 0, p.clamp(min=torch.finfo(cdt).tiny).pow(a_safe), torch.zeros_like(p))
+    p_pow = torch.where(p > 0, _on_support(p).pow(a_safe), torch.zeros_like(p))
     tsallis = (1 - p_pow.sum(dim=dim, keepdim=True)) / (a_safe * (a_safe - 1))
-    log_p = torch.where(p > 0, torch.log(p.clamp(min=torch.finfo(cdt).tiny)), torch.zeros_like(p))
+    log_p = torch.where(p > 0, torch.log(_on_support(p)), torch.zeros_like(p))
     shannon = -(p * log_p).sum(dim=dim, keepdim=True)
     return torch.where(is_shannon, shannon, tsallis).squeeze(dim)
 

@@ -8,12 +8,15 @@ Both thresholds come from safeguarded Newton iteration on a monotone function of
 at a tolerance (like ``mappings.entmax_threshold_root``). For budget the function is
 piecewise linear, so the last Newton step is exact on the found active set.
 Rows are along the last dimension; arithmetic in float64 for float64 input, else float32.
+Both shift by the row max first, and follow the entmax mappings' rule for bad values: a row
+holding NaN or +inf gives NaN (and NaN gradients), −inf entries get zero weight, a row with
+no finite entry gives zeros. ``alpha``/``budget`` may be floats or 0-d tensors.
 """
 from __future__ import annotations
 
 import torch
 
-from .mappings import compute_dtype
+from .mappings import _finish, _on_support, _shifted, compute_dtype
 
 __all__ = ["normmax_forward", "normmax_backward", "budget_forward", "budget_backward"]
 
@@ -38,10 +41,8 @@ def _safeguarded_newton(value_and_slope, lo, hi, start, max_iter, eps):
 
 def normmax_forward(X: torch.Tensor, alpha: float) -> torch.Tensor:
     cdt = compute_dtype(X.dtype)
-    z = X.to(cdt)
-    row_max = z.amax(-1, keepdim=True)
-    empty_row = torch.isneginf(row_max)
-    u = z - torch.where(empty_row, torch.zeros_like(row_max), row_max)
+    u, empty_row, invalid = _shifted(X, -1)
+    row_max = u.amax(-1, keepdim=True)
     power = alpha / (alpha - 1)
     n = (~torch.isneginf(u)).sum(-1, keepdim=True).clamp(min=1).to(cdt)
 
@@ -56,7 +57,7 @@ def normmax_forward(X: torch.Tensor, alpha: float) -> torch.Tensor:
     r = (u - tau).clamp(min=0).pow(1 / (alpha - 1))
     total = r.sum(-1, keepdim=True)
     p = r / torch.where(total > 0, total, torch.ones_like(total))
-    return torch.where(empty_row, torch.zeros_like(p), p).to(X.dtype)
+    return _finish(p, empty_row, invalid).to(X.dtype)
 
 
 def normmax_backward(p: torch.Tensor, grad: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -65,17 +66,22 @@ def normmax_backward(p: torch.Tensor, grad: torch.Tensor, alpha: float) -> torch
     cdt = compute_dtype(p.dtype)
     p, g = p.to(cdt), grad.to(cdt)
     a = torch.where(p > 0, p, torch.zeros_like(p))
-    b = torch.where(p > 0, p.clamp(min=torch.finfo(cdt).tiny).pow(2 - alpha), torch.zeros_like(p))
+    b = torch.where(p > 0, _on_support(p).pow(2 - alpha), torch.zeros_like(p))
     dX = g * b
     dX = dX - dX.sum(-1, keepdim=True) * a
     dX = dX - (g * a).sum(-1, keepdim=True) * (b - b.sum(-1, keepdim=True) * a)
     dX = dX * a.pow(alpha).sum(-1, keepdim=True).pow((alpha - 1) / alpha) / (alpha - 1)
-    return dX.to(grad.dtype)
+    return _nan_rows_stay_nan(p, dX).to(grad.dtype)
+
+
+def _nan_rows_stay_nan(p: torch.Tensor, dX: torch.Tensor) -> torch.Tensor:
+    nan_row = torch.isnan(p).any(-1, keepdim=True)
+    return torch.where(nan_row, torch.full_like(dX, float("nan")), dX)
 
 
 def budget_forward(X: torch.Tensor, budget) -> torch.Tensor:
     cdt = compute_dtype(X.dtype)
-    z = X.to(cdt)
+    z, empty_row, invalid = _shifted(X, -1)
     b = budget.to(cdt) if isinstance(budget, torch.Tensor) else torch.tensor(float(budget), dtype=cdt,
                                                                             device=z.device)
     finite = ~torch.isneginf(z)
@@ -95,8 +101,7 @@ def budget_forward(X: torch.Tensor, budget) -> torch.Tensor:
     eps = torch.finfo(cdt).eps
     tau = _safeguarded_newton(value_and_slope, lo, hi, lo.clone(), 4 * (160 if cdt == torch.float64 else 80), eps)
     p = (z - tau).clamp(0, 1)
-    empty = n == 0
-    return torch.where(empty, torch.zeros_like(p), p).to(X.dtype)
+    return _finish(p, empty_row, invalid).to(X.dtype)
 
 
 def budget_backward(p: torch.Tensor, grad: torch.Tensor, budget=None) -> torch.Tensor:
@@ -107,4 +112,4 @@ def budget_backward(p: torch.Tensor, grad: torch.Tensor, budget=None) -> torch.T
     active = (p > 0) & (p < 1)
     count = active.sum(-1, keepdim=True).to(cdt)
     mean = torch.where(active, g, torch.zeros_like(g)).sum(-1, keepdim=True) / count.clamp(min=1)
-    return torch.where(active, g - mean, torch.zeros_like(g)).to(grad.dtype)
+    return _nan_rows_stay_nan(p, torch.where(active, g - mean, torch.zeros_like(g))).to(grad.dtype)
