@@ -1,6 +1,13 @@
-"""fusedmax / oscarmax on CPU: C++ operators vs the plain-torch reference vs torch.softmax.
+"""fusedmax / oscarmax: CUDA operators (on a GPU) and C++ CPU operators vs torch.softmax.
 
-Prints a table of median wall times (ms) measured in the same run:
+On a GPU (torch.cuda.is_available() and the extension built with CUDA) it first prints the
+table of issue 15, all in the same run: forward and forward+backward of the CUDA operators,
+the CPU operator on the same machine, torch.softmax on the GPU, fp32, fusedmax at lam = 0.1
+and oscarmax at beta = 1e-3, shapes (1024, 512) and (65536, 1024), with the ratios the issue
+sets targets for (forward <= 10x / 30x softmax at 65536x1024, >= 10x faster than the CPU
+operator at 1024x512, forward+backward <= 2x forward). `--gpu-only` skips the CPU part.
+
+Then, on any machine, the CPU table: median wall times (ms) measured in the same run:
 - forward+backward, float32, X = randn(1024, 512): fusedmax at lam = 0.1, oscarmax at
   beta = 1e-3 (at beta >= 0.01 every OWL output of a 512-long randn row is clipped to 0 and
   the weights are uniform, a degenerate case); the reference is timed on a slice of rows
@@ -12,7 +19,7 @@ torchsparseattn 0.2 is not compared: it is an sdist whose setup.py imports numpy
 before pip can read its metadata, so `pip download --no-deps torchsparseattn==0.2` fails
 here (checked 2026-11-25) and installing it would need build tools outside the project.
 
-Usage: python bench/bench_structured.py [--repeat 20] [--threads N]
+Usage: python bench/bench_structured.py [--repeat 20] [--threads N] [--gpu-only]
 """
 import argparse
 import os
@@ -46,13 +53,60 @@ def fwd_bwd(mapping, X, grad):
     return run
 
 
+def cuda_median_ms(fn, repeat: int, warmup: int = 3) -> float:
+    """Median GPU time of fn in ms, by CUDA events around each call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def gpu_table(repeat: int) -> None:
+    print(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; CPU threads {torch.get_num_threads()}")
+    mappings = (("fusedmax", lambda x: S.fusedmax(x, 0.1)), ("oscarmax", lambda x: S.oscarmax(x, 1e-3)))
+    print(f"{'op, shape (fp32)':<28} {'CUDA fwd':>9} {'CUDA f+b':>9} {'CPU fwd':>9} {'softmax':>9} "
+          f"{'fwd/softmax':>11} {'CPU/CUDA':>9} {'f+b/fwd':>8}")
+    for rows, n in ((1024, 512), (65536, 1024)):
+        torch.manual_seed(0)
+        X = torch.randn(rows, n, device="cuda")
+        grad = torch.randn(rows, n, device="cuda")
+        softmax_ms = cuda_median_ms(lambda: torch.softmax(X, -1), repeat)
+        for name, fn in mappings:
+            forward_ms = cuda_median_ms(lambda: fn(X), repeat)
+            both_ms = cuda_median_ms(fwd_bwd(fn, X, grad), repeat)
+            assert S.last_backend(name)[0] == "cpp", S.last_backend(name)
+            cpu_ms = float("nan")
+            if rows * n <= 1024 * 512:  # the CPU op at 65536x1024 takes seconds; the issue leaves it out
+                X_cpu = X.cpu()
+                cpu_ms = median_ms(lambda: fn(X_cpu), max(3, repeat // 4))[0]
+            print(f"{name + f' {rows}x{n}':<28} {forward_ms:9.3f} {both_ms:9.3f} {cpu_ms:9.3f} {softmax_ms:9.4f} "
+                  f"{forward_ms / softmax_ms:11.1f} {cpu_ms / forward_ms:9.1f} {both_ms / forward_ms:8.2f}")
+    print("targets: fwd/softmax at 65536x1024 <= 10 (fusedmax), <= 30 (oscarmax); CPU/CUDA at 1024x512 >= 10; "
+          "f+b/fwd <= 2")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--gpu-only", action="store_true", help="print only the GPU table")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if torch.cuda.is_available() and S.structured_backend(torch.zeros(1, device="cuda"))[0] == "cpp":
+        gpu_table(args.repeat)
+        if args.gpu_only:
+            return
+    elif args.gpu_only:
+        raise SystemExit("--gpu-only: no GPU, or entmax_fast._C has no CUDA structured kernels")
     backend = S.structured_backend(torch.zeros(1))
     print(f"backend: {backend[0]} ({backend[1]}); torch {torch.__version__}; threads {torch.get_num_threads()}; "
           f"load average {os.getloadavg()[0]:.1f}")

@@ -482,6 +482,51 @@ def test_modules():
 
 
 # ---------------------------------------------------------------------------------------
+# The CUDA operators on a GPU (skipped without one) against the float64 reference.
+
+HAS_CUDA_OPS = HAS_CPP and torch.cuda.is_available() and "cuda" in S._extension_status()[2]
+needs_cuda_ops = pytest.mark.skipif(not HAS_CUDA_OPS, reason="no GPU, or entmax_fast._C built without CUDA")
+
+
+@needs_cuda_ops
+@pytest.mark.parametrize("dtype,atol", [pytest.param(torch.float64, 1e-10, id="float64"),
+                                        pytest.param(torch.float32, 2e-5, id="float32")])
+@pytest.mark.parametrize("kind,reg", [("fused", 0.0), ("fused", 0.1), ("oscar", 0.0), ("oscar", 1e-3)])
+@pytest.mark.parametrize("n", [1, 33, 1000, 70000])
+def test_cuda_ops_match_float64_reference(kind, reg, n, dtype, atol):
+    rows = 3 if n == 70000 else 6
+    # oscarmax: scores shrunk so that beta (n - i) leaves a support on the long rows.
+    X, lengths = ragged_scores(rows, n, dtype, generator_seed=n, scale=3.0 if kind == "fused" else 3.0 / max(1, n // 100))
+    grad = torch.randn(X.shape, dtype=torch.float64)
+    X_cuda = X.cuda().requires_grad_()
+    p = mapping(kind, "cpp")(X_cuda, reg, lengths=lengths.cuda())
+    assert S.last_backend("fusedmax" if kind == "fused" else "oscarmax")[0] == "cpp"
+    X_ref = X.double().requires_grad_()
+    p_ref = mapping(kind, "reference")(X_ref, reg, lengths=lengths)
+    torch.testing.assert_close(p.double().cpu(), p_ref.detach(), atol=atol, rtol=0)
+    p.backward(grad.to(dtype).cuda())
+    p_ref.backward(grad)
+    torch.testing.assert_close(X_cuda.grad.double().cpu(), X_ref.grad, atol=20 * atol, rtol=0)
+    y = prox(kind, "cpp", X.cuda(), reg, lengths.cuda())
+    torch.testing.assert_close(y.double().cpu(), prox(kind, "reference", X.double(), reg, lengths=lengths),
+                               atol=atol, rtol=10 * atol)
+
+
+@needs_cuda_ops
+@pytest.mark.parametrize("kind", MAPPINGS)
+def test_cuda_ops_nan_rows_large_scores_and_clamped_lengths(kind):
+    X = torch.tensor([[1.0, -1.0, 0.5, 0.0], [-0.25, 0.75, -1.0, 0.5], [1.0, float("nan"), 0.0, 2.0]]).cuda()
+    X[:2] *= 3e38
+    p = mapping(kind, "cpp")(X, 0.3)
+    torch.testing.assert_close(p[:2].cpu(), torch.tensor([[1.0, 0, 0, 0], [0, 1.0, 0, 0]]), atol=1e-6, rtol=0)
+    assert torch.isnan(p[2]).all()
+    forward = OPS.fusedmax_forward if kind == "fused" else OPS.oscarmax_forward
+    p, _ = forward(torch.randn(2, 5, dtype=torch.float64).cuda(), 0.2, torch.tensor([-3, 9]).cuda())
+    assert (p[0] == 0).all()
+    torch.testing.assert_close(p[1].sum().cpu(), torch.tensor(1.0, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------------------------------
 # The CUDA kernels, run on the host: csrc/cuda/structured.cu compiled by g++ with the CUDA
 # built-ins it uses defined by the harness below (ENTMAX_FAST_HOST_EMULATION): each block's
 # threads are std::threads, __syncthreads a barrier, the warp intrinsics exchanges through

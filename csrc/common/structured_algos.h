@@ -58,23 +58,33 @@ ENTMAX_FAST_HD int binary_exponent(double v) {
   return exponent;
 }
 
-// Maps a row's valid entries to the work values the prox runs on, and back.
+// Maps a row's valid entries to the work values the prox runs on, and back. Scaling is a
+// multiplication by 2^-exponent (or 2^exponent) where that power is a float, else ldexp
+// (fp32 rows with max |v| >= 2^127); both are exact up to subnormal results.
 template <typename T>
 struct RowTransform {
   int exponent;  // work = v 2^-exponent - shift, |v| 2^-exponent < 1
   T shift;
-  ENTMAX_FAST_HD T to_work(T v) const { return times_pow2(v, -exponent) - shift; }
-  ENTMAX_FAST_HD T to_prox_output(T w) const { return times_pow2(w + shift, exponent); }
+  T down, up;  // 2^-exponent and 2^exponent, used when both are finite and non-zero
+  bool by_multiplication;
+  ENTMAX_FAST_HD T scale_down(T v) const { return by_multiplication ? v * down : times_pow2(v, -exponent); }
+  ENTMAX_FAST_HD T scale_up(T v) const { return by_multiplication ? v * up : times_pow2(v, exponent); }
+  ENTMAX_FAST_HD T to_work(T v) const { return scale_down(v) - shift; }
+  ENTMAX_FAST_HD T to_prox_output(T w) const { return scale_up(w + shift); }
   // Sparsemax is shift invariant: projecting w - max w keeps the threshold arithmetic near
   // 0 whatever the row's offset; an overflow gives -inf, which gets weight 0.
-  ENTMAX_FAST_HD T to_projection_input(T w, T w_max) const { return times_pow2(w - w_max, exponent); }
+  ENTMAX_FAST_HD T to_projection_input(T w, T w_max) const { return scale_up(w - w_max); }
 };
 
 template <typename T>
 ENTMAX_FAST_HD RowTransform<T> make_row_transform(Prox kind, T max_value, T max_abs) {
   RowTransform<T> transform;
   transform.exponent = max_abs > T(0) ? binary_exponent(max_abs) : 0;
-  transform.shift = kind == Prox::kTV ? times_pow2(max_value, -transform.exponent) : T(0);
+  transform.down = times_pow2(T(1), -transform.exponent);
+  transform.up = times_pow2(T(1), transform.exponent);
+  transform.by_multiplication = transform.down != T(0) && transform.up != T(0) &&
+                                transform.down != positive_infinity<T>() && transform.up != positive_infinity<T>();
+  transform.shift = kind == Prox::kTV ? transform.scale_down(max_value) : T(0);
   return transform;
 }
 
