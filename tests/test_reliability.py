@@ -309,6 +309,28 @@ def test_gradgradcheck_with_tensor_alpha(backend):
         assert torch.autograd.gradgradcheck(lambda x, a: entmax_fast.entmax_bisect(x, a), (X, alpha))
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpp"])
+def test_second_alpha_derivative_at_alpha_one(backend):
+    """At α = 1 exactly the α-gradient is softmax's limit; its own α-derivative must be the
+    limit too. Finite differences of the first derivative, a step of 1e-3 away (where the
+    Tsallis form is well conditioned; its O(h²) error is below 1e-5 here)."""
+    _device_for(backend)
+    X = torch.randn(2, 6, dtype=torch.float64)
+    weights = torch.randn(2, 6, dtype=torch.float64)
+
+    def first_derivative(value, create_graph=False):
+        alpha = torch.full((2, 1), value, dtype=torch.float64, requires_grad=True)
+        (d_alpha,) = torch.autograd.grad((entmax_fast.entmax_bisect(X, alpha) * weights).sum(), alpha,
+                                         create_graph=create_graph)
+        return alpha, d_alpha
+
+    with entmax_fast.use_backend(backend):
+        alpha, d_alpha = first_derivative(1.0, create_graph=True)
+        (second,) = torch.autograd.grad(d_alpha.sum(), alpha)
+        numeric = (first_derivative(1.001)[1] - first_derivative(0.999)[1]) / 2e-3
+    torch.testing.assert_close(second, numeric, atol=1e-5, rtol=0)
+
+
 def test_cpp_op_direct_gradgradcheck():
     from entmax_fast import cpp_ops
 

@@ -297,7 +297,16 @@ def entmax_backward(p: torch.Tensor, grad: torch.Tensor, alpha=1.5, dim: int = -
         h = -p64 * log_p
         dp_dalpha = (p64 - p_skewed) / am1.square() + (h - p_skewed * h.sum(dim=dim, keepdim=True)) / am1
         p_log_sq = p64 * log_p.square()
-        dp_dalpha_at_1 = -0.5 * (p_log_sq - p64 * p_log_sq.sum(dim=dim, keepdim=True))
+        log_sq_mean = p_log_sq.sum(dim=dim, keepdim=True)
+        dp_dalpha_at_1 = -0.5 * (p_log_sq - p64 * log_sq_mean)
+        # Plus (α − 1)·E, zero in value, for double backward in α at α = 1: autograd gets
+        # the part of ∂²p/∂α² = 2p(c − Σ p c) (c = −½ L₂ log p + ⅓ log³p + ⅛ (L₂ − log²p)²,
+        # L₂ = Σ p log²p) that flows through p in the line above; E is the rest.
+        c = -0.5 * log_sq_mean * log_p + log_p.pow(3) / 3 + (log_sq_mean - log_p.square()).square() / 8
+        d2p_dalpha2 = 2 * p64 * (c - (p64 * c).sum(dim=dim, keepdim=True))
+        through_p = (dp_dalpha_at_1 * (0.5 * log_sq_mean - 0.5 * log_p.square() - log_p)
+                     + 0.5 * p64 * ((log_p.square() + 2 * log_p) * dp_dalpha_at_1).sum(dim=dim, keepdim=True))
+        dp_dalpha_at_1 = dp_dalpha_at_1 + (a64 - 1) * (d2p_dalpha2 - through_p).detach()
         dp_dalpha = torch.where(is_softmax, dp_dalpha_at_1, dp_dalpha)
         dalpha = (g64 * dp_dalpha).sum(dim=dim, keepdim=True).to(cdt)
         dalpha = torch.where(nan_row, torch.full_like(dalpha, float("nan")), dalpha)
