@@ -4,6 +4,11 @@ Layers: public function (validates) → :class:`EntmaxFunction` (autograd; flatt
 → the backend picked by ``dispatch`` for op ``"entmax"`` (reference, Triton or C++), whose
 contract is ``entmax_rowwise_forward(x (R, n), alpha float | tensor (R,)) -> p`` and
 ``entmax_rowwise_backward(p, grad, alpha, need_alpha_grad) -> (dx, dalpha (R,) | None)``.
+
+Every mapping depends only on score differences (rows are shifted by their max), at any
+magnitude. Bad values follow ``torch.softmax``: a row holding NaN or +inf gives NaN (and NaN
+gradients), −inf entries get weight 0, a row without a finite entry gives zeros. Empty
+inputs give empty outputs. Double backward is exact.
 """
 from __future__ import annotations
 
