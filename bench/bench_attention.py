@@ -13,10 +13,18 @@ process's peak RSS (VmHWM, reset through /proc/self/clear_refs before each measu
 with glibc told to return large frees to the OS). Forward times include saving what the
 backward needs (inputs require grad); with ``--quick`` the total is forward + backward
 rather than a third measurement. Writes bench/out/attention.csv and
-bench/out/attention.png (time vs length). Without a GPU it also compiles the Triton kernels
-for sm_80/sm_90 and prints their resource table (a covering sample of the configurations,
-a few minutes; ``--no-resources`` skips it, ``python -m entmax_fast.triton_kernels.aot``
-compiles every configuration).
+bench/out/attention.png (time and memory vs length). With ``--aot`` (and no GPU) it also
+compiles the Triton kernels for sm_80/sm_90 and prints their resource table (a covering
+sample of the configurations, a few minutes and ~160 lines; ``python -m
+entmax_fast.triton_kernels.aot`` compiles every configuration).
+
+Why ``fwd+bwd`` is not ``fwd + bwd``: the three columns are three separate medians. ``fwd+bwd``
+times a forward and its backward together, which is what a training step pays, and is the
+figure to compare; ``bwd`` times repeated backward passes through one retained graph
+(``retain_graph=True``), ``fwd`` forward passes alone; they show which half dominates. Medians
+of separate runs need not add up: on the 2-core CPU, fwd+bwd came out 10-20 % below fwd + bwd
+(entmax α=1.5, B=2, H=8, L=1024, two repeats: 804 ms vs 433 + 544, 730 ms vs 295 + 534),
+about as much as the repeats moved each part. ``--quick`` prints fwd + bwd as the total.
 """
 from __future__ import annotations
 
@@ -173,7 +181,7 @@ def run(lengths, batch, heads, head_dim, dtype, alpha, causal, min_run_time, inc
     return rows
 
 
-def plot(rows: list, path: str, title: str) -> str:
+def plot(rows: list, path: str, title: str, max_reference_length: int) -> str:
     try:
         import matplotlib
 
@@ -181,26 +189,53 @@ def plot(rows: list, path: str, title: str) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed: no plot (pip install matplotlib)"
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    all_lengths = sorted({r["length"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
     for method in dict.fromkeys(r["method"] for r in rows):
         mine = [r for r in rows if r["method"] == method]
         lengths = [r["length"] for r in mine]
-        axes[0].plot(lengths, [r["total_ms"] for r in mine], marker="o", label=method)
+        label = method
+        if lengths and lengths[-1] < all_lengths[-1]:
+            label += f" (not run above L={lengths[-1]})"
+        line, = axes[0].plot(lengths, [r["total_ms"] for r in mine], marker="o", label=label)
         if all(r["peak_mib"] is not None for r in mine):
-            axes[1].plot(lengths, [r["peak_mib"] for r in mine], marker="o", label=method)
+            axes[1].plot(lengths, [r["peak_mib"] for r in mine], marker="o", label=label, color=line.get_color())
+        if lengths and lengths[-1] < all_lengths[-1]:
+            for ax, key in ((axes[0], "total_ms"), (axes[1], "peak_mib")):
+                if mine[-1][key] is not None:
+                    ax.annotate(f"{method.split(' ')[0]}: run only up to\nL={max_reference_length} "
+                                "(--max-reference-length)", (lengths[-1], mine[-1][key]), textcoords="offset points",
+                                xytext=(6, -18), fontsize=7, color=line.get_color())
     for ax, ylabel in zip(axes, ("forward + backward time (ms)", "peak memory, forward + backward (MiB)")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("sequence length")
+        ax.set_xticks(all_lengths, [str(length) for length in all_lengths])
+        ax.set_xlabel("sequence length L")
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(title, fontsize=7)
-    fig.tight_layout(rect=(0, 0, 1, 0.86))
+        ax.legend(fontsize=7, loc="best")
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def print_results(rows: list, quick: bool) -> None:
+    """One compact table (the CSV has every column), then what its columns mean."""
+    table = [{"L": r["length"], "method": r["method"], "backend": r["backend"], "fwd ms": r["fwd_ms"],
+              "bwd ms": r["bwd_ms"], "fwd+bwd ms": r["total_ms"],
+              "x sdpa": r["total_vs_softmax"], "peak MiB": r["peak_mib"],
+              "zeros": f"{100 * r['zero_fraction']:.1f}%" if r["zero_fraction"] else "-"} for r in rows]
+    print_table(table, "attention: time (median ms), peak memory, sparsity")
+    if quick:
+        print("fwd+bwd ms: fwd + bwd (--quick does not measure it on its own);")
+    else:
+        print("fwd+bwd ms: a forward and its backward timed together (what a training step pays), a measurement\n"
+              "of its own, so not exactly fwd + bwd (see the docstring);")
+    print("x sdpa: fwd+bwd against scaled_dot_product_attention at the same L; peak MiB: peak memory of\n"
+          "fwd+bwd above what was allocated before; zeros: share of the entmax weights that are exactly 0.")
 
 
 def resource_table() -> None:
@@ -233,8 +268,8 @@ def main(argv=None) -> list:
                         help="skip the plain-torch reference above this length")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice); on a busy "
                         "machine 1 avoids threads spin-waiting for each other")
-    parser.add_argument("--no-resources", action="store_true",
-                        help="without a GPU, skip compiling the Triton kernels for sm_80/sm_90 and printing their "
+    parser.add_argument("--aot", action="store_true",
+                        help="without a GPU, also compile the Triton kernels for sm_80/sm_90 and print their "
                              "resource table (registers, spills, shared memory; a few minutes on 2 cores)")
     parser.add_argument("--out", default=OUT_DIR)
     args = parser.parse_args(argv)
@@ -264,12 +299,12 @@ def main(argv=None) -> list:
     softmax = {r["length"]: r["total_ms"] for r in rows if r["method"] == "softmax (sdpa)"}
     for r in rows:
         r["total_vs_softmax"] = r["total_ms"] / softmax[r["length"]] if r["length"] in softmax else None
-    print_table(rows, "attention: time (ms), peak memory (MiB), zero_fraction = sparsity of the weights")
+    print_results(rows, args.quick)
     csv_path = os.path.join(args.out, "attention.csv")
     write_csv(rows, csv_path)
-    plot_path = plot(rows, os.path.join(args.out, "attention.png"), header)
-    print(f"\nwrote {csv_path} and {plot_path}")
-    if not ON_GPU and not args.no_resources:
+    plot_path = plot(rows, os.path.join(args.out, "attention.png"), header, args.max_reference_length)
+    print(f"wrote {csv_path} and {plot_path}")
+    if not ON_GPU and args.aot:
         resource_table()
     return rows
 

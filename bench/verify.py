@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import torch
 
@@ -151,16 +152,30 @@ def verify_attention():
     return rows
 
 
+def _pivot(rows: list) -> list:
+    """One line per op, one column per backend: "forward error / gradient error"."""
+    table = {}
+    for r in rows:
+        line = table.setdefault(r["op"], {"op": r["op"], **{backend: "-" for backend in dispatch.BACKENDS}})
+        line[r["backend"]] = f"{r['fwd_err']:.1e} / {r['grad_err']:.1e}" + ("" if r["ok"] else " FAIL")
+    return list(table.values())
+
+
 def main():
     torch.manual_seed(0)
     print(f"# machine: {machine()}")
     for name, info in entmax_fast.backend_info()["backends"].items():
         print(f"# backend {name}: {'available' if info['available'] else 'unavailable'} — {info['reason']}")
+    # The interpreter evaluates masked-off lanes too; numpy's warnings about them are noise.
+    warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
     rows = verify_mappings() + verify_other_mappings() + verify_attention()
-    print_table(rows, f"max error vs float64 oracle (float32 inputs; bounds fwd {FORWARD_BOUND}, grad {GRAD_BOUND})")
-    if not all(r["ok"] for r in rows):
-        print("VERIFY FAILED")
+    print_table(_pivot(rows), "max |error| vs the float64 oracle, forward / gradient (float32 inputs; "
+                f"bounds {FORWARD_BOUND:g} / {GRAD_BOUND:g}; '-': backend has no such op here)")
+    failed = [r for r in rows if not r["ok"]]
+    if failed:
+        print(f"VERIFY FAILED: {len(failed)} of {len(rows)} checks above their bounds")
         sys.exit(1)
+    print(f"all {len(rows)} checks (op x backend) within the bounds")
 
 
 if __name__ == "__main__":
