@@ -243,24 +243,34 @@ def save_heatmaps(results: dict, config: Config, out_dir: str) -> list:
     import numpy
 
     colormap = matplotlib.colormaps["viridis"].with_extremes(bad="white")  # exact zeros, dropped keys
-    fig, axes = plt.subplots(len(labels), config.heads, figsize=(2.6 * config.heads, 1.3 * len(labels) + 0.6),
+    fig, axes = plt.subplots(len(labels), config.heads, figsize=(2.6 * config.heads + 0.8, 1.5 * len(labels) + 0.9),
                              squeeze=False)
+    image = None
     for row, label in enumerate(labels):
         weights = results[label]["example_weights"][-1]
         alphas = results[label]["alpha"][-1]
         for head in range(config.heads):
             ax = axes[row][head]
             panel = weights[head, config.pairs:].numpy()
-            ax.imshow(numpy.ma.masked_equal(panel, 0.0), aspect="auto", cmap=colormap, vmin=0, vmax=1,
-                      interpolation="nearest")
+            image = ax.imshow(numpy.ma.masked_equal(panel, 0.0), aspect="auto", cmap=colormap, vmin=0, vmax=1,
+                              interpolation="nearest")
             ax.axvline(config.pairs - 0.5, color="black", linewidth=0.8)
             alpha_text = "" if alphas[head] is None else f" α={alphas[head]:.2f}"
             ax.set_title(f"{label} h{head}{alpha_text}", fontsize=8)
-            ax.set_xticks([])
-            ax.set_yticks([])
-    fig.suptitle("Last-layer attention of the queries (x: pair tokens | query tokens; white = exactly 0)",
-                 fontsize=9)
-    fig.tight_layout()
+            # Positions: keys 0..pairs-1 are the pair tokens, then the queries.
+            ax.set_xticks([0, config.pairs - 1, panel.shape[1] - 1])
+            ax.set_yticks([0, panel.shape[0] - 1])
+            ax.tick_params(labelsize=6, length=2)
+            if row == len(labels) - 1:
+                ax.set_xlabel("key position", fontsize=7)
+            if head == 0:
+                ax.set_ylabel("query", fontsize=7)
+    fig.suptitle("Last-layer attention weights of the query tokens (first evaluation sequence); keys left of the "
+                 "black line are pair tokens, right of it queries; white = exactly 0", fontsize=8)
+    fig.tight_layout(rect=(0, 0, 0.93, 1))
+    colorbar_axes = fig.add_axes((0.94, 0.12, 0.012, 0.72))
+    fig.colorbar(image, cax=colorbar_axes).set_label("attention weight", fontsize=7)
+    colorbar_axes.tick_params(labelsize=6)
     path = os.path.join(out_dir, "attention_heatmaps.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -374,7 +384,7 @@ def _run(config: Config, args) -> dict:
         results[_label(attention)] = train_one(config, attention, show_progress=not args.no_progress)
     choice = backend_info()["last_choice"].get("attention")
     if choice is not None:
-        print(f"entmax attention backend: {choice['backend']} ({choice['reason']})")
+        print(f"entmax attention backend: {choice['reason']}")
     rows = result_rows(results, config)
     print()
     _print_table(rows)
