@@ -1,22 +1,28 @@
-"""Dense passes over K per query block in the fused entmax attention forward, the tau error
-that count leaves, and the fraction of (query block, key block) tiles the sparse passes skip.
+"""Passes over K per query block in the fused entmax attention forward, the threshold error
+they leave, the work per score, and the fraction of key tiles the later passes skip.
 
-The forward (triton_kernels/attention_fwd.py) makes a fixed number of dense passes: one for
-the row max, NUM_PASSES candidate passes (NUM_CANDIDATES points each, Newton/secant bracket
-update, Halley finish), then one sparse output pass. This script runs a CPU emulation of
-exactly that iteration in float32 (`emulate_tau`), checks it against the kernel itself in the
-Triton interpreter on a small case, and reports, per alpha:
-- the tau error |tau - tau*| (float64 bisection) and |sum p - 1| after 1 and after 2
-  candidate passes (2 and 3 dense passes), rows of n scores N(0, sigma^2);
-- the fraction of tiles flagged (visited by the output pass and the backward) for
-  i.i.d. scores and for scores with a recency bias (z_ij = sigma g_ij - |i - j| / 32), causal
-  and not.
+The forward (triton_kernels/attention_fwd.py, docs/attention.md) makes one pass for the row
+maximum, then threshold passes until every row of the block is exact or converged, then one
+output pass over the flagged tiles. This script emulates that iteration in float32 on the
+CPU (`emulate_block`, the update of `_update_threshold` written with torch ops), checks its
+thresholds against the kernel's own in the Triton interpreter on a small case, and prints
+per alpha and row length:
+- the threshold passes a block of BLOCK_M rows needs (mean and max over blocks; a block
+  stops when its slowest row is done), for i.i.d. N(0, sigma^2) scores and for scores with a
+  recency bias (z_ij = sigma g_ij - |i - j| / 32, causal);
+- the largest |tau - tau*| (float64 sort-based tau*);
+- an estimate of the forward's per-score work in units of one fp32 CUDA-core operation:
+  the q.k product counts QK_COST per pass (one bf16 QK^T entry at E = 64 costs about as
+  much as 5 fp32 operations on H100/H200), each threshold evaluation OPS_PER_EVAL, the
+  output pass OUTPUT_OPS + QK_COST + PV_COST on the tiles it visits; a softmax forward
+  (FlashAttention) is about SOFTMAX_UNITS. These are estimates from operation counts, not
+  timings: docs/gpu.md has the measured figures.
+- the fraction of (query block, key block) tiles visited by the passes after the first.
 
-Usage: python bench/bench_attention_passes.py [--rows 256] [--csv out.csv]
+Usage: python bench/bench_attention_passes.py [--blocks 16] [--csv out.csv]
 """
 import argparse
 import csv
-import math
 import os
 import sys
 
@@ -30,177 +36,176 @@ from entmax_fast.triton_kernels import attention as tri  # noqa: E402
 from entmax_fast.triton_kernels import attention_fwd as fwd  # noqa: E402
 from tests.oracle import oracle_entmax  # noqa: E402
 
+QK_COST = 5.0          # one bf16 q.k entry at E = 64, in fp32-operation units
+PV_COST = 5.0          # one p.v entry
+OPS_PER_EVAL = {2.0: 6.0, 1.5: 8.0, "general": 14.0}   # d, the sums, the certificate
+MAX_PASS_OPS = 2.0     # scale + running max
+OUTPUT_OPS = 6.0       # d, p, sums, s
+SOFTMAX_UNITS = QK_COST + PV_COST + 7.0
+BLOCK_M, BLOCK_N = 64, 64
 
-def _candidate_pass(u, lo, hi, fhi, fphi, has_fhi, inv_am1, num_cand):
-    """float32 twin of attention_fwd._candidate_pass on rows u [R, n] (shifted, scaled)."""
-    c = torch.arange(num_cand, dtype=torch.float32)
-    step = (hi - lo) / num_cand
-    t = lo[:, None] + c[None, :] * step[:, None]                       # [R, C]
-    d = (u[:, None, :] - t[:, :, None]).clamp(min=0)                   # [R, C, n]
+
+def _moments(d, alpha):
     pos = d > 0
-    log_d = torch.log2(torch.where(pos, d, torch.ones_like(d)))
-    p2 = torch.where(pos, torch.exp2((inv_am1 - 2.0) * log_d), torch.zeros_like(d))
-    p1 = p2 * d
-    p0 = p1 * d
-    f = p0.sum(-1) - 1.0
-    fp = -inv_am1 * p1.sum(-1)
-    fpp = inv_am1 * (inv_am1 - 1.0) * p2.sum(-1)
-    il = torch.where(f >= 0, c[None, :].expand_as(f), torch.zeros_like(f)).amax(-1).long()
-    gather = lambda x, i: x.gather(1, i[:, None].clamp(max=num_cand - 1))[:, 0]  # noqa: E731
-    left = lo + il.float() * step
-    fl, fpl, fppl = gather(f, il), gather(fp, il), gather(fpp, il)
-    has_r = il + 1 < num_cand
-    right = torch.where(has_r, left + step, hi)
-    fr = torch.where(has_r, gather(f, il + 1), fhi)
-    fpr = torch.where(has_r, gather(fp, il + 1), fphi)
-    has_fr = has_r | has_fhi
-    minus_one = -torch.ones_like(fpl)
-    newton_ok = fpl < 0
-    newton = torch.where(newton_ok, left - fl / torch.where(newton_ok, fpl, minus_one), left)
-    newton_r_ok = has_fr & (fpr < 0) & (fr <= 0)
-    newton_r = torch.where(newton_r_ok, right - fr / torch.where(newton_r_ok, fpr, minus_one),
-                           left)
-    new_lo = torch.maximum(left, torch.minimum(torch.maximum(newton, newton_r), right))
-    secant_ok = has_fr & (fl - fr > 0)
-    secant = torch.where(secant_ok, left + fl * (right - left) /
-                         torch.where(secant_ok, fl - fr, torch.ones_like(fl)), right)
-    new_hi = torch.minimum(right, torch.maximum(secant, new_lo))
-    new_has_fhi = has_fr & ~(secant_ok & (secant < right))
-    den = 2.0 * fpl * fpl - fl * fppl
-    halley_ok = newton_ok & (den > 0)
-    halley = left - 2.0 * fl * fpl / torch.where(halley_ok, den, torch.ones_like(den))
-    tau = torch.where(halley_ok & ~torch.isnan(halley),
-                      torch.minimum(torch.maximum(halley, new_lo), new_hi), new_lo)
-    return new_lo, new_hi, fr, fpr, new_has_fhi, tau
+    if alpha == 2.0:
+        a, b = d.sum(-1), pos.float().sum(-1)
+        c = b
+    elif alpha == 1.5:
+        a, b, c = (d * d).sum(-1), d.sum(-1), pos.float().sum(-1)
+    else:
+        e = 1.0 / (alpha - 1.0)
+        pw = torch.where(pos, d.clamp(min=1e-30) ** (e - 1.0), torch.zeros_like(d))
+        a, b = (pw * d).sum(-1), pw.sum(-1)
+        c = b
+    dmin = torch.where(pos, d, torch.full_like(d, float("inf"))).amin(-1)
+    return a, b, c, dmin
 
 
-def emulate_tau(z, alpha, num_passes=2, num_cand=fwd.NUM_CANDIDATES, chunk=64):
-    """tau (shifted coordinates u = (alpha-1)(z - max z)) and the lower bound lo at the start
-    of the last pass (the tile-flag threshold), as the forward kernel computes them."""
-    taus, los = [], []
-    for rows in z.float().split(chunk):
-        m = rows.amax(-1)
-        n = torch.isfinite(rows).sum(-1).float()
-        u = (alpha - 1.0) * (rows - m[:, None])
-        inv_am1 = 1.0 / (alpha - 1.0)
-        lo = torch.full_like(m, -1.0)
-        hi = -torch.exp2((1.0 - alpha) * torch.log2(n.clamp(min=1)))
-        fhi = torch.zeros_like(m)
-        fphi = torch.zeros_like(m)
-        has_fhi = torch.zeros_like(m, dtype=torch.bool)
-        for _ in range(num_passes):
-            flag_lo = lo
-            lo, hi, fhi, fphi, has_fhi, tau = _candidate_pass(u, lo, hi, fhi, fphi, has_fhi,
-                                                              inv_am1, num_cand)
-        taus.append(tau)
-        los.append(flag_lo)
-    return torch.cat(taus), torch.cat(los)
+def _update(t, sums, lo, hi, tau, done, alpha):
+    """float32 twin of attention_fwd._update_threshold."""
+    a, b, c, dmin = sums
+    f = a - 1.0
+    left = f >= 0
+    bs = torch.where(b > 0, b, torch.ones_like(b))
+    if alpha == 2.0:
+        step = f / bs
+        root = t + step
+        exact = left & (step <= dmin)
+        new_lo, new_hi = root, torch.where(left, hi, t)
+    elif alpha == 1.5:
+        disc = b * b - c * f
+        real = disc >= 0
+        root = t + (b - disc.clamp(min=0).sqrt()) / torch.where(c > 0, c, torch.ones_like(c))
+        step = f / (2.0 * bs)
+        exact = left & real & (root - t <= dmin)
+        new_lo = torch.where(left, t + step, torch.maximum(root, t + step))
+        new_hi = torch.where(left, torch.where(real, root, hi), t)
+    else:
+        step = f * (alpha - 1.0) / bs
+        root = t + step
+        exact = left & (step <= fwd.TAU_STEP_TOL)
+        new_lo, new_hi = root, torch.where(left, hi, t)
+    small = left & (step <= fwd.TAU_STEP_TOL)
+    root = torch.where(exact, root, t + step)
+    exact = exact | small
+    hi_next = torch.minimum(hi, new_hi)
+    lo_next = torch.minimum(torch.maximum(lo, new_lo), hi_next)
+    new = exact & ~done
+    tau = torch.where(new, root, tau)
+    lo_next = torch.where(new, root, torch.where(done, lo, lo_next))
+    return lo_next, torch.where(done, hi, hi_next), tau, done | exact
 
 
-def exact_tau(z, alpha):
-    z = z.double()
-    p = oracle_entmax(z, alpha)
-    m = z.amax(-1, keepdim=True)
-    # on the support p = (u - tau)^(1/(alpha-1)): tau from the largest entry
-    u_top = torch.zeros_like(m[:, 0])
-    return u_top - p.amax(-1) ** (alpha - 1.0)
+def emulate_block(u, alpha):
+    """Threshold passes of one block of rows u [R, n] (shifted: max 0, -inf masked).
+    Returns (tau [R], passes, tiles visited per pass after the first / tiles)."""
+    rows = u.shape[0]
+    lo = torch.full((rows,), -1.0)
+    hi = torch.zeros(rows)
+    tau = lo.clone()
+    done = torch.zeros(rows, dtype=torch.bool)
+    mid = 0.5 * (lo + hi)
+    s0 = _moments((u - lo[:, None]).clamp(min=0), alpha)
+    s1 = _moments((u - mid[:, None]).clamp(min=0), alpha)
+    lo, hi, tau, done = _update(lo, s0, lo, hi, tau, done, alpha)
+    lo, hi, tau, done = _update(mid, s1, lo, hi, tau, done, alpha)
+    passes, visited = 1, []
+    n_tiles = -(-u.shape[1] // BLOCK_N)
+    padded = torch.nn.functional.pad(u, (0, n_tiles * BLOCK_N - u.shape[1]), value=-float("inf"))
+    tile_max = padded.reshape(rows, n_tiles, BLOCK_N).amax(-1)  # [R, tiles]
+    while not bool(done.all()) and passes < fwd.MAX_TAU_PASSES:
+        visited.append(float((tile_max > lo[:, None]).any(0).float().mean()))
+        lo, hi, tau, done = _update(lo, _moments((u - lo[:, None]).clamp(min=0), alpha),
+                                    lo, hi, tau, done, alpha)
+        passes += 1
+    tau = torch.where(done, tau, lo)
+    return tau, passes, (sum(visited) / len(visited) if visited else 0.0)
 
 
-def tau_table(rows, alphas, sizes, sigma2s):
-    out = []
+def exact_tau(u, alpha):
+    """Sort-free float64 tau of shifted rows, from the oracle's weights."""
+    p = oracle_entmax(u.double() / (alpha - 1.0), alpha)
+    # p = (u - tau)^e on the support: tau = u_max - p_max^(alpha-1) (u_max = 0)
+    return -(p.amax(-1) ** (alpha - 1.0))
+
+
+def scores(kind, n, sigma, start):
+    z = sigma * torch.randn(BLOCK_M, n)
+    if kind == "local":
+        i = torch.arange(start, start + BLOCK_M)[:, None]
+        j = torch.arange(n)[None, :]
+        z = z - (i - j).abs() / 32.0
+        z = z.masked_fill(j > i, float("-inf"))
+    return z
+
+
+def table(alphas, lengths, blocks, sigma):
+    rows = []
     for alpha in alphas:
-        for n in sizes:
-            for s2 in sigma2s:
-                z = torch.randn(rows, n, dtype=torch.float64) * math.sqrt(s2)
-                t_star = exact_tau(z, alpha)
-                u64 = (alpha - 1.0) * (z - z.amax(-1, keepdim=True))
-                for passes in (1, 2):
-                    tau, _ = emulate_tau(z, alpha, num_passes=passes)
-                    mass = (u64 - tau.double()[:, None]).clamp(min=0) ** (1.0 / (alpha - 1.0))
-                    out.append({"alpha": alpha, "n": n, "sigma2": s2, "dense_passes": 1 + passes,
-                                "tau_err": (tau.double() - t_star).abs().max().item(),
-                                "sum_err": (mass.sum(-1) - 1).abs().max().item()})
-    return out
+        for n in lengths:
+            for kind in ("random", "local"):
+                passes, errors, visits = [], [], []
+                for b in range(blocks):
+                    z = scores(kind, n, sigma, n - BLOCK_M)
+                    y = (alpha - 1.0) * z
+                    u = (y - y.amax(-1, keepdim=True)).float()
+                    tau, p, visit = emulate_block(u, alpha)
+                    passes.append(p)
+                    visits.append(visit)
+                    errors.append(float((tau.double() - exact_tau(u, alpha)).abs().max()))
+                mean_passes = sum(passes) / len(passes)
+                key = alpha if alpha in OPS_PER_EVAL else "general"
+                eval_ops = OPS_PER_EVAL[key]
+                visit = sum(visits) / len(visits)
+                later = max(0.0, mean_passes - 1)
+                units = (QK_COST + MAX_PASS_OPS) + (QK_COST + 2 * eval_ops) \
+                    + later * visit * (QK_COST + eval_ops) + (QK_COST + PV_COST + OUTPUT_OPS)
+                rows.append({"alpha": alpha, "n": n, "scores": kind, "passes_mean": mean_passes,
+                             "passes_max": max(passes), "tau_err_max": max(errors),
+                             "later_tiles_visited": visit, "units_per_score": units,
+                             "x_softmax_fwd_est": units / SOFTMAX_UNITS})
+    return rows
 
 
-def tile_table(length, alphas, sigma2, block_m, block_n):
-    out = []
-    i = torch.arange(length, dtype=torch.float64)
-    recency = -(i[:, None] - i[None, :]).abs() / 32.0
-    for pattern in ("iid", "recency"):
-        for causal in (False, True):
-            for alpha in alphas:
-                z = torch.randn(length, length, dtype=torch.float64) * math.sqrt(sigma2)
-                if pattern == "recency":
-                    z = z + recency
-                if causal:
-                    z = z.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1),
-                                      -math.inf)
-                _, lo = emulate_tau(z, alpha)
-                u = (alpha - 1.0) * (z.float() - z.float().amax(-1, keepdim=True))
-                above = (u > lo[:, None]).float()
-                tiles = torch.nn.functional.max_pool2d(above[None, None], (block_m, block_n),
-                                                       ceil_mode=True)[0, 0]
-                reachable = torch.ones_like(tiles, dtype=torch.bool)
-                if causal:
-                    reachable = (torch.arange(tiles.shape[1])[None, :] * block_n
-                                 < (torch.arange(tiles.shape[0])[:, None] + 1) * block_m)
-                visited = tiles[reachable].sum().item()
-                nonzero = torch.nn.functional.max_pool2d(
-                    (oracle_entmax(z, alpha) > 0).float()[None, None],
-                    (block_m, block_n), ceil_mode=True)[0, 0].sum().item()
-                out.append({"pattern": pattern, "causal": causal, "alpha": alpha,
-                            "tiles_reachable": int(reachable.sum()),
-                            "tiles_visited": int(visited), "tiles_nonzero_exact": int(nonzero),
-                            "skipped_fraction": 1 - visited / reachable.sum().item()})
-    return out
-
-
-def check_against_kernel(alpha=1.25):
-    """The emulation is the kernel's iteration: compare taus on one small case."""
-    q = torch.randn(1, 1, 64, 32) * 2
-    k = torch.randn(1, 1, 200, 32)
-    v = torch.randn(1, 1, 200, 32)
-    seed = torch.zeros(1, dtype=torch.int64)
-    alpha_t = torch.full((1,), alpha)
-    _, stats, _, _ = tri.attention_forward(q, k, v, None, alpha_t, fwd.ALPHA_GENERAL, seed, 0.0,
-                                           False, 1 / math.sqrt(32), False)
-    z = (q @ k.transpose(-1, -2))[0, 0] / math.sqrt(32)
-    tau, _ = emulate_tau(z, alpha)
-    return (stats[fwd.STAT_TAU, 0, 0] - tau).abs().max().item()
-
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", type=int, default=128)
-    parser.add_argument("--tile-length", type=int, default=1024)
-    parser.add_argument("--csv", default=None)
-    args = parser.parse_args()
+def check_against_kernel(alpha=1.5):
+    """The emulation's tau equals the kernel's (interpreter) on a small causal case."""
     torch.manual_seed(0)
-    print(f"kernel vs emulation, max |tau difference|: {check_against_kernel():.2e}")
-    alphas = (1.1, 1.25, 1.5, 1.75, 2.0)
-    taus = tau_table(args.rows, alphas, (1024, 8192), (1.0, 6.0))
-    print(f"\ntau error after the dense passes (fp32 emulation, {args.rows} rows each, worst row)")
-    print(f"{'alpha':>6} {'n':>6} {'sigma2':>6} {'dense':>5} {'|tau-tau*|':>11} {'|sum p-1|':>10}")
-    for r in taus:
-        print(f"{r['alpha']:>6} {r['n']:>6} {r['sigma2']:>6} {r['dense_passes']:>5} "
-              f"{r['tau_err']:>11.2e} {r['sum_err']:>10.2e}")
-    block_m, block_n = fwd.block_sizes(64, "fp16")[:2]
-    tiles = tile_table(args.tile_length, (1.25, 1.5, 2.0), 6.0, block_m, block_n)
-    print(f"\ntiles visited by the sparse passes, L = {args.tile_length}, sigma^2 = 6, "
-          f"{block_m}x{block_n} tiles (head dim <= 64)")
-    print(f"{'pattern':>8} {'causal':>6} {'alpha':>6} {'reachable':>9} {'visited':>8} "
-          f"{'exact nz':>8} {'skipped':>8}")
-    for r in tiles:
-        print(f"{r['pattern']:>8} {str(r['causal']):>6} {r['alpha']:>6} {r['tiles_reachable']:>9} "
-              f"{r['tiles_visited']:>8} {r['tiles_nonzero_exact']:>8} "
-              f"{r['skipped_fraction']:>8.1%}")
+    q, k, v = (torch.randn(1, 1, 64, 16) for _ in range(3))
+    _, stats, _, _ = tri.attention_forward(q, k, v, None, torch.full((1,), alpha), 
+                                           tri._alpha_kind(alpha), torch.zeros(1, dtype=torch.int64),
+                                           0.0, True, 0.25, 0)
+    z = (q[0, 0] @ k[0, 0].T) * 0.25
+    z = z.masked_fill(torch.ones(64, 64, dtype=torch.bool).triu(1), float("-inf"))
+    y = (alpha - 1.0) * z
+    u = y - y.amax(-1, keepdim=True)
+    tau, _, _ = emulate_block(u, alpha)
+    return float((tau - stats[fwd.STAT_TAU, 0, 0]).abs().max())
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, default=8, help="blocks of 64 rows per cell")
+    parser.add_argument("--sigma", type=float, default=1.0, help="score standard deviation")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--alphas", type=float, nargs="+", default=[1.5, 2.0, 1.25])
+    parser.add_argument("--csv")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    print(f"emulation vs kernel (interpreter), max |tau difference|: {check_against_kernel():.2e}")
+    rows = table(args.alphas, args.lengths, args.blocks, args.sigma)
+    print("alpha | n | scores | passes mean | max | max tau err | later tiles visited | "
+          "units/score (est.) | x softmax fwd (est.)")
+    for r in rows:
+        print(f"{r['alpha']:5g} | {r['n']:5d} | {r['scores']:6s} | {r['passes_mean']:5.2f} | "
+              f"{r['passes_max']:3d} | {r['tau_err_max']:.1e} | {r['later_tiles_visited']:.2f} | "
+              f"{r['units_per_score']:6.1f} | {r['x_softmax_fwd_est']:.1f}")
     if args.csv:
         with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=sorted({k for r in taus + tiles for k in r}))
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
-            writer.writerows(taus + tiles)
+            writer.writerows(rows)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,4 +1,5 @@
-"""Fused Triton entmax attention (triton_kernels/attention*.py) in the Triton interpreter.
+"""Fused Triton entmax attention (triton_kernels/attention*.py): compiled on CUDA when there
+is a GPU, in the Triton interpreter on CPU tensors otherwise (tests/devices.py).
 
 Forward against the float64 dense oracle, gradients against the reference run in float64
 (itself checked against the oracle in test_attention_reference.py). Errors are measured
@@ -16,9 +17,17 @@ from entmax_fast.reference.attention import entmax_attention as reference_attent
 from entmax_fast.reference.mappings import entmax_backward, entmax_forward
 from entmax_fast.triton_kernels import attention as tri
 from entmax_fast.triton_kernels import attention_fwd as fwd_kernels
+from devices import DEVICE, LOW_PRECISION
 from oracle import oracle_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+@pytest.fixture(autouse=True)
+def on_test_device():
+    """Every tensor a test makes lives on DEVICE (CUDA when there is one)."""
+    with torch.device(DEVICE):
+        yield
 
 
 def _err(got, expected):
@@ -146,7 +155,7 @@ def _plain_torch_attention(q, k, v, is_causal, alpha, attn_mask=None):
     pytest.param(130, 63, 64, 1.5, True, id="Lq130-Lk63-E64-a1.5-causal"),
     pytest.param(63, 257, 80, 1.25, False, id="Lq63-Lk257-E80-a1.25"),
 ])
-@pytest.mark.parametrize("dtype,ratio", [(torch.float16, 2.0)])
+@pytest.mark.parametrize("dtype,ratio", [(dtype, 2.0) for dtype in LOW_PRECISION])
 def test_low_precision_error_at_most_twice_plain_torch(lq, lk, e, alpha, is_causal, dtype, ratio):
     q, k, v = _inputs(1, 2, 2, lq, lk, e, dtype)
     grad_out = torch.randn(1, 2, lq, e).to(dtype)
@@ -294,7 +303,7 @@ def test_custom_op_opcheck_and_compile():
     alpha = torch.tensor([1.3, 1.6])
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), None,
             alpha.requires_grad_(), torch.zeros(1, dtype=torch.int64), None, None, 0, 0, 0.0,
-            True, 0.25, fwd_kernels.ALPHA_GENERAL, True)
+            True, 0.25, fwd_kernels.ALPHA_GENERAL, fwd_kernels.GRAD_ALPHA)
     torch.library.opcheck(torch.ops.entmax_fast.triton_attention_fwd.default, args)
 
     class Block(torch.nn.Module):
@@ -381,3 +390,82 @@ def test_gqa_without_enable_gqa_is_rejected():
     q, k, v = _inputs(1, 4, 2, 5, 5, 16, torch.float32)
     with pytest.raises(ValueError, match="enable_gqa"):
         tri.entmax_attention_triton(q, k, v)
+
+
+@pytest.mark.parametrize("alpha", [1.5, 2.0, 1.3])
+def test_nan_and_inf_scores_follow_softmax_rule(alpha):
+    """torch.softmax's rule: a NaN or +inf score makes its row NaN; -inf entries get no
+    weight; other rows are untouched (docs/attention.md, "Bad input")."""
+    q, k, v = _inputs(1, 1, 1, 40, 70, 16, torch.float32)
+    q[0, 0, 5, 3] = float("nan")               # row 5: every score NaN
+    k[0, 0, 60, 0] = float("nan")              # key 60: NaN for every row that sees it
+    mask = torch.zeros(1, 1, 40, 70)
+    mask[..., 7, 3] = float("inf")             # row 7: one +inf score
+    mask[..., 9, :30] = float("-inf")          # row 9: 30 keys masked out
+    out = tri.entmax_attention_triton(q, k, v, attn_mask=mask, is_causal=True, alpha=alpha)
+    nan_rows = torch.isnan(out[0, 0]).all(-1)
+    # causal: key 60 is seen by no query (Lq = 40 < 60)
+    assert nan_rows.tolist() == [i in (5, 7) for i in range(40)]
+    assert torch.isfinite(out[0, 0][~nan_rows]).all()
+    keep = torch.ones(40, dtype=torch.bool)
+    keep[[5, 7]] = False
+    clean_mask = mask.clone()
+    clean_mask[..., 7, 3] = 0.0
+    expected = oracle_attention(q.nan_to_num(), k.nan_to_num(), v, attn_mask=clean_mask,
+                                is_causal=True, alpha=alpha)
+    assert _err(out[0, 0][keep], expected[0, 0][keep]) <= 1e-5
+    full = tri.entmax_attention_triton(q, k, v, alpha=alpha)  # not causal: every row sees key 60
+    assert torch.isnan(full).all()
+
+
+@pytest.mark.parametrize("alpha,offset", [(1.5, 1e4), (2.0, 1e4), (1.5, 1e30), (2.0, 1e30),
+                                          ("per-head", 1e30)])
+def test_large_score_offsets(alpha, offset):
+    """Scores shifted by a large constant give the unshifted result: the kernels subtract
+    the row maximum before anything else. The scores (an additive mask, q = 0) lie on a grid
+    that float32 represents exactly at the offset and are distinct within a row; at 1e30 the
+    grid spacing is 2^76 and the weights are one-hot on the maximum."""
+    q, k, v = _inputs(1, 2, 2, 33, 50, 16, torch.float32)
+    alpha = _alpha(alpha, 2)
+    offset = torch.tensor(offset, dtype=torch.float32)
+    step = max(2.0 ** -8, float(torch.finfo(torch.float32).eps * 2.0 ** torch.floor(
+        torch.log2(offset))))
+    ranks = torch.stack([torch.randperm(64)[:50] for _ in range(33)]).float()
+    scores = step * ranks
+    out = tri.entmax_attention_triton(q * 0, k, v, attn_mask=offset + scores, alpha=alpha)
+    expected = oracle_attention(q * 0, k, v, attn_mask=scores, alpha=alpha)
+    assert torch.isfinite(out).all()
+    assert _err(out, expected) <= 1e-5
+
+
+def test_local_scores_skip_tiles_exactly():
+    """Scores peaked near the diagonal: the threshold passes after the first and the output
+    pass skip most key tiles, and forward and gradients stay exact."""
+    lq = lk = 257
+    q, k, v = _inputs(1, 2, 2, lq, lk, 16, torch.float32)
+    position = torch.arange(lq, dtype=torch.float32)
+    bias = -(position[:, None] - position[None, :]).abs() / 2.0   # [Lq, Lk]
+    grad_out = torch.randn(1, 2, lq, 16)
+    out, grads = _grads(lambda *t: tri.entmax_attention_triton(*t, attn_mask=bias, alpha=1.5),
+                        [q, k, v], grad_out)
+    _, stats, _, flags = tri.attention_forward(
+        q, k, v, bias, torch.full((2,), 1.5), tri._alpha_kind(1.5),
+        torch.zeros(1, dtype=torch.int64), 0.0, False, 0.25, fwd_kernels.GRAD_NONE)
+    assert 0 < flags.float().mean() < 0.5
+    expected = oracle_attention(q, k, v, attn_mask=bias)
+    _, ref_grads = _grads(lambda *t: reference_attention(*t, attn_mask=bias.double()),
+                          [t.double() for t in (q, k, v)], grad_out)
+    assert _err(out, expected) <= 1e-5
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert _err(got, want) <= 1e-4, name
+
+
+@pytest.mark.parametrize("alpha", [2.0, 1.5, 1.7])
+def test_evenly_spread_scores(alpha):
+    """Scores spread evenly over the range the support can reach (many near the threshold):
+    the threshold passes run until every row of the block is done, and stay exact."""
+    lq, lk = 20, 257
+    scores = torch.linspace(0.0, 3.0, lk).repeat(lq, 1) + torch.rand(lq, lk) * 1e-3
+    q, k, v = _inputs(1, 1, 1, lq, lk, 16, torch.float32)
+    out = tri.entmax_attention_triton(q * 0, k, v, attn_mask=scores, alpha=alpha)
+    assert _err(out, oracle_attention(q * 0, k, v, attn_mask=scores, alpha=alpha)) <= 1e-5

@@ -38,8 +38,8 @@ from . import attention_fwd as _fwd
 
 
 # The interpreter's cost is per tile: one fixed, large tiling keeps interpreted runs fast
-# (KERNELS.md section 1); GPUs use the per-dtype table of attention_fwd.block_sizes.
-INTERPRETER_BLOCKS = (64, 32, 8, 2)
+# (docs/checking.md); GPUs use the per-dtype table of attention_fwd.block_sizes.
+INTERPRETER_BLOCKS = (64, 32)
 _DTYPE_KEYS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
@@ -97,14 +97,17 @@ class _Geometry:
         self.kv_group = self.n_heads // self.n_kv_heads
         # one padded width for both head dims keeps the compiled configurations few
         self.block_e = self.block_ev = max(_block_e(self.head_e), _block_e(self.head_ev))
+        dtype_key = _DTYPE_KEYS[q.dtype]
         if _interpreting():
-            self.block_m, self.block_n, self.num_warps, self.num_stages = INTERPRETER_BLOCKS
+            self.block_m, self.block_n = INTERPRETER_BLOCKS
         else:
-            (self.block_m, self.block_n, self.num_warps,
-             self.num_stages) = _fwd.block_sizes(self.block_e, _DTYPE_KEYS[q.dtype], dropout)
+            self.block_m, self.block_n = _fwd.block_sizes(self.block_e, dtype_key, dropout)
+        # (num_warps, num_stages) per kernel
+        self.launch = {kernel: _fwd.launch_config(kernel, self.block_e, dtype_key)
+                       for kernel in ("fwd", "dq", "dkdv")}
         # head-dim chunks of the q.k and dO.v products, per kernel (also when interpreting,
         # so that the tests exercise the chunked loops)
-        self.block_ec = {kernel: _fwd.chunk_width(kernel, self.block_e, _DTYPE_KEYS[q.dtype])
+        self.block_ec = {kernel: _fwd.chunk_width(kernel, self.block_e, dtype_key)
                          for kernel in ("fwd", "dq", "dkdv")}
         self.n_qblocks = triton.cdiv(max(self.seqlen_q, 1), self.block_m)
         self.n_kblocks = triton.cdiv(max(self.seqlen_k, 1), self.block_n)
@@ -181,7 +184,7 @@ def attention_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is
         BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e, BLOCK_EV=geo.block_ev,
         BLOCK_EC=geo.block_ec["fwd"], ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind,
         IS_VARLEN=geo.varlen, HAS_DROPOUT=dropout_p > 0.0, NEED_GRAD=int(need_grad),
-        num_warps=geo.num_warps, num_stages=geo.num_stages,
+        num_warps=geo.launch["fwd"][0], num_stages=geo.launch["fwd"][1],
     )
     return out, stats, dvec, flags
 
@@ -218,7 +221,8 @@ def attention_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alp
         BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e, BLOCK_EV=geo.block_ev,
         BLOCK_EC=geo.block_ec["dq"], ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind,
         IS_VARLEN=geo.varlen,
-        HAS_DROPOUT=dropout_p > 0.0, num_warps=geo.num_warps, num_stages=geo.num_stages,
+        HAS_DROPOUT=dropout_p > 0.0,
+        num_warps=geo.launch["dq"][0], num_stages=geo.launch["dq"][1],
     )
     _bwd.entmax_attn_bwd_dkdv_kernel[(geo.n_kblocks, geo.batch * geo.n_kv_heads)](
         q, k, v, do, dk, dv, stats, rows, flags, mask, alpha, seed, cu_q_arg, cu_k_arg,
@@ -230,7 +234,8 @@ def attention_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alp
         BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e, BLOCK_EV=geo.block_ev,
         BLOCK_EC=geo.block_ec["dkdv"], ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind,
         IS_VARLEN=geo.varlen,
-        HAS_DROPOUT=dropout_p > 0.0, num_warps=geo.num_warps, num_stages=geo.num_stages,
+        HAS_DROPOUT=dropout_p > 0.0,
+        num_warps=geo.launch["dkdv"][0], num_stages=geo.launch["dkdv"][1],
     )
     if need_alpha_grad:
         dalpha_rows = rows[_bwd.ROW_DALPHA]

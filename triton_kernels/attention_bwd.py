@@ -23,7 +23,7 @@ from .attention_fwd import (_DTYPES, FWD_POINTERS, STAT_ENTROPY_C, STAT_MAX_C, S
                             STAT_TAU_C, _config_space, _dot, _dot_rows, _dropout_scale,
                             _full_tiles_end, _held_cols, _held_rows, _load_rows, _safe_log2,
                             _scores, _sensitivity, _sequence_bounds, _weights, block_sizes,
-                            chunk_width, config_suffix, kernel_signature)
+                            chunk_width, config_suffix, kernel_signature, launch_config)
 
 # rows of the backward's per-row buffer
 ROW_DELTA, ROW_DALPHA = 0, 1
@@ -46,7 +46,7 @@ def _row_weights(b_u, b_tau, b_l, am1, inv_am1, ALPHA_KIND: tl.constexpr):
 @triton.jit
 def _dq_tile(b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
              p_mask, stride_mq, stride_mk, p_flags, o_m, start_n, q_len, k_len, head_e, head_ev,
-             scale_y, am1, inv_am1, b_my, b_tau, b_l, b_delta, is_causal, seed, pid_bh,
+             scale, am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, seed, pid_bh,
              seqlen_q, seqlen_k, dropout_p, need_alpha_grad, b_dq, b_gh,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
              BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
@@ -60,7 +60,7 @@ def _dq_tile(b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, st
         else:
             b_kt = 0.0
         b_u = _scores(b_q, b_kt, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk,
-                      o_m, start_n, q_len, k_len, head_e, scale_y, am1, b_my, is_causal,
+                      o_m, start_n, q_len, k_len, head_e, scale, b_mz, is_causal,
                       BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
         b_d, b_p, b_s = _row_weights(b_u, b_tau, b_l, am1, inv_am1, ALPHA_KIND)
         b_vt = _held_cols(p_v, stride_vl, o_n, k_len, head_ev, BLOCK_EV, BLOCK_EC)
@@ -140,14 +140,13 @@ def entmax_attn_bwd_dq_kernel(
         # chunked products reload dO: the full block need not stay live through the loop
         b_do = 0.0
     b_q = _held_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, BLOCK_EC)
-    b_my = tl.load(p_stats + STAT_MAX_C * stride_stat, mask=m_m, other=0.0)
+    b_mz = tl.load(p_stats + STAT_MAX_C * stride_stat, mask=m_m, other=0.0)
     b_tau = tl.load(p_stats + STAT_TAU_C * stride_stat, mask=m_m, other=0.0)
     b_l = tl.load(p_stats + STAT_SUM_C * stride_stat, mask=m_m, other=0.0)
     b_l = tl.where(b_l > 0, b_l, 1.0)
     alpha = tl.load(alpha_ptr + i_h).to(tl.float32)
     am1 = alpha - 1.0
     inv_am1 = 1.0 / am1
-    scale_y = scale * am1
     seed = tl.load(seed_ptr)
 
     kv_end = k_len
@@ -159,15 +158,15 @@ def entmax_attn_bwd_dq_kernel(
     for start_n in range(0, n_full, BLOCK_N):
         b_dq, b_gh = _dq_tile(
             b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol, p_mask,
-            stride_mq, stride_mk, p_flags, o_m, start_n, q_len, k_len, head_e, head_ev, scale_y,
-            am1, inv_am1, b_my, b_tau, b_l, b_delta, is_causal, seed, pid_bh, seqlen_q, seqlen_k,
+            stride_mq, stride_mk, p_flags, o_m, start_n, q_len, k_len, head_e, head_ev, scale,
+            am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, seed, pid_bh, seqlen_q, seqlen_k,
             dropout_p, need_alpha_grad, b_dq, b_gh, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
             BLOCK_EC, ALPHA_KIND, MASK_KIND, HAS_DROPOUT, False)
     for start_n in range(n_full, kv_end, BLOCK_N):
         b_dq, b_gh = _dq_tile(
             b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol, p_mask,
-            stride_mq, stride_mk, p_flags, o_m, start_n, q_len, k_len, head_e, head_ev, scale_y,
-            am1, inv_am1, b_my, b_tau, b_l, b_delta, is_causal, seed, pid_bh, seqlen_q, seqlen_k,
+            stride_mq, stride_mk, p_flags, o_m, start_n, q_len, k_len, head_e, head_ev, scale,
+            am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, seed, pid_bh, seqlen_q, seqlen_k,
             dropout_p, need_alpha_grad, b_dq, b_gh, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
             BLOCK_EC, ALPHA_KIND, MASK_KIND, HAS_DROPOUT, True)
     tl.store(dq_ptr + q_off + o_m[:, None] * stride_ql + o_e[None, :],
@@ -184,7 +183,7 @@ def entmax_attn_bwd_dq_kernel(
 @triton.jit
 def _dkdv_tile(b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
                p_mask, stride_mq, stride_mk, p_flags, p_stats, stride_stat, p_rows, stride_row,
-               o_n, start_n, start_m, q_len, k_len, n_kblocks, head_e, head_ev, scale_y, am1,
+               o_n, start_n, start_m, q_len, k_len, n_kblocks, head_e, head_ev, scale, am1,
                inv_am1, is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
                BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
@@ -196,13 +195,13 @@ def _dkdv_tile(b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do,
         m_m = o_m < q_len
         b_q = _held_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, BLOCK_EC)
         b_do = _held_rows(p_do, stride_ol, o_m, q_len, head_ev, BLOCK_EV, BLOCK_EC)
-        b_my = tl.load(p_stats + o_m + STAT_MAX_C * stride_stat, mask=m_m, other=0.0)
+        b_mz = tl.load(p_stats + o_m + STAT_MAX_C * stride_stat, mask=m_m, other=0.0)
         b_tau = tl.load(p_stats + o_m + STAT_TAU_C * stride_stat, mask=m_m, other=0.0)
         b_l = tl.load(p_stats + o_m + STAT_SUM_C * stride_stat, mask=m_m, other=0.0)
         b_l = tl.where(b_l > 0, b_l, 1.0)
         b_delta = tl.load(p_rows + o_m + ROW_DELTA_C * stride_row, mask=m_m, other=0.0)
         b_u = _scores(b_q, b_kt, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk,
-                      o_m, start_n, q_len, k_len, head_e, scale_y, am1, b_my, is_causal,
+                      o_m, start_n, q_len, k_len, head_e, scale, b_mz, is_causal,
                       BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
         b_d, b_p, b_s = _row_weights(b_u, b_tau, b_l, am1, inv_am1, ALPHA_KIND)
         b_g = _dot_rows(b_do, b_vt, p_do, stride_ol, o_m, q_len, p_v, stride_vl, o_n, k_len,
@@ -281,7 +280,6 @@ def entmax_attn_bwd_dkdv_kernel(
         alpha = tl.load(alpha_ptr + i_h).to(tl.float32)
         am1 = alpha - 1.0
         inv_am1 = 1.0 / am1
-        scale_y = scale * am1
         p_q = q_ptr + i_b * stride_qb + i_h * stride_qh + q_start * stride_ql
         p_do = do_ptr + i_b * stride_ob + i_h * stride_oh + q_start * stride_ol
         p_mask = mask_ptr + i_b * stride_mb + i_h * stride_mh
@@ -292,7 +290,7 @@ def entmax_attn_bwd_dkdv_kernel(
             b_dk, b_dv = _dkdv_tile(
                 b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
                 p_mask, stride_mq, stride_mk, p_flags, p_stats, stride_stat, p_rows, stride_row,
-                o_n, start_n, start_m, q_len, k_len, n_kblocks, head_e, head_ev, scale_y, am1,
+                o_n, start_n, start_m, q_len, k_len, n_kblocks, head_e, head_ev, scale, am1,
                 inv_am1, is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
                 BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND,
                 HAS_DROPOUT, True)
@@ -300,7 +298,7 @@ def entmax_attn_bwd_dkdv_kernel(
             b_dk, b_dv = _dkdv_tile(
                 b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
                 p_mask, stride_mq, stride_mk, p_flags, p_stats, stride_stat, p_rows, stride_row,
-                o_n, start_n, start_m, q_len, k_len, n_kblocks, head_e, head_ev, scale_y, am1,
+                o_n, start_n, start_m, q_len, k_len, n_kblocks, head_e, head_ev, scale, am1,
                 inv_am1, is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
                 BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND,
                 HAS_DROPOUT, False)
@@ -319,13 +317,14 @@ def aot_configs():
     """Every backward configuration the launcher in attention.py can choose."""
     configs = []
     for dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout in _config_space():
-        block_m, block_n, num_warps, num_stages = block_sizes(block_e, dtype_key, dropout)
+        block_m, block_n = block_sizes(block_e, dtype_key, dropout)
         constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_E": block_e,
                       "BLOCK_EV": block_e, "ALPHA_KIND": alpha_kind, "MASK_KIND": mask_kind,
                       "IS_VARLEN": int(varlen), "HAS_DROPOUT": int(dropout)}
         suffix = config_suffix(dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout)
         for name, fn in (("dq", entmax_attn_bwd_dq_kernel),
                          ("dkdv", entmax_attn_bwd_dkdv_kernel)):
+            num_warps, num_stages = launch_config(name, block_e, dtype_key)
             configs.append({"name": f"entmax_attn_bwd_{name}_{suffix}", "fn": fn,
                             "signature": kernel_signature(fn, dtype_key, mask_kind, BWD_POINTERS),
                             "constexprs": dict(constexprs,

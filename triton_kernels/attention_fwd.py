@@ -1,19 +1,18 @@
 """Fused entmax attention, forward kernel (never materialises Lq x Lk).
 
-One program handles one block of BLOCK_M query rows of one (batch, query head). Every pass
-works on y = (alpha - 1) z (z the scaled, masked scores), in which the threshold tau lies
-in [max(y) - 1, max(y)) (docs/attention.md):
+One program handles one block of BLOCK_M query rows of one (batch, query head). With z the
+scaled, masked scores and u = (alpha - 1)(z - max z), the threshold tau lies in [-1, 0)
+(docs/attention.md, "Threshold"):
 
-1. a dense pass for the row maximum m of y;
-2. threshold passes in shifted coordinates u = y - m, each a few operations per score, like
-   a softmax pass: the sums of `_moments` at one threshold t (two in the first pass: the
-   bracket's lower end -1 and its middle). From them `_update_threshold` gives a Newton
-   step (a lower bound of tau, f being convex and decreasing for alpha in (1, 2]) and, for
-   alpha = 2 and 1.5, the closed-form root on the support at t, which *is* tau when no
-   score lies between t and that root (checked with the smallest positive d: an exact
-   certificate). Passes repeat, for the rows of the block still open, until every row is
-   exact or its Newton step is below TAU_STEP_TOL (at most MAX_TAU_PASSES);
-   bench/bench_attention_passes.py counts the passes on random and peaked scores;
+1. a dense pass for the row maximum of z (NaN-propagating);
+2. threshold passes, each a few operations per score, like a softmax pass: the sums of
+   `_moments` at one trial threshold t (two in the first pass: the bracket's lower end -1
+   and its middle). From them `_update_threshold` gives a Newton step (a lower bound of
+   tau, f being convex and decreasing for alpha in (1, 2]) and, for alpha = 2 and 1.5, the
+   closed-form root on the support at t, which *is* tau when no score lies between t and
+   that root (checked against the smallest positive d: an exact certificate). Passes
+   repeat until every row of the block is exact or its Newton step is below TAU_STEP_TOL
+   (at most MAX_TAU_PASSES); bench/bench_attention_passes.py counts them;
 3. each threshold pass flags the key tiles holding a score above its t (a lower bound of
    tau, which only rises): later passes skip the rest, so on local attention the passes
    after the first touch only the tiles near each query;
@@ -21,10 +20,13 @@ in [max(y) - 1, max(y)) (docs/attention.md):
    output row is an exact convex combination whatever tau's residual error) and rewrites
    the flags to "holds a non-zero weight" for the backward.
 
-Masks cost per-score work only on the tiles that need them (`_full_tiles_end`).
-Row statistics (the shift m, tau, weight sum, entropy) are stored for the backward, and,
-when gradients are needed, the D-vector ``sum_j s_j v_j / sum_j s_j`` with
-``s_j = p_j^(2 - alpha)`` (docs/attention.md, "Backward").
+The tiles work in z units shifted by the row maximum (`_scores`), so only score
+differences enter, whatever the offset; the bracket lives in u units (`_sums_in_u`).
+Masks cost per-score work only on the tiles that cross the key end or the causal
+diagonal (`_full_tiles_end`). Row statistics (max z, tau and the weight sum, in z units,
+and the entropy) are stored for the backward, and, when gradients are needed, the
+D-vector ``sum_j s_j v_j / sum_j s_j`` with ``s_j = p_j^(2 - alpha)`` (docs/attention.md,
+"Backward").
 """
 import itertools
 
@@ -70,28 +72,40 @@ STAT_ENTROPY_C = tl.constexpr(STAT_ENTROPY)
 
 
 def block_sizes(block_e, dtype_key, dropout=False):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a padded head dimension and dtype.
+    """(BLOCK_M, BLOCK_N) for a padded head dimension and dtype.
 
     Shared by forward and backward: the tile flags written by the forward are read by the
-    backward, so both tile the same way. fp16/bf16 E <= 64 is the configuration measured
-    fastest on an H200 (docs/gpu.md: 64x64 tiles, 4 warps, 3 stages, no register cap: 16x
-    faster than the 32x32/8-warp/maxnreg-255 table it replaces); E = 128 doubles the
-    [BM, E] accumulators (output and D-vector), which 8 warps hold without spilling; E = 256
-    halves BLOCK_N. fp32 runs its products as three TF32 products and takes half-size
-    tiles. Dropout's Philox state halves BLOCK_M. bench/tune_attention.py re-measures the
-    table on a GPU.
+    backward, so both tile the same way. fp16/bf16 use the 64x64 tiles measured fastest on
+    an H200 (docs/gpu.md: 7x faster than the 32x32 tiles with 8 warps and a 255-register
+    cap it replaces, same kernel); E = 256 halves BLOCK_N. fp32 runs its products as three
+    TF32 products and takes smaller tiles. Dropout's Philox state halves BLOCK_M.
+    bench/tune_attention.py re-measures the choice on a GPU.
     """
     if dtype_key == "fp32":
-        block_m, block_n, num_warps, num_stages = (32, 32, 4, 2) if block_e <= 64 else (16, 32, 4, 1)
-    elif block_e <= 64:
-        block_m, block_n, num_warps, num_stages = 64, 64, 4, 3
+        block_m, block_n = (32, 32) if block_e <= 64 else (16, 32)
     elif block_e <= 128:
-        block_m, block_n, num_warps, num_stages = 64, 64, 8, 2
+        block_m, block_n = 64, 64
     else:
-        block_m, block_n, num_warps, num_stages = 64, 32, 8, 1
+        block_m, block_n = 64, 32
     if dropout:
         block_m = max(16, block_m // 2)
-    return block_m, block_n, num_warps, num_stages
+    return block_m, block_n
+
+
+def launch_config(kernel, block_e, dtype_key):
+    """(num_warps, num_stages) of `kernel` ("fwd", "dq" or "dkdv"); no register cap.
+
+    The fp16/bf16 forward at E <= 64 takes the measured best (4 warps, 3 stages). The
+    backward kernels hold more [BM, BN] tiles at once (scores, weights, sensitivities, dO.v)
+    and two [BN, E] accumulators: 8 warps halve each thread's share (sm_90 compile: stack
+    32-48 B instead of 232-488 B with 4). Wider heads take 8 warps everywhere. Estimates
+    from compiles, not timings, except where docs/gpu.md says measured.
+    """
+    if dtype_key == "fp32":
+        return 4, (2 if block_e <= 64 else 1)
+    if kernel == "fwd" and block_e <= 64:
+        return 4, 3
+    return 8, (2 if block_e <= 128 else 1)
 
 
 # Head-dim chunk (BLOCK_EC) of the q.k and dO.v products, per (kernel, dtype) and padded
@@ -192,33 +206,35 @@ def _dot_rows(b_a, b_bt, p_a, stride_a, o_a, n_a, p_b, stride_b, o_b, n_b, width
 
 @triton.jit
 def _scores(b_q, b_kt, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base, stride_mq,
-            stride_mk, o_m, start_n, q_len, k_len, head_e, scale, mask_mult, b_shift,
-            is_causal, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
+            stride_mk, o_m, start_n, q_len, k_len, head_e, scale, b_shift, is_causal,
+            BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
             MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr):
-    """scale * q k^T - shift (+ mask_mult * additive mask) of one tile, -inf where masked.
-    [BM, BN]; b_shift [BM] is subtracted in the same fused multiply-add as the scale, so
-    that scores near 1e30 keep their differences.
+    """Scores z = scale * q k^T (+ additive mask) of one tile minus the per-row shift b_shift
+    [BM], -inf where masked. [BM, BN]
 
+    The shift (the row maximum) comes off after z is formed, in the same fused
+    multiply-add where there is no additive mask: scores near 1e30 keep their differences.
     From the held blocks b_q (`_held_rows`) and b_kt (`_held_cols`), or from chunks that
     `_dot_rows` reloads. BOUNDARY: the tile crosses the end of the keys or the causal
-    diagonal and needs their masks; tiles inside both skip that per-score work (the
-    launchers' loops put every tile that needs it into the boundary loop).
+    diagonal and needs their masks; tiles inside both skip that per-score work.
     """
     o_n = start_n + tl.arange(0, BLOCK_N)
-    b_z = _dot_rows(b_q, b_kt, p_q_base, stride_ql, o_m, q_len, p_k_base, stride_kl, o_n,
-                    k_len, head_e, BLOCK_E, BLOCK_EC) * scale - b_shift[:, None]
+    b_qk = _dot_rows(b_q, b_kt, p_q_base, stride_ql, o_m, q_len, p_k_base, stride_kl, o_n,
+                     k_len, head_e, BLOCK_E, BLOCK_EC)
     # rows past q_len are never stored, but a mask row past the end must not be read
     m_load = o_m[:, None] < q_len
     if BOUNDARY:
         m_load = m_load & (o_n[None, :] < k_len)
+    if MASK_KIND == MASK_ADDITIVE_C:
+        b_add = tl.load(p_mask_base + o_m[:, None] * stride_mq + o_n[None, :] * stride_mk,
+                        mask=m_load, other=0.0).to(tl.float32)
+        b_z = tl.fma(b_qk, scale, b_add) - b_shift[:, None]
+    else:
+        b_z = tl.fma(b_qk, scale, -b_shift[:, None])
     if MASK_KIND == MASK_BOOL_C:
         b_keep = tl.load(p_mask_base + o_m[:, None] * stride_mq + o_n[None, :] * stride_mk,
                          mask=m_load, other=0)
         b_z = tl.where(b_keep != 0, b_z, float("-inf"))
-    if MASK_KIND == MASK_ADDITIVE_C:
-        b_add = tl.load(p_mask_base + o_m[:, None] * stride_mq + o_n[None, :] * stride_mk,
-                        mask=m_load, other=0.0).to(tl.float32)
-        b_z = b_z + mask_mult * b_add
     if BOUNDARY:
         # top-left aligned causal mask: query i sees keys j <= i (without is_causal the
         # limit lies past every key; integer arithmetic because the interpreter cannot load
@@ -306,20 +322,20 @@ def _max_nan(b_a, b_b):
 
 @triton.jit
 def _score_tile(b_q, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base, stride_mq,
-                stride_mk, o_m, start_n, q_len, k_len, head_e, scale, mask_mult, b_shift,
+                stride_mk, o_m, start_n, q_len, k_len, head_e, scale, b_shift,
                 is_causal, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
                 BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr):
     """`_scores` of the key tile at start_n, loading the key block."""
     o_n = start_n + tl.arange(0, BLOCK_N)
     b_kt = _held_cols(p_k_base, stride_kl, o_n, k_len, head_e, BLOCK_E, BLOCK_EC)
     return _scores(b_q, b_kt, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base, stride_mq,
-                   stride_mk, o_m, start_n, q_len, k_len, head_e, scale, mask_mult, b_shift,
+                   stride_mk, o_m, start_n, q_len, k_len, head_e, scale, b_shift,
                    is_causal, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
 
 
 @triton.jit
 def _row_max(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_m,
-             q_len, k_len, kv_end, head_e, scale, mask_mult, is_causal,
+             q_len, k_len, kv_end, head_e, scale, is_causal,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
              BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr):
     """Pass 1: the row maximum of the scores (NaN if any score is NaN, -inf if all are
@@ -329,12 +345,12 @@ def _row_max(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, 
     n_full = _full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
     for start_n in range(0, n_full, BLOCK_N):
         b_y = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                          start_n, q_len, k_len, head_e, scale, mask_mult, b_zero, is_causal,
+                          start_n, q_len, k_len, head_e, scale, b_zero, is_causal,
                           BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, False)
         b_m = _max_nan(b_m, tl.reduce(b_y, 1, _max_nan))
     for start_n in range(n_full, kv_end, BLOCK_N):
         b_y = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                          start_n, q_len, k_len, head_e, scale, mask_mult, b_zero, is_causal,
+                          start_n, q_len, k_len, head_e, scale, b_zero, is_causal,
                           BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, True)
         b_m = _max_nan(b_m, tl.reduce(b_y, 1, _max_nan))
     return b_m
@@ -373,7 +389,7 @@ def _moments(b_d, inv_am1, ALPHA_KIND: tl.constexpr):
 
 @triton.jit
 def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                    start_n, q_len, k_len, head_e, scale, mask_mult, b_shift, is_causal,
+                    start_n, q_len, k_len, head_e, scale, b_shift, is_causal,
                     b_t0, b_t1, m_rows, p_flags, inv_am1,
                     b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
                     SKIP: tl.constexpr, TWO: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -389,7 +405,7 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
         visit = 1
     if visit != 0:
         b_u = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                          start_n, q_len, k_len, head_e, scale, mask_mult, b_shift, is_causal,
+                          start_n, q_len, k_len, head_e, scale, b_shift, is_causal,
                           BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
         b_a, b_b, b_c, b_n = _moments(tl.maximum(b_u - b_t0[:, None], 0.0), inv_am1, ALPHA_KIND)
         b_a0 += b_a
@@ -411,7 +427,7 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
 
 @triton.jit
 def _threshold_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                    start_m, q_len, k_len, kv_end, head_e, scale, mask_mult, b_shift, is_causal,
+                    start_m, q_len, k_len, kv_end, head_e, scale, b_shift, is_causal,
                     b_t0, b_t1, m_rows, p_flags, inv_am1,
                     SKIP: tl.constexpr, TWO: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
@@ -425,16 +441,31 @@ def _threshold_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
     for start_n in range(0, n_full, BLOCK_N):
         b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_tile(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_n,
-            q_len, k_len, head_e, scale, mask_mult, b_shift, is_causal, b_t0, b_t1, m_rows,
+            q_len, k_len, head_e, scale, b_shift, is_causal, b_t0, b_t1, m_rows,
             p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
             SKIP, TWO, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, False)
     for start_n in range(n_full, kv_end, BLOCK_N):
         b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_tile(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_n,
-            q_len, k_len, head_e, scale, mask_mult, b_shift, is_causal, b_t0, b_t1, m_rows,
+            q_len, k_len, head_e, scale, b_shift, is_causal, b_t0, b_t1, m_rows,
             p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
             SKIP, TWO, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, True)
     return b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1
+
+
+@triton.jit
+def _sums_in_u(b_a, b_b, b_c, b_dmin, am1, inv_am1, ALPHA_KIND: tl.constexpr):
+    """`_moments` sums taken on d_z = d / (alpha - 1) (scores in z units), in u units:
+    a = (alpha-1)^e a_z, b = (alpha-1)^(e-1) b_z (alpha 1.5: alpha-1 times), dmin scaled."""
+    if ALPHA_KIND == ALPHA_2_C:
+        b_a_u, b_b_u = b_a, b_b
+    elif ALPHA_KIND == ALPHA_15_C:
+        b_a_u, b_b_u = b_a * (am1 * am1), b_b * am1
+    else:
+        log2_am1 = tl.log2(am1)
+        b_a_u = b_a * tl.exp2(inv_am1 * log2_am1)
+        b_b_u = b_b * tl.exp2((inv_am1 - 1.0) * log2_am1)
+    return b_a_u, b_b_u, b_c, b_dmin * am1
 
 
 @triton.jit
@@ -524,8 +555,6 @@ def entmax_attn_fwd_kernel(
     alpha = tl.load(alpha_ptr + i_h).to(tl.float32)
     am1 = alpha - 1.0
     inv_am1 = 1.0 / am1
-    # every pass works on y = (alpha - 1) z, whose threshold lies in [max - 1, max)
-    scale_y = scale * am1
 
     kv_end = k_len
     if is_causal != 0:
@@ -533,13 +562,13 @@ def entmax_attn_fwd_kernel(
 
     # pass 1: row max
     b_m = _row_max(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                   start_m, q_len, k_len, kv_end, head_e, scale_y, am1, is_causal, BLOCK_M,
+                   start_m, q_len, k_len, kv_end, head_e, scale, is_causal, BLOCK_M,
                    BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND)
     # torch.softmax's rule: a NaN or +inf score makes its row NaN; a row with every key
     # masked gets zeros. Neither has a threshold to find.
     m_bad = (b_m != b_m) | (b_m == float("inf"))
     m_rows = m_m & (b_m > float("-inf")) & (b_m < float("inf"))
-    b_my = tl.where(m_rows, b_m, 0.0)
+    b_mz = tl.where(m_rows, b_m, 0.0)
 
     # threshold passes, in shifted coordinates u = y - max(y): tau in [-1, 0)
     b_lo = tl.full([BLOCK_M], -1.0, dtype=tl.float32)
@@ -549,8 +578,11 @@ def entmax_attn_fwd_kernel(
     b_mid = 0.5 * (b_lo + b_hi)
     b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_pass(
         b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_m, q_len,
-        k_len, kv_end, head_e, scale_y, am1, b_my, is_causal, b_lo, b_mid, m_rows, p_flags,
-        inv_am1, False, True, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
+        k_len, kv_end, head_e, scale, b_mz, is_causal, b_lo * inv_am1, b_mid * inv_am1, m_rows,
+        p_flags, inv_am1, False, True, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND,
+        ALPHA_KIND)
+    b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
+    b_a1, b_b1, b_c1, b_n1 = _sums_in_u(b_a1, b_b1, b_c1, b_n1, am1, inv_am1, ALPHA_KIND)
     b_lo, b_hi, b_tau, m_done = _update_threshold(b_lo, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi,
                                                   b_tau, m_done, am1, ALPHA_KIND)
     b_lo, b_hi, b_tau, m_done = _update_threshold(b_mid, b_a1, b_b1, b_c1, b_n1, b_lo, b_hi,
@@ -559,16 +591,18 @@ def entmax_attn_fwd_kernel(
     while (tl.max(tl.where(m_done, 0, 1), 0) > 0) & (n_pass < MAX_TAU_PASSES_C):
         # this pass reads the flags the previous one wrote from other threads
         tl.debug_barrier()
+        b_t0 = b_lo * inv_am1
         b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_pass(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_m,
-            q_len, k_len, kv_end, head_e, scale_y, am1, b_my, is_causal, b_lo, b_lo, m_rows,
-            p_flags, inv_am1, True, False, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND,
-            ALPHA_KIND)
+            q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, b_t0, b_t0, m_rows, p_flags,
+            inv_am1, True, False, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
+        b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
         b_lo, b_hi, b_tau, m_done = _update_threshold(b_lo, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi,
                                                       b_tau, m_done, am1, ALPHA_KIND)
         n_pass += 1
-    # rows still open after MAX_TAU_PASSES: the last lower bound (a Newton step)
-    b_tau = tl.where(m_done, b_tau, b_lo)
+    # rows still open after MAX_TAU_PASSES: the last lower bound (a Newton step). From here
+    # on in z units, like the stored statistics.
+    b_tau = tl.where(m_done, b_tau, b_lo) * inv_am1
     tl.debug_barrier()
 
     # output pass (sparse): tiles flagged by the last threshold pass; it flags exactly the
@@ -583,14 +617,14 @@ def entmax_attn_fwd_kernel(
     for start_n in range(0, n_full, BLOCK_N):
         b_sum, b_ssum, b_plogp, b_acc, b_dacc = _output_tile(
             b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq, stride_mk,
-            o_m, start_n, q_len, k_len, head_e, head_ev, scale_y, am1, inv_am1, b_my, b_tau,
+            o_m, start_n, q_len, k_len, head_e, head_ev, scale, inv_am1, b_mz, b_tau,
             m_rows, is_causal, p_flags, seed, pid_bh, seqlen_q, seqlen_k, dropout_p,
             b_sum, b_ssum, b_plogp, b_acc, b_dacc, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
             BLOCK_EC, MASK_KIND, ALPHA_KIND, HAS_DROPOUT, NEED_GRAD, False)
     for start_n in range(n_full, kv_end, BLOCK_N):
         b_sum, b_ssum, b_plogp, b_acc, b_dacc = _output_tile(
             b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq, stride_mk,
-            o_m, start_n, q_len, k_len, head_e, head_ev, scale_y, am1, inv_am1, b_my, b_tau,
+            o_m, start_n, q_len, k_len, head_e, head_ev, scale, inv_am1, b_mz, b_tau,
             m_rows, is_causal, p_flags, seed, pid_bh, seqlen_q, seqlen_k, dropout_p,
             b_sum, b_ssum, b_plogp, b_acc, b_dacc, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
             BLOCK_EC, MASK_KIND, ALPHA_KIND, HAS_DROPOUT, NEED_GRAD, True)
@@ -606,7 +640,7 @@ def entmax_attn_fwd_kernel(
 
     # the backward recomputes u from the stored shift: NaN on NaN rows keeps them NaN there
     p_stats = stats_ptr + i_b * stride_sb + i_h * stride_sh + q_start + o_m
-    tl.store(p_stats + STAT_MAX_C * stride_stat, tl.where(m_bad, float("nan"), b_my), mask=m_m)
+    tl.store(p_stats + STAT_MAX_C * stride_stat, tl.where(m_bad, float("nan"), b_mz), mask=m_m)
     tl.store(p_stats + STAT_TAU_C * stride_stat, b_tau, mask=m_m)
     tl.store(p_stats + STAT_SUM_C * stride_stat, b_sum, mask=m_m)
     if NEED_GRAD >= GRAD_ALPHA_C:
@@ -621,8 +655,8 @@ def entmax_attn_fwd_kernel(
 
 @triton.jit
 def _output_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq,
-                 stride_mk, o_m, start_n, q_len, k_len, head_e, head_ev, scale_y, am1, inv_am1,
-                 b_my, b_tau, m_rows, is_causal, p_flags, seed, pid_bh, seqlen_q, seqlen_k,
+                 stride_mk, o_m, start_n, q_len, k_len, head_e, head_ev, scale, inv_am1,
+                 b_mz, b_tau, m_rows, is_causal, p_flags, seed, pid_bh, seqlen_q, seqlen_k,
                  dropout_p, b_sum, b_ssum, b_plogp, b_acc, b_dacc,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
                  BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr,
@@ -632,9 +666,9 @@ def _output_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, st
     weight" and skips the products when it does not."""
     if tl.load(p_flags + start_n // BLOCK_N) != 0:
         b_u = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                          start_n, q_len, k_len, head_e, scale_y, am1, b_my, is_causal,
+                          start_n, q_len, k_len, head_e, scale, b_mz, is_causal,
                           BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
-        b_d = tl.maximum(b_u - b_tau[:, None], 0.0)  # [BM, BN]
+        b_d = tl.maximum(b_u - b_tau[:, None], 0.0)  # [BM, BN], z units
         b_p = _weights(b_d, inv_am1, ALPHA_KIND)
         b_prow = tl.sum(b_p, 1)
         b_sum += b_prow
@@ -718,7 +752,8 @@ def aot_configs():
     """Every forward configuration the launcher in attention.py can choose."""
     configs = []
     for dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout in _config_space():
-        block_m, block_n, num_warps, num_stages = block_sizes(block_e, dtype_key, dropout)
+        block_m, block_n = block_sizes(block_e, dtype_key, dropout)
+        num_warps, num_stages = launch_config("fwd", block_e, dtype_key)
         for need_grad in (GRAD_NONE, GRAD_INPUTS, GRAD_ALPHA):
             if need_grad == GRAD_ALPHA and alpha_kind != ALPHA_GENERAL:
                 continue  # a differentiable alpha is a tensor: the general kind

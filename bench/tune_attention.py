@@ -1,0 +1,89 @@
+"""Measure the fused attention's tile table on this GPU: for a few shapes, time the forward
+and a training step under each candidate (BLOCK_M, BLOCK_N, warps and stages per kernel)
+and print the fastest, to replace `attention_fwd.block_sizes` / `launch_config` where
+they lose. Needs a CUDA device.
+
+    python bench/tune_attention.py [--dtype bf16] [--head-dims 64 128] [--length 4096]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TILES = [(64, 64), (64, 32), (128, 64), (128, 32), (32, 64)]
+FWD_LAUNCH = [(4, 2), (4, 3), (8, 2), (8, 3)]
+BWD_LAUNCH = [(4, 2), (8, 2), (8, 1)]
+
+
+def _time(fn):
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=3, rep=30)
+
+
+def measure(dtype, head_dim, length, causal, tiles, fwd_launch, bwd_launch):
+    from entmax_fast.triton_kernels import attention as tri
+    from entmax_fast.triton_kernels import attention_fwd as fwd
+
+    batch = max(1, 16384 // length)
+    shape = (batch, 16, length, head_dim)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    grad_out = torch.randn(shape, device="cuda", dtype=dtype)
+    saved = fwd.block_sizes, fwd.launch_config
+    fwd.block_sizes = lambda block_e, dtype_key, dropout=False: tiles
+    fwd.launch_config = lambda kernel, block_e, dtype_key: fwd_launch if kernel == "fwd" else bwd_launch
+    try:
+        with torch.no_grad():
+            t_fwd = _time(lambda: tri.entmax_attention_triton(q, k, v, is_causal=causal, alpha=1.5))
+
+        def step():
+            for t in (q, k, v):
+                t.grad = None
+            tri.entmax_attention_triton(q, k, v, is_causal=causal, alpha=1.5).backward(grad_out)
+
+        t_step = _time(step)
+    finally:
+        fwd.block_sizes, fwd.launch_config = saved
+    return t_fwd, t_step
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--causal", action="store_true")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tune_attention: needs a CUDA device (none here); nothing measured")
+        return 0
+    print(f"{torch.cuda.get_device_name()}, {args.dtype}, L={args.length}, causal={args.causal}")
+    for head_dim in args.head_dims:
+        rows = []
+        for tiles, fwd_launch, bwd_launch in itertools.product(TILES, FWD_LAUNCH, BWD_LAUNCH):
+            try:
+                t_fwd, t_step = measure(DTYPES[args.dtype], head_dim, args.length, args.causal,
+                                        tiles, fwd_launch, bwd_launch)
+            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: skip the config
+                print(f"E={head_dim} {tiles} fwd{fwd_launch} bwd{bwd_launch}: {type(exc).__name__}")
+                continue
+            rows.append((t_step, t_fwd, tiles, fwd_launch, bwd_launch))
+            print(f"E={head_dim} tiles {tiles} fwd (warps, stages) {fwd_launch} "
+                  f"bwd {bwd_launch}: fwd {t_fwd:.3f} ms, fwd+bwd {t_step:.3f} ms", flush=True)
+        rows.sort()
+        if rows:
+            t_step, t_fwd, tiles, fwd_launch, bwd_launch = rows[0]
+            print(f"best for E={head_dim}: tiles {tiles}, fwd {fwd_launch}, bwd {bwd_launch} "
+                  f"(fwd {t_fwd:.3f} ms, fwd+bwd {t_step:.3f} ms)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
