@@ -507,18 +507,26 @@ def _config(n_cols: int) -> dict:
     small enough for registers and the whole tile large enough to keep memory busy, and a
     table keeps the first call free of tuning runs, keeps the configuration deterministic
     (identical results run to run), and lets the AOT check (triton_kernels/aot.py) compile
-    exactly the configurations that can run. The rule: about 16 fp32 entries per thread
-    (4 warps over ≤ 2048 entries, several rows per program for rows shorter than that; 8
-    warps up to 4096, 16 beyond) and resident rows up to RESIDENT_MAX_COLS; longer rows are
+    exactly the configurations that can run. The rule: one row per program and at most 16
+    fp32 entries per thread (one warp per 256 entries up to 1024, 4 warps up to 2048 and,
+    for a stack-free compile, at 4096 (32 per thread), 16 beyond) and resident rows up to RESIDENT_MAX_COLS; longer rows are
     swept in CHUNK_BLOCK chunks by 4 warps. `bench/bench_rowwise_gpu.py --sweep` times the
     neighbours of each entry on a GPU.
     """
     if n_cols > RESIDENT_MAX_COLS:
         return {"ROWS": 1, "BLOCK": CHUNK_BLOCK, "RESIDENT": False, "num_warps": 4}
     block = max(16, triton.next_power_of_2(max(n_cols, 1)))
+    if block <= 1024:
+        # One row per program, one warp per 256 entries: each row carries ~15 scalars
+        # through the loop (threshold and bracket pairs, sums, flags), replicated over the
+        # threads that hold it; 4+ rows per program spilled (AOT: up to 312 bytes of
+        # stack), and 2 rows left an 8-byte stack frame on sm_90 for blocks of 128–512.
+        return {"ROWS": 1, "BLOCK": block, "RESIDENT": True, "num_warps": max(1, block // 256)}
     if block <= 2048:
-        return {"ROWS": max(1, 2048 // block), "BLOCK": block, "RESIDENT": True, "num_warps": 4}
-    return {"ROWS": 1, "BLOCK": block, "RESIDENT": True, "num_warps": 8 if block <= 4096 else 16}
+        return {"ROWS": 1, "BLOCK": block, "RESIDENT": True, "num_warps": 4}
+    # 4096 by 8 warps left an 8-byte stack frame in the entmax15 forward on sm_80, by 16
+    # warps in the fp16/bf16 general-α forward on sm_90 (AOT); by 4 warps none.
+    return {"ROWS": 1, "BLOCK": block, "RESIDENT": True, "num_warps": 4 if block <= 4096 else 16}
 
 
 def _config_blocks() -> list[int]:
