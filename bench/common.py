@@ -91,7 +91,8 @@ def print_table(rows: list[dict], title: str = "") -> None:
 
 def _fmt(value) -> str:
     if isinstance(value, float):
-        return f"{value:.3g}"
+        # Three significant digits, but never an exponent for large values (1.1e+03 ms).
+        return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.3g}"
     return str(value)
 
 
