@@ -5,8 +5,9 @@ baseline measured in the same run (same query/keys/values, same device).
 
 1-D rows: ContinuousAttention (discrete attention for mu/sigma^2 + E_p[psi] + ridge value fit)
 vs plain softmax attention softmax(q k^T / sqrt d) v over the same L keys.
-2-D rows: E_p[psi] for a batch of (mu, Sigma) on the MATH.md reference basis (10 x 10 RBFs,
-Sigma_j = 0.001 I) vs softmax attention of the same queries over L = 100 grid cells.
+2-D rows: E_p[psi] for a batch of (mu, Sigma) on the reference basis of docs/maths.md,
+"Continuous attention" (10 x 10 RBFs, Sigma_j = 0.001 I) vs softmax attention of the same
+queries over L = 100 grid cells.
 """
 import argparse
 import csv

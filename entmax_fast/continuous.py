@@ -1,4 +1,4 @@
-"""Continuous attention (Martins et al., NeurIPS 2020; MATH.md §5).
+"""Continuous attention (Martins et al., NeurIPS 2020; docs/maths.md, "Continuous attention").
 
 Attention over t in [0, 1] (1-D) or R^2 (2-D). The score is a concave quadratic in t, so
 the attention density is parametrised by a location ``mu`` and a scale ``sigma_sq``

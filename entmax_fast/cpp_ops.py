@@ -180,7 +180,8 @@ def entmax_rowwise_forward(x: torch.Tensor, alpha) -> torch.Tensor:
 
 
 def entmax_rowwise_backward(p: torch.Tensor, grad: torch.Tensor, alpha, need_alpha_grad: bool):
-    """Vector–Jacobian product of row-wise α-entmax from its output ``p`` (MATH.md §2).
+    """Vector–Jacobian product of row-wise α-entmax from its output ``p`` (docs/maths.md,
+    "Backward").
 
     Returns ``(dx (R, n), dalpha (R,) or None)``; dalpha is in alpha's dtype (p's compute
     dtype for a python float). At α = 1 it is the exact limit −½(p log²p − p Σ_j p_j log² p_j).

@@ -96,7 +96,7 @@ def _entmax(X, alpha, dim):
 
 
 def sparsemax(X, dim=-1, k=None):
-    """sparsemax: ``argmin_{p ∈ Δ} ‖p − X‖²`` along ``dim`` (exact, by sorting).
+    """sparsemax: ``argmin_{p ∈ Δ} ‖p − X‖²`` along ``dim`` (exact).
 
     ``k`` is accepted for compatibility with ``entmax.sparsemax``; results never depend on it.
     """
@@ -104,7 +104,7 @@ def sparsemax(X, dim=-1, k=None):
 
 
 def entmax15(X, dim=-1, k=None):
-    """1.5-entmax: ``argmax_{p ∈ Δ} pᵀX + H_{1.5}(p)`` along ``dim`` (exact, by sorting).
+    """1.5-entmax: ``argmax_{p ∈ Δ} pᵀX + H_{1.5}(p)`` along ``dim`` (exact).
 
     ``k`` is accepted for compatibility with ``entmax.entmax15``; results never depend on it.
     """

@@ -24,8 +24,8 @@ __all__ = ["MultiheadEntmaxAttention", "replace_attention", "ATTENTION_KINDS"]
 
 ATTENTION_KINDS = ("softmax", "sparsemax", "entmax15", "learned", "fusedmax")
 
-# A learned α = 1 + sigmoid(w) is kept away from 1, where the entmax gradient w.r.t. α is
-# undefined (MATH.md §2).
+# A learned α = 1 + sigmoid(w) is kept away from 1, where the closed form of the entmax
+# gradient w.r.t. α divides by (α − 1)² (docs/maths.md, "Gradient of alpha").
 LEARNED_ALPHA_MIN = 1.01
 
 

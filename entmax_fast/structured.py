@@ -7,7 +7,8 @@
 
 fusedmax fuses neighbouring positions into groups of equal weight; oscarmax groups equal
 weights anywhere. lam = 0 / beta = 0 give sparsemax; a large lam gives the uniform
-distribution over the valid positions. MATH.md §4 has the algorithms and the backward.
+distribution over the valid positions. docs/maths.md, "fusedmax and oscarmax", has the algorithms
+and the backward.
 
 Backends: the C++ operators of ``entmax_fast._C`` (CPU; CUDA where the extension was built
 with CUDA) or the plain-torch reference, chosen by the dispatch registry (ops "fusedmax" and
@@ -145,9 +146,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _structured(name: str, X, reg, reg_name: str, dim: int, lengths):
-    # Value checks (NaN/+inf, lengths range) run inside the operators, on the CPU; on CUDA
-    # they would need a host sync, so there a NaN input gives NaN weights and lengths are
-    # clamped to [0, n].
+    # The lengths range is checked inside the implementations, except by the CUDA operators,
+    # where the check would need a host sync: they clamp lengths to [0, n]. NaN or +inf scores
+    # are not an error on any backend: their rows get NaN weights (torch.softmax's rule).
     _reference.check_mapping_args(name, X, reg, reg_name, dim, lengths, check_values=False)
     implementation, _ = dispatch.select(name, dispatch.Request(X.device, X.dtype, {}))
     return implementation(X, float(reg), dim=dim, lengths=lengths)
@@ -163,14 +164,15 @@ def fusedmax(X: torch.Tensor, lam: float = 1.0, dim: int = -1, lengths: torch.Te
     Args:
         X: scores, any floating dtype (fp16/bf16 are computed in fp32); −inf marks masked
             positions, which get weight 0 and are skipped by the fused chain (the valid
-            neighbours on either side are linked). Other non-finite values are an error.
+            neighbours on either side are linked). As with ``torch.softmax``, a slice
+            holding NaN or +inf at a valid position gets NaN weights and a NaN gradient.
         lam: fusion strength, a Python float >= 0. 0 gives sparsemax.
         dim: the dimension to map.
         lengths: optional integer tensor of X's shape without ``dim``: only the first
             ``lengths[...]`` positions of each slice are valid.
 
     Returns: weights of X's shape and dtype, summing to 1 over each slice with a valid
-    position (0 where no position is valid).
+    position (0 where no position is valid, NaN where a valid position holds NaN or +inf).
     """
     return _structured("fusedmax", X, lam, "lam", dim, lengths)
 

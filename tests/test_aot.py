@@ -1,5 +1,5 @@
 """Triton kernel configurations compile ahead of time for sm_80 and sm_90 without spills
-and within A100's shared memory (triton_kernels/aot.py, KERNELS.md §2).
+and within A100's shared memory (triton_kernels/aot.py, docs/checking.md item 2).
 
 One test per kernel module, so a module that fails or hangs does not hide the others. The
 row-wise module is compiled whole (132 configs). The attention modules list 360 + 720

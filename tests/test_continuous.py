@@ -196,7 +196,8 @@ def test_gradcheck_1d(density):
 
 @pytest.mark.parametrize("density", DENSITIES_1D)
 def test_theta_gradient_matches_math_md_covariance_formula(density):
-    """MATH.md §5: dE[psi]/dtheta = int p^b phi psi - (int p^b phi)(int p^b psi) / int p^b,
+    """docs/maths.md, "Continuous attention":
+    dE[psi]/dtheta = int p^b phi psi - (int p^b phi)(int p^b psi) / int p^b,
     b = 2 - alpha, phi(t) = [t, t^2]; here via the chain rule from (mu, sigma_sq)."""
     beta = {"softmax": 1.0, "sparsemax": 0.0, "entmax15": 0.5}[density]
     center, var = 0.45, 0.08**2
@@ -324,7 +325,8 @@ def test_softmax_2d_broadcasts_batch_shapes():
 
 @pytest.fixture(scope="module")
 def reference_setting_exact():
-    """MATH.md reference setting: 10 x 10 RBFs on [0, 1]^2, Sigma_j = 0.001 I."""
+    """The reference setting of docs/maths.md, "Continuous attention": 10 x 10 RBFs on
+    [0, 1]^2, Sigma_j = 0.001 I."""
     centers, variances = basis_2d(10, 0.001)
     mu, sigma = MU_2D[:2], SIGMA_2D[:2] * 0.2
     return mu, sigma, centers, variances, R.expected_basis_2d("sparsemax", mu, sigma, centers, variances)

@@ -98,7 +98,7 @@ def test_sort_thresholds_agree_with_root_finding():
     for alpha, threshold in ((2.0, sparsemax_threshold), (1.5, entmax15_threshold)):
         tau, support = threshold(X)
         mu, u, _ = entmax_threshold_root(X, alpha)
-        # Both sort forms return MATH.md's τ = (α − 1)(max z + μ) − 1.
+        # Both sort forms return the τ = (α − 1)(max z + μ) − 1 of docs/maths.md.
         tau_from_mu = (alpha - 1) * (X.amax(-1, keepdim=True) + mu) - 1
         torch.testing.assert_close(tau, tau_from_mu, atol=1e-10, rtol=0)
         p = entmax_forward(X, alpha)

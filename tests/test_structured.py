@@ -61,7 +61,7 @@ def ragged_scores(rows: int, n: int, dtype, generator_seed: int = 0, scale: floa
 
 
 # ---------------------------------------------------------------------------------------
-# Values from the issue and MATH.md §4.
+# Values from the issue and docs/maths.md, "fusedmax and oscarmax".
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_issue_check_value(backend):

@@ -1,4 +1,4 @@
-"""Ahead-of-time compile check of every Triton kernel configuration (KERNELS.md §2).
+"""Ahead-of-time compile check of every Triton kernel configuration (docs/checking.md item 2).
 
 Each kernel module listed in KERNEL_MODULES exposes ``aot_configs() -> list[dict]`` with
 keys name, fn, signature, constexprs, num_warps, num_stages (and optionally options: further

@@ -1,6 +1,6 @@
 // fusedmax / oscarmax row algorithms, one implementation for the CPU operators
 // (csrc/cpu/structured.cpp, plain C++) and the CUDA kernels (csrc/cuda/structured.cu), where
-// the same functions are __host__ __device__. MATH.md §4.
+// the same functions are __host__ __device__. docs/maths.md, "fusedmax and oscarmax".
 //
 // Per row, on the m valid entries (not -inf, index < length), in this order:
 //   1. RowTransform: scale by 2^-e so that |v| < 1 (exact: a power of two), and for TV also

@@ -287,7 +287,7 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
             std::fill(p + len, p + kend, T(0));
             if (need_alpha_grad) dalpha_acc += row_alpha_grad(p, g, len, prm.alpha);
             const T delta = s_total > 0 ? static_cast<T>(sg_total / s_total) : T(0);
-            // dZ (MATH.md §3), with the score scale folded in for dQ and dK.
+            // dZ (docs/attention.md, "Backward"), with the score scale folded in for dQ and dK.
             for (int64_t j = 0; j < len; ++j) g[j] = scale * weights[j] * (g[j] - delta);
             std::fill(g + len, g + kend, T(0));
           }

@@ -1,6 +1,6 @@
 // Row solvers shared by the CPU row-wise op and the CPU attention op.
 //
-// Convention (MATH.md, common brief): with u = z - max(z),
+// Convention (docs/maths.md, "Threshold of the row-wise mappings"): with u = z - max(z),
 //   p_i = [1 + (alpha-1)(u_i - mu)]_+ ^ (1/(alpha-1))      (exp(u_i - mu) at alpha == 1),
 // mu in [0, (1 - n^(1-alpha))/(alpha-1)], chosen so that sum p = 1. A row is summarised by
 // (max, mu); the attention backward recomputes p from these two numbers.
@@ -300,8 +300,8 @@ struct EntmaxParams {
     throw std::logic_error("EntmaxParams::prob: General rows go through general_mu/general_probs");
   }
 
-  // s = p^(2-alpha) on the support (the Jacobian weights of MATH.md §2), 0 elsewhere, for the
-  // kinds with a closed form (General rows: general_weights).
+  // s = p^(2-alpha) on the support (the Jacobian weights of docs/maths.md, "Backward"), 0
+  // elsewhere, for the kinds with a closed form (General rows: general_weights).
   inline T jacobian_weight(T z, T zmax, double mu, T p) const {
     switch (kind) {
       case RowKind::Softmax:
@@ -930,8 +930,8 @@ inline RowStats<T> entmax_row_inplace(T* z, int64_t n, const EntmaxParams<T>& pr
   }
 }
 
-// dalpha contribution of one row, sum_i g_i dp_i/dalpha (MATH.md §2), in double: the
-// (p - p~)/(alpha-1)^2 term cancels catastrophically in float near alpha = 1.
+// dalpha contribution of one row, sum_i g_i dp_i/dalpha (docs/maths.md, "Gradient of alpha"),
+// in double: the (p - p~)/(alpha-1)^2 term cancels catastrophically in float near alpha = 1.
 // At alpha == 1 the exact limit -1/2 (p log^2 p - p sum p log^2 p) is used.
 template <typename T>
 inline double row_alpha_grad_portable(const T* p, const T* g, int64_t n, double alpha, double p_total) {

@@ -1,4 +1,5 @@
-// fusedmax and oscarmax (Niculae & Blondel 2017), CPU operators. MATH.md §4.
+// fusedmax and oscarmax (Niculae & Blondel 2017), CPU operators (docs/maths.md, "fusedmax
+// and oscarmax").
 //
 //   fusedmax(z; lam) = sparsemax(prox_TV(z; lam))      prox_TV: Condat's direct algorithm
 //   oscarmax(z; beta) = sparsemax(prox_OWL(z; w)),     w_i = beta (n - i), sort + PAV

@@ -1,7 +1,8 @@
-// fusedmax and oscarmax, CUDA kernels (MATH.md §4). The row algorithms (Condat's TV scan,
-// pool-adjacent-violators, Michelot's threshold, the large-score transform) are the ones of
-// csrc/common/structured_algos.h, shared with the CPU operators; the host side of the CUDA
-// operators is csrc/cuda/structured_ops.cpp. No torch header here: nvcc stays fast.
+// fusedmax and oscarmax, CUDA kernels (docs/maths.md, "fusedmax and oscarmax"). The row
+// algorithms (Condat's TV scan, pool-adjacent-violators, Michelot's threshold, the
+// large-score transform) are the ones of csrc/common/structured_algos.h, shared with the CPU
+// operators; the host side of the CUDA operators is csrc/cuda/structured_ops.cpp. No torch
+// header here: nvcc stays fast.
 //
 // One block per row, its size chosen by the row length (a single warp up to 512 entries for
 // the TV forward, up to 256 otherwise; 1024 threads from 16k / 8k entries on):

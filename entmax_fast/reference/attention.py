@@ -1,7 +1,7 @@
 """Plain-torch reference of scaled-dot-product entmax attention (the tests' ground truth).
 
 Same semantics as ``torch.nn.functional.scaled_dot_product_attention`` with the softmax
-replaced by α-entmax (MATH.md §3). Memory-bounded: queries are processed in chunks whose
+replaced by α-entmax (docs/attention.md). Memory-bounded: queries are processed in chunks whose
 score block holds at most ``CHUNK_ELEMENTS`` entries, and the backward recomputes each
 chunk's weights, so peak extra memory does not grow as B·H·Lq·Lk.
 """

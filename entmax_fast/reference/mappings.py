@@ -8,8 +8,8 @@ The threshold is kept in a shift-invariant form that is continuous at α = 1:
     u = z − max(z),    p_i = [1 + (α − 1)(u_i − μ)]_+ ^ (1/(α − 1)),
 
 with ``μ ∈ [0, (1 − n^{1−α}) / (α − 1)]`` (n = number of finite entries) chosen so that
-``Σ p = 1``. At α → 1 this is ``exp(u_i − μ)`` with μ the log-sum-exp. MATH.md's τ is
-``(α − 1)(max z + μ) − 1``.
+``Σ p = 1``. At α → 1 this is ``exp(u_i − μ)`` with μ the log-sum-exp. The τ of
+docs/maths.md ("Threshold of the row-wise mappings") is ``(α − 1)(max z + μ) − 1``.
 
 - α = 2 and α = 1.5 (python floats): exact, by sorting (``sparsemax_threshold``,
   ``entmax15_threshold``).
@@ -119,7 +119,7 @@ def sparsemax_threshold(X: torch.Tensor, dim: int = -1):
 
 def _entmax15_shifted_threshold(u: torch.Tensor, dim: int):
     """1.5-entmax threshold of rows shifted to max 0: ``(tau_u, support_size)`` with
-    ``entmax15 = [u/2 − tau_u]_+²`` (MATH.md §1)."""
+    ``entmax15 = [u/2 − tau_u]_+²`` (docs/maths.md, "Threshold of the row-wise mappings")."""
     y_sorted = torch.sort(u / 2, dim=dim, descending=True).values
     candidate = y_sorted > -1
     y_cand = torch.where(candidate, y_sorted, torch.zeros_like(y_sorted))
@@ -138,7 +138,7 @@ def _entmax15_shifted_threshold(u: torch.Tensor, dim: int):
 
 
 def entmax15_threshold(X: torch.Tensor, dim: int = -1):
-    """Exact 1.5-entmax threshold by sorting (MATH.md §1).
+    """Exact 1.5-entmax threshold by sorting (docs/maths.md, "Threshold of the row-wise mappings").
 
     Returns ``(tau, support_size)`` with ``entmax15(X) = [X/2 − tau]_+²`` (rounded at the
     scale of max(X), as ``sparsemax_threshold``).
@@ -255,13 +255,14 @@ def _on_support(p: torch.Tensor) -> torch.Tensor:
 
 
 def _weights_of_jacobian(p: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """s = p^(2−α) on the support, 0 elsewhere (MATH.md §2)."""
+    """s = p^(2−α) on the support, 0 elsewhere (docs/maths.md, "Backward")."""
     return torch.where(p > 0, _on_support(p).pow(2 - a), torch.zeros_like(p))
 
 
 def entmax_backward(p: torch.Tensor, grad: torch.Tensor, alpha=1.5, dim: int = -1,
                     need_alpha_grad: bool = True):
-    """Vector–Jacobian products of α-entmax from its output ``p`` (MATH.md §2).
+    """Vector–Jacobian products of α-entmax from its output ``p`` (docs/maths.md, "Backward"
+    and "Gradient of alpha").
 
     Returns ``(dX, dalpha)``: dX like ``grad`` (in p's compute dtype cast back to grad's
     dtype), dalpha keepdim along ``dim`` (un-reduced over broadcast dimensions of alpha) or

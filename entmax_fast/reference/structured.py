@@ -1,4 +1,5 @@
-"""Plain-torch reference of fusedmax and oscarmax (MATH.md §4); the tests' ground truth.
+"""Plain-torch reference of fusedmax and oscarmax (docs/maths.md, "fusedmax and oscarmax"); the
+tests' ground truth.
 
     fusedmax(z; lam)  = sparsemax(prox_TV(z; lam)),
         prox_TV(z; lam) = argmin_y ½‖y − z‖² + lam Σ_i |y_{i+1} − y_i|
@@ -228,7 +229,8 @@ def _group_mean(values: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
 
 def _differentiable_prox(Z64: torch.Tensor, valid: torch.Tensor, reg: list, kind: str) -> torch.Tensor:
     """The prox of each row as an affine function of Z64 with the groups held fixed: its
-    values are the exact prox, its autograd Jacobian is J_prox (MATH.md §4)."""
+    values are the exact prox, its autograd Jacobian is J_prox (docs/maths.md, "fusedmax and
+    oscarmax")."""
     y_exact, group = _prox_rows(Z64, valid, reg, kind)
     z = torch.where(valid, Z64, torch.zeros_like(Z64))
     if kind == "tv":
