@@ -38,7 +38,7 @@ def measure(dtype, head_dim, length, causal, tiles, fwd_launch, bwd_launch):
     grad_out = torch.randn(shape, device="cuda", dtype=dtype)
     saved = fwd.block_sizes, fwd.launch_config
     fwd.block_sizes = lambda block_e, dtype_key, dropout=False: tiles
-    fwd.launch_config = lambda kernel, block_e, dtype_key: fwd_launch if kernel == "fwd" else bwd_launch
+    fwd.launch_config = lambda kernel, *_: fwd_launch if kernel == "fwd" else bwd_launch
     try:
         with torch.no_grad():
             t_fwd = _time(lambda: tri.entmax_attention_triton(q, k, v, is_causal=causal, alpha=1.5))

@@ -24,7 +24,7 @@ from entmax_fast import dispatch
 from oracle import oracle_attention, oracle_budget, oracle_entmax, oracle_normmax
 
 # Groups whose Triton case is skipped until the kernels implement the rule.
-TRITON_PENDING = {"large_scores", "nan_inf_rowwise", "nan_inf_attention", "zero_size_attention"}
+TRITON_PENDING = set()
 
 NAN, INF = float("nan"), float("inf")
 TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -541,6 +541,8 @@ def test_attention_zero_size_dims(backend, b, h, lq, lk, e, ev):
 def test_attention_head_dim_zero_scores_every_key_zero(backend, alpha):
     """E = 0: the empty dot product is 0, so the weights are uniform over the attended keys,
     as torch's scaled_dot_product_attention gives."""
+    if backend == "triton" and alpha == 1.0:
+        pytest.skip("the fused Triton kernels take 1 < alpha <= 2 (alpha = 1 is softmax attention)")
     device = _device_for(backend)
     q, k = torch.randn(1, 2, 3, 0), torch.randn(1, 2, 5, 0)
     v = torch.randn(1, 2, 5, 4)

@@ -5,8 +5,9 @@ keys name, fn, signature, constexprs, num_warps, num_stages (and optionally opti
 compile options such as maxnreg, as the launcher passes them): every configuration its
 launcher can choose. This module compiles each of them for every arch in ARCHS without a
 GPU, reads the cubin's resource usage with the ``cuobjdump`` shipped in the triton wheel,
-and flags compile errors, register spills (LOCAL or STACK > 0) and shared memory above
-SHARED_LIMIT_BYTES (A100's 163 KB, the smallest of the targets).
+and fails on compile errors and shared memory above SHARED_LIMIT_BYTES (A100's 163 KB, the
+smallest of the targets). Register spills (LOCAL or STACK > 0), warps and programs per SM
+are reported beside them as diagnostics: time on a GPU is the measure of speed.
 
     python -m entmax_fast.triton_kernels.aot      # or: python triton_kernels/aot.py
 
@@ -70,9 +71,10 @@ def _resource_usage(cubin: bytes, kernel_name: str) -> dict:
     return {field: int(usage.get(field, 0)) for field in _FIELDS}
 
 
-def covering_sample(configs: list[dict]) -> list[dict]:
+def covering_sample(configs: list[dict], pairs: bool = True) -> list[dict]:
     """A subset of ``configs`` in which every pair of option values that occurs together
-    in some config still occurs together (pairwise coverage).
+    in some config still occurs together (pairwise coverage), or, without ``pairs``, in
+    which every option value occurs at least once.
 
     Config names are ``<kernel>_<option>_<option>...`` (e.g. ``entmax_attn_fwd_fp16_e128_a0_m1_dropout``);
     per kernel function, configs are taken greedily by how many not yet covered token pairs
@@ -84,20 +86,22 @@ def covering_sample(configs: list[dict]) -> list[dict]:
     for cfg in configs:
         by_kernel.setdefault(cfg["fn"].__name__, []).append(cfg)
     for group in by_kernel.values():
-        pairs = []
+        covers = []
         for cfg in group:
             tokens = sorted(set(cfg["name"].split("_")))
-            pairs.append({(a, b) for i, a in enumerate(tokens) for b in tokens[i:]})
-        uncovered = set().union(*pairs)
+            covers.append({(a, b) for i, a in enumerate(tokens) for b in tokens[i:]}
+                          if pairs else {(a, a) for a in tokens})
+        uncovered = set().union(*covers)
         while uncovered:
-            best = max(range(len(group)), key=lambda i: (len(pairs[i] & uncovered), -i))
+            best = max(range(len(group)), key=lambda i: (len(covers[i] & uncovered), -i))
             chosen.append(group[best])
-            uncovered -= pairs[best]
+            uncovered -= covers[best]
     return chosen
 
 
 def compile_all(archs=ARCHS, modules=KERNEL_MODULES, on_event=None, sample=False) -> list[dict]:
-    """Compiles every config (or, with ``sample``, the ``covering_sample``) in this process;
+    """Compiles every config (or, with ``sample`` "pairs" or "values", that
+    ``covering_sample``) in this process;
     one row per (module, config, arch).
 
     `on_event(row)` is called before each compile (row with "compiling": True) and after.
@@ -114,10 +118,11 @@ def compile_all(archs=ARCHS, modules=KERNEL_MODULES, on_event=None, sample=False
         if module is None:
             continue
         configs = module.aot_configs()
-        for cfg in covering_sample(configs) if sample else configs:
+        for cfg in (covering_sample(configs, pairs=_sample_mode(sample) == "pairs") if sample
+                    else configs):
             for arch in archs:
                 row = {"module": module_name, "kernel": cfg["fn"].__name__, "config": cfg["name"],
-                       "arch": f"sm_{arch}", "error": None}
+                       "arch": f"sm_{arch}", "error": None, "WARPS": cfg["num_warps"]}
                 if on_event:
                     on_event(dict(row, compiling=True))
                 try:
@@ -130,6 +135,8 @@ def compile_all(archs=ARCHS, modules=KERNEL_MODULES, on_event=None, sample=False
                     # Triton's shared memory is dynamic: the cubin's SHARED omits it.
                     usage["SHARED"] = max(usage["SHARED"], int(compiled.metadata.shared))
                     row.update(usage)
+                    row["PROGS/SM"] = programs_per_sm(arch, usage["REG"], cfg["num_warps"],
+                                                      usage["SHARED"])
                 except Exception as exc:  # noqa: BLE001 - every failure is a row of the report
                     row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
                 rows.append(row)
@@ -138,19 +145,45 @@ def compile_all(archs=ARCHS, modules=KERNEL_MODULES, on_event=None, sample=False
     return rows
 
 
+# Per SM on sm_80 / sm_90: 64K 32-bit registers, shared memory, resident programs (CTAs).
+_SM_REGISTERS = 65536
+_SM_SHARED = {80: 164 * 1024, 90: 228 * 1024}
+_SM_PROGRAMS = 32
+
+
+def programs_per_sm(arch: int, registers: int, num_warps: int, shared: int) -> int:
+    """Programs of one kernel resident on an SM at once, from its registers and shared
+    memory (occupancy = programs x warps / 64). A diagnostic: time on a GPU is the measure."""
+    by_registers = _SM_REGISTERS // max(1, registers * 32 * num_warps)
+    by_shared = _SM_SHARED.get(arch, _SM_SHARED[80]) // max(1, shared)
+    return min(_SM_PROGRAMS, by_registers, by_shared)
+
+
 def problems(rows: list[dict]) -> list[str]:
-    """One line per compile error, spill, or shared memory over SHARED_LIMIT_BYTES."""
+    """One line per compile error or shared memory over SHARED_LIMIT_BYTES: a configuration
+    the launcher can choose that would not run."""
     found = []
     for row in rows:
         where = f"{row['module']}:{row['config']}@{row['arch']}"
         if row["error"]:
             found.append(f"{where}: compile error {row['error']}")
             continue
-        if row["LOCAL"] > 0 or row["STACK"] > 0:
-            found.append(f"{where}: spills (LOCAL={row['LOCAL']}, STACK={row['STACK']})")
         if row["SHARED"] > SHARED_LIMIT_BYTES:
             found.append(f"{where}: shared memory {row['SHARED']} B > {SHARED_LIMIT_BYTES} B")
     return found
+
+
+def spills(rows: list[dict]) -> list[str]:
+    """One line per configuration that spills registers (LOCAL or STACK > 0). Reported, not
+    failed: spills, registers and occupancy are proxies for speed. A table chosen to avoid
+    them ran 7x slower on an H200 than plain 64x64 tiles (docs/gpu.md)."""
+    return [f"{row['module']}:{row['config']}@{row['arch']}: spills (LOCAL={row['LOCAL']}, "
+            f"STACK={row['STACK']})" for row in rows
+            if not row["error"] and (row["LOCAL"] > 0 or row["STACK"] > 0)]
+
+
+def _sample_mode(sample) -> str:
+    return sample if sample in ("pairs", "values") else "pairs"
 
 
 def check(archs=ARCHS, modules=KERNEL_MODULES, timeout_s: float = MODULE_TIMEOUT_S, sample=False) -> list[dict]:
@@ -163,7 +196,7 @@ def check(archs=ARCHS, modules=KERNEL_MODULES, timeout_s: float = MODULE_TIMEOUT
     rows = []
     for module_name in modules:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--jsonl",
-               "--archs", ",".join(str(a) for a in archs), "--modules", module_name] + (["--sample"] if sample else [])
+               "--archs", ",".join(str(a) for a in archs), "--modules", module_name] + (["--sample", _sample_mode(sample)] if sample else [])
         try:
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
             out, failed = done.stdout, done.returncode != 0
@@ -183,9 +216,11 @@ def check(archs=ARCHS, modules=KERNEL_MODULES, timeout_s: float = MODULE_TIMEOUT
 
 
 def format_table(rows: list[dict]) -> str:
-    header = ("module", "config", "arch") + _FIELDS + ("error",)
+    columns = _FIELDS + ("WARPS", "PROGS/SM")
+    header = ("module", "config", "arch") + columns + ("error",)
     lines = [[row["module"], row["config"], row["arch"]]
-             + [str(row.get(field, "-")) for field in _FIELDS] + [row["error"] or ""] for row in rows]
+             + [str(row.get(field, "-")) for field in columns] + [row["error"] or ""]
+             for row in rows]
     widths = [max([len(h)] + [len(line[i]) for line in lines]) for i, h in enumerate(header)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return "\n".join([fmt.format(*header)] + [fmt.format(*line) for line in lines])
@@ -199,8 +234,9 @@ def main(argv=None) -> int:
                         help="compile in this process, print one JSON line per event (used by check)")
     parser.add_argument("--archs", default=",".join(str(a) for a in ARCHS))
     parser.add_argument("--modules", default=",".join(KERNEL_MODULES))
-    parser.add_argument("--sample", action="store_true",
-                        help="only a covering sample of each module's configs (every option value once)")
+    parser.add_argument("--sample", nargs="?", const="pairs", choices=("pairs", "values"),
+                        help="only a covering sample of each module's configs: every pair of "
+                             "option values (default) or every value once")
     args = parser.parse_args(argv)
     archs = tuple(int(a) for a in args.archs.split(","))
     modules = tuple(m for m in args.modules.split(",") if m)
@@ -212,7 +248,8 @@ def main(argv=None) -> int:
     found = problems(rows)
     for line in found:
         print(line, file=sys.stderr)
-    print(f"{len(rows)} compiles, {len(found)} problems")
+    print(f"{len(rows)} compiles, {len(found)} problems, {len(spills(rows))} spilling "
+          f"(a diagnostic)")
     return 1 if found else 0
 
 

@@ -102,9 +102,9 @@ class _Geometry:
             self.block_m, self.block_n = INTERPRETER_BLOCKS
         else:
             self.block_m, self.block_n = _fwd.block_sizes(self.block_e, dtype_key, dropout)
-        # (num_warps, num_stages) per kernel
+        # (num_warps, num_stages) of the backward kernels; the forward's depends on the mask
         self.launch = {kernel: _fwd.launch_config(kernel, self.block_e, dtype_key)
-                       for kernel in ("fwd", "dq", "dkdv")}
+                       for kernel in ("dq", "dkdv")}
         # head-dim chunks of the q.k and dO.v products, per kernel (also when interpreting,
         # so that the tests exercise the chunked loops)
         self.block_ec = {kernel: _fwd.chunk_width(kernel, self.block_e, dtype_key)
@@ -174,6 +174,7 @@ def attention_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is
     if geo.batch * geo.n_heads == 0 or geo.seqlen_q == 0:
         return out.zero_(), stats, dvec.zero_(), flags
     grid = (geo.n_qblocks, geo.batch * geo.n_heads)
+    fwd_warps, fwd_stages = _fwd.launch_config("fwd", geo.block_e, _DTYPE_KEYS[q.dtype], mask_kind)
     _fwd.entmax_attn_fwd_kernel[grid](
         q, k, v, out, dvec, stats, flags, mask, alpha, seed,
         cu_q if geo.varlen else cu_dummy, cu_k if geo.varlen else cu_dummy,
@@ -184,7 +185,7 @@ def attention_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is
         BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e, BLOCK_EV=geo.block_ev,
         BLOCK_EC=geo.block_ec["fwd"], ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind,
         IS_VARLEN=geo.varlen, HAS_DROPOUT=dropout_p > 0.0, NEED_GRAD=int(need_grad),
-        num_warps=geo.launch["fwd"][0], num_stages=geo.launch["fwd"][1],
+        num_warps=fwd_warps, num_stages=fwd_stages,
     )
     return out, stats, dvec, flags
 

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .attention_fwd import (_DTYPES, FWD_POINTERS, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C,
                             STAT_TAU_C, _config_space, _dot, _dot_rows, _dropout_scale,
-                            _full_tiles_end, _held_cols, _held_rows, _load_rows, _safe_log2,
+                            _full_tiles_end, _held_cols, _held_rows, _load_rows, _log2_base,
                             _scores, _sensitivity, _sequence_bounds, _weights, block_sizes,
                             chunk_width, config_suffix, kernel_signature, launch_config)
 
@@ -76,7 +76,8 @@ def _dq_tile(b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, st
         b_dq += _dot(b_dz.to(b_k.dtype), b_k)
         if need_alpha_grad != 0:
             # h = -p log p with log p = log(d) / (alpha - 1) - log l
-            b_logp = (_safe_log2(b_d) * inv_am1 - tl.log2(b_l)[:, None]) * 0.6931471805599453
+            b_logp = (_log2_base(b_d, inv_am1, ALPHA_KIND) * inv_am1
+                      - tl.log2(b_l)[:, None]) * 0.6931471805599453
             b_gh -= tl.sum(tl.where(b_d > 0, b_p * b_logp, 0.0) * b_g, 1)
     return b_dq, b_gh
 
@@ -169,8 +170,10 @@ def entmax_attn_bwd_dq_kernel(
             am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, seed, pid_bh, seqlen_q, seqlen_k,
             dropout_p, need_alpha_grad, b_dq, b_gh, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
             BLOCK_EC, ALPHA_KIND, MASK_KIND, HAS_DROPOUT, True)
+    # a row whose forward was NaN (a NaN or +inf score, stored shift NaN) gets NaN gradients
+    b_dq = tl.where((b_mz != b_mz)[:, None], float("nan"), b_dq * scale)
     tl.store(dq_ptr + q_off + o_m[:, None] * stride_ql + o_e[None, :],
-             (b_dq * scale).to(dq_ptr.dtype.element_ty), mask=m_qe)
+             b_dq.to(dq_ptr.dtype.element_ty), mask=m_qe)
     tl.store(p_rows + ROW_DELTA_C * stride_row, b_delta, mask=m_m)
     if need_alpha_grad != 0:
         # dalpha = sum_i g_i dp_i/dalpha with sum g p = dO.o, sum g p~ = delta

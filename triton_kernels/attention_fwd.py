@@ -92,10 +92,12 @@ def block_sizes(block_e, dtype_key, dropout=False):
     return block_m, block_n
 
 
-def launch_config(kernel, block_e, dtype_key):
+def launch_config(kernel, block_e, dtype_key, mask_kind=MASK_NONE):
     """(num_warps, num_stages) of `kernel` ("fwd", "dq" or "dkdv"); no register cap.
 
-    The fp16/bf16 forward at E <= 64 takes the measured best (4 warps, 3 stages). The
+    The fp16/bf16 forward at E <= 64 takes the measured best (4 warps, 3 stages) unless it
+    reads an attn_mask: the mask tiles of its eight inlined tile loops then left a 1.8 KB
+    stack frame at 4 warps (sm_90), 0.4 KB at 8. The
     backward kernels hold more [BM, BN] tiles at once (scores, weights, sensitivities, dO.v)
     and two [BN, E] accumulators: 8 warps halve each thread's share (sm_90 compile: stack
     32-48 B instead of 232-488 B with 4). Wider heads take 8 warps everywhere. Estimates
@@ -103,7 +105,7 @@ def launch_config(kernel, block_e, dtype_key):
     """
     if dtype_key == "fp32":
         return 4, (2 if block_e <= 64 else 1)
-    if kernel == "fwd" and block_e <= 64:
+    if kernel == "fwd" and block_e <= 64 and mask_kind == MASK_NONE:
         return 4, 3
     return 8, (2 if block_e <= 128 else 1)
 
@@ -268,32 +270,38 @@ def _dot(b_a, b_b):
 
 
 @triton.jit
-def _safe_log2(b_d):
-    """log2 of d > 0; entries d <= 0 are discarded by the caller, log2(1) keeps them finite."""
+def _log2_base(b_d, inv_am1, ALPHA_KIND: tl.constexpr):
+    """log2 of the base of the powers p = base^e and s = base^(e-1), for d >= 0 in z units
+    (entries d <= 0 give 0; callers discard them). alpha 2 and 1.5: d itself (the constant
+    factor (alpha-1)^e cancels in the normalised weights). General alpha: d (alpha - 1),
+    in u units, at most 1: d^e in z units would overflow for alpha near 1."""
+    if ALPHA_KIND == ALPHA_GENERAL_C:
+        b_d = b_d * (1.0 / inv_am1)
     return tl.log2(tl.where(b_d > 0, b_d, 1.0))
 
 
 @triton.jit
 def _weights(b_d, inv_am1, ALPHA_KIND: tl.constexpr):
-    """p = d^(1/(alpha-1)) for d >= 0."""
-    if ALPHA_KIND == 2:
+    """Unnormalised weights p = base^(1/(alpha-1)) for d >= 0 (`_log2_base`)."""
+    if ALPHA_KIND == ALPHA_2_C:
         b_p = b_d
-    elif ALPHA_KIND == 1:
+    elif ALPHA_KIND == ALPHA_15_C:
         b_p = b_d * b_d
     else:
-        b_p = tl.where(b_d > 0, tl.exp2(inv_am1 * _safe_log2(b_d)), 0.0)
+        b_p = tl.where(b_d > 0, tl.exp2(inv_am1 * _log2_base(b_d, inv_am1, ALPHA_KIND)), 0.0)
     return b_p
 
 
 @triton.jit
 def _sensitivity(b_d, inv_am1, ALPHA_KIND: tl.constexpr):
-    """dp/dz = d^(1/(alpha-1) - 1), i.e. p^(2-alpha) before row normalisation."""
-    if ALPHA_KIND == 2:
+    """dp/dbase = base^(1/(alpha-1) - 1), i.e. p^(2-alpha) before row normalisation."""
+    if ALPHA_KIND == ALPHA_2_C:
         b_s = tl.where(b_d > 0, 1.0, 0.0)
-    elif ALPHA_KIND == 1:
+    elif ALPHA_KIND == ALPHA_15_C:
         b_s = b_d
     else:
-        b_s = tl.where(b_d > 0, tl.exp2((inv_am1 - 1.0) * _safe_log2(b_d)), 0.0)
+        b_s = tl.where(b_d > 0,
+                       tl.exp2((inv_am1 - 1.0) * _log2_base(b_d, inv_am1, ALPHA_KIND)), 0.0)
     return b_s
 
 
@@ -363,7 +371,8 @@ def _moments(b_d, inv_am1, ALPHA_KIND: tl.constexpr):
 
         alpha = 2:    a = sum d      b = #{d > 0}     c = b
         alpha = 1.5:  a = sum d^2    b = sum d        c = #{d > 0}
-        general:      a = sum d^e    b = sum d^(e-1)  c = b        (e = 1/(alpha-1))
+        general:      a = sum d_u^(e-1) d    b = sum d_u^(e-1)    c = b
+                      (e = 1/(alpha-1); powers of d_u = (alpha-1) d, in u units)
 
     and dmin the smallest positive d (the exactness certificate of alpha 2 and 1.5; general
     alpha returns b there, unused). f(t) = a - 1 in every case."""
@@ -376,7 +385,7 @@ def _moments(b_d, inv_am1, ALPHA_KIND: tl.constexpr):
         b_b = tl.sum(b_d, 1)
         b_c = tl.sum(tl.where(b_d > 0, 1.0, 0.0), 1)
     else:
-        b_pw = tl.where(b_d > 0, tl.exp2((inv_am1 - 1.0) * _safe_log2(b_d)), 0.0)
+        b_pw = _sensitivity(b_d, inv_am1, ALPHA_KIND)  # in u units
         b_a = tl.sum(b_pw * b_d, 1)
         b_b = tl.sum(b_pw, 1)
         b_c = b_b
@@ -455,16 +464,15 @@ def _threshold_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
 
 @triton.jit
 def _sums_in_u(b_a, b_b, b_c, b_dmin, am1, inv_am1, ALPHA_KIND: tl.constexpr):
-    """`_moments` sums taken on d_z = d / (alpha - 1) (scores in z units), in u units:
-    a = (alpha-1)^e a_z, b = (alpha-1)^(e-1) b_z (alpha 1.5: alpha-1 times), dmin scaled."""
+    """`_moments` sums taken on d in z units (scores minus their max), in u = (alpha-1) z
+    units: alpha 1.5: a (alpha-1)^2, b (alpha-1); general: a (alpha-1) (its powers are in u
+    units already); dmin (alpha-1)."""
     if ALPHA_KIND == ALPHA_2_C:
         b_a_u, b_b_u = b_a, b_b
     elif ALPHA_KIND == ALPHA_15_C:
         b_a_u, b_b_u = b_a * (am1 * am1), b_b * am1
     else:
-        log2_am1 = tl.log2(am1)
-        b_a_u = b_a * tl.exp2(inv_am1 * log2_am1)
-        b_b_u = b_b * tl.exp2((inv_am1 - 1.0) * log2_am1)
+        b_a_u, b_b_u = b_a * am1, b_b
     return b_a_u, b_b_u, b_c, b_dmin * am1
 
 
@@ -499,7 +507,8 @@ def _update_threshold(b_t, b_a, b_b, b_c, b_dmin, b_lo, b_hi, b_tau, m_done, am1
         b_step = b_f * am1 / b_bs
         b_root = b_t + b_step
         m_exact = m_left & (b_step <= TAU_STEP_TOL_C)
-        b_new_lo = b_root
+        # for alpha near 1, d^(e-1) underflows right of the root: no slope, no bound
+        b_new_lo = tl.where(b_b > 0, b_root, b_lo)
         b_new_hi = tl.where(m_left, b_hi, b_t)
     # a Newton step this small leaves an error of its square: done for every kind
     m_small = m_left & (b_step <= TAU_STEP_TOL_C)
@@ -507,6 +516,11 @@ def _update_threshold(b_t, b_a, b_b, b_c, b_dmin, b_lo, b_hi, b_tau, m_done, am1
     m_exact = m_exact | m_small
     b_hi_next = tl.minimum(b_hi, b_new_hi)
     b_lo_next = tl.minimum(tl.maximum(b_lo, b_new_lo), b_hi_next)
+    # a bracket this narrow is done too: f rounds to just below 0 at a t on the root,
+    # which then never counts as left of it
+    m_narrow = (b_hi_next - b_lo_next) <= TAU_STEP_TOL_C
+    b_root = tl.where(m_exact, b_root, b_lo_next)
+    m_exact = m_exact | m_narrow
     m_new = m_exact & ~m_done
     b_tau = tl.where(m_new, b_root, b_tau)
     # a row that is done is evaluated at its tau from now on: tight tile flags
@@ -694,8 +708,9 @@ def _output_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, st
                 else:
                     b_dacc += _dot(b_s.to(b_v.dtype), b_v)
             if NEED_GRAD >= GRAD_ALPHA_C:
-                # p log p = p * log(d) / (alpha - 1)
-                b_plogp += tl.sum(tl.where(b_d > 0, b_p * _safe_log2(b_d), 0.0), 1) * (
+                # p log p = p * log(base) / (alpha - 1)
+                b_plogp += tl.sum(tl.where(b_d > 0, b_p * _log2_base(b_d, inv_am1, ALPHA_KIND),
+                                           0.0), 1) * (
                     inv_am1 * 0.6931471805599453)
     return b_sum, b_ssum, b_plogp, b_acc, b_dacc
 
@@ -753,7 +768,7 @@ def aot_configs():
     configs = []
     for dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout in _config_space():
         block_m, block_n = block_sizes(block_e, dtype_key, dropout)
-        num_warps, num_stages = launch_config("fwd", block_e, dtype_key)
+        num_warps, num_stages = launch_config("fwd", block_e, dtype_key, mask_kind)
         for need_grad in (GRAD_NONE, GRAD_INPUTS, GRAD_ALPHA):
             if need_grad == GRAD_ALPHA and alpha_kind != ALPHA_GENERAL:
                 continue  # a differentiable alpha is a tensor: the general kind

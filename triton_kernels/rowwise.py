@@ -1,7 +1,8 @@
 """Row-wise α-entmax kernels, forward and backward, bound by memory traffic.
 
 Every row of ``x`` (R, n) is mapped to ``p = α-entmax(x_row)``, in the threshold form of
-``entmax_fast.reference.mappings`` written with ``c = −τ`` (MATH.md §1):
+``entmax_fast.reference.mappings`` written with ``c = −τ`` (docs/maths.md, "Threshold of
+the row-wise mappings"):
 
     u = x − max(x),  t = α − 1,  v = t·u  (v = u for α = 1),  e = 1/t
     α ≠ 1:  p_i = [c + v_i]_+ ^ e,      α = 1:  p_i = c · exp(u_i)
@@ -29,9 +30,14 @@ the row again (mostly from L2). Iterations, all starting from c = 1 (the top ent
   (monotone from c = 1 below c*). For α > 2 φ has kinks where entries enter the support,
   with infinite slope: a step is taken on the support without its smallest entry when that
   entry leaves on the way, steps are kept in a bracket, and the bracket falls back to
-  bisection when two steps did not halve it. Per entry and pass: ~10 ops + log2 + exp2.
+  bisection when two steps did not halve it. Per entry and pass: ~10 ops + log2 + exp2
+  (~12 more near α = 1, see below).
   c is an unevaluated fp32 pair (hi + lo): for α > 2, p = d^e has an infinite slope at
-  d = 0 and a plain fp32 c (steps of 6e-8) moves such an entry's p by ~1e-4.
+  d = 0 and a plain fp32 c (steps of 6e-8) moves such an entry's p by ~1e-4. Near α = 1
+  (|t| < 1/4) e amplifies the rounding of d ≈ 1 instead (α = 1.0001: 6e-4 relative in p),
+  so there log d comes from log1p(w), w = d − 1 = (v + (c_hi − 1)) + c_lo formed without
+  rounding at 1 (`_log2_base`), and the Newton numerator P − P^(1−t), which cancels as
+  t → 0, from series (`_pow_gap`).
   Stops when |Σp − 1| ≤ tol, when the bracket is below the pair's resolution, or after
   max_passes. α = 1 rows (float α = 1 or in a per-row α) are softmax: one pass.
 
@@ -43,8 +49,9 @@ entries get weight zero, a row with no finite entry gives zeros. Scores are shif
 the row max before anything else, so large finite scores (1e30 fp32, fp16/bf16 maxima)
 are exact.
 
-Backward (`_entmax_bwd_kernel`, MATH.md §2): resident rows read p and g once; dα (when
-asked) from the same sums, in a regrouped form that stays accurate as α → 1.
+Backward (`_entmax_bwd_kernel`, docs/maths.md, "Backward"): resident rows read p and g
+once; dα (when asked, "Gradient of alpha") from the same sums, in a regrouped form that
+stays accurate as α → 1.
 
 Configurations (rows per program, block, warps) come from `_config`, a table keyed on
 the row length: see its docstring for why a table and not triton.autotune.
@@ -111,6 +118,64 @@ def _add_to_pair(a_hi, a_lo, b):
 
 
 @triton.jit
+def _log1p_small(w):
+    """log(1 + w) for |w| ≤ 1/8, without forming 1 + w: Taylor to degree 8 (truncation
+    ≤ 8^−8/9 ≈ 7e−9 relative), Horner in fp32 (a few ulp of log1p(w))."""
+    b = -1.0 / 8.0
+    b = b * w + 1.0 / 7.0
+    b = b * w - 1.0 / 6.0
+    b = b * w + 1.0 / 5.0
+    b = b * w - 1.0 / 4.0
+    b = b * w + 1.0 / 3.0
+    b = b * w - 1.0 / 2.0
+    b = b * w + 1.0
+    return b * w
+
+
+@triton.jit
+def _pow_gap(P, t):
+    """P − P^(1−t) (> 0 for P > 0, t ≠ 0, P ≠ 1): the numerator of the Newton step on φ.
+
+    Written as −P·expm1(−t·log P) with log1p / expm1 series near P = 1 and t·log P = 0:
+    the direct form loses it to cancellation when t is small (α = 1.0001: P − P^(1−t) is
+    1e−4·(P − 1), below fp32's resolution of P once |P − 1| < 1e−3), and Newton stalled
+    into bisection (25–40 passes).  [ROWS]"""
+    p_safe = tl.where(P > 0, P, 1.0)
+    f = p_safe - 1.0  # exact for P ∈ [1/2, 2]
+    log_p = tl.where(tl.abs(f) < 0.125, _log1p_small(f), tl.log2(p_safe) * 0.6931471805599453)
+    y = -t * log_p
+    # expm1(y): Taylor to degree 7 for |y| < 1/8 (truncation ≤ 8^−7/8! ≈ 1e−11 relative)
+    b = 1.0 / 5040.0
+    b = b * y + 1.0 / 720.0
+    b = b * y + 1.0 / 120.0
+    b = b * y + 1.0 / 24.0
+    b = b * y + 1.0 / 6.0
+    b = b * y + 1.0 / 2.0
+    b = b * y + 1.0
+    em1 = tl.where(tl.abs(y) < 0.125, b * y, tl.exp2(y * _LOG2E) - 1.0)
+    return tl.where(P > 0, -p_safe * em1, P - 1.0)  # P ≤ 0: as the direct form with P^(1−t) := 1
+
+
+@triton.jit
+def _log2_base(b_v, b_d, b_pos, c_hi, c_lo, near_one):
+    """log2 d on the support (0 outside), with d = c + v = (c_hi + v) + c_lo.  [ROWS, BLOCK]
+
+    p = d^e amplifies d's relative error by e = 1/t: d ≈ 1 carries fp32's rounding of
+    c_hi + v (3e−8 relative), so at α = 1.0001 p was off by ~6e−4 relative. When some row
+    of the program has |t| < 1/4 (``near_one``, a uniform branch), entries with
+    |d − 1| < 1/8 take log2(1 + w) from w = d − 1 = (v + (c_hi − 1)) + c_lo, formed without
+    1 + ·: c_hi − 1 is exact (Sterbenz: c_hi ∈ (7/8, 9/8) there), w keeps its relative
+    precision, and e·log d is accurate to a few ulp of itself. The other entries keep
+    log2(d) (their p ≤ (1 ± 1/8)^e, where e·3e−8·p stays below 2e−7), as do all rows
+    with |t| ≥ 1/4 (e ≤ 4: d's rounding gives ≤ 1.2e−7 relative in p)."""
+    b_lg = tl.log2(tl.where(b_pos, b_d, 1.0))
+    if near_one:
+        b_w = (b_v + (c_hi - 1.0)[:, None]) + c_lo[:, None]
+        b_lg = tl.where(tl.abs(b_w) < 0.125, _log1p_small(b_w) * _LOG2E, b_lg)
+    return tl.where(b_pos, b_lg, 0.0)
+
+
+@triton.jit
 def _pow_pos(y, e):
     """[y]_+ ^ e (e > 0)."""
     return tl.where(y > 0, tl.exp2(e * tl.log2(tl.where(y > 0, y, 1.0))), 0.0)
@@ -138,7 +203,7 @@ def _scaled(b_x, shift, t):
 
 
 @triton.jit
-def _pass_sums(b_v, c_hi, c_lo, t, e, KIND: tl.constexpr):
+def _pass_sums(b_v, c_hi, c_lo, t, e, near_one, KIND: tl.constexpr):
     """One evaluation at c per row: (Σa, Σb, Σq2, min d over the support).  [ROWS] each
 
     sparsemax: a = d_+, b = |S|, q2 unused; entmax15: a = d_+, b = |S|, q2 = Σd_+²;
@@ -162,7 +227,8 @@ def _pass_sums(b_v, c_hi, c_lo, t, e, KIND: tl.constexpr):
         # −inf entries: d = −inf (t > 0) or +inf (t < 0); both are outside.
         b_pos = (b_d > 0) & (b_d < float("inf"))
         is_soft = t[:, None] == 0.0
-        b_arg = tl.where(is_soft, b_v * _LOG2E, (e[:, None] - 1.0) * tl.log2(tl.where(b_pos, b_d, 1.0)))
+        b_lg = _log2_base(b_v, b_d, b_pos, c_hi, c_lo, near_one)
+        b_arg = tl.where(is_soft, b_v * _LOG2E, (e[:, None] - 1.0) * b_lg)
         b_q = tl.exp2(b_arg)
         b_b = tl.where(b_pos, b_q, 0.0)
         b_a = tl.where(is_soft, b_q, b_b * tl.where(b_pos, b_d, 0.0))
@@ -172,7 +238,7 @@ def _pass_sums(b_v, c_hi, c_lo, t, e, KIND: tl.constexpr):
 
 
 @triton.jit
-def _p_at(b_v, c_hi, c_lo, t, e, KIND: tl.constexpr):
+def _p_at(b_v, c_hi, c_lo, t, e, near_one, KIND: tl.constexpr):
     """p (not normalised) at the row's threshold.  [ROWS, BLOCK]"""
     if KIND == _K_SPARSEMAX:
         b_p = tl.maximum(c_hi[:, None] + b_v, 0.0)
@@ -185,7 +251,8 @@ def _p_at(b_v, c_hi, c_lo, t, e, KIND: tl.constexpr):
         b_d = (c_hi[:, None] + b_v) + c_lo[:, None]
         b_pos = (b_d > 0) & (b_d < float("inf"))
         is_soft = t[:, None] == 0.0
-        b_arg = tl.where(is_soft, b_v * _LOG2E, e[:, None] * tl.log2(tl.where(b_pos, b_d, 1.0)))
+        b_lg = _log2_base(b_v, b_d, b_pos, c_hi, c_lo, near_one)
+        b_arg = tl.where(is_soft, b_v * _LOG2E, e[:, None] * b_lg)
         b_p = tl.where(is_soft | b_pos, tl.exp2(b_arg), 0.0)
     return b_p
 
@@ -230,6 +297,8 @@ def _entmax_fwd_kernel(
     alpha = _row_alpha(alpha_ptr, rows, m_row, alpha_stride, KIND)
     t = alpha - 1.0
     e = 1.0 / tl.where(t == 0.0, 1.0, t)  # unused on α = 1 rows
+    # general α: a row of the program near α = 1 takes the accurate log of d (`_log2_base`)
+    near_one = tl.min(tl.abs(t), axis=0) < 0.25
 
     # pass 1: max, finite count, NaN/+inf; softmax: the online sum of exp as well.
     if RESIDENT:
@@ -284,7 +353,7 @@ def _entmax_fwd_kernel(
         done = (n_fin == 0) | bad | ~m_row
         while (passes < max_passes) & (tl.sum((~done).to(tl.int32), axis=0) > 0):
             if RESIDENT:
-                s_a, s_b, s_q2, d_min = _pass_sums(b_v, c_hi, c_lo, t, e, KIND)
+                s_a, s_b, s_q2, d_min = _pass_sums(b_v, c_hi, c_lo, t, e, near_one, KIND)
             else:
                 s_a = tl.zeros([ROWS], tl.float32)
                 s_b = tl.zeros([ROWS], tl.float32)
@@ -293,7 +362,7 @@ def _entmax_fwd_kernel(
                 for start in range(0, n_cols, BLOCK):
                     m_tile = m_row[:, None] & (start + o_col[None, :] < n_cols)
                     b_xc = tl.load(p_x + start, mask=m_tile, other=float("-inf")).to(tl.float32)
-                    c_a, c_b, c_q2, c_min = _pass_sums(_scaled(b_xc, shift, t), c_hi, c_lo, t, e, KIND)
+                    c_a, c_b, c_q2, c_min = _pass_sums(_scaled(b_xc, shift, t), c_hi, c_lo, t, e, near_one, KIND)
                     s_a += c_a
                     s_b += c_b
                     s_q2 += c_q2
@@ -312,16 +381,13 @@ def _entmax_fwd_kernel(
                 to_hi = (hi_hi - c_hi) + (hi_lo - c_lo)
                 width = to_hi - to_lo
                 # Newton on φ: δ = −(P − P^(1−t)) / Σd^(e−1)
-                p_safe = tl.where(s_a > 0, s_a, 1.0)
-                step = -(s_a - tl.exp2((1.0 - t) * tl.log2(p_safe))) / tl.where(s_b > 0, s_b, 1.0)
+                step = -_pow_gap(s_a, t) / tl.where(s_b > 0, s_b, 1.0)
                 # α > 2 above c*: the entry nearest to leaving dominates Σd^(e−1); the step
                 # on the support without it is the right one when that entry leaves first.
                 p_min = _pow_pos(d_min, e)
                 rest = s_a - p_min
                 rest_slope = s_b - tl.where(d_min < float("inf"), p_min / tl.where(d_min > 0, d_min, 1.0), 0.0)
-                rest_safe = tl.where(rest > 0, rest, 1.0)
-                step_leave = -(rest - tl.exp2((1.0 - t) * tl.log2(rest_safe))) / tl.where(
-                    rest_slope > 0, rest_slope, 1.0)
+                step_leave = -_pow_gap(rest, t) / tl.where(rest_slope > 0, rest_slope, 1.0)
                 leaves = (t > 1.0) & c_above & (rest > 0) & (rest_slope > 0) & (step_leave < -d_min)
                 step = tl.where(leaves, step_leave, step)
                 # NaN/inf steps fail the bracket test and bisect. For α ≤ 2 the steps are
@@ -356,13 +422,13 @@ def _entmax_fwd_kernel(
     inv_norm = tl.where(norm > 0, 1.0 / norm, 0.0)
     inv_norm = tl.where(bad, float("nan"), inv_norm)
     if RESIDENT:
-        b_p = _p_at(b_v, c_hi, c_lo, t, e, KIND) * inv_norm[:, None]
+        b_p = _p_at(b_v, c_hi, c_lo, t, e, near_one, KIND) * inv_norm[:, None]
         tl.store(p_p, b_p.to(p_ptr.dtype.element_ty), mask=m_tile)
     else:
         for start in range(0, n_cols, BLOCK):
             m_tile = m_row[:, None] & (start + o_col[None, :] < n_cols)
             b_xc = tl.load(p_x + start, mask=m_tile, other=float("-inf")).to(tl.float32)
-            b_p = _p_at(_scaled(b_xc, shift, t), c_hi, c_lo, t, e, KIND) * inv_norm[:, None]
+            b_p = _p_at(_scaled(b_xc, shift, t), c_hi, c_lo, t, e, near_one, KIND) * inv_norm[:, None]
             tl.store(p_p + start, b_p.to(p_ptr.dtype.element_ty), mask=m_tile)
     if KIND == _K_SOFTMAX:
         c_hi = inv_norm  # the threshold c of softmax is 1/Σexp(u)
@@ -481,7 +547,8 @@ def _entmax_bwd_kernel(
 
     if NEED_DALPHA:
         t_safe = tl.where(t == 0.0, 1.0, t)
-        # MATH.md §2 summed over g: dα = Σg(p − p̃)/t² + (Σgh − Σgp̃·Σh)/t, h = −p log p.
+        # docs/maths.md "Gradient of alpha", summed over g:
+        #   dα = Σg(p − p̃)/t² + (Σgh − Σgp̃·Σh)/t, h = −p log p.
         # Far from α = 1 directly:
         d_direct = (gp - g_escort) / (t_safe * t_safe) + (g_escort * pl - gpl) / t_safe
         # Near α = 1 its two terms are O(1/t) and cancel (fp32 at α = 1.001: 10% error).
@@ -620,7 +687,7 @@ def entmax_rowwise_threshold(x: torch.Tensor, alpha, tol: float = DEFAULT_TOL,
 
 def entmax_rowwise_backward(p: torch.Tensor, grad: torch.Tensor, alpha, need_alpha_grad: bool,
                             config: dict | None = None):
-    """(dx, dalpha or None) of α-entmax from its output p (MATH.md §2).
+    """(dx, dalpha or None) of α-entmax from its output p (docs/maths.md, "Backward").
 
     p, grad: (R, n), float32/float16/bfloat16 (last stride 1 expected). dx has grad's dtype;
     dalpha is fp32 (R,). At α = 1 dalpha uses the exact limit of ∂p/∂α.
