@@ -205,6 +205,42 @@ def test_large_finite_scores(dtype, offset, atol):
                                    atol=atol, rtol=0)
 
 
+def _near_one_rows(offset: float) -> torch.Tensor:
+    """fp32 rows offset + small·step (tests/test_reliability.py's large-score rows: the small
+    parts are multiples of the spacing at the offset, at least 1/4) and two N(0, 1) rows."""
+    step = max(float(torch.finfo(torch.float32).eps) * abs(offset), 0.25)
+    small = torch.tensor([[0.0, -1.0, -2.0, -3.0, -7.0, -40.0],
+                          [0.0, 0.0, -1.0, -1.0, -2.0, -3.0],
+                          [0.0, -0.5, -0.5, -1.5, -9.0, -1e3]], dtype=torch.float64) * step
+    large = (torch.tensor(offset, dtype=torch.float64) + small).float()
+    large = torch.cat([large, torch.full((3, 94), -math.inf)], dim=1)
+    gauss = torch.randn(2, 100, generator=torch.Generator().manual_seed(13))
+    return torch.cat([large, gauss]).to(DEVICE)
+
+
+@pytest.mark.parametrize("alpha", [1.0001, 1.001, 1.01])
+@pytest.mark.parametrize("offset", [0.0, 1e4, 1e6, -1e30])
+def test_alpha_near_one_against_oracle(alpha, offset):
+    """α → 1: p = d^e with e = 1/(α − 1) amplifies d's rounding by e (d ≈ 1 near the top),
+    and P − P^(1−t) in the Newton step cancels; the kernel takes log d and that numerator
+    from series (`_log2_base`, `_pow_gap`). Against the float64 oracle (bisection on τ), in
+    fp32 at the reliability tests' 2e−6, resident and chunked, float and per-row α, and
+    in a few passes (the cancelling step fell back to bisection: 25–40 passes)."""
+    from oracle import oracle_entmax
+
+    x = _near_one_rows(offset)
+    expected = oracle_entmax(x.double().cpu(), alpha)
+    per_row = torch.tensor([alpha, 2.0 - alpha, alpha, 1.0, alpha], device=DEVICE)
+    expected_per_row = oracle_entmax(x.double().cpu(), per_row.double().cpu().view(-1, 1))
+    for config in (None, CHUNKED):
+        p, _, passes = rowwise._forward(x, alpha, config=config)
+        torch.testing.assert_close(p.double().cpu(), expected, atol=2e-6, rtol=0)
+        assert int(passes.max()) <= 6, passes
+        p, _, passes = rowwise._forward(x, per_row, config=config)
+        torch.testing.assert_close(p.double().cpu(), expected_per_row, atol=2e-6, rtol=0)
+        assert int(passes.max()) <= 6, passes
+
+
 @pytest.mark.parametrize("alpha", [1.5, 2.0])
 @pytest.mark.parametrize("n", [1, 2, 63, 300])
 def test_exact_support_update(n, alpha):
