@@ -14,6 +14,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT_DIR:-bench/out/gpu}"
+if ! python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+  echo "gpu_check: needs a CUDA device (none here); nothing run"
+  exit 1
+fi
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1
 failed=0
@@ -32,7 +36,6 @@ step() {
 
 python - <<'PY' | tee "$OUT_DIR/device.txt"
 import datetime, importlib.metadata, subprocess, torch
-assert torch.cuda.is_available(), "bench/gpu_check.sh needs a CUDA device"
 versions = []
 for package in ("torch", "triton", "adasplash", "flash-attn", "entmax", "transformers"):
     try:
