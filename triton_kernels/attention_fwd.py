@@ -529,6 +529,54 @@ def _update_threshold(b_t, b_a, b_b, b_c, b_dmin, b_lo, b_hi, b_tau, m_done, am1
 
 
 @triton.jit
+def _output_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq,
+                 stride_mk, o_m, start_n, q_len, k_len, head_e, head_ev, scale, inv_am1,
+                 b_mz, b_tau, m_rows, is_causal, p_flags, seed, pid_bh, seqlen_q, seqlen_k,
+                 dropout_p, b_sum, b_ssum, b_plogp, b_acc, b_dacc,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+                 BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr,
+                 ALPHA_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                 NEED_GRAD: tl.constexpr, BOUNDARY: tl.constexpr):
+    """Adds one flagged key tile to the output sums; rewrites its flag to "holds a non-zero
+    weight" and skips the products when it does not."""
+    if tl.load(p_flags + start_n // BLOCK_N) != 0:
+        b_u = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
+                          start_n, q_len, k_len, head_e, scale, b_mz, is_causal,
+                          BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
+        b_d = tl.maximum(b_u - b_tau[:, None], 0.0)  # [BM, BN], z units
+        b_p = _weights(b_d, inv_am1, ALPHA_KIND)
+        b_prow = tl.sum(b_p, 1)
+        b_sum += b_prow
+        b_alive = tl.max(tl.where(m_rows, b_prow, 0.0), 0) > 0
+        tl.store(p_flags + start_n // BLOCK_N, b_alive.to(tl.int8))
+        if b_alive:
+            o_n = start_n + tl.arange(0, BLOCK_N)
+            o_ev = tl.arange(0, BLOCK_EV)
+            b_v = tl.load(p_v + o_n[:, None] * stride_vl + o_ev[None, :],
+                          mask=(o_n[:, None] < k_len) & (o_ev[None, :] < head_ev),
+                          other=0.0)  # [BN, BEV]
+            b_drop = _dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
+                                    BLOCK_M, BLOCK_N, HAS_DROPOUT)
+            if HAS_DROPOUT:
+                b_acc += _dot((b_p * b_drop).to(b_v.dtype), b_v)
+            else:
+                b_acc += _dot(b_p.to(b_v.dtype), b_v)
+            if NEED_GRAD >= GRAD_INPUTS_C:
+                b_s = _sensitivity(b_d, inv_am1, ALPHA_KIND)
+                b_ssum += tl.sum(b_s, 1)
+                if HAS_DROPOUT:
+                    b_dacc += _dot((b_s * b_drop).to(b_v.dtype), b_v)
+                else:
+                    b_dacc += _dot(b_s.to(b_v.dtype), b_v)
+            if NEED_GRAD >= GRAD_ALPHA_C:
+                # p log p = p * log(base) / (alpha - 1)
+                b_plogp += tl.sum(tl.where(b_d > 0, b_p * _log2_base(b_d, inv_am1, ALPHA_KIND),
+                                           0.0), 1) * (
+                    inv_am1 * 0.6931471805599453)
+    return b_sum, b_ssum, b_plogp, b_acc, b_dacc
+
+
+@triton.jit
 def entmax_attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, dvec_ptr, stats_ptr, flags_ptr, mask_ptr, alpha_ptr,
     seed_ptr, cu_q_ptr, cu_k_ptr,
@@ -665,54 +713,6 @@ def entmax_attn_fwd_kernel(
         b_dvec = b_dacc / tl.where(b_ssum > 0, b_ssum, 1.0)[:, None]
         p_dv = dvec_ptr + i_b * stride_ob + i_h * stride_oh + q_start * stride_ol
         tl.store(p_dv + o_m[:, None] * stride_ol + o_ev[None, :], b_dvec, mask=m_o)
-
-
-@triton.jit
-def _output_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq,
-                 stride_mk, o_m, start_n, q_len, k_len, head_e, head_ev, scale, inv_am1,
-                 b_mz, b_tau, m_rows, is_causal, p_flags, seed, pid_bh, seqlen_q, seqlen_k,
-                 dropout_p, b_sum, b_ssum, b_plogp, b_acc, b_dacc,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-                 BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr,
-                 ALPHA_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                 NEED_GRAD: tl.constexpr, BOUNDARY: tl.constexpr):
-    """Adds one flagged key tile to the output sums; rewrites its flag to "holds a non-zero
-    weight" and skips the products when it does not."""
-    if tl.load(p_flags + start_n // BLOCK_N) != 0:
-        b_u = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                          start_n, q_len, k_len, head_e, scale, b_mz, is_causal,
-                          BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
-        b_d = tl.maximum(b_u - b_tau[:, None], 0.0)  # [BM, BN], z units
-        b_p = _weights(b_d, inv_am1, ALPHA_KIND)
-        b_prow = tl.sum(b_p, 1)
-        b_sum += b_prow
-        b_alive = tl.max(tl.where(m_rows, b_prow, 0.0), 0) > 0
-        tl.store(p_flags + start_n // BLOCK_N, b_alive.to(tl.int8))
-        if b_alive:
-            o_n = start_n + tl.arange(0, BLOCK_N)
-            o_ev = tl.arange(0, BLOCK_EV)
-            b_v = tl.load(p_v + o_n[:, None] * stride_vl + o_ev[None, :],
-                          mask=(o_n[:, None] < k_len) & (o_ev[None, :] < head_ev),
-                          other=0.0)  # [BN, BEV]
-            b_drop = _dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
-                                    BLOCK_M, BLOCK_N, HAS_DROPOUT)
-            if HAS_DROPOUT:
-                b_acc += _dot((b_p * b_drop).to(b_v.dtype), b_v)
-            else:
-                b_acc += _dot(b_p.to(b_v.dtype), b_v)
-            if NEED_GRAD >= GRAD_INPUTS_C:
-                b_s = _sensitivity(b_d, inv_am1, ALPHA_KIND)
-                b_ssum += tl.sum(b_s, 1)
-                if HAS_DROPOUT:
-                    b_dacc += _dot((b_s * b_drop).to(b_v.dtype), b_v)
-                else:
-                    b_dacc += _dot(b_s.to(b_v.dtype), b_v)
-            if NEED_GRAD >= GRAD_ALPHA_C:
-                # p log p = p * log(base) / (alpha - 1)
-                b_plogp += tl.sum(tl.where(b_d > 0, b_p * _log2_base(b_d, inv_am1, ALPHA_KIND),
-                                           0.0), 1) * (
-                    inv_am1 * 0.6931471805599453)
-    return b_sum, b_ssum, b_plogp, b_acc, b_dacc
 
 
 _DTYPES = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16"}
