@@ -13,7 +13,6 @@ Backends are parametrised as ``backend``; the Triton cases of a group run only o
 name has left ``TRITON_PENDING`` (the Triton kernels' owners remove it when their kernels
 follow the rule).
 """
-import math
 
 import pytest
 import torch

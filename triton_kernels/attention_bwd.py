@@ -19,7 +19,7 @@ causal and key-end masks only on the tiles that cross them.
 import triton
 import triton.language as tl
 
-from .attention_fwd import (_DTYPES, FWD_POINTERS, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C,
+from .attention_fwd import (FWD_POINTERS, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C,
                             STAT_TAU_C, _config_space, _dot, _dot_rows, _dropout_scale,
                             _full_tiles_end, _held_cols, _held_rows, _load_rows, _log2_base,
                             _scores, _sensitivity, _sequence_bounds, _weights, block_sizes,
