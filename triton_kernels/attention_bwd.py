@@ -21,9 +21,10 @@ import triton.language as tl
 
 from .attention_fwd import (FWD_POINTERS, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C,
                             STAT_TAU_C, _config_space, _dot, _dot_rows, _dropout_scale,
-                            _full_tiles_end, _held_cols, _held_rows, _load_rows, _log2_base,
-                            _scores, _sensitivity, _sequence_bounds, _weights, block_sizes,
-                            chunk_width, config_suffix, kernel_signature, launch_config)
+                            _full_tiles_end, _gap, _held_cols, _held_rows, _load_rows,
+                            _log2_base, _scores, _sensitivity, _sequence_bounds, _weights,
+                            block_sizes, chunk_width, config_suffix, kernel_signature,
+                            launch_config)
 
 # rows of the backward's per-row buffer
 ROW_DELTA, ROW_DALPHA = 0, 1
@@ -33,14 +34,14 @@ ROW_DALPHA_C = tl.constexpr(ROW_DALPHA)
 
 
 @triton.jit
-def _row_weights(b_u, b_tau, b_l, am1, inv_am1, ALPHA_KIND: tl.constexpr):
-    """Normalised weights p, sensitivities s = p^(2-alpha) and d = [u - tau]_+ from the
-    shifted scores u. [BM, BN]"""
-    b_d = tl.maximum(b_u - b_tau[:, None], 0.0)
-    b_p = _weights(b_d, inv_am1, ALPHA_KIND) / b_l[:, None]
-    # s = (d^e / l)^(2 - alpha) = d^(e - 1) * l^(alpha - 2)
-    b_s = _sensitivity(b_d, inv_am1, ALPHA_KIND) * tl.exp2((am1 - 1.0) * tl.log2(b_l))[:, None]
-    return b_d, b_p, b_s
+def _row_weights(b_u, b_thr, b_l, am1, inv_am1, ALPHA_KIND: tl.constexpr):
+    """The `_gap` g of the shifted scores u to the stored threshold, the normalised weights
+    p and the sensitivities s = p^(2-alpha). [BM, BN]"""
+    b_g = _gap(b_u, b_thr, inv_am1, ALPHA_KIND)
+    b_p = _weights(b_g, inv_am1, ALPHA_KIND) / b_l[:, None]
+    # s = (base^e / l)^(2 - alpha) = base^(e - 1) * l^(alpha - 2)
+    b_s = _sensitivity(b_g, inv_am1, ALPHA_KIND) * tl.exp2((am1 - 1.0) * tl.log2(b_l))[:, None]
+    return b_g, b_p, b_s
 
 
 @triton.jit
@@ -62,7 +63,7 @@ def _dq_tile(b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, st
         b_u = _scores(b_q, b_kt, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk,
                       o_m, start_n, q_len, k_len, head_e, scale, b_mz, is_causal,
                       BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
-        b_d, b_p, b_s = _row_weights(b_u, b_tau, b_l, am1, inv_am1, ALPHA_KIND)
+        b_gap, b_p, b_s = _row_weights(b_u, b_tau, b_l, am1, inv_am1, ALPHA_KIND)
         b_vt = _held_cols(p_v, stride_vl, o_n, k_len, head_ev, BLOCK_EV, BLOCK_EC)
         b_g = _dot_rows(b_do, b_vt, p_do, stride_ol, o_m, q_len, p_v, stride_vl, o_n, k_len,
                         head_ev, BLOCK_EV, BLOCK_EC)  # dL/dp [BM, BN]
@@ -76,9 +77,10 @@ def _dq_tile(b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, st
         b_dq += _dot(b_dz.to(b_k.dtype), b_k)
         if need_alpha_grad != 0:
             # h = -p log p with log p = log(d) / (alpha - 1) - log l
-            b_logp = (_log2_base(b_d, inv_am1, ALPHA_KIND) * inv_am1
+            # (off the support p = 0 and the log of the base is 0)
+            b_logp = (_log2_base(b_gap, ALPHA_KIND) * inv_am1
                       - tl.log2(b_l)[:, None]) * 0.6931471805599453
-            b_gh -= tl.sum(tl.where(b_d > 0, b_p * b_logp, 0.0) * b_g, 1)
+            b_gh -= tl.sum(b_p * b_logp * b_g, 1)
     return b_dq, b_gh
 
 
@@ -206,7 +208,7 @@ def _dkdv_tile(b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do,
         b_u = _scores(b_q, b_kt, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk,
                       o_m, start_n, q_len, k_len, head_e, scale, b_mz, is_causal,
                       BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
-        b_d, b_p, b_s = _row_weights(b_u, b_tau, b_l, am1, inv_am1, ALPHA_KIND)
+        b_gap, b_p, b_s = _row_weights(b_u, b_tau, b_l, am1, inv_am1, ALPHA_KIND)
         b_g = _dot_rows(b_do, b_vt, p_do, stride_ol, o_m, q_len, p_v, stride_vl, o_n, k_len,
                         head_ev, BLOCK_EV, BLOCK_EC)  # [BM, BN]
         if HAS_DROPOUT:

@@ -270,39 +270,77 @@ def _dot(b_a, b_b):
 
 
 @triton.jit
-def _log2_base(b_d, inv_am1, ALPHA_KIND: tl.constexpr):
-    """log2 of the base of the powers p = base^e and s = base^(e-1), for d >= 0 in z units
-    (entries d <= 0 give 0; callers discard them). alpha 2 and 1.5: d itself (the constant
-    factor (alpha-1)^e cancels in the normalised weights). General alpha: d (alpha - 1),
-    in u units, at most 1: d^e in z units would overflow for alpha near 1."""
+def _gap(b_u, b_thr, inv_am1, ALPHA_KIND: tl.constexpr):
+    """Distance of the shifted scores b_u (z units, [BM, BN]) to the row threshold b_thr [BM]
+    (`_threshold_in_z`). alpha 2 and 1.5: d = [u - tau_z]_+ in z units. General alpha: w =
+    (alpha - 1) u - c with c = tau + 1 (u units), so that the base of the powers is 1 + w:
+    for alpha near 1, w is small and known to float precision where 1 + w is not."""
     if ALPHA_KIND == ALPHA_GENERAL_C:
-        b_d = b_d * (1.0 / inv_am1)
-    return tl.log2(tl.where(b_d > 0, b_d, 1.0))
+        b_g = b_u * (1.0 / inv_am1) - b_thr[:, None]
+    else:
+        b_g = tl.maximum(b_u - b_thr[:, None], 0.0)
+    return b_g
 
 
 @triton.jit
-def _weights(b_d, inv_am1, ALPHA_KIND: tl.constexpr):
-    """Unnormalised weights p = base^(1/(alpha-1)) for d >= 0 (`_log2_base`)."""
-    if ALPHA_KIND == ALPHA_2_C:
-        b_p = b_d
-    elif ALPHA_KIND == ALPHA_15_C:
-        b_p = b_d * b_d
+def _in_support(b_g, ALPHA_KIND: tl.constexpr):
+    """Entries of a `_gap` with non-zero weight."""
+    if ALPHA_KIND == ALPHA_GENERAL_C:
+        m_sup = b_g > -1.0
     else:
-        b_p = tl.where(b_d > 0, tl.exp2(inv_am1 * _log2_base(b_d, inv_am1, ALPHA_KIND)), 0.0)
+        m_sup = b_g > 0
+    return m_sup
+
+
+@triton.jit
+def _log2_base(b_g, ALPHA_KIND: tl.constexpr):
+    """log2 of the base of the powers p = base^e and s = base^(e-1) from a `_gap` (0 off the
+    support; callers discard those). alpha 2 and 1.5: the base is d (the constant factor of
+    z units cancels in the normalised weights). General: 1 + w, through log1p with the
+    rounding of 1 + w compensated, so that e log(base) stays accurate for alpha near 1."""
+    if ALPHA_KIND == ALPHA_GENERAL_C:
+        b_w = tl.where(b_g > -1.0, b_g, 0.0)
+        b_base = 1.0 + b_w
+        b_log2 = tl.log2(b_base) - ((b_base - 1.0) - b_w) / b_base * 1.4426950408889634
+    else:
+        b_log2 = tl.log2(tl.where(b_g > 0, b_g, 1.0))
+    return b_log2
+
+
+@triton.jit
+def _weights(b_g, inv_am1, ALPHA_KIND: tl.constexpr):
+    """Unnormalised weights p = base^(1/(alpha-1)) from a `_gap`."""
+    if ALPHA_KIND == ALPHA_2_C:
+        b_p = b_g
+    elif ALPHA_KIND == ALPHA_15_C:
+        b_p = b_g * b_g
+    else:
+        b_p = tl.where(b_g > -1.0, tl.exp2(inv_am1 * _log2_base(b_g, ALPHA_KIND)), 0.0)
     return b_p
 
 
 @triton.jit
-def _sensitivity(b_d, inv_am1, ALPHA_KIND: tl.constexpr):
+def _sensitivity(b_g, inv_am1, ALPHA_KIND: tl.constexpr):
     """dp/dbase = base^(1/(alpha-1) - 1), i.e. p^(2-alpha) before row normalisation."""
     if ALPHA_KIND == ALPHA_2_C:
-        b_s = tl.where(b_d > 0, 1.0, 0.0)
+        b_s = tl.where(b_g > 0, 1.0, 0.0)
     elif ALPHA_KIND == ALPHA_15_C:
-        b_s = b_d
+        b_s = b_g
     else:
-        b_s = tl.where(b_d > 0,
-                       tl.exp2((inv_am1 - 1.0) * _log2_base(b_d, inv_am1, ALPHA_KIND)), 0.0)
+        b_s = tl.where(b_g > -1.0,
+                       tl.exp2((inv_am1 - 1.0) * _log2_base(b_g, ALPHA_KIND)), 0.0)
     return b_s
+
+
+@triton.jit
+def _threshold_in_z(b_c, inv_am1, ALPHA_KIND: tl.constexpr):
+    """The row threshold the tiles take (`_gap`) from c = tau + 1 (u units, where the
+    bracket lives): tau_z = (c - 1)/(alpha - 1) for alpha 2 and 1.5, c itself for general."""
+    if ALPHA_KIND == ALPHA_GENERAL_C:
+        b_thr = b_c
+    else:
+        b_thr = (b_c - 1.0) * inv_am1
+    return b_thr
 
 
 @triton.jit
@@ -365,34 +403,33 @@ def _row_max(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, 
 
 
 @triton.jit
-def _moments(b_d, inv_am1, ALPHA_KIND: tl.constexpr):
-    """Per-row sums over one tile of d = [u - t]_+ that fix the threshold update
+def _moments(b_g, inv_am1, ALPHA_KIND: tl.constexpr):
+    """Per-row sums over one tile of a `_gap` that fix the threshold update
     (docs/attention.md, "Threshold"): (a, b, c, dmin) with
 
-        alpha = 2:    a = sum d      b = #{d > 0}     c = b
+        alpha = 2:    a = sum d      b = #{d > 0}     c = b        (d in z units)
         alpha = 1.5:  a = sum d^2    b = sum d        c = #{d > 0}
-        general:      a = sum d_u^(e-1) d    b = sum d_u^(e-1)    c = b
-                      (e = 1/(alpha-1); powers of d_u = (alpha-1) d, in u units)
+        general:      a = sum base^e  b = sum base^(e-1)  c = b    (base = 1 + w, u units)
 
     and dmin the smallest positive d (the exactness certificate of alpha 2 and 1.5; general
-    alpha returns b there, unused). f(t) = a - 1 in every case."""
+    alpha returns b there, unused). f(t) = a - 1 in u units (`_sums_in_u`)."""
     if ALPHA_KIND == ALPHA_2_C:
-        b_a = tl.sum(b_d, 1)
-        b_b = tl.sum(tl.where(b_d > 0, 1.0, 0.0), 1)
+        b_a = tl.sum(b_g, 1)
+        b_b = tl.sum(tl.where(b_g > 0, 1.0, 0.0), 1)
         b_c = b_b
     elif ALPHA_KIND == ALPHA_15_C:
-        b_a = tl.sum(b_d * b_d, 1)
-        b_b = tl.sum(b_d, 1)
-        b_c = tl.sum(tl.where(b_d > 0, 1.0, 0.0), 1)
+        b_a = tl.sum(b_g * b_g, 1)
+        b_b = tl.sum(b_g, 1)
+        b_c = tl.sum(tl.where(b_g > 0, 1.0, 0.0), 1)
     else:
-        b_pw = _sensitivity(b_d, inv_am1, ALPHA_KIND)  # in u units
-        b_a = tl.sum(b_pw * b_d, 1)
+        b_pw = _sensitivity(b_g, inv_am1, ALPHA_KIND)
         b_b = tl.sum(b_pw, 1)
+        b_a = b_b + tl.sum(b_pw * tl.where(b_g > -1.0, b_g, 0.0), 1)
         b_c = b_b
     if ALPHA_KIND == ALPHA_GENERAL_C:
         b_dmin = b_b
     else:
-        b_dmin = tl.min(tl.where(b_d > 0, b_d, float("inf")), 1)
+        b_dmin = tl.min(tl.where(b_g > 0, b_g, float("inf")), 1)
     return b_a, b_b, b_c, b_dmin
 
 
@@ -416,7 +453,7 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
         b_u = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                           start_n, q_len, k_len, head_e, scale, b_shift, is_causal,
                           BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
-        b_a, b_b, b_c, b_n = _moments(tl.maximum(b_u - b_t0[:, None], 0.0), inv_am1, ALPHA_KIND)
+        b_a, b_b, b_c, b_n = _moments(_gap(b_u, b_t0, inv_am1, ALPHA_KIND), inv_am1, ALPHA_KIND)
         b_a0 += b_a
         b_b0 += b_b
         b_c0 += b_c
@@ -425,7 +462,7 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
         b_alive = tl.max(tl.where(m_rows, b_b, 0.0), 0)
         tl.store(p_flags + start_n // BLOCK_N, (b_alive > 0).to(tl.int8))
         if TWO:
-            b_a, b_b, b_c, b_n = _moments(tl.maximum(b_u - b_t1[:, None], 0.0), inv_am1,
+            b_a, b_b, b_c, b_n = _moments(_gap(b_u, b_t1, inv_am1, ALPHA_KIND), inv_am1,
                                           ALPHA_KIND)
             b_a1 += b_a
             b_b1 += b_b
@@ -472,7 +509,7 @@ def _sums_in_u(b_a, b_b, b_c, b_dmin, am1, inv_am1, ALPHA_KIND: tl.constexpr):
     elif ALPHA_KIND == ALPHA_15_C:
         b_a_u, b_b_u = b_a * (am1 * am1), b_b * am1
     else:
-        b_a_u, b_b_u = b_a * am1, b_b
+        b_a_u, b_b_u = b_a, b_b
     return b_a_u, b_b_u, b_c, b_dmin * am1
 
 
@@ -543,8 +580,8 @@ def _output_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, st
         b_u = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                           start_n, q_len, k_len, head_e, scale, b_mz, is_causal,
                           BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
-        b_d = tl.maximum(b_u - b_tau[:, None], 0.0)  # [BM, BN], z units
-        b_p = _weights(b_d, inv_am1, ALPHA_KIND)
+        b_g = _gap(b_u, b_tau, inv_am1, ALPHA_KIND)  # [BM, BN]
+        b_p = _weights(b_g, inv_am1, ALPHA_KIND)
         b_prow = tl.sum(b_p, 1)
         b_sum += b_prow
         b_alive = tl.max(tl.where(m_rows, b_prow, 0.0), 0) > 0
@@ -562,7 +599,7 @@ def _output_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, st
             else:
                 b_acc += _dot(b_p.to(b_v.dtype), b_v)
             if NEED_GRAD >= GRAD_INPUTS_C:
-                b_s = _sensitivity(b_d, inv_am1, ALPHA_KIND)
+                b_s = _sensitivity(b_g, inv_am1, ALPHA_KIND)
                 b_ssum += tl.sum(b_s, 1)
                 if HAS_DROPOUT:
                     b_dacc += _dot((b_s * b_drop).to(b_v.dtype), b_v)
@@ -570,8 +607,7 @@ def _output_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, st
                     b_dacc += _dot(b_s.to(b_v.dtype), b_v)
             if NEED_GRAD >= GRAD_ALPHA_C:
                 # p log p = p * log(base) / (alpha - 1)
-                b_plogp += tl.sum(tl.where(b_d > 0, b_p * _log2_base(b_d, inv_am1, ALPHA_KIND),
-                                           0.0), 1) * (
+                b_plogp += tl.sum(b_p * _log2_base(b_g, ALPHA_KIND), 1) * (
                     inv_am1 * 0.6931471805599453)
     return b_sum, b_ssum, b_plogp, b_acc, b_dacc
 
@@ -632,15 +668,17 @@ def entmax_attn_fwd_kernel(
     m_rows = m_m & (b_m > float("-inf")) & (b_m < float("inf"))
     b_mz = tl.where(m_rows, b_m, 0.0)
 
-    # threshold passes, in shifted coordinates u = y - max(y): tau in [-1, 0)
-    b_lo = tl.full([BLOCK_M], -1.0, dtype=tl.float32)
-    b_hi = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # threshold passes; the bracket holds c = tau + 1 in [0, 1), u = (alpha-1)(z - max z)
+    # units: near alpha = 1 the threshold sits close to -1 and c keeps its digits
+    b_lo = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_hi = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     b_tau = b_lo
     m_done = ~m_rows
     b_mid = 0.5 * (b_lo + b_hi)
     b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_pass(
         b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_m, q_len,
-        k_len, kv_end, head_e, scale, b_mz, is_causal, b_lo * inv_am1, b_mid * inv_am1, m_rows,
+        k_len, kv_end, head_e, scale, b_mz, is_causal, _threshold_in_z(b_lo, inv_am1, ALPHA_KIND),
+        _threshold_in_z(b_mid, inv_am1, ALPHA_KIND), m_rows,
         p_flags, inv_am1, False, True, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND,
         ALPHA_KIND)
     b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
@@ -653,7 +691,7 @@ def entmax_attn_fwd_kernel(
     while (tl.max(tl.where(m_done, 0, 1), 0) > 0) & (n_pass < MAX_TAU_PASSES_C):
         # this pass reads the flags the previous one wrote from other threads
         tl.debug_barrier()
-        b_t0 = b_lo * inv_am1
+        b_t0 = _threshold_in_z(b_lo, inv_am1, ALPHA_KIND)
         b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_pass(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_m,
             q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, b_t0, b_t0, m_rows, p_flags,
@@ -663,8 +701,8 @@ def entmax_attn_fwd_kernel(
                                                       b_tau, m_done, am1, ALPHA_KIND)
         n_pass += 1
     # rows still open after MAX_TAU_PASSES: the last lower bound (a Newton step). From here
-    # on in z units, like the stored statistics.
-    b_tau = tl.where(m_done, b_tau, b_lo) * inv_am1
+    # on the tiles' threshold (`_threshold_in_z`), which the statistics store too.
+    b_tau = _threshold_in_z(tl.where(m_done, b_tau, b_lo), inv_am1, ALPHA_KIND)
     tl.debug_barrier()
 
     # output pass (sparse): tiles flagged by the last threshold pass; it flags exactly the
