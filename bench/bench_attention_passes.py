@@ -148,7 +148,7 @@ def table(alphas, lengths, blocks, sigma):
         for n in lengths:
             for kind in ("random", "local"):
                 passes, errors, visits = [], [], []
-                for b in range(blocks):
+                for _ in range(blocks):
                     z = scores(kind, n, sigma, n - BLOCK_M)
                     y = (alpha - 1.0) * z
                     u = (y - y.amax(-1, keepdim=True)).float()
