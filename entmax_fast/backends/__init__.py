@@ -6,13 +6,18 @@
     cpp         the one loader of the compiled extension entmax_fast._C and wrappers of
                 its operators (csrc/): CPU kernels, and CUDA kernels where built with CUDA
 
-Contract. A backend module defines
+Contract. A backend is a package here whose ``__init__`` is light (it imports neither
+triton nor the extension nor any kernel) and defines
 
-    OPS                      the op names it implements
-    available() -> (bool, reason)
-    supports(op, request) -> None, or why it cannot run that call (dispatch.Request)
+    OPS: dict[str, str]      op name -> the submodule (relative to the backend package)
+                             that defines the op's forward and backward
+    available() -> (bool, reason)             cached; the first call may import triton
+    runs_on(device) -> None, or why it cannot run tensors on that torch.device here
+    supports(op, request) -> None, or why it cannot run that call (request: device,
+                             dtype and the op's options, see dispatch.Request)
+    describe(op, request) -> what runs the call, in a user's words
 
-and, for each op in OPS, a forward and a backward. They compute; they hold no autograd.
+and, in the submodule OPS names, a forward and a backward for each op. They compute; they hold no autograd.
 The public layer (mappings.py, structured.py, attention.py) validates the arguments once
 and holds the one torch.autograd.Function of each op, which calls the dispatched pair:
 
