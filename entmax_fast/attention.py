@@ -1,9 +1,10 @@
 """Public scaled-dot-product entmax attention, with the signature and layout of
 ``torch.nn.functional.scaled_dot_product_attention``.
 
-Layers: :func:`entmax_attention` (validates, normalises) → ``dispatch`` (op
+Layers: :func:`entmax_attention` (validates, normalises) → :class:`AttentionFunction`
+(autograd) → the forward and backward of the backend ``dispatch`` picks (op
 ``"attention"``: Triton fused kernels on CUDA, the C++ op on CPU when built, else the
-chunked plain-torch reference) → that backend's differentiable implementation.
+chunked plain-torch reference).
 
 Causal masks are aligned top-left, as in SDPA: query i attends to keys j ≤ i, whatever
 Lq and Lk. For Lq = 3, Lk = 5 (``x`` = attended)::
@@ -31,10 +32,89 @@ import math
 import torch
 
 from . import dispatch
-from ._validation import _assert_values, check_alpha_float, check_alpha_tensor, check_backend_dtype, check_floating
+from ._validation import (_assert_values, check_alpha_float, check_alpha_tensor, check_backend_dtype, check_floating,
+                          once_differentiable_grads)
+from .common import GRAD_ALPHA, GRAD_INPUTS, GRAD_NONE
 from .reference.attention import is_empty_attention, zero_attention
 
-__all__ = ["entmax_attention", "sparsemax_attention", "entmax_attention_varlen"]
+__all__ = ["entmax_attention", "sparsemax_attention", "entmax_attention_varlen", "AttentionFunction",
+           "AttentionVarlenFunction"]
+
+
+def _grad_level(tensors, alpha) -> int:
+    """What the forward must keep for the backward (common.GRAD_*), decided before the
+    autograd.Function runs (inside it, grad mode is off)."""
+    if not torch.is_grad_enabled():
+        return GRAD_NONE
+    if isinstance(alpha, torch.Tensor) and alpha.requires_grad:
+        return GRAD_ALPHA
+    if any(t is not None and t.requires_grad for t in tensors):
+        return GRAD_INPUTS
+    return GRAD_NONE
+
+
+def _per_head(alpha, heads):
+    """A 0-d or one-element α tensor expanded to (H,): every backend takes a float or (H,)."""
+    if isinstance(alpha, torch.Tensor) and alpha.shape != (heads,):
+        return alpha.reshape(-1).expand(heads)
+    return alpha
+
+
+class AttentionFunction(torch.autograd.Function):
+    """Entmax attention with gradients for query, key, value, a float mask and a tensor α,
+    on the dispatched backend (its ``attention_forward`` / ``attention_backward``). Once
+    differentiable: the gradients raise when differentiated again."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, attn_mask, alpha, options, request_options):
+        (forward, backward), choice = dispatch.select("attention",
+                                                      dispatch.Request(query.device, query.dtype, request_options))
+        check_backend_dtype(choice, query)
+        out, saved = forward(query, key, value, attn_mask, alpha, **options)
+        alpha_tensor = alpha if isinstance(alpha, torch.Tensor) else None
+        ctx.save_for_backward(query, key, value, attn_mask, alpha_tensor, out, *saved)
+        ctx.alpha_float = None if alpha_tensor is not None else alpha
+        ctx.backward_impl, ctx.backend = backward, choice.backend
+        ctx.options = {name: value for name, value in options.items() if name != "need_grad"}
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, attn_mask, alpha_tensor, out, *saved = ctx.saved_tensors
+        alpha = ctx.alpha_float if alpha_tensor is None else alpha_tensor
+        grads = ctx.backward_impl(grad_out, query, key, value, attn_mask, alpha, out, tuple(saved), **ctx.options,
+                                  need_mask_grad=ctx.needs_input_grad[3], need_alpha_grad=ctx.needs_input_grad[4])
+        grads = once_differentiable_grads(f"entmax attention ({ctx.backend} backend)", grads,
+                                          (query, key, value, attn_mask, alpha_tensor, grad_out))
+        return (*grads, None, None)
+
+
+class AttentionVarlenFunction(torch.autograd.Function):
+    """:class:`AttentionFunction` for the packed variable-length form (op
+    ``"attention_varlen"``)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, alpha, lengths, options, request_options):
+        (forward, backward), choice = dispatch.select("attention_varlen",
+                                                      dispatch.Request(q.device, q.dtype, request_options))
+        check_backend_dtype(choice, q)
+        out, saved = forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *lengths, alpha, **options)
+        alpha_tensor = alpha if isinstance(alpha, torch.Tensor) else None
+        ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, alpha_tensor, out, *saved)
+        ctx.alpha_float = None if alpha_tensor is not None else alpha
+        ctx.backward_impl, ctx.backend, ctx.lengths = backward, choice.backend, lengths
+        ctx.options = {name: value for name, value in options.items() if name != "need_grad"}
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, cu_seqlens_q, cu_seqlens_k, alpha_tensor, out, *saved = ctx.saved_tensors
+        alpha = ctx.alpha_float if alpha_tensor is None else alpha_tensor
+        grads = ctx.backward_impl(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, *ctx.lengths, alpha, out,
+                                  tuple(saved), **ctx.options, need_alpha_grad=ctx.needs_input_grad[5])
+        dq, dk, dv, dalpha = once_differentiable_grads(f"entmax attention varlen ({ctx.backend} backend)", grads,
+                                                       (q, k, v, alpha_tensor, grad_out))
+        return dq, dk, dv, None, None, dalpha, None, None, None
 
 
 def _check_like(names, tensors, ref_name, ref):
@@ -131,14 +211,15 @@ def entmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
         scale = 1.0
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    options = {"alpha": alpha if isinstance(alpha, float) else "tensor", "dropout_p": float(dropout_p),
-               "head_dim": max(query.shape[-1], value.shape[-1]), "is_causal": bool(is_causal),
-               "mask": None if attn_mask is None else attn_mask.dtype,
-               "mask_requires_grad": attn_mask is not None and attn_mask.requires_grad}
-    implementation, choice = dispatch.select("attention", dispatch.Request(query.device, query.dtype, options))
-    check_backend_dtype(choice, query)
-    return implementation(query, key, value, attn_mask=attn_mask, dropout_p=float(dropout_p),
-                          is_causal=bool(is_causal), scale=float(scale), enable_gqa=bool(enable_gqa), alpha=alpha)
+    request_options = {"alpha": alpha if isinstance(alpha, float) else "tensor", "dropout_p": float(dropout_p),
+                       "head_dim": max(query.shape[-1], value.shape[-1]), "is_causal": bool(is_causal),
+                       "mask": None if attn_mask is None else attn_mask.dtype,
+                       "mask_requires_grad": attn_mask is not None and attn_mask.requires_grad
+                       and torch.is_grad_enabled()}
+    options = {"scale": float(scale), "is_causal": bool(is_causal), "dropout_p": float(dropout_p),
+               "enable_gqa": bool(enable_gqa), "need_grad": _grad_level((query, key, value, attn_mask), alpha)}
+    return AttentionFunction.apply(query, key, value, attn_mask, _per_head(alpha, query.shape[1]), options,
+                                   request_options)
 
 
 def sparsemax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -203,9 +284,9 @@ def entmax_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     alpha = _check_dropout_scale_alpha(dropout_p, scale, alpha, q.shape[1], q)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    options = {"alpha": alpha if isinstance(alpha, float) else "tensor", "dropout_p": float(dropout_p),
-               "head_dim": max(q.shape[-1], v.shape[-1]), "is_causal": bool(is_causal)}
-    implementation, choice = dispatch.select("attention_varlen", dispatch.Request(q.device, q.dtype, options))
-    check_backend_dtype(choice, q)
-    return implementation(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                          dropout_p=float(dropout_p), is_causal=bool(is_causal), scale=float(scale), alpha=alpha)
+    request_options = {"alpha": alpha if isinstance(alpha, float) else "tensor", "dropout_p": float(dropout_p),
+                       "head_dim": max(q.shape[-1], v.shape[-1]), "is_causal": bool(is_causal)}
+    options = {"scale": float(scale), "is_causal": bool(is_causal), "dropout_p": float(dropout_p),
+               "need_grad": _grad_level((q, k, v), alpha)}
+    return AttentionVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, _per_head(alpha, q.shape[1]),
+                                         (int(max_seqlen_q), int(max_seqlen_k)), options, request_options)

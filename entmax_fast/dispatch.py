@@ -1,11 +1,16 @@
 """One registry that picks, per call, the backend of every op, and remembers why.
 
-Backends:
+Backends (packages under ``entmax_fast/backends``, one contract, written down in
+``entmax_fast/backends/__init__.py``):
 - ``reference``: plain torch (``entmax_fast.reference``); always available.
 - ``triton``: Triton kernels (``entmax_fast.triton_kernels``); default for CUDA tensors.
   On CPU tensors only when forced, which runs the Triton interpreter
   (``TRITON_INTERPRET=1`` must be set before triton is first imported).
 - ``cpp``: the compiled extension ``entmax_fast._C``; default for CPU tensors when built.
+
+An op's implementation is the pair ``(<op>_forward, <op>_backward)`` of the backend
+module its ``OPS`` table names; the public layer wraps the pair in its autograd.Function.
+This module imports no public module: the arrows point down, to the backends.
 
 Forcing: the environment variable ``ENTMAX_FAST_BACKEND`` or the context manager
 :func:`use_backend`. A forced backend that implements the op but cannot run this call
@@ -29,7 +34,7 @@ import os
 import threading
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -53,59 +58,29 @@ class Choice:
     reason: str
 
 
-@dataclass
-class _Impl:
-    module: str
-    attrs: tuple
-    # Returns None when the call is supported, else the reason it is not.
-    supports: Callable[[Request], Optional[str]]
-
-
 class BackendUnavailableError(RuntimeError):
     pass
 
 
-_REGISTRY: dict[str, dict[str, _Impl]] = {}
+_BACKEND_MODULES = {"reference": ".backends.reference", "triton": ".backends.triton", "cpp": ".backends.cpp"}
 _LOADED: dict[tuple[str, str], Any] = {}
 _WARNED: set = set()
 # Per thread: the forced backend and the last choice of every op (another thread's calls
 # must not change what this thread is told).
 _LOCAL = threading.local()
 _AVAILABILITY: dict[str, tuple[bool, str]] = {}
-# Loading a backend registers torch.library kernels once per process; two threads doing it
-# at the same time register twice ("Overriding a previously registered kernel").
+# Loading a backend may register torch.library kernels, once per process; two threads
+# doing it at the same time would register twice.
 _LOAD_LOCK = threading.RLock()
 
 
-def register(op: str, backend: str, module: str, attrs, supports=None) -> None:
-    """Declare that ``module`` implements ``op`` for ``backend`` with the names ``attrs``
-    (imported lazily, on first use)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if isinstance(attrs, str):
-        attrs = (attrs,)
-    _REGISTRY.setdefault(op, {})[backend] = _Impl(module, tuple(attrs), supports or (lambda request: None))
-    _LOADED.pop((op, backend), None)
+def _backend(name: str):
+    """The backend's package: light to import (no triton, no extension)."""
+    return importlib.import_module(_BACKEND_MODULES[name], package=__package__)
 
 
-def _triton_availability() -> tuple[bool, str]:
-    try:
-        import triton  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
-        return False, f"triton is not importable ({type(exc).__name__}: {exc})"
-    if torch.cuda.is_available():
-        return True, f"triton {triton.__version__} with CUDA device {torch.cuda.get_device_name()}"
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True, (f"triton {triton.__version__}, no CUDA device: interpreter only "
-                      "(TRITON_INTERPRET=1; CPU tensors, when forced; slow, for testing)")
-    return False, (f"triton {triton.__version__} is importable, but there is no CUDA device, and the "
-                   "interpreter needs TRITON_INTERPRET=1 set before triton is imported")
-
-
-def _cpp_availability() -> tuple[bool, str]:
-    from . import _ext
-
-    return _ext.status()
+def _implementations(op: str) -> tuple[str, ...]:
+    return tuple(name for name in BACKENDS if op in _backend(name).OPS)
 
 
 def availability(backend: str) -> tuple[bool, str]:
@@ -115,29 +90,21 @@ def availability(backend: str) -> tuple[bool, str]:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         with _LOAD_LOCK:
             if backend not in _AVAILABILITY:
-                if backend == "reference":
-                    _AVAILABILITY[backend] = (True, "plain torch, always available")
-                elif backend == "triton":
-                    _AVAILABILITY[backend] = _triton_availability()
-                else:
-                    _AVAILABILITY[backend] = _cpp_availability()
+                _AVAILABILITY[backend] = _backend(backend).available()
     return _AVAILABILITY[backend]
 
 
 def _runs_on(backend: str, request: Request) -> Optional[str]:
-    """None if ``backend`` can run on the request's device, else why not."""
-    if backend == "triton" and request.device.type != "cuda" and not (
-            request.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
-        return (f"triton cannot run {request.device.type} tensors here (only CUDA tensors, or CPU "
-                "tensors in the interpreter: TRITON_INTERPRET=1 set before triton is imported)")
+    """None if ``backend`` can run tensors on the request's device here, else why not."""
+    why_not = _backend(backend).runs_on(request.device)
+    if why_not is not None:
+        return why_not
     ok, why = availability(backend)
-    if not ok:
-        return why
-    if backend == "triton" and request.device.type == "cuda" and not torch.cuda.is_available():
-        return "no CUDA device"
-    if backend == "cpp" and request.device.type not in ("cpu", "cuda"):
-        return f"the extension has no {request.device.type} kernels"
-    return None
+    return None if ok else why
+
+
+def _refusal(backend: str, op: str, request: Request) -> Optional[str]:
+    return _runs_on(backend, request) or _backend(backend).supports(op, request)
 
 
 def forced_backend() -> Optional[str]:
@@ -177,10 +144,9 @@ def _load(op: str, backend: str):
     if (op, backend) not in _LOADED:
         with _LOAD_LOCK:
             if (op, backend) not in _LOADED:
-                impl = _REGISTRY[op][backend]
-                module = importlib.import_module(impl.module, package=__package__)
-                objs = tuple(getattr(module, name) for name in impl.attrs)
-                _LOADED[(op, backend)] = objs if len(objs) > 1 else objs[0]
+                package = _BACKEND_MODULES[backend]
+                module = importlib.import_module(f"{package}.{_backend(backend).OPS[op]}", package=__package__)
+                _LOADED[(op, backend)] = (getattr(module, f"{op}_forward"), getattr(module, f"{op}_backward"))
     return _LOADED[(op, backend)]
 
 
@@ -200,7 +166,7 @@ def _mark_constant_for_compile(fn):
 
 
 def select(op: str, request: Request) -> tuple[Any, Choice]:
-    """Pick the implementation of ``op`` for ``request``; returns (implementation, choice).
+    """Pick the implementation of ``op`` for ``request``; returns ((forward, backward), choice).
 
     Under ``torch.compile`` the choice is made once, when the graph is traced, and kept as
     a constant of the compiled code (a backend forced later does not re-trace it).
@@ -218,35 +184,15 @@ def _choice_while_tracing(op: str, device_type: str, dtype: torch.dtype, options
     return choice.backend, choice.reason
 
 
-def _describe(backend: str, request: Request, op: str) -> str:
-    """What runs the call, in a user's words: "cpp: C++ extension, avx2-fma kernels"."""
-    if backend == "cpp":
-        if request.device.type == "cpu":
-            from . import _ext
-
-            return f"cpp: C++ extension, {_ext.cpu_kernel_set()} CPU kernels"
-        return f"cpp: C++ extension, {request.device.type.upper()} kernels"
-    if backend == "triton":
-        where = "CUDA tensor" if request.device.type == "cuda" else "CPU tensor in the Triton interpreter"
-        # The fused attention kernels take only 1 < alpha <= 2; the row-wise ones any alpha.
-        alpha = request.options.get("alpha") if op.startswith("attention") else None
-        if isinstance(alpha, float):
-            where += f", alpha = {alpha:g} in (1, 2]"
-        elif alpha is not None:
-            where += ", alpha per head"
-        return f"triton: {where}"
-    return "reference: plain torch"
-
-
 def _select(op: str, request: Request) -> tuple[Any, Choice]:
-    impls = _REGISTRY.get(op)
+    impls = _implementations(op)
     if not impls:
-        raise KeyError(f"no backend registered for op {op!r}")
+        raise KeyError(f"no backend implements op {op!r}")
     forced, forced_by = _forcing()
     refusals = []
     if forced is not None:
         if forced in impls:
-            why_not = _runs_on(forced, request) or impls[forced].supports(request)
+            why_not = _refusal(forced, op, request)
             if why_not is not None:
                 raise BackendUnavailableError(
                     f"backend {forced!r} was forced for {op} but cannot run this call: {why_not}")
@@ -256,7 +202,7 @@ def _select(op: str, request: Request) -> tuple[Any, Choice]:
                 raise BackendUnavailableError(
                     f"backend {forced!r} was forced for {op} but failed to load: {type(exc).__name__}: {exc}"
                 ) from exc
-            choice = Choice(op, forced, f"{_describe(forced, request, op)}; forced by {forced_by}")
+            choice = Choice(op, forced, f"{_backend(forced).describe(op, request)}; forced by {forced_by}")
             _last_choices()[op] = choice
             return implementation, choice
         refusals.append(f"forced {forced!r} has no {op} implementation ({forced_by})")
@@ -264,14 +210,14 @@ def _select(op: str, request: Request) -> tuple[Any, Choice]:
         if backend not in impls:
             refusals.append(f"{backend}: no {op} implementation")
             continue
-        why_not = _runs_on(backend, request) or impls[backend].supports(request)
+        why_not = _refusal(backend, op, request)
         if why_not is None:
             try:
                 implementation = _load(op, backend)
             except Exception as exc:  # noqa: BLE001 - a broken optional backend must not break the op
                 refusals.append(f"{backend}: failed to load ({type(exc).__name__}: {exc})")
                 continue
-            reason = _describe(backend, request, op)
+            reason = _backend(backend).describe(op, request)
             if refusals:
                 reason += ", because " + "; ".join(refusals)
             else:
@@ -303,9 +249,9 @@ def device_usage(backend: str, device_type: str) -> str:
     if why_not is not None:
         return f"no: {why_not}"
     first_for = []
-    for op, impls in _REGISTRY.items():
+    for op in registered_ops():
         for candidate in _default_order(request.device):
-            if candidate in impls and _runs_on(candidate, request) is None and impls[candidate].supports(request) is None:
+            if op in _backend(candidate).OPS and _refusal(candidate, op, request) is None:
                 if candidate == backend:
                     first_for.append(op)
                 break
@@ -320,68 +266,6 @@ def device_usage(backend: str, device_type: str) -> str:
 
 
 def registered_ops() -> dict[str, tuple[str, ...]]:
-    return {op: tuple(impls) for op, impls in _REGISTRY.items()}
-
-
-# ---------------------------------------------------------------------------------------
-# The table: every (op, backend) pair of the package, in one place.
-# ---------------------------------------------------------------------------------------
-
-def _triton_rowwise_supports(request: Request) -> Optional[str]:
-    if request.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return f"triton row-wise kernels take float32/float16/bfloat16, got {request.dtype}"
-    return None
-
-
-def _cpp_supports_float_types(request: Request) -> Optional[str]:
-    if request.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
-        return f"unsupported dtype {request.dtype}"
-    if request.device.type != "cpu":
-        return "the C++ entmax ops are CPU-only"
-    return None
-
-
-def _cpp_structured_supports(request: Request) -> Optional[str]:
-    from .structured import cpp_structured_supports
-
-    return cpp_structured_supports(request)
-
-
-def _triton_attention_supports(request: Request) -> Optional[str]:
-    if request.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return f"the fused kernels take float32/float16/bfloat16, got {request.dtype}"
-    alpha = request.options.get("alpha")
-    if isinstance(alpha, float) and not 1.0 < alpha <= 2.0:
-        return f"the fused kernels need 1 < alpha <= 2, got {alpha}"
-    if request.options.get("head_dim", 0) > 256:
-        return f"head dims above 256 are not supported by the fused kernels, got {request.options['head_dim']}"
-    return None
-
-
-def _cpp_attention_supports(request: Request) -> Optional[str]:
-    why_not = _cpp_supports_float_types(request)
-    if why_not is None and request.options.get("dropout_p", 0.0) > 0:
-        return "the C++ attention has no dropout"
-    if why_not is None and request.options.get("mask_requires_grad"):
-        return "the C++ attention gives no gradient to a float attn_mask"
-    return why_not
-
-
-register("entmax", "reference", ".reference.mappings", ("entmax_rowwise_forward", "entmax_rowwise_backward"))
-register("entmax", "triton", ".triton_kernels.rowwise", ("entmax_rowwise_forward", "entmax_rowwise_backward"),
-         _triton_rowwise_supports)
-register("entmax", "cpp", ".cpp_ops", ("entmax_rowwise_forward", "entmax_rowwise_backward"),
-         _cpp_supports_float_types)
-register("normmax", "reference", ".reference.normmax_budget", ("normmax_forward", "normmax_backward"))
-register("budget", "reference", ".reference.normmax_budget", ("budget_forward", "budget_backward"))
-register("fusedmax", "reference", ".reference.structured", "fusedmax")
-register("fusedmax", "cpp", ".structured", "fusedmax_cpp", lambda request: _cpp_structured_supports(request))
-register("oscarmax", "reference", ".reference.structured", "oscarmax")
-register("oscarmax", "cpp", ".structured", "oscarmax_cpp", lambda request: _cpp_structured_supports(request))
-register("attention", "reference", ".reference.attention", "entmax_attention")
-register("attention", "triton", ".triton_kernels.attention", "entmax_attention_triton",
-         _triton_attention_supports)
-register("attention", "cpp", ".cpp_ops", "entmax_attention_cpp", _cpp_attention_supports)
-register("attention_varlen", "reference", ".reference.attention", "entmax_attention_varlen")
-register("attention_varlen", "triton", ".triton_kernels.attention", "entmax_attention_varlen",
-         _triton_attention_supports)
+    """Every op and the backends that implement it."""
+    ops = dict.fromkeys(op for name in BACKENDS for op in _backend(name).OPS)
+    return {op: _implementations(op) for op in ops}

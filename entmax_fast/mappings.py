@@ -18,7 +18,7 @@ from . import dispatch
 from ._validation import check_backend_dtype, check_dim, check_floating, check_scalar_parameter, mapping_alpha
 from .reference import mappings as _reference
 from .reference import normmax_budget as _reference_normmax_budget
-from .reference.mappings import compute_dtype
+from .common import compute_dtype
 
 __all__ = ["sparsemax", "entmax15", "entmax_bisect", "sparsemax_bisect", "normmax_bisect", "budget_bisect",
            "EntmaxFunction"]

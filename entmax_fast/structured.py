@@ -10,9 +10,10 @@ weights anywhere. lam = 0 / beta = 0 give sparsemax; a large lam gives the unifo
 distribution over the valid positions. docs/maths.md, "fusedmax and oscarmax", has the algorithms
 and the backward.
 
-Backends: the C++ operators of ``entmax_fast._C`` (CPU; CUDA where the extension was built
-with CUDA) or the plain-torch reference, chosen by the dispatch registry (ops "fusedmax" and
-"oscarmax"). :func:`structured_backend` says which one a tensor gets and why;
+Layers: public function (validates) → :class:`StructuredFunction` (autograd; rows in the
+compute dtype) → the backend ``dispatch`` picks for op "fusedmax" / "oscarmax": the C++
+operators of ``entmax_fast._C`` (CPU; CUDA where the extension was built with CUDA) or the
+plain-torch reference. :func:`structured_backend` says which one a tensor gets and why;
 :func:`last_backend` says which one the last call of an op used.
 """
 from __future__ import annotations
@@ -23,6 +24,8 @@ import torch
 
 from . import dispatch
 from ._validation import check_floating
+from .backends.reference import ops as _reference_backend
+from .common import compute_dtype
 from .reference import structured as _reference
 
 __all__ = [
@@ -34,73 +37,8 @@ __all__ = [
     "Oscarmax",
     "structured_backend",
     "last_backend",
+    "StructuredFunction",
 ]
-
-_OP_NAMES = ("fusedmax_forward", "fusedmax_backward", "oscarmax_forward", "oscarmax_backward")
-
-
-# ---------------------------------------------------------------------------------------
-# Extension loading and the torch.library registrations (fake kernels, autograd).
-
-def _register_python_side() -> None:
-    ops = torch.ops.entmax_fast
-
-    def fake_forward(x, reg, lengths=None):
-        return torch.empty_like(x), torch.empty_like(x)
-
-    def fake_backward(grad, p, y, reg):
-        return torch.empty_like(p)
-
-    for name in ("fusedmax_forward", "oscarmax_forward"):
-        torch.library.register_fake(f"entmax_fast::{name}")(fake_forward)
-    for name in ("fusedmax_backward", "oscarmax_backward"):
-        torch.library.register_fake(f"entmax_fast::{name}")(fake_backward)
-
-    def setup_context(ctx, inputs, output):
-        _, reg, _ = inputs
-        p, y = output
-        ctx.save_for_backward(p, y)
-        ctx.reg = reg
-        # y (the prox output) is returned for the backward and for inspection only.
-        ctx.mark_non_differentiable(y)
-
-    def make_backward(backward_op):
-        def backward(ctx, grad_p, grad_y):
-            p, y = ctx.saved_tensors
-            return backward_op(grad_p.contiguous(), p, y, ctx.reg), None, None
-        return backward
-
-    torch.library.register_autograd("entmax_fast::fusedmax_forward", make_backward(ops.fusedmax_backward),
-                                    setup_context=setup_context)
-    torch.library.register_autograd("entmax_fast::oscarmax_forward", make_backward(ops.oscarmax_backward),
-                                    setup_context=setup_context)
-
-
-# (loaded, reason, device types with a kernel); filled on first use. Plain module state, so
-# that torch.compile reads it as a constant instead of tracing the loading.
-_EXTENSION: tuple[bool, str, frozenset] | None = None
-
-
-def _load_extension() -> tuple[bool, str, frozenset]:
-    try:
-        import entmax_fast._C  # noqa: F401  (loading it registers the operators)
-    except ImportError as exc:
-        return False, f"entmax_fast._C is not importable ({exc})", frozenset()
-    missing = [name for name in _OP_NAMES if not hasattr(torch.ops.entmax_fast, name)]
-    if missing:
-        return False, f"entmax_fast._C lacks the operators {missing} (built from older sources?)", frozenset()
-    _register_python_side()
-    devices = frozenset(device for device, key in (("cpu", "CPU"), ("cuda", "CUDA"))
-                        if torch._C._dispatch_has_kernel_for_dispatch_key("entmax_fast::fusedmax_forward", key))
-    return True, "entmax_fast._C loaded", devices
-
-
-def _extension_status() -> tuple[bool, str, frozenset]:
-    """(loaded, reason, device types with a kernel) of the C++ structured operators."""
-    global _EXTENSION
-    if _EXTENSION is None:
-        _EXTENSION = _load_extension()
-    return _EXTENSION
 
 
 def structured_backend(X: torch.Tensor, op: str = "fusedmax") -> tuple[str, str]:
@@ -116,42 +54,44 @@ def last_backend(op: str = "fusedmax") -> tuple[str, str] | None:
     return None if choice is None else (choice.backend, choice.reason)
 
 
-def cpp_structured_supports(request) -> str | None:
-    """Why the C++ structured operators cannot run ``request`` (None when they can)."""
-    loaded, reason, devices = _extension_status()
-    if not loaded:
-        return f"C++ operators unavailable: {reason}"
-    if request.device.type not in devices:
-        return f"entmax_fast._C has no structured kernel for device {request.device.type!r}"
-    return None
+class StructuredFunction(torch.autograd.Function):
+    """fusedmax / oscarmax of rows (R, n) with gradients for the rows, on the dispatched
+    backend. Twice differentiable: under ``create_graph=True`` the backward is the
+    reference's (autograd through the reference map), which autograd differentiates again,
+    whatever backend ran the forward."""
+
+    @staticmethod
+    def forward(ctx, rows, reg, lengths, op):
+        (forward, backward), _ = dispatch.select(op, dispatch.Request(rows.device, rows.dtype, {}))
+        p, saved = forward(rows, reg, lengths)
+        ctx.save_for_backward(rows, lengths, p, saved)
+        ctx.backward_impl, ctx.reg, ctx.op = backward, reg, op
+        return p
+
+    @staticmethod
+    def backward(ctx, grad_p):
+        rows, lengths, p, saved = ctx.saved_tensors
+        backward = _REFERENCE_BACKWARD[ctx.op] if torch.is_grad_enabled() else ctx.backward_impl
+        return backward(grad_p, rows, lengths, p, saved, ctx.reg), None, None, None
 
 
-def _cpp_mapping(op_name: str):
-    def run(X: torch.Tensor, reg: float, dim: int = -1, lengths=None) -> torch.Tensor:
-        Z = X.movedim(dim, -1).to(_compute_dtype(X.dtype)).contiguous()
-        p, _ = getattr(torch.ops.entmax_fast, op_name)(Z, reg, lengths)
-        return p.to(X.dtype).movedim(-1, dim)
-    return run
-
-
-fusedmax_cpp = _cpp_mapping("fusedmax_forward")
-oscarmax_cpp = _cpp_mapping("oscarmax_forward")
+_REFERENCE_BACKWARD = {"fusedmax": _reference_backend.fusedmax_backward,
+                       "oscarmax": _reference_backend.oscarmax_backward}
 
 
 # ---------------------------------------------------------------------------------------
 # Public mappings.
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
 
 def _structured(name: str, X, reg, reg_name: str, dim: int, lengths):
     # The lengths range is checked inside the implementations, except by the CUDA operators,
     # where the check would need a host sync: they clamp lengths to [0, n]. NaN or +inf scores
     # are not an error on any backend: their rows get NaN weights (torch.softmax's rule).
     _reference.check_mapping_args(name, X, reg, reg_name, dim, lengths, check_values=False)
-    implementation, _ = dispatch.select(name, dispatch.Request(X.device, X.dtype, {}))
-    return implementation(X, float(reg), dim=dim, lengths=lengths)
+    moved = X.movedim(dim, -1)
+    rows = moved.reshape(-1, moved.shape[-1]).to(compute_dtype(X.dtype)).contiguous()
+    row_lengths = None if lengths is None else lengths.reshape(-1)
+    p = StructuredFunction.apply(rows, float(reg), row_lengths, name)
+    return p.reshape(moved.shape).to(X.dtype).movedim(-1, dim)
 
 
 def fusedmax(X: torch.Tensor, lam: float = 1.0, dim: int = -1, lengths: torch.Tensor | None = None) -> torch.Tensor:

@@ -27,10 +27,10 @@ and holds the one torch.autograd.Function of each op, which calls the dispatched
                 compute dtype (common.compute_dtype)
     normmax     normmax_forward(x, alpha) -> p;  normmax_backward(p, grad, alpha) -> dx
     budget      budget_forward(x, budget) -> p;  budget_backward(p, grad, budget) -> dx
-    fusedmax    fusedmax_forward(x, reg, lengths) -> (p, y)
-    oscarmax    fusedmax_backward(grad, p, y, reg) -> dx      (oscarmax_* alike)
-                x: (R, n) contiguous in its compute dtype; lengths: (R,) int64 or None;
-                y, the prox output, is what the backward needs
+    fusedmax    fusedmax_forward(x, reg, lengths) -> (p, saved)
+    oscarmax    fusedmax_backward(grad, x, lengths, p, saved, reg) -> dx  (oscarmax_* alike)
+                x: (R, n) contiguous in its compute dtype; lengths: (R,) integer or None;
+                saved: one tensor the backward needs (the C++ operators: the prox output)
     attention   attention_forward(query, key, value, attn_mask, alpha, *, scale,
                                   is_causal, dropout_p, enable_gqa, need_grad)
                     -> (out, saved)

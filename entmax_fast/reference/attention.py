@@ -79,72 +79,114 @@ def zero_attention(query, key, value, alpha=None):
     return _ZeroAttentionFunction.apply(query, key, value, alpha if isinstance(alpha, torch.Tensor) else None)
 
 
+def _expand_heads(tensor, heads):
+    """key/value with Hkv heads repeated to the query's H (grouped-query attention)."""
+    return tensor if tensor.shape[-3] == heads else tensor.repeat_interleave(heads // tensor.shape[-3], dim=-3)
+
+
+def _draw_seed(dropout_p):
+    # Drawn from the global CPU generator (no device sync) so that torch.manual_seed
+    # reproduces the dropout.
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64) if dropout_p > 0 else torch.zeros(1, dtype=torch.int64)
+
+
+def attention_forward(query, key, value, attn_mask, alpha, *, scale, is_causal, dropout_p, enable_gqa=False,
+                      need_grad=None, chunk_elements=CHUNK_ELEMENTS):
+    """Entmax attention of valid, non-empty (B, H, L, E) inputs (the backend contract,
+    entmax_fast/backends/__init__.py); returns (out, saved) with saved = (dropout seed,)."""
+    cdt = compute_dtype(query.dtype)
+    heads = query.shape[-3]
+    q = query.to(cdt)
+    k, v = _expand_heads(key, heads).to(cdt), _expand_heads(value, heads).to(cdt)
+    mask = _as_4d_mask(attn_mask)
+    alpha_rows = alpha.to(cdt).view(1, -1, 1, 1) if isinstance(alpha, torch.Tensor) else alpha
+    seed = _draw_seed(dropout_p)
+    batch, _, lq, _ = q.shape
+    lk = k.shape[-2]
+    out = torch.empty(batch, heads, lq, v.shape[-1], dtype=cdt, device=q.device)
+    for index, (start, stop) in enumerate(_chunk_bounds(batch * heads, lq, lk, chunk_elements)):
+        scores = masked_scores(q[..., start:stop, :], k, scale, mask, start, stop, is_causal)
+        weights = entmax_forward(scores, alpha_rows, dim=-1)
+        if dropout_p > 0:
+            keep = _dropout_keep(weights.shape, dropout_p, int(seed), index, weights.device)
+            weights = weights * keep / (1 - dropout_p)
+        out[..., start:stop, :] = weights @ v
+    return out.to(query.dtype), (seed,)
+
+
+def attention_backward(grad_out, query, key, value, attn_mask, alpha, out, saved, *, scale, is_causal, dropout_p,
+                       enable_gqa=False, need_mask_grad=False, need_alpha_grad=False,
+                       chunk_elements=CHUNK_ELEMENTS):
+    """Gradients of :func:`attention_forward`: (dq, dk, dv, dmask | None, dalpha | None),
+    each chunk's weights recomputed."""
+    (seed,) = saved
+    cdt = compute_dtype(query.dtype)
+    heads, kv_heads = query.shape[-3], key.shape[-3]
+    q = query.to(cdt)
+    k, v = _expand_heads(key, heads).to(cdt), _expand_heads(value, heads).to(cdt)
+    mask = _as_4d_mask(attn_mask)
+    d_out = grad_out.to(cdt)
+    alpha_rows = alpha.to(cdt).view(1, -1, 1, 1) if isinstance(alpha, torch.Tensor) else alpha
+    need_alpha_grad = need_alpha_grad and isinstance(alpha, torch.Tensor)
+    need_mask_grad = need_mask_grad and mask is not None
+    dq = torch.zeros_like(q)
+    dk = torch.zeros_like(k)
+    dv = torch.zeros_like(v)
+    dalpha = torch.zeros(heads, dtype=cdt, device=q.device) if need_alpha_grad else None
+    dmask = torch.zeros(mask.shape, dtype=cdt, device=q.device) if need_mask_grad else None
+    batch, _, lq, _ = q.shape
+    for index, (start, stop) in enumerate(_chunk_bounds(batch * heads, lq, k.shape[-2], chunk_elements)):
+        q_chunk = q[..., start:stop, :]
+        do_chunk = d_out[..., start:stop, :]
+        weights = entmax_forward(masked_scores(q_chunk, k, scale, mask, start, stop, is_causal), alpha_rows, dim=-1)
+        d_weights = do_chunk @ v.transpose(-1, -2)
+        if dropout_p > 0:
+            keep = _dropout_keep(weights.shape, dropout_p, int(seed), index, weights.device) / (1 - dropout_p)
+            dv += (weights * keep).transpose(-1, -2) @ do_chunk
+            d_weights = d_weights * keep
+        else:
+            dv += weights.transpose(-1, -2) @ do_chunk
+        d_scores, dalpha_rows = entmax_backward(weights, d_weights, alpha_rows, dim=-1,
+                                                need_alpha_grad=need_alpha_grad)
+        dq[..., start:stop, :] = (d_scores @ k) * scale
+        dk += (d_scores.transpose(-1, -2) @ q_chunk) * scale
+        if need_alpha_grad:
+            dalpha += dalpha_rows.sum(dim=(0, 2, 3))
+        if need_mask_grad:
+            if mask.shape[-2] == 1:
+                dmask += d_scores.sum_to_size(mask.shape)
+            else:
+                dmask[..., start:stop, :] += d_scores.sum_to_size(mask[..., start:stop, :].shape)
+    if kv_heads != heads:
+        dk = dk.unflatten(-3, (kv_heads, heads // kv_heads)).sum(-3)
+        dv = dv.unflatten(-3, (kv_heads, heads // kv_heads)).sum(-3)
+    return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype),
+            dmask.to(attn_mask.dtype).reshape(attn_mask.shape) if need_mask_grad else None,
+            dalpha.to(alpha.dtype) if need_alpha_grad else None)
+
+
 class _EntmaxAttentionFunction(torch.autograd.Function):
+    """The oracle's own autograd over attention_forward/attention_backward (the package's
+    public layer has its own, over whichever backend dispatch picks)."""
+
     @staticmethod
-    def forward(ctx, query, key, value, mask, alpha, scale, is_causal, dropout_p, seed, chunk_elements):
-        cdt = compute_dtype(query.dtype)
-        q, k, v = query.to(cdt), key.to(cdt), value.to(cdt)
-        alpha_rows = alpha.to(cdt).view(1, -1, 1, 1) if isinstance(alpha, torch.Tensor) else alpha
-        batch, heads, lq, _ = q.shape
-        lk = k.shape[-2]
-        out = torch.empty(batch, heads, lq, v.shape[-1], dtype=cdt, device=q.device)
-        chunks = _chunk_bounds(batch * heads, lq, lk, chunk_elements)
-        for index, (start, stop) in enumerate(chunks):
-            scores = masked_scores(q[..., start:stop, :], k, scale, mask, start, stop, is_causal)
-            weights = entmax_forward(scores, alpha_rows, dim=-1)
-            if dropout_p > 0:
-                keep = _dropout_keep(weights.shape, dropout_p, seed, index, weights.device)
-                weights = weights * keep / (1 - dropout_p)
-            out[..., start:stop, :] = weights @ v
-        ctx.save_for_backward(query, key, value, mask, alpha if isinstance(alpha, torch.Tensor) else None)
+    def forward(ctx, query, key, value, mask, alpha, options):
+        out, saved = attention_forward(query, key, value, mask, alpha, **options)
+        ctx.save_for_backward(query, key, value, mask, alpha if isinstance(alpha, torch.Tensor) else None, *saved)
         ctx.alpha_float = None if isinstance(alpha, torch.Tensor) else alpha
-        ctx.options = (scale, is_causal, dropout_p, seed, chunks)
-        return out.to(query.dtype)
+        ctx.options = options
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, mask, alpha_tensor = ctx.saved_tensors
-        scale, is_causal, dropout_p, seed, chunks = ctx.options
-        cdt = compute_dtype(query.dtype)
-        q, k, v = query.to(cdt), key.to(cdt), value.to(cdt)
-        d_out = grad_out.to(cdt)
-        alpha = ctx.alpha_float if alpha_tensor is None else alpha_tensor.to(cdt).view(1, -1, 1, 1)
-        need_alpha_grad = alpha_tensor is not None and ctx.needs_input_grad[4]
-        need_mask_grad = mask is not None and ctx.needs_input_grad[3]
-        dq = torch.zeros_like(q)
-        dk = torch.zeros_like(k)
-        dv = torch.zeros_like(v)
-        dalpha = torch.zeros(q.shape[1], dtype=cdt, device=q.device) if need_alpha_grad else None
-        dmask = torch.zeros(mask.shape, dtype=cdt, device=q.device) if need_mask_grad else None
-        for index, (start, stop) in enumerate(chunks):
-            q_chunk = q[..., start:stop, :]
-            do_chunk = d_out[..., start:stop, :]
-            weights = entmax_forward(masked_scores(q_chunk, k, scale, mask, start, stop, is_causal), alpha, dim=-1)
-            d_weights = do_chunk @ v.transpose(-1, -2)
-            if dropout_p > 0:
-                keep = _dropout_keep(weights.shape, dropout_p, seed, index, weights.device) / (1 - dropout_p)
-                dv += (weights * keep).transpose(-1, -2) @ do_chunk
-                d_weights = d_weights * keep
-            else:
-                dv += weights.transpose(-1, -2) @ do_chunk
-            d_scores, dalpha_rows = entmax_backward(weights, d_weights, alpha, dim=-1,
-                                                    need_alpha_grad=need_alpha_grad)
-            dq[..., start:stop, :] = (d_scores @ k) * scale
-            dk += (d_scores.transpose(-1, -2) @ q_chunk) * scale
-            if need_alpha_grad:
-                dalpha += dalpha_rows.sum(dim=(0, 2, 3))
-            if need_mask_grad:
-                if mask.shape[-2] == 1:
-                    dmask += d_scores.sum_to_size(mask.shape)
-                else:
-                    dmask[..., start:stop, :] += d_scores.sum_to_size(mask[..., start:stop, :].shape)
-        grads = once_differentiable_grads(
-            "entmax attention (reference backend)",
-            (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype),
-             dmask.to(mask.dtype) if need_mask_grad else None,
-             dalpha.to(alpha_tensor.dtype) if need_alpha_grad else None),
-            (query, key, value, mask, alpha_tensor, grad_out))
-        return (*grads, None, None, None, None, None)
+        query, key, value, mask, alpha_tensor, *saved = ctx.saved_tensors
+        alpha = ctx.alpha_float if alpha_tensor is None else alpha_tensor
+        grads = attention_backward(grad_out, query, key, value, mask, alpha, None, tuple(saved), **ctx.options,
+                                   need_mask_grad=ctx.needs_input_grad[3],
+                                   need_alpha_grad=ctx.needs_input_grad[4])
+        grads = once_differentiable_grads("entmax attention (reference backend)", grads,
+                                          (query, key, value, mask, alpha_tensor, grad_out))
+        return (*grads, None)
 
 
 def entmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -163,19 +205,11 @@ def entmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
         return zero_attention(query, key, value, alpha)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] > 0 else 1.0
-    heads = query.shape[-3]
-    if enable_gqa and key.shape[-3] != heads:
-        group = heads // key.shape[-3]
-        key = key.repeat_interleave(group, dim=-3)
-        value = value.repeat_interleave(group, dim=-3)
     if isinstance(alpha, torch.Tensor):
-        alpha = alpha.reshape(-1).expand(heads) if alpha.numel() == 1 else alpha
-    seed = 0
-    if dropout_p > 0:
-        # Drawn from the global CPU generator so that torch.manual_seed reproduces it.
-        seed = int(torch.randint(0, 2**62, (1,)).item())
-    return _EntmaxAttentionFunction.apply(query, key, value, _as_4d_mask(attn_mask), alpha, float(scale),
-                                          bool(is_causal), float(dropout_p), seed, chunk_elements)
+        alpha = alpha.reshape(-1).expand(query.shape[-3]) if alpha.numel() == 1 else alpha
+    options = {"scale": float(scale), "is_causal": bool(is_causal), "dropout_p": float(dropout_p),
+               "chunk_elements": chunk_elements}
+    return _EntmaxAttentionFunction.apply(query, key, value, attn_mask, alpha, options)
 
 
 def entmax_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -196,3 +230,54 @@ def entmax_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
                                enable_gqa=gqa, alpha=alpha)
         outputs.append(out.squeeze(0).transpose(0, 1))
     return torch.cat(outputs, dim=0)
+
+
+def _sequences(q, k, cu_seqlens_q, cu_seqlens_k):
+    """(query slice, key slice) of every packed sequence (reads the offsets on the host: a
+    reference, not a fast path)."""
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    return [(slice(starts_q[b], starts_q[b + 1]), slice(starts_k[b], starts_k[b + 1]))
+            for b in range(len(starts_q) - 1)]
+
+
+def _as_batch(packed, rows):
+    """Tokens ``rows`` of a packed (total, H, E) tensor as (1, H, L, E)."""
+    return packed[rows].transpose(0, 1).unsqueeze(0)
+
+
+def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, *, scale,
+                             is_causal, dropout_p, need_grad=None):
+    """The packed form (backend contract): :func:`attention_forward` per sequence; saved
+    holds one dropout seed per sequence."""
+    out = q.new_zeros(q.shape[:-1] + v.shape[-1:])
+    seeds = []
+    for rows_q, rows_k in _sequences(q, k, cu_seqlens_q, cu_seqlens_k):
+        seed = torch.zeros(1, dtype=torch.int64)
+        if rows_q.stop > rows_q.start and rows_k.stop > rows_k.start:
+            out_b, (seed,) = attention_forward(_as_batch(q, rows_q), _as_batch(k, rows_k), _as_batch(v, rows_k),
+                                               None, alpha, scale=scale, is_causal=is_causal, dropout_p=dropout_p)
+            out[rows_q] = out_b.squeeze(0).transpose(0, 1)
+        seeds.append(seed)
+    return out, (torch.cat(seeds),)
+
+
+def attention_varlen_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, out,
+                              saved, *, scale, is_causal, dropout_p, need_alpha_grad=False):
+    """Gradients of :func:`attention_varlen_forward`: (dq, dk, dv, dalpha | None)."""
+    (seeds,) = saved
+    need_alpha_grad = need_alpha_grad and isinstance(alpha, torch.Tensor)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dalpha = torch.zeros_like(alpha) if need_alpha_grad else None
+    for index, (rows_q, rows_k) in enumerate(_sequences(q, k, cu_seqlens_q, cu_seqlens_k)):
+        if rows_q.stop == rows_q.start or rows_k.stop == rows_k.start:
+            continue
+        dq_b, dk_b, dv_b, _, dalpha_b = attention_backward(
+            _as_batch(grad_out, rows_q), _as_batch(q, rows_q), _as_batch(k, rows_k), _as_batch(v, rows_k), None,
+            alpha, None, (seeds[index:index + 1],), scale=scale, is_causal=is_causal, dropout_p=dropout_p,
+            need_alpha_grad=need_alpha_grad)
+        dq[rows_q] = dq_b.squeeze(0).transpose(0, 1)
+        dk[rows_k] = dk_b.squeeze(0).transpose(0, 1)
+        dv[rows_k] = dv_b.squeeze(0).transpose(0, 1)
+        if need_alpha_grad:
+            dalpha += dalpha_b
+    return dq, dk, dv, dalpha

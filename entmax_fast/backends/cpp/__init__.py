@@ -1,0 +1,52 @@
+"""The C++ backend: the operators of the compiled extension ``entmax_fast._C`` (csrc/).
+
+CPU kernels for row-wise entmax, entmax attention, fusedmax and oscarmax; CUDA kernels for
+fusedmax and oscarmax where the extension was built with CUDA. ``loader`` is the one place
+that loads the extension; nothing is loaded until availability is first asked for.
+"""
+from __future__ import annotations
+
+import torch
+
+OPS = {"entmax": "ops", "attention": "ops", "fusedmax": "ops", "oscarmax": "ops"}
+_FLOAT_TYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def available() -> tuple[bool, str]:
+    from . import loader
+
+    return loader.status()
+
+
+def runs_on(device) -> str | None:
+    if device.type not in ("cpu", "cuda"):
+        return f"the extension has no {device.type} kernels"
+    return None
+
+
+def supports(op: str, request) -> str | None:
+    from . import loader
+
+    if op in ("fusedmax", "oscarmax"):
+        if request.device.type not in loader.structured_devices():
+            return f"entmax_fast._C has no structured kernel for device {request.device.type!r}"
+        return None
+    if request.dtype not in _FLOAT_TYPES:
+        return f"unsupported dtype {request.dtype}"
+    if request.device.type != "cpu":
+        return "the C++ entmax ops are CPU-only"
+    if not loader.has_entmax_ops():
+        return "entmax_fast._C is loaded but has no CPU entmax ops (built without csrc/cpu/)"
+    if op == "attention" and request.options.get("dropout_p", 0.0) > 0:
+        return "the C++ attention has no dropout"
+    if op == "attention" and request.options.get("mask_requires_grad"):
+        return "the C++ attention gives no gradient to a float attn_mask"
+    return None
+
+
+def describe(op: str, request) -> str:
+    if request.device.type == "cpu":
+        from . import loader
+
+        return f"cpp: C++ extension, {loader.cpu_kernel_set()} CPU kernels"
+    return f"cpp: C++ extension, {request.device.type.upper()} kernels"

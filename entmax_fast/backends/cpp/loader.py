@@ -1,0 +1,103 @@
+"""Loads the compiled extension ``entmax_fast._C`` if it was built, says why if not, and
+registers the fake (meta) kernels of its operators, so that torch.compile can trace them.
+
+Registration happens here, at load time, because torch.library registration cannot
+happen inside a torch.compile trace. The operators get no autograd: the public layer's
+autograd.Function calls their forward and backward (entmax_fast/backends/__init__.py).
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+_ENTMAX_OPS = ("entmax_rowwise_fwd", "entmax_rowwise_bwd", "entmax_attention_fwd", "entmax_attention_bwd")
+_STRUCTURED_OPS = ("fusedmax_forward", "fusedmax_backward", "oscarmax_forward", "oscarmax_backward")
+
+# Held while loading: two threads registering fake kernels at once would register twice
+# (torch warns "Overriding a previously registered kernel").
+_LOCK = threading.Lock()
+# (loaded, reason), filled once. Plain module state, so that torch.compile reads it as a
+# constant instead of tracing the loading.
+_STATUS: tuple[bool, str] | None = None
+
+
+def status() -> tuple[bool, str]:
+    """(loaded, reason)."""
+    global _STATUS
+    if _STATUS is None:
+        with _LOCK:
+            if _STATUS is None:
+                _STATUS = _load()
+    return _STATUS
+
+
+def _load() -> tuple[bool, str]:
+    try:
+        from ... import _C  # noqa: F401  (importing it registers the torch.ops.entmax_fast operators)
+    except ImportError as exc:
+        return False, (f"the C++ extension entmax_fast._C is not built ({exc}); "
+                       "reinstall with a C++ compiler: pip install --no-build-isolation -e .")
+    except OSError as exc:
+        return False, f"the C++ extension entmax_fast._C failed to load ({exc})"
+    _register_fakes()
+    # The row-wise kernels' instruction set: "portable" (scalar std:: maths) is the slower
+    # fallback on CPUs without AVX2+FMA, worth knowing when timing.
+    kernels = f"CPU kernels: {cpu_kernel_set()}" if _has("cpu_kernel_isa") else "no CPU entmax kernels"
+    return True, f"entmax_fast._C loaded ({kernels})"
+
+
+def _has(name: str) -> bool:
+    return hasattr(torch.ops.entmax_fast, name)
+
+
+def has_entmax_ops() -> bool:
+    return status()[0] and all(_has(name) for name in _ENTMAX_OPS)
+
+
+def structured_devices() -> frozenset:
+    """Device types with a fusedmax/oscarmax kernel ("cpu", and "cuda" where built)."""
+    if not (status()[0] and all(_has(name) for name in _STRUCTURED_OPS)):
+        return frozenset()
+    return frozenset(device for device, key in (("cpu", "CPU"), ("cuda", "CUDA"))
+                     if torch._C._dispatch_has_kernel_for_dispatch_key("entmax_fast::fusedmax_forward", key))
+
+
+def cpu_kernel_set() -> str:
+    """The C++ CPU kernels in use: "avx2-fma", or "portable" (CPUs without AVX2+FMA, or
+    forced with ``torch.ops.entmax_fast.cpu_kernel_isa("portable")``)."""
+    return torch.ops.entmax_fast.cpu_kernel_isa()
+
+
+def _register_fakes() -> None:
+    def rowwise_fwd(x, alpha):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    def rowwise_bwd(p, grad, alpha, need_alpha_grad):
+        dalpha = p.new_empty((p.shape[0],), dtype=alpha.dtype) if need_alpha_grad else p.new_empty((0,))
+        return torch.empty_like(p, memory_format=torch.contiguous_format), dalpha
+
+    def attention_fwd(query, key, value, attn_mask, alpha, scale, is_causal):
+        batch, heads, lq, _ = query.shape
+        return (query.new_empty((batch, heads, lq, value.shape[-1])),
+                query.new_empty((batch, heads, lq, 2), dtype=torch.float64))
+
+    def attention_bwd(grad_out, query, key, value, attn_mask, stats, alpha, scale, is_causal, need_alpha_grad):
+        return (torch.empty_like(query, memory_format=torch.contiguous_format),
+                torch.empty_like(key, memory_format=torch.contiguous_format),
+                torch.empty_like(value, memory_format=torch.contiguous_format),
+                query.new_empty((query.shape[1] if need_alpha_grad else 0,), dtype=torch.float64))
+
+    def structured_fwd(x, reg, lengths=None):
+        return torch.empty_like(x), torch.empty_like(x)
+
+    def structured_bwd(grad, p, y, reg):
+        return torch.empty_like(p)
+
+    fakes = {"entmax_rowwise_fwd": rowwise_fwd, "entmax_rowwise_bwd": rowwise_bwd,
+             "entmax_attention_fwd": attention_fwd, "entmax_attention_bwd": attention_bwd,
+             "fusedmax_forward": structured_fwd, "oscarmax_forward": structured_fwd,
+             "fusedmax_backward": structured_bwd, "oscarmax_backward": structured_bwd}
+    for name, fake in fakes.items():
+        if _has(name):
+            torch.library.register_fake(f"entmax_fast::{name}")(fake)

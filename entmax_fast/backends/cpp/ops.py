@@ -1,0 +1,63 @@
+"""Forward and backward of the C++ operators (contract: ``entmax_fast/backends``).
+
+Arithmetic is float64 for float64 tensors and float32 otherwise; results come back in the
+input dtype. α reaches the kernels as one value per row (row-wise) or per head (attention).
+"""
+from __future__ import annotations
+
+import torch
+
+from ...common import alpha_vector, compute_dtype
+
+__all__ = ["entmax_forward", "entmax_backward", "attention_forward", "attention_backward", "fusedmax_forward",
+           "fusedmax_backward", "oscarmax_forward", "oscarmax_backward"]
+
+
+def _alphas(alpha, count: int, device) -> torch.Tensor:
+    # A python float stays exact in float64; a tensor keeps its dtype, which dα comes back in.
+    dtype = alpha.dtype if isinstance(alpha, torch.Tensor) else torch.float64
+    return alpha_vector(alpha, count, device, dtype)
+
+
+def entmax_forward(x: torch.Tensor, alpha) -> torch.Tensor:
+    return torch.ops.entmax_fast.entmax_rowwise_fwd(x, _alphas(alpha, x.shape[0], x.device))
+
+
+def entmax_backward(p: torch.Tensor, grad: torch.Tensor, alpha, need_alpha_grad: bool):
+    dx, dalpha = torch.ops.entmax_fast.entmax_rowwise_bwd(p, grad, _alphas(alpha, p.shape[0], p.device),
+                                                         bool(need_alpha_grad))
+    if not need_alpha_grad:
+        return dx, None
+    return dx, dalpha if isinstance(alpha, torch.Tensor) else dalpha.to(compute_dtype(p.dtype))
+
+
+def attention_forward(query, key, value, attn_mask, alpha, *, scale, is_causal, dropout_p, enable_gqa, need_grad):
+    out, stats = torch.ops.entmax_fast.entmax_attention_fwd(
+        query, key, value, attn_mask, _alphas(alpha, query.shape[1], query.device), float(scale), bool(is_causal))
+    return out, (stats,)
+
+
+def attention_backward(grad_out, query, key, value, attn_mask, alpha, out, saved, *, scale, is_causal, dropout_p,
+                       enable_gqa, need_mask_grad, need_alpha_grad):
+    (stats,) = saved
+    need_alpha_grad = bool(need_alpha_grad) and isinstance(alpha, torch.Tensor)
+    dq, dk, dv, dalpha = torch.ops.entmax_fast.entmax_attention_bwd(
+        grad_out, query, key, value, attn_mask, stats, _alphas(alpha, query.shape[1], query.device), float(scale),
+        bool(is_causal), need_alpha_grad)
+    return dq, dk, dv, None, (dalpha.to(alpha.dtype) if need_alpha_grad else None)
+
+
+def fusedmax_forward(x, reg, lengths):
+    return torch.ops.entmax_fast.fusedmax_forward(x, float(reg), lengths)
+
+
+def fusedmax_backward(grad, x, lengths, p, y, reg):
+    return torch.ops.entmax_fast.fusedmax_backward(grad.contiguous(), p, y, float(reg))
+
+
+def oscarmax_forward(x, reg, lengths):
+    return torch.ops.entmax_fast.oscarmax_forward(x, float(reg), lengths)
+
+
+def oscarmax_backward(grad, x, lengths, p, y, reg):
+    return torch.ops.entmax_fast.oscarmax_backward(grad.contiguous(), p, y, float(reg))

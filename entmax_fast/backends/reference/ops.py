@@ -1,0 +1,55 @@
+"""Forward and backward of every op in plain torch (contract: ``entmax_fast/backends``).
+
+The row-wise and attention pairs are the reference's explicit formulas. fusedmax and
+oscarmax have no hand-written backward here: their gradient is autograd's through the
+reference map, recomputed, a route independent of the C++ operators' formula.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...reference import attention as _attention
+from ...reference import normmax_budget as _normmax_budget
+from ...reference import structured as _structured
+from ...reference.mappings import entmax_rowwise_backward as entmax_backward
+from ...reference.mappings import entmax_rowwise_forward as entmax_forward
+
+__all__ = ["entmax_forward", "entmax_backward", "normmax_forward", "normmax_backward", "budget_forward",
+           "budget_backward", "fusedmax_forward", "fusedmax_backward", "oscarmax_forward", "oscarmax_backward",
+           "attention_forward", "attention_backward", "attention_varlen_forward", "attention_varlen_backward"]
+
+normmax_forward = _normmax_budget.normmax_forward
+normmax_backward = _normmax_budget.normmax_backward
+budget_forward = _normmax_budget.budget_forward
+budget_backward = _normmax_budget.budget_backward
+attention_forward = _attention.attention_forward
+attention_backward = _attention.attention_backward
+attention_varlen_forward = _attention.attention_varlen_forward
+attention_varlen_backward = _attention.attention_varlen_backward
+
+
+def _vector_jacobian(mapping, grad, x, lengths, reg):
+    """grad·J of ``mapping`` at x, by autograd through the reference map. Under
+    create_graph (grad mode on in a backward) the graph is kept, so it differentiates again."""
+    create_graph = torch.is_grad_enabled() and x.requires_grad
+    with torch.enable_grad():
+        z = x if create_graph else x.detach().requires_grad_()
+        (dx,) = torch.autograd.grad(mapping(z, reg, dim=-1, lengths=lengths), z, grad, create_graph=create_graph)
+    return dx
+
+
+def fusedmax_forward(x, reg, lengths):
+    # The reference's backward recomputes from x: nothing to save.
+    return _structured.fusedmax(x, reg, dim=-1, lengths=lengths), x.new_empty(0)
+
+
+def fusedmax_backward(grad, x, lengths, p, saved, reg):
+    return _vector_jacobian(_structured.fusedmax, grad, x, lengths, reg)
+
+
+def oscarmax_forward(x, reg, lengths):
+    return _structured.oscarmax(x, reg, dim=-1, lengths=lengths), x.new_empty(0)
+
+
+def oscarmax_backward(grad, x, lengths, p, saved, reg):
+    return _vector_jacobian(_structured.oscarmax, grad, x, lengths, reg)
