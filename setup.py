@@ -12,7 +12,9 @@ import sys
 
 from setuptools import setup
 
-PACKAGES = ["entmax_fast", "entmax_fast.reference", "entmax_fast.triton_kernels"]
+PACKAGES = ["entmax_fast", "entmax_fast.backends", "entmax_fast.backends.cpp", "entmax_fast.backends.reference",
+            "entmax_fast.backends.triton", "entmax_fast.continuous",
+            "entmax_fast.reference", "entmax_fast.triton_kernels"]
 # `triton_kernels` is a top-level folder, installed inside our namespace because the
 # top-level import name `triton_kernels` belongs to another project.
 PACKAGE_DIR = {"entmax_fast.triton_kernels": "triton_kernels"}

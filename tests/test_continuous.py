@@ -11,6 +11,7 @@ import torch
 from scipy import integrate
 
 from entmax_fast import continuous as C
+from entmax_fast.continuous import _integrals, one_d
 from entmax_fast.reference import continuous as R
 
 F64 = torch.float64
@@ -238,11 +239,11 @@ def test_series_and_closed_form_branches_agree_near_switch(monkeypatch):
     h (|z| + 5) = 8 (where both are accurate) and compare; polynomials of all families."""
     z = torch.tensor([0.0, 0.3, -2.0, 3.0, -1.0, 2.5, 0.5, -3.0], dtype=F64)
     h = 8.0 / (z.abs() + 5.0) * torch.tensor([0.6, 0.9, 1.0, 0.8, 1.1, 1.3, 1.5, 1.2], dtype=F64)
-    coeffs = C._family_1d("entmax15")[2] + [[1.0, 3.0, 3.0, 1.0, 0.0]]
-    monkeypatch.setattr(C, "_SERIES_RADIUS", float("inf"))
-    series = C._poly_gauss_integrals(coeffs, z, h)
-    monkeypatch.setattr(C, "_SERIES_RADIUS", 0.0)
-    closed = C._poly_gauss_integrals(coeffs, z, h)
+    coeffs = one_d._family_1d("entmax15")[2] + [[1.0, 3.0, 3.0, 1.0, 0.0]]
+    monkeypatch.setattr(_integrals, "_SERIES_RADIUS", float("inf"))
+    series = _integrals._poly_gauss_integrals(coeffs, z, h)
+    monkeypatch.setattr(_integrals, "_SERIES_RADIUS", 0.0)
+    closed = _integrals._poly_gauss_integrals(coeffs, z, h)
     scale = closed.abs().amax(-1, keepdim=True)
     assert ((series - closed).abs() / scale).max() <= 1e-10
 
@@ -252,12 +253,12 @@ def test_poly_gauss_integrals_match_high_precision_quadrature():
     error <= 2e-12 (as stated in continuous.py) against 30-digit mpmath quadrature."""
     mpmath = pytest.importorskip("mpmath")
     atol = 2e-12
-    coeffs = C._family_1d("entmax15")[2] + [[1.0, 3.0, 3.0, 1.0, 0.0]]
+    coeffs = one_d._family_1d("entmax15")[2] + [[1.0, 3.0, 3.0, 1.0, 0.0]]
     zs = [0.0, 2.0, 4.0, 6.0, 8.0, -3.0, -9.0]
     hs = [1e-3, 0.2, 0.8, 1.2, 3.0, 10.0]
     z = torch.tensor([a for a in zs for _ in hs], dtype=F64)
     h = torch.tensor([b for _ in zs for b in hs], dtype=F64)
-    out = C._poly_gauss_integrals(coeffs, z, h)
+    out = _integrals._poly_gauss_integrals(coeffs, z, h)
     with mpmath.workdps(30):
         exact = torch.tensor(
             [
