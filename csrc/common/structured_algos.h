@@ -17,6 +17,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kinds.h"
+
 #if defined(__CUDACC__)
 #define ENTMAX_FAST_HD __host__ __device__ __forceinline__
 #else
@@ -26,7 +28,7 @@
 namespace entmax_fast {
 namespace structured {
 
-enum class Prox : int { kTV = 0, kOSCAR = 1 };
+using Prox = entmax_fast::Prox;
 
 template <typename T>
 ENTMAX_FAST_HD T positive_infinity() {

@@ -11,7 +11,7 @@
 #include <tuple>
 #include <vector>
 
-#include "entmax_common.h"
+#include "row_solvers.h"
 
 namespace entmax_fast_cpu {
 namespace {
@@ -266,7 +266,7 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
             // p and the Jacobian weights s = p^(2-alpha) from the saved (max, mu), while the
             // scaled, masked scores are still in the row.
             double s_total = 0, sg_total = 0;
-            if (prm.kind == RowKind::General) {
+            if (prm.kind == AlphaKind::kGeneral) {
               // The forward's kernel at its final mu, renormalised as the forward did, gives the
               // forward's p; scalar pow per entry here cost more than the rest of the backward.
               const double p_total = general_probs(p, len, static_cast<double>(zmax), prm.law(), mu);

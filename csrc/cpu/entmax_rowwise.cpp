@@ -13,7 +13,8 @@
 #include <tuple>
 #include <vector>
 
-#include "entmax_common.h"
+#include "isa_dispatch.h"
+#include "row_solvers.h"
 
 namespace entmax_fast_cpu {
 namespace {
@@ -90,7 +91,7 @@ std::tuple<at::Tensor, at::Tensor> entmax_rowwise_bwd_cpu(const at::Tensor& p_in
       std::vector<acc_t> s(n), pr(need_alpha_grad ? n : 0), gr(need_alpha_grad ? n : 0);
       for (int64_t r = begin; r < end; ++r) {
         const double a = alpha_ptr[r];
-        const RowKind kind = row_kind(a);
+        const AlphaKind kind = alpha_kind(a);
         const acc_t beta = static_cast<acc_t>(2.0 - a);
         const scalar_t* pp = p_ptr + r * n;
         const scalar_t* gg = g_ptr + r * n;
@@ -102,7 +103,7 @@ std::tuple<at::Tensor, at::Tensor> entmax_rowwise_bwd_cpu(const at::Tensor& p_in
           continue;
         }
         double s_total = 0, sg_total = 0;
-        if (kind == RowKind::General && std::is_same<acc_t, scalar_t>::value) {
+        if (kind == AlphaKind::kGeneral && std::is_same<acc_t, scalar_t>::value) {
           // acc_t is scalar_t here; the casts only satisfy the branch not taken.
           std::tie(s_total, sg_total) = general_weights(reinterpret_cast<const acc_t*>(pp),
                                                         reinterpret_cast<const acc_t*>(gg), s.data(), n, 2.0 - a);
@@ -111,9 +112,9 @@ std::tuple<at::Tensor, at::Tensor> entmax_rowwise_bwd_cpu(const at::Tensor& p_in
             const acc_t pj = static_cast<acc_t>(pp[j]);
             acc_t sj;
             switch (kind) {
-              case RowKind::Softmax: sj = pj; break;
-              case RowKind::Sparsemax: sj = pj > acc_t(0) ? acc_t(1) : acc_t(0); break;
-              case RowKind::Entmax15: sj = std::sqrt(pj); break;
+              case AlphaKind::kSoftmax: sj = pj; break;
+              case AlphaKind::kSparsemax: sj = pj > acc_t(0) ? acc_t(1) : acc_t(0); break;
+              case AlphaKind::kEntmax15: sj = std::sqrt(pj); break;
               default: sj = pj > acc_t(0) ? std::pow(pj, beta) : acc_t(0); break;
             }
             s[j] = sj;

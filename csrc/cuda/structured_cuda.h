@@ -12,7 +12,7 @@
 namespace entmax_fast {
 namespace structured_cuda {
 
-// kind: 0 = TV (fusedmax), 1 = OSCAR (oscarmax), as structured::Prox.
+// kind: an entmax_fast::Prox (csrc/common/kinds.h) as int.
 #ifndef ENTMAX_FAST_HOST_EMULATION
 // Bytes of global scratch a launch needs (0 when every row fits in shared memory).
 template <typename T>
