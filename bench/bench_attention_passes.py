@@ -32,8 +32,9 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from entmax_fast.triton_kernels import attention as tri  # noqa: E402
-from entmax_fast.triton_kernels import attention_fwd as fwd  # noqa: E402
+from entmax_fast import common  # noqa: E402
+from entmax_fast.backends.triton import attention as tri  # noqa: E402
+from entmax_fast.triton_kernels import attention_common  # noqa: E402
 from tests.oracle import oracle_entmax  # noqa: E402
 
 QK_COST = 5.0          # one bf16 q.k entry at E = 64, in fp32-operation units
@@ -83,14 +84,14 @@ def _update(t, sums, lo, hi, tau, done, alpha):
     else:
         step = f * (alpha - 1.0) / bs
         root = t + step
-        exact = left & (step <= fwd.TAU_STEP_TOL)
+        exact = left & (step <= attention_common.TAU_STEP_TOL)
         new_lo, new_hi = root, torch.where(left, hi, t)
-    small = left & (step <= fwd.TAU_STEP_TOL)
+    small = left & (step <= attention_common.TAU_STEP_TOL)
     root = torch.where(exact, root, t + step)
     exact = exact | small
     hi_next = torch.minimum(hi, new_hi)
     lo_next = torch.minimum(torch.maximum(lo, new_lo), hi_next)
-    narrow = (hi_next - lo_next) <= fwd.TAU_STEP_TOL
+    narrow = (hi_next - lo_next) <= attention_common.TAU_STEP_TOL
     root = torch.where(exact, root, lo_next)
     exact = exact | narrow
     new = exact & ~done
@@ -116,7 +117,7 @@ def emulate_block(u, alpha):
     n_tiles = -(-u.shape[1] // BLOCK_N)
     padded = torch.nn.functional.pad(u, (0, n_tiles * BLOCK_N - u.shape[1]), value=-float("inf"))
     tile_max = padded.reshape(rows, n_tiles, BLOCK_N).amax(-1)  # [R, tiles]
-    while not bool(done.all()) and passes < fwd.MAX_TAU_PASSES:
+    while not bool(done.all()) and passes < attention_common.MAX_TAU_PASSES:
         visited.append(float((tile_max > lo[:, None]).any(0).float().mean()))
         lo, hi, tau, done = _update(lo, _moments((u - lo[:, None]).clamp(min=0), alpha),
                                     lo, hi, tau, done, alpha)
@@ -174,16 +175,16 @@ def check_against_kernel(alpha=1.5):
     """The emulation's tau equals the kernel's (interpreter) on a small causal case."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 1, 64, 16) for _ in range(3))
-    _, stats, _, _ = tri.attention_forward(q, k, v, None, torch.full((1,), alpha),
-                                           tri._alpha_kind(alpha), torch.zeros(1, dtype=torch.int64),
-                                           0.0, True, 0.25, fwd.GRAD_NONE)
+    _, (stats, _, _, _) = tri.attention_forward(q, k, v, None, alpha, scale=0.25, is_causal=True,
+                                                dropout_p=0.0, enable_gqa=False,
+                                                need_grad=common.GRAD_NONE)
     z = (q[0, 0] @ k[0, 0].T) * 0.25
     z = z.masked_fill(torch.ones(64, 64, dtype=torch.bool).triu(1), float("-inf"))
     y = (alpha - 1.0) * z
     u = y - y.amax(-1, keepdim=True)
     tau, _, _ = emulate_block(u, alpha)
     # the kernel stores tau in z units
-    return float((tau - (alpha - 1.0) * stats[fwd.STAT_TAU, 0, 0]).abs().max())
+    return float((tau - (alpha - 1.0) * stats[attention_common.STAT_TAU, 0, 0]).abs().max())
 
 
 def main(argv=None):

@@ -18,7 +18,7 @@ exits with status 0, measuring nothing.
 
     python bench/bench_rowwise_gpu.py --out bench/out/gpu
     python bench/bench_rowwise_gpu.py --sweep      # also time the neighbours of each
-                                                   # configuration of triton_kernels/rowwise._config
+                                                   # configuration of triton_kernels/rowwise.tile_config
 """
 from __future__ import annotations
 
@@ -168,16 +168,17 @@ def _write(rows, out_dir):
 
 
 def sweep():
-    """Forward ms of each `_config` entry at 16384×1024-sized problems and its neighbours
+    """Forward ms of each `tile_config` entry at 16384×1024-sized problems and its neighbours
     (rows per program ×½, ×2; warps ×½, ×2), fp32, for α = 1.5 and 1.3."""
     import triton
 
-    from entmax_fast.triton_kernels import rowwise
+    from entmax_fast.backends.triton import rowwise
+    from entmax_fast.triton_kernels.rowwise import tile_config
 
     for n_cols in (128, 512, 1024, 2048, 4096, 8192, 32768):
         n_rows = max(1, 16384 * 1024 // n_cols)
         x = torch.randn(n_rows, n_cols, device="cuda")
-        base = rowwise._config(n_cols)
+        base = tile_config(n_cols)
         candidates = [base]
         for rows_factor, warps_factor in ((0.5, 1), (2, 1), (1, 0.5), (1, 2)):
             cand = dict(base, ROWS=int(base["ROWS"] * rows_factor), num_warps=int(base["num_warps"] * warps_factor))

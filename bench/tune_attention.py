@@ -1,6 +1,6 @@
 """Measure the fused attention's tile table on this GPU: for a few shapes, time the forward
 and a training step under each candidate (BLOCK_M, BLOCK_N, warps and stages per kernel)
-and print the fastest, to replace `attention_fwd.block_sizes` / `launch_config` where
+and print the fastest, to replace `attention_common.block_sizes` / `launch_config` where
 they lose. Needs a CUDA device.
 
     python bench/tune_attention.py [--dtype bf16] [--head-dims 64 128] [--length 4096]
@@ -28,29 +28,30 @@ def _time(fn):
     return do_bench(fn, warmup=3, rep=30)
 
 
-def measure(dtype, head_dim, length, causal, tiles, fwd_launch, bwd_launch):
-    from entmax_fast.triton_kernels import attention as tri
-    from entmax_fast.triton_kernels import attention_fwd as fwd
+def measure(dtype, head_dim, length, causal, tile_shape, fwd_launch, bwd_launch):
+    import entmax_fast
+    from entmax_fast.triton_kernels import attention_common as tiles
 
     batch = max(1, 16384 // length)
     shape = (batch, 16, length, head_dim)
     q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
     grad_out = torch.randn(shape, device="cuda", dtype=dtype)
-    saved = fwd.block_sizes, fwd.launch_config
-    fwd.block_sizes = lambda block_e, dtype_key, dropout=False: tiles
-    fwd.launch_config = lambda kernel, *_: fwd_launch if kernel == "fwd" else bwd_launch
+    saved = tiles.block_sizes, tiles.launch_config
+    tiles.block_sizes = lambda block_e, dtype_key, dropout=False: tile_shape
+    tiles.launch_config = lambda kernel, *_: fwd_launch if kernel == "fwd" else bwd_launch
     try:
-        with torch.no_grad():
-            t_fwd = _time(lambda: tri.entmax_attention_triton(q, k, v, is_causal=causal, alpha=1.5))
+        with entmax_fast.use_backend("triton"):
+            with torch.no_grad():
+                t_fwd = _time(lambda: entmax_fast.entmax_attention(q, k, v, is_causal=causal, alpha=1.5))
 
-        def step():
-            for t in (q, k, v):
-                t.grad = None
-            tri.entmax_attention_triton(q, k, v, is_causal=causal, alpha=1.5).backward(grad_out)
+            def step():
+                for t in (q, k, v):
+                    t.grad = None
+                entmax_fast.entmax_attention(q, k, v, is_causal=causal, alpha=1.5).backward(grad_out)
 
-        t_step = _time(step)
+            t_step = _time(step)
     finally:
-        fwd.block_sizes, fwd.launch_config = saved
+        tiles.block_sizes, tiles.launch_config = saved
     return t_fwd, t_step
 
 

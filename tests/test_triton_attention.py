@@ -1,5 +1,8 @@
-"""Fused Triton entmax attention (triton_kernels/attention*.py): compiled on CUDA when there
-is a GPU, in the Triton interpreter on CPU tensors otherwise (tests/devices.py).
+"""Fused Triton entmax attention (triton_kernels/attention*.py, launched by
+entmax_fast/backends/triton/attention.py): compiled on CUDA when there is a GPU, in the
+Triton interpreter on CPU tensors otherwise (tests/devices.py). Most tests go through the
+public entry points with the Triton backend forced (its autograd is the public layer's);
+a few call the backend's contract functions or custom ops directly.
 
 Forward against the float64 dense oracle, gradients against the reference run in float64
 (itself checked against the oracle in test_attention_reference.py). Errors are measured
@@ -13,10 +16,13 @@ import triton
 import triton.language as tl
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import entmax_fast
+from entmax_fast import common, dispatch
+from entmax_fast.backends import triton as triton_backend
+from entmax_fast.backends.triton import attention as tri
 from entmax_fast.reference.attention import entmax_attention as reference_attention
 from entmax_fast.reference.mappings import entmax_backward, entmax_forward
-from entmax_fast.triton_kernels import attention as tri
-from entmax_fast.triton_kernels import attention_fwd as fwd_kernels
+from entmax_fast.triton_kernels import attention_common
 from devices import DEVICE, LOW_PRECISION
 from oracle import oracle_attention
 
@@ -28,6 +34,18 @@ def on_test_device():
     """Every tensor a test makes lives on DEVICE (CUDA when there is one)."""
     with torch.device(DEVICE):
         yield
+
+
+def _triton_attention(*args, **kwargs):
+    """entmax_fast.entmax_attention with the Triton backend forced."""
+    with entmax_fast.use_backend("triton"):
+        return entmax_fast.entmax_attention(*args, **kwargs)
+
+
+def _triton_attention_varlen(*args, **kwargs):
+    """entmax_fast.entmax_attention_varlen with the Triton backend forced."""
+    with entmax_fast.use_backend("triton"):
+        return entmax_fast.entmax_attention_varlen(*args, **kwargs)
 
 
 def _err(got, expected):
@@ -102,8 +120,8 @@ def test_fp32_forward_and_backward(b, h, hkv, lq, lk, e, alpha_spec, is_causal, 
     inputs = [q, k, v] + ([alpha] if learn_alpha else [])
 
     def kernel(q_, k_, v_, *a):
-        return tri.entmax_attention_triton(q_, k_, v_, attn_mask=mask, is_causal=is_causal,
-                                           enable_gqa=True, alpha=a[0] if a else alpha)
+        return _triton_attention(q_, k_, v_, attn_mask=mask, is_causal=is_causal,
+                                 enable_gqa=True, alpha=a[0] if a else alpha)
 
     def reference(q_, k_, v_, *a):
         return reference_attention(q_, k_, v_, attn_mask=mask, is_causal=is_causal,
@@ -159,8 +177,8 @@ def _plain_torch_attention(q, k, v, is_causal, alpha, attn_mask=None):
 def test_low_precision_error_at_most_twice_plain_torch(lq, lk, e, alpha, is_causal, dtype, ratio):
     q, k, v = _inputs(1, 2, 2, lq, lk, e, dtype)
     grad_out = torch.randn(1, 2, lq, e).to(dtype)
-    out, grads = _grads(lambda *t: tri.entmax_attention_triton(*t, is_causal=is_causal,
-                                                               alpha=alpha), [q, k, v], grad_out)
+    out, grads = _grads(lambda *t: _triton_attention(*t, is_causal=is_causal,
+                                                     alpha=alpha), [q, k, v], grad_out)
     base_out, base_grads = _grads(lambda *t: _plain_torch_attention(*t, is_causal, alpha),
                                   [q, k, v], grad_out)
     ref_out, ref_grads = _grads(lambda *t: reference_attention(*t, is_causal=is_causal,
@@ -178,7 +196,7 @@ def test_huge_and_offset_scores_stay_finite(dtype, ratio):
     q, k, v = _inputs(1, 1, 1, 63, 63, 16, dtype)
     q = (q * 40).to(dtype)  # scores in the hundreds: rounding of the scores dominates
     mask = (torch.full((63, 63), -1000.0).triu(1) + 500.0).to(dtype)
-    out, grads = _grads(lambda *t: tri.entmax_attention_triton(*t, attn_mask=mask, alpha=1.5),
+    out, grads = _grads(lambda *t: _triton_attention(*t, attn_mask=mask, alpha=1.5),
                         [q, k, v], torch.randn(1, 1, 63, 16))
     expected = oracle_attention(q, k, v, attn_mask=mask, alpha=1.5)
     baseline = _plain_torch_attention(q, k, v, False, 1.5, attn_mask=mask)
@@ -190,7 +208,7 @@ def test_fully_masked_rows_and_batches_give_zeros():
     q, k, v = _inputs(2, 2, 2, 63, 63, 16, torch.float32)
     keep = torch.ones(2, 1, 1, 63, dtype=torch.bool)
     keep[1] = False  # every key of the second batch element is padding
-    out, (dq, dk, dv) = _grads(lambda *t: tri.entmax_attention_triton(*t, attn_mask=keep),
+    out, (dq, dk, dv) = _grads(lambda *t: _triton_attention(*t, attn_mask=keep),
                                [q, k, v], torch.randn(2, 2, 63, 16))
     for t in (out[1], dq[1], dk[1], dv[1]):
         assert torch.equal(t, torch.zeros_like(t))
@@ -206,8 +224,8 @@ def _dropout_factors_kernel(out_ptr, seed_ptr, n_heads, seqlen_q, seqlen_k, drop
         o_m = start_m + tl.arange(0, BLOCK_M)
         for start_n in range(0, seqlen_k, BLOCK_N):
             o_n = start_n + tl.arange(0, BLOCK_N)
-            b_drop = fwd_kernels._dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k,
-                                                dropout_p, BLOCK_M, BLOCK_N, True)
+            b_drop = attention_common.dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k,
+                                                    dropout_p, BLOCK_M, BLOCK_N, True)
             p_out = out_ptr + (pid_bh * seqlen_q + o_m[:, None]) * seqlen_k + o_n[None, :]
             tl.store(p_out, b_drop, mask=(o_m[:, None] < seqlen_q) & (o_n[None, :] < seqlen_k))
 
@@ -218,7 +236,7 @@ def test_dropout_mask_is_regenerated_in_backward():
     q, k, v = _inputs(b, h, h, lq, lk, e, torch.float32)
     grad_out = torch.randn(b, h, lq, e)
     torch.manual_seed(7)
-    out, grads = _grads(lambda q_, k_, v_, a_: tri.entmax_attention_triton(
+    out, grads = _grads(lambda q_, k_, v_, a_: _triton_attention(
         q_, k_, v_, dropout_p=dropout_p, alpha=a_), [q, k, v, alpha], grad_out)
     torch.manual_seed(7)
     seed = tri._seed(dropout_p, q.device)
@@ -251,7 +269,7 @@ def test_varlen_matches_each_sequence_alone():
     v = torch.randn(sum(lens_k), hkv, e)
     grad_out = torch.randn(sum(lens_q), h, e)
     out, grads = _grads(
-        lambda q_, k_, v_, a_: tri.entmax_attention_varlen(
+        lambda q_, k_, v_, a_: _triton_attention_varlen(
             q_, k_, v_, cu_q, cu_k, max(lens_q), max(lens_k), is_causal=True, alpha=a_),
         [q, k, v, alpha], grad_out)
     expected_grads = [torch.zeros_like(t, dtype=torch.float64) for t in (q, k, v)]
@@ -293,26 +311,35 @@ def test_no_lq_by_lk_allocation():
     lq = lk = 257
     q, k, v = (t.requires_grad_() for t in _inputs(1, 1, 1, lq, lk, 16, torch.float32))
     with _LargestAllocation() as mode:
-        out = tri.entmax_attention_triton(q, k, v, is_causal=True)
+        out = _triton_attention(q, k, v, is_causal=True)
         out.backward(torch.ones_like(out))
     assert 0 < mode.largest <= lq * 16 < lq * lk // 8
 
 
 def test_custom_op_opcheck_and_compile():
+    """The two custom ops pass opcheck (schema, fake kernels, tracing). They carry no
+    autograd (the public layer's torch.autograd.Function differentiates them), so they are
+    checked on inputs without requires_grad; the public entry point compiles end to end."""
     q, k, v = _inputs(1, 2, 1, 20, 33, 16, torch.float32)
     alpha = torch.tensor([1.3, 1.6])
-    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), None,
-            alpha.requires_grad_(), torch.zeros(1, dtype=torch.int64), None, None, 0, 0, 0.0,
-            True, 0.25, fwd_kernels.ALPHA_GENERAL, fwd_kernels.GRAD_ALPHA)
-    torch.library.opcheck(torch.ops.entmax_fast.triton_attention_fwd.default, args)
+    seed = torch.zeros(1, dtype=torch.int64)
+    shared = (None, None, 0, 0, 0.0, True, 0.25, common.ALPHA_GENERAL)
+    forward_args = (q, k, v, None, alpha, seed) + shared + (common.GRAD_ALPHA,)
+    torch.library.opcheck(torch.ops.entmax_fast.triton_attention_fwd.default, forward_args)
+    out, stats, dvec, flags = torch.ops.entmax_fast.triton_attention_fwd(*forward_args)
+    backward_args = (torch.randn_like(out), q, k, v, out, dvec, stats, flags, None, alpha,
+                     seed) + shared + (True,)
+    torch.library.opcheck(torch.ops.entmax_fast.triton_attention_bwd.default, backward_args)
 
     class Block(torch.nn.Module):
         def forward(self, q_, k_, v_):
-            return tri.entmax_attention_triton(q_, k_, v_, is_causal=True, enable_gqa=True,
-                                               alpha=1.5)
+            return entmax_fast.entmax_attention(q_, k_, v_, is_causal=True, enable_gqa=True,
+                                                alpha=1.5)
 
-    eager = Block()(q, k, v)
-    compiled = torch.compile(Block(), fullgraph=True, backend="aot_eager")(q, k, v)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    with entmax_fast.use_backend("triton"):
+        eager = Block()(q, k, v)
+        compiled = torch.compile(Block(), fullgraph=True, backend="aot_eager")(q, k, v)
     assert torch.equal(eager, compiled)
 
 
@@ -329,7 +356,7 @@ def test_gpu_tiling_table(monkeypatch, dtype, fwd_tol, grad_tol):
     def run(fn, *t):
         return fn(*t, attn_mask=keep, is_causal=True, scale=scale, enable_gqa=True, alpha=1.5)
 
-    out, grads = _grads(lambda *t: run(tri.entmax_attention_triton, *t), [q, k, v], grad_out)
+    out, grads = _grads(lambda *t: run(_triton_attention, *t), [q, k, v], grad_out)
     _, ref_grads = _grads(lambda *t: run(reference_attention, *t),
                           [t.double() for t in (q, k, v)], grad_out)
     expected = oracle_attention(q, k, v, attn_mask=keep, is_causal=True, scale=scale)
@@ -344,8 +371,8 @@ def test_head_dim_chunks(monkeypatch, chunk, dtype, fwd_tol, grad_tol):
     """Every kernel with its q.k and dO.v products taken in head-dim chunks (as the GPU
     table does for wide fp32 heads), with a value head dim other than the query's, a ragged
     last chunk (E = 80), GQA, a mask and a learned per-head alpha."""
-    monkeypatch.setattr(tri._fwd, "_CHUNKS", {(kernel, "fp32"): {128: chunk}
-                                              for kernel in ("fwd", "dq", "dkdv")})
+    monkeypatch.setattr(attention_common, "_CHUNKS", {(kernel, "fp32"): {128: chunk}
+                                                      for kernel in ("fwd", "dq", "dkdv")})
     b, h, hkv, lq, lk, e, ev = 1, 4, 2, 37, 50, 80, 72
     q, k, v = _inputs(b, h, hkv, lq, lk, e, dtype, ev=ev)
     alpha = _alpha("per-head", h)
@@ -355,7 +382,7 @@ def test_head_dim_chunks(monkeypatch, chunk, dtype, fwd_tol, grad_tol):
     def run(fn, q_, k_, v_, a_):
         return fn(q_, k_, v_, attn_mask=mask, enable_gqa=True, alpha=a_)
 
-    out, grads = _grads(lambda *t: run(tri.entmax_attention_triton, *t), [q, k, v, alpha],
+    out, grads = _grads(lambda *t: run(_triton_attention, *t), [q, k, v, alpha],
                         grad_out)
     _, ref_grads = _grads(lambda *t: run(reference_attention, *t),
                           [t.double() for t in (q, k, v, alpha)], grad_out)
@@ -371,7 +398,7 @@ def test_strided_inputs_and_gradients():
     q, k, v = (torch.randn(1, n, 2, 16).transpose(1, 2) for n in (63, 40, 40))
     assert not q.is_contiguous()
     grad_out = torch.randn(1, 1, 1, 16).expand(1, 2, 63, 16)
-    out, grads = _grads(lambda *t: tri.entmax_attention_triton(*t, alpha=2.0), [q, k, v],
+    out, grads = _grads(lambda *t: _triton_attention(*t, alpha=2.0), [q, k, v],
                         grad_out)
     _, ref_grads = _grads(lambda *t: reference_attention(*t, alpha=2.0),
                           [t.double() for t in (q, k, v)], grad_out)
@@ -381,15 +408,20 @@ def test_strided_inputs_and_gradients():
 
 
 def test_mask_requiring_grad_is_rejected():
+    """The kernels do not differentiate attn_mask: the backend refuses such calls, and a
+    forced Triton backend then raises instead of dropping the mask's gradient."""
+    request = dispatch.Request(torch.device(DEVICE), torch.float32,
+                               {"alpha": 1.5, "mask_requires_grad": True})
+    assert "attn_mask" in triton_backend.supports("attention", request)
     q, k, v = _inputs(1, 1, 1, 5, 5, 16, torch.float32)
-    with pytest.raises(ValueError, match="attn_mask"):
-        tri.entmax_attention_triton(q, k, v, attn_mask=torch.zeros(5, 5, requires_grad=True))
+    with pytest.raises(dispatch.BackendUnavailableError, match="attn_mask"):
+        _triton_attention(q, k, v, attn_mask=torch.zeros(5, 5, requires_grad=True))
 
 
 def test_gqa_without_enable_gqa_is_rejected():
     q, k, v = _inputs(1, 4, 2, 5, 5, 16, torch.float32)
     with pytest.raises(ValueError, match="enable_gqa"):
-        tri.entmax_attention_triton(q, k, v)
+        _triton_attention(q, k, v)
 
 
 @pytest.mark.parametrize("alpha", [1.5, 2.0, 1.3])
@@ -402,7 +434,7 @@ def test_nan_and_inf_scores_follow_softmax_rule(alpha):
     mask = torch.zeros(1, 1, 40, 70)
     mask[..., 7, 3] = float("inf")             # row 7: one +inf score
     mask[..., 9, :30] = float("-inf")          # row 9: 30 keys masked out
-    out = tri.entmax_attention_triton(q, k, v, attn_mask=mask, is_causal=True, alpha=alpha)
+    out = _triton_attention(q, k, v, attn_mask=mask, is_causal=True, alpha=alpha)
     nan_rows = torch.isnan(out[0, 0]).all(-1)
     # causal: key 60 is seen by no query (Lq = 40 < 60)
     assert nan_rows.tolist() == [i in (5, 7) for i in range(40)]
@@ -414,7 +446,7 @@ def test_nan_and_inf_scores_follow_softmax_rule(alpha):
     expected = oracle_attention(q.nan_to_num(), k.nan_to_num(), v, attn_mask=clean_mask,
                                 is_causal=True, alpha=alpha)
     assert _err(out[0, 0][keep], expected[0, 0][keep]) <= 1e-5
-    full = tri.entmax_attention_triton(q, k, v, alpha=alpha)  # not causal: every row sees key 60
+    full = _triton_attention(q, k, v, alpha=alpha)  # not causal: every row sees key 60
     assert torch.isnan(full).all()
 
 
@@ -432,7 +464,7 @@ def test_large_score_offsets(alpha, offset):
         torch.log2(offset))))
     ranks = torch.stack([torch.randperm(64)[:50] for _ in range(33)]).float()
     scores = step * ranks
-    out = tri.entmax_attention_triton(q * 0, k, v, attn_mask=offset + scores, alpha=alpha)
+    out = _triton_attention(q * 0, k, v, attn_mask=offset + scores, alpha=alpha)
     expected = oracle_attention(q * 0, k, v, attn_mask=scores, alpha=alpha)
     assert torch.isfinite(out).all()
     assert _err(out, expected) <= 1e-5
@@ -446,11 +478,11 @@ def test_local_scores_skip_tiles_exactly():
     position = torch.arange(lq, dtype=torch.float32)
     bias = -(position[:, None] - position[None, :]).abs() / 2.0   # [Lq, Lk]
     grad_out = torch.randn(1, 2, lq, 16)
-    out, grads = _grads(lambda *t: tri.entmax_attention_triton(*t, attn_mask=bias, alpha=1.5),
+    out, grads = _grads(lambda *t: _triton_attention(*t, attn_mask=bias, alpha=1.5),
                         [q, k, v], grad_out)
-    _, stats, _, flags = tri.attention_forward(
-        q, k, v, bias, torch.full((2,), 1.5), tri._alpha_kind(1.5),
-        torch.zeros(1, dtype=torch.int64), 0.0, False, 0.25, fwd_kernels.GRAD_NONE)
+    _, (_, _, flags, _) = tri.attention_forward(
+        q, k, v, bias, 1.5, scale=0.25, is_causal=False, dropout_p=0.0, enable_gqa=False,
+        need_grad=common.GRAD_NONE)
     assert 0 < flags.float().mean() < 0.5
     expected = oracle_attention(q, k, v, attn_mask=bias)
     _, ref_grads = _grads(lambda *t: reference_attention(*t, attn_mask=bias.double()),
@@ -467,7 +499,7 @@ def test_evenly_spread_scores(alpha):
     lq, lk = 20, 257
     scores = torch.linspace(0.0, 3.0, lk).repeat(lq, 1) + torch.rand(lq, lk) * 1e-3
     q, k, v = _inputs(1, 1, 1, lq, lk, 16, torch.float32)
-    out = tri.entmax_attention_triton(q * 0, k, v, attn_mask=scores, alpha=alpha)
+    out = _triton_attention(q * 0, k, v, attn_mask=scores, alpha=alpha)
     assert _err(out, oracle_attention(q * 0, k, v, attn_mask=scores, alpha=alpha)) <= 1e-5
 
 
@@ -477,7 +509,7 @@ def test_alpha_near_one(alpha):
     float32 has few digits left; the kernels keep c = tau + 1 and log1p of the base."""
     q, k, v = _inputs(1, 2, 2, 40, 63, 16, torch.float32)
     grad_out = torch.randn(1, 2, 40, 16)
-    out, grads = _grads(lambda *t: tri.entmax_attention_triton(*t, is_causal=True, alpha=alpha),
+    out, grads = _grads(lambda *t: _triton_attention(*t, is_causal=True, alpha=alpha),
                         [q, k, v], grad_out)
     _, ref_grads = _grads(lambda *t: reference_attention(*t, is_causal=True, alpha=alpha),
                           [t.double() for t in (q, k, v)], grad_out)

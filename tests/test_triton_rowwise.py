@@ -1,4 +1,5 @@
-"""Row-wise Triton kernels (triton_kernels/rowwise.py) against the float64 reference.
+"""Row-wise Triton kernels (triton_kernels/rowwise.py) through their launchers
+(entmax_fast/backends/triton/rowwise.py) against the float64 reference.
 
 On a machine with CUDA the compiled kernels run on the GPU; elsewhere they run in the
 Triton interpreter on CPU tensors (TRITON_INTERPRET=1, set by conftest.py). The reference
@@ -8,10 +9,8 @@ after the load, so bf16 runs in the interpreter as well; its fp32 → bf16 store
 (one ulp) where a GPU rounds (half an ulp), hence the bf16 tolerance of one ulp.
 """
 import importlib
-import importlib.util
 import math
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,18 +23,9 @@ if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("without CUDA these tests run the kernels in the Triton interpreter", allow_module_level=True)
 
 
-def _load_rowwise():
-    try:
-        return importlib.import_module("entmax_fast.triton_kernels.rowwise")
-    except ModuleNotFoundError:
-        path = Path(__file__).resolve().parent.parent / "triton_kernels" / "rowwise.py"
-        spec = importlib.util.spec_from_file_location("entmax_fast_rowwise_under_test", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-
-
-rowwise = _load_rowwise()
+# imported once triton is known to be importable (the skips above)
+rowwise = importlib.import_module("entmax_fast.backends.triton.rowwise")
+kernels = importlib.import_module("entmax_fast.triton_kernels.rowwise")
 
 # The interpreter evaluates both sides of tl.where with numpy, which warns about the
 # discarded side (0·inf on α = 1 rows, d = 0 divisions outside the support).
@@ -93,7 +83,7 @@ def _check_forward(p, x, alpha, atol, sum_atol):
 @pytest.mark.parametrize("n", LENGTHS)
 def test_forward_matches_reference(n, alpha, dtype, atol, sum_atol):
     x = _rows(n, dtype)
-    p = rowwise.entmax_rowwise_forward(x, alpha)
+    p = rowwise.entmax_forward(x, alpha)
     _check_forward(p, x, alpha, atol, sum_atol)
     assert torch.equal(p[2], torch.zeros_like(p[2])), "a fully −inf row must give zeros"
 
@@ -106,7 +96,7 @@ def test_chunked_rows_match_reference(n, alpha):
         alpha = torch.tensor([1.0, 1.25, 1.5, 2.0, 3.0], device=DEVICE)
     p, _, _ = rowwise._forward(x, alpha, config=CHUNKED)
     _check_forward(p, x, alpha, 2e-6, 2e-6)
-    torch.testing.assert_close(p, rowwise.entmax_rowwise_forward(x, alpha), atol=2e-6, rtol=0)
+    torch.testing.assert_close(p, rowwise.entmax_forward(x, alpha), atol=2e-6, rtol=0)
 
 
 @pytest.mark.parametrize("alpha", [1.0, 1.3, 1.5, 2.0, 3.0, "per-row"])
@@ -121,8 +111,8 @@ def test_several_rows_per_program(alpha):
     _check_forward(p, x, alpha, 2e-6, 2e-6)
     g = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     need = isinstance(alpha, torch.Tensor)
-    dx, dalpha = rowwise.entmax_rowwise_backward(p, g, alpha, need, config=tiles)
-    dx_one, dalpha_one = rowwise.entmax_rowwise_backward(p, g, alpha, need)
+    dx, dalpha = rowwise.entmax_backward(p, g, alpha, need, config=tiles)
+    dx_one, dalpha_one = rowwise.entmax_backward(p, g, alpha, need)
     torch.testing.assert_close(dx, dx_one, atol=1e-6, rtol=1e-5)
     if need:
         torch.testing.assert_close(dalpha, dalpha_one, atol=1e-6, rtol=1e-5)
@@ -130,11 +120,11 @@ def test_several_rows_per_program(alpha):
 
 @pytest.mark.parametrize("alpha", [1.5, 1.3])
 def test_rows_longer_than_resident(alpha):
-    n = rowwise.RESIDENT_MAX_COLS + 77
-    assert not rowwise._config(n)["RESIDENT"]
+    n = kernels.RESIDENT_MAX_COLS + 77
+    assert not kernels.tile_config(n)["RESIDENT"]
     x = torch.randn(2, n, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     x[1, ::5] = -math.inf
-    p = rowwise.entmax_rowwise_forward(x, alpha)
+    p = rowwise.entmax_forward(x, alpha)
     _check_forward(p, x, alpha, 2e-6, 2e-6)
 
 
@@ -146,7 +136,7 @@ def test_forward_per_row_alpha(n, dtype, atol, sum_atol):
     x[1, ::2] = -math.inf
     x[5] = -math.inf
     alpha = torch.tensor([1.0, 1.25, 1.5, 2.0, 3.0, 1.5, 0.6], device=DEVICE)
-    p = rowwise.entmax_rowwise_forward(x, alpha)
+    p = rowwise.entmax_forward(x, alpha)
     torch.testing.assert_close(p.double().cpu(), _reference_p(x, alpha), atol=atol, rtol=0)
     assert torch.equal(p[5], torch.zeros_like(p[5]))
 
@@ -154,7 +144,7 @@ def test_forward_per_row_alpha(n, dtype, atol, sum_atol):
 @pytest.mark.parametrize("alpha", [0.5, 0.8])
 def test_forward_dense_alpha_below_one(alpha):
     x = _rows(63, torch.float32)
-    p = rowwise.entmax_rowwise_forward(x, alpha)
+    p = rowwise.entmax_forward(x, alpha)
     torch.testing.assert_close(p.double().cpu(), _reference_p(x, alpha), atol=2e-6, rtol=0)
     assert (p[1] > 0).all(), "α < 1 is dense on finite entries"
 
@@ -198,7 +188,7 @@ def test_large_finite_scores(dtype, offset, atol):
     x[2, :3] = torch.tensor([big, big, -big], dtype=dtype)
     x = x.to(DEVICE)
     for alpha in (1.0, 1.3, 1.5, 2.0, 3.0):
-        p = rowwise.entmax_rowwise_forward(x, alpha)
+        p = rowwise.entmax_forward(x, alpha)
         assert not p.isnan().any()
         torch.testing.assert_close(p.double().cpu(), _reference_p(x, alpha), atol=atol, rtol=0)
         torch.testing.assert_close(p[2, :2].double().cpu(), torch.full((2,), 0.5, dtype=torch.float64),
@@ -247,7 +237,7 @@ def test_exact_support_update(n, alpha):
     """α ∈ {1.5, 2}: the iteration ends on a certified exact threshold: μ as the float64
     root and Σp = 1 before the output's normalisation."""
     x = _rows(n, torch.float32, seed=7)
-    mu, passes = rowwise.entmax_rowwise_threshold(x, alpha)
+    mu, passes = rowwise.entmax_threshold(x, alpha)
     finite = torch.isfinite(x).any(-1).cpu()
     x64 = x.double().cpu()[finite]
     ref_mu = entmax_threshold_root(x64, alpha, tol=1e-13)[0].view(-1)
@@ -262,7 +252,7 @@ def test_exact_support_update(n, alpha):
 @pytest.mark.parametrize("alpha", [1.0, 1.25, 1.5, 2.0, 3.0])
 def test_threshold_matches_reference_mu(alpha):
     x = _rows(1000, torch.float32, seed=3)[:2]
-    mu, passes = rowwise.entmax_rowwise_threshold(x, alpha)
+    mu, passes = rowwise.entmax_threshold(x, alpha)
     x64 = x.double().cpu()
     if alpha == 1.0:
         u = x64 - x64.amax(-1, keepdim=True)
@@ -276,7 +266,7 @@ def test_threshold_matches_reference_mu(alpha):
 def test_threshold_per_row_alpha():
     x = _rows(200, torch.float32, seed=9)[:2].repeat(2, 1)
     alpha = torch.tensor([1.0, 1.0, 1.75, 1.75], device=DEVICE)
-    mu, _ = rowwise.entmax_rowwise_threshold(x, alpha)
+    mu, _ = rowwise.entmax_threshold(x, alpha)
     x64 = x.double().cpu()
     ref_soft = torch.logsumexp(x64[:2] - x64[:2].amax(-1, keepdim=True), -1)
     ref_175 = entmax_threshold_root(x64[2:], 1.75, tol=1e-13)[0].view(-1)
@@ -301,8 +291,8 @@ def test_masked_columns_are_invisible():
     x = _rows(63, torch.float32, seed=5)[1:2]
     padded = torch.cat([x, torch.full((1, 40), -math.inf, device=DEVICE)], dim=1)
     for alpha in (1.25, 1.5, 2.0, 3.0):
-        p = rowwise.entmax_rowwise_forward(x, alpha)
-        p_padded = rowwise.entmax_rowwise_forward(padded, alpha)
+        p = rowwise.entmax_forward(x, alpha)
+        p_padded = rowwise.entmax_forward(padded, alpha)
         torch.testing.assert_close(p_padded[:, :63], p, atol=1e-7, rtol=0)
         assert torch.equal(p_padded[:, 63:], torch.zeros(1, 40, device=DEVICE))
 
@@ -312,11 +302,11 @@ def test_strided_rows():
     x = base[::2, 3:103]  # row stride 260, last stride 1
     assert not x.is_contiguous()
     for alpha in (1.5, 1.25, torch.tensor([1.5, 2.0, 1.0], device=DEVICE)):
-        torch.testing.assert_close(rowwise.entmax_rowwise_forward(x, alpha),
-                                   rowwise.entmax_rowwise_forward(x.contiguous(), alpha), atol=0, rtol=0)
+        torch.testing.assert_close(rowwise.entmax_forward(x, alpha),
+                                   rowwise.entmax_forward(x.contiguous(), alpha), atol=0, rtol=0)
     x_t = base[:, :6].t()  # last stride 130: copied by the launcher
-    torch.testing.assert_close(rowwise.entmax_rowwise_forward(x_t, 1.5),
-                               rowwise.entmax_rowwise_forward(x_t.contiguous(), 1.5), atol=0, rtol=0)
+    torch.testing.assert_close(rowwise.entmax_forward(x_t, 1.5),
+                               rowwise.entmax_forward(x_t.contiguous(), 1.5), atol=0, rtol=0)
 
 
 def _backward_case(n: int, alpha, seed: int = 1):
@@ -333,7 +323,7 @@ def _backward_case(n: int, alpha, seed: int = 1):
 
 def _check_backward(p, g, alpha, rtol, config=None):
     a_dev = alpha.to(DEVICE) if isinstance(alpha, torch.Tensor) else alpha
-    dx, dalpha = rowwise.entmax_rowwise_backward(p.to(DEVICE), g.to(DEVICE), a_dev, True, config=config)
+    dx, dalpha = rowwise.entmax_backward(p.to(DEVICE), g.to(DEVICE), a_dev, True, config=config)
     a_ref = alpha.double().view(-1, 1) if isinstance(alpha, torch.Tensor) else alpha
     ref_dx, ref_dalpha = entmax_backward(p.double(), g.double(), a_ref)
     assert dx.dtype == g.dtype and dalpha.dtype == torch.float32 and dalpha.shape == (p.shape[0],)
@@ -347,7 +337,7 @@ def _check_backward(p, g, alpha, rtol, config=None):
         # (Σp − 1)·Σgp/t² (where the kernel uses the direct form) or drops it (the
         # regrouped form near α = 1), so the float64 formula is no reference here. The
         # kernel reads fp16/bf16 into fp32 exactly: dα must be the fp32 run's.
-        _, dalpha32 = rowwise.entmax_rowwise_backward(p.float().to(DEVICE), g.float().to(DEVICE), a_dev, True,
+        _, dalpha32 = rowwise.entmax_backward(p.float().to(DEVICE), g.float().to(DEVICE), a_dev, True,
                                                       config=config)
         torch.testing.assert_close(dalpha, dalpha32, atol=1e-6, rtol=1e-5)
     return dx, dalpha
@@ -369,7 +359,7 @@ def test_backward_chunked(alpha):
     p, g = _backward_case(300, alpha, seed=4)
     dx, dalpha = _check_backward(p, g, alpha, 2e-5, config=CHUNKED)
     a_dev = alpha.to(DEVICE) if isinstance(alpha, torch.Tensor) else alpha
-    dx_res, dalpha_res = rowwise.entmax_rowwise_backward(p.to(DEVICE), g.to(DEVICE), a_dev, True)
+    dx_res, dalpha_res = rowwise.entmax_backward(p.to(DEVICE), g.to(DEVICE), a_dev, True)
     torch.testing.assert_close(dx, dx_res, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(dalpha, dalpha_res, atol=1e-6, rtol=1e-5)
 
@@ -383,7 +373,7 @@ def test_backward_per_row_alpha(n, dtype, rtol):
     p = entmax_forward(x, alpha.view(-1, 1)).to(dtype)
     g = torch.randn(6, n, generator=gen).to(dtype)
     dx, _ = _check_backward(p, g, alpha, rtol)
-    dx_only, none = rowwise.entmax_rowwise_backward(p.to(DEVICE), g.to(DEVICE), alpha.to(DEVICE), False)
+    dx_only, none = rowwise.entmax_backward(p.to(DEVICE), g.to(DEVICE), alpha.to(DEVICE), False)
     assert none is None
     torch.testing.assert_close(dx_only, dx, atol=0, rtol=0)
 
@@ -395,7 +385,7 @@ def test_backward_nan_rows_stay_in_their_row():
     g = torch.randn(4, 9)
     for alpha in (1.5, 1.3, torch.tensor([1.5, 1.3, 2.0, 1.0])):
         a = alpha.to(DEVICE) if isinstance(alpha, torch.Tensor) else alpha
-        dx, dalpha = rowwise.entmax_rowwise_backward(p.to(DEVICE), g.to(DEVICE), a, True)
+        dx, dalpha = rowwise.entmax_backward(p.to(DEVICE), g.to(DEVICE), a, True)
         assert torch.isnan(dx[1]).all() and bool(torch.isnan(dalpha[1]))
         assert not torch.isnan(dx[[0, 2, 3]]).any() and not torch.isnan(dalpha[[0, 2, 3]]).any()
 
@@ -406,14 +396,14 @@ def test_alpha_gradient_near_one(dtype, rtol):
 
     The reference is evaluated on p renormalised in float64: on p as stored (Σp = 1 only to
     rounding, ~1e-7) its literal formula adds (Σp − 1)·Σgp/t², an O(1) artifact at
-    t = 1e-4 that the kernel deliberately drops (see _entmax_bwd_kernel).
+    t = 1e-4 that the kernel deliberately drops (see entmax_rowwise_bwd_kernel).
     """
     alpha = torch.tensor([1.0001, 1.001, 1.01, 0.999, 0.99, 1.0])
     x = torch.randn(6, 300, generator=torch.Generator().manual_seed(8)) * 2
     x[2, ::4] = -math.inf
     p = entmax_forward(x, alpha.view(-1, 1)).to(dtype)
     g = torch.randn(6, 300, generator=torch.Generator().manual_seed(9)).to(dtype)
-    _, dalpha = rowwise.entmax_rowwise_backward(p.to(DEVICE), g.to(DEVICE), alpha.to(DEVICE), True)
+    _, dalpha = rowwise.entmax_backward(p.to(DEVICE), g.to(DEVICE), alpha.to(DEVICE), True)
     p64 = p.double() / p.double().sum(-1, keepdim=True)
     _, ref = entmax_backward(p64, g.double(), alpha.double().view(-1, 1))
     torch.testing.assert_close(dalpha.double().cpu(), ref.view(-1), atol=rtol * ref.abs().max().clamp(min=1.0),
@@ -425,8 +415,8 @@ def test_backward_matches_finite_differences():
     x = torch.randn(2, 17, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     g = torch.randn(2, 17, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     for alpha in (1.25, 1.5, 2.0):
-        p = rowwise.entmax_rowwise_forward(x.float().to(DEVICE), alpha)
-        dx, _ = rowwise.entmax_rowwise_backward(p, g.float().to(DEVICE), alpha, False)
+        p = rowwise.entmax_forward(x.float().to(DEVICE), alpha)
+        dx, _ = rowwise.entmax_backward(p, g.float().to(DEVICE), alpha, False)
         eps = 1e-6
         fd = torch.zeros_like(x)
         for j in range(17):
@@ -440,39 +430,39 @@ def test_config_table():
     """Every length gets a tile that holds the row (resident) or a chunked sweep, with
     at most 32 fp32 entries per thread; every configuration is in the AOT list."""
     listed = {(c["constexprs"]["ROWS"], c["constexprs"]["BLOCK"], c["constexprs"]["RESIDENT"], c["num_warps"])
-              for c in rowwise.aot_configs()}
-    for n in [1, 2, 15, 16, 17, 100, 1024, 1025, 2048, 5000, rowwise.RESIDENT_MAX_COLS,
-              rowwise.RESIDENT_MAX_COLS + 1, 10 ** 6]:
-        cfg = rowwise._config(n)
+              for c in kernels.aot_configs()}
+    for n in [1, 2, 15, 16, 17, 100, 1024, 1025, 2048, 5000, kernels.RESIDENT_MAX_COLS,
+              kernels.RESIDENT_MAX_COLS + 1, 10 ** 6]:
+        cfg = kernels.tile_config(n)
         assert (cfg["ROWS"], cfg["BLOCK"], cfg["RESIDENT"], cfg["num_warps"]) in listed
         if cfg["RESIDENT"]:
             assert cfg["BLOCK"] >= n and cfg["BLOCK"] < max(32, 2 * n)
             assert cfg["ROWS"] * cfg["BLOCK"] // (32 * cfg["num_warps"]) <= 32
         else:
-            assert n > rowwise.RESIDENT_MAX_COLS
+            assert n > kernels.RESIDENT_MAX_COLS
 
 
 def test_bad_arguments_are_named():
     x = torch.randn(2, 5, device=DEVICE)
     with pytest.raises(ValueError, match="x must be a 2-D tensor"):
-        rowwise.entmax_rowwise_forward(torch.randn(5, device=DEVICE), 1.5)
+        rowwise.entmax_forward(torch.randn(5, device=DEVICE), 1.5)
     with pytest.raises(ValueError, match="x dtype"):
-        rowwise.entmax_rowwise_forward(x.double(), 1.5)
+        rowwise.entmax_forward(x.double(), 1.5)
     with pytest.raises(ValueError, match="alpha must be a finite number > 0"):
-        rowwise.entmax_rowwise_forward(x, 0.0)
+        rowwise.entmax_forward(x, 0.0)
     with pytest.raises(ValueError, match=r"alpha tensor must have shape \(2,\)"):
-        rowwise.entmax_rowwise_forward(x, torch.tensor([1.5], device=DEVICE))
+        rowwise.entmax_forward(x, torch.tensor([1.5], device=DEVICE))
     with pytest.raises(ValueError, match="max_passes must be >= 2"):
         rowwise._forward(x, 1.25, max_passes=1)
     with pytest.raises(ValueError, match="tol must be > 0"):
         rowwise._forward(x, 1.25, tol=0.0)
     with pytest.raises(ValueError, match="grad must have p's shape"):
-        rowwise.entmax_rowwise_backward(x, torch.randn(2, 4, device=DEVICE), 1.5, True)
+        rowwise.entmax_backward(x, torch.randn(2, 4, device=DEVICE), 1.5, True)
 
 
 def test_empty_shapes():
-    assert rowwise.entmax_rowwise_forward(torch.randn(0, 7, device=DEVICE), 1.5).shape == (0, 7)
-    assert rowwise.entmax_rowwise_forward(torch.randn(3, 0, device=DEVICE), 1.25).shape == (3, 0)
-    dx, dalpha = rowwise.entmax_rowwise_backward(torch.zeros(3, 0, device=DEVICE), torch.zeros(3, 0, device=DEVICE),
+    assert rowwise.entmax_forward(torch.randn(0, 7, device=DEVICE), 1.5).shape == (0, 7)
+    assert rowwise.entmax_forward(torch.randn(3, 0, device=DEVICE), 1.25).shape == (3, 0)
+    dx, dalpha = rowwise.entmax_backward(torch.zeros(3, 0, device=DEVICE), torch.zeros(3, 0, device=DEVICE),
                                                  1.5, True)
     assert dx.shape == (3, 0) and torch.equal(dalpha, torch.zeros(3, device=DEVICE))

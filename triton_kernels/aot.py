@@ -19,6 +19,7 @@ compiles each module in a subprocess with that variable removed, under a time li
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -44,11 +45,24 @@ def _import_kernel_module(name: str):
         return None
     if __package__:
         return importlib.import_module(f".{name}", __package__)
-    # Run as a plain script: import the folder as the package `triton_kernels`, ours first.
-    root = str(Path(__file__).resolve().parent.parent)
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    return importlib.import_module(f"triton_kernels.{name}")
+    return importlib.import_module(f"{_bind_this_folder()}.{name}")
+
+
+def _bind_this_folder() -> str:
+    """Run as a plain script (as `check` runs it): import this folder under the name the
+    kernels' relative imports need (`entmax_fast.triton_kernels`; kinds.py reads
+    `entmax_fast.common`), ours first, whether or where the package is installed."""
+    package = "entmax_fast.triton_kernels"
+    if package not in sys.modules:
+        folder = Path(__file__).resolve().parent
+        if str(folder.parent) not in sys.path:
+            sys.path.insert(0, str(folder.parent))
+        importlib.import_module("entmax_fast")
+        spec = importlib.util.spec_from_file_location(
+            package, folder / "__init__.py", submodule_search_locations=[str(folder)])
+        sys.modules[package] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[package])
+    return package
 
 
 def _cuobjdump() -> str:

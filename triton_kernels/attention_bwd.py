@@ -19,12 +19,11 @@ causal and key-end masks only on the tiles that cross them.
 import triton
 import triton.language as tl
 
-from .attention_fwd import (FWD_POINTERS, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C,
-                            STAT_TAU_C, _config_space, _dot, _dot_rows, _dropout_scale,
-                            _full_tiles_end, _gap, _held_cols, _held_rows, _load_rows,
-                            _log2_base, _scores, _sensitivity, _sequence_bounds, _weights,
-                            block_sizes, chunk_width, config_suffix, kernel_signature,
-                            launch_config)
+from .attention_common import (STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C, STAT_TAU_C,
+                               attention_signature, block_sizes, chunk_width, config_space,
+                               config_suffix, dot, dot_rows, dropout_scale, full_tiles_end, gap,
+                               held_cols, held_rows, load_rows, launch_config, log2_base,
+                               sensitivity, sequence_bounds, shifted_scores, weights)
 
 # rows of the backward's per-row buffer
 ROW_DELTA, ROW_DALPHA = 0, 1
@@ -35,12 +34,12 @@ ROW_DALPHA_C = tl.constexpr(ROW_DALPHA)
 
 @triton.jit
 def _row_weights(b_u, b_thr, b_l, am1, inv_am1, ALPHA_KIND: tl.constexpr):
-    """The `_gap` g of the shifted scores u to the stored threshold, the normalised weights
+    """The `gap` g of the shifted scores u to the stored threshold, the normalised weights
     p and the sensitivities s = p^(2-alpha). [BM, BN]"""
-    b_g = _gap(b_u, b_thr, inv_am1, ALPHA_KIND)
-    b_p = _weights(b_g, inv_am1, ALPHA_KIND) / b_l[:, None]
+    b_g = gap(b_u, b_thr, inv_am1, ALPHA_KIND)
+    b_p = weights(b_g, inv_am1, ALPHA_KIND) / b_l[:, None]
     # s = (base^e / l)^(2 - alpha) = base^(e - 1) * l^(alpha - 2)
-    b_s = _sensitivity(b_g, inv_am1, ALPHA_KIND) * tl.exp2((am1 - 1.0) * tl.log2(b_l))[:, None]
+    b_s = sensitivity(b_g, inv_am1, ALPHA_KIND) * tl.exp2((am1 - 1.0) * tl.log2(b_l))[:, None]
     return b_g, b_p, b_s
 
 
@@ -55,30 +54,30 @@ def _dq_tile(b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, st
     """Adds one key tile, when the forward flagged it, to dQ and to sum_j g_j h_j."""
     if tl.load(p_flags + start_n // BLOCK_N) != 0:
         o_n = start_n + tl.arange(0, BLOCK_N)
-        b_k = _held_rows(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E, BLOCK_EC)  # [BN, BE]
+        b_k = held_rows(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E, BLOCK_EC)  # [BN, BE]
         if BLOCK_EC >= BLOCK_E:
             b_kt = tl.trans(b_k)  # one load of k for the scores and for dQ
         else:
             b_kt = 0.0
-        b_u = _scores(b_q, b_kt, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk,
-                      o_m, start_n, q_len, k_len, head_e, scale, b_mz, is_causal,
-                      BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
+        b_u = shifted_scores(b_q, b_kt, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq,
+                             stride_mk, o_m, start_n, q_len, k_len, head_e, scale, b_mz,
+                             is_causal, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
         b_gap, b_p, b_s = _row_weights(b_u, b_tau, b_l, am1, inv_am1, ALPHA_KIND)
-        b_vt = _held_cols(p_v, stride_vl, o_n, k_len, head_ev, BLOCK_EV, BLOCK_EC)
-        b_g = _dot_rows(b_do, b_vt, p_do, stride_ol, o_m, q_len, p_v, stride_vl, o_n, k_len,
-                        head_ev, BLOCK_EV, BLOCK_EC)  # dL/dp [BM, BN]
+        b_vt = held_cols(p_v, stride_vl, o_n, k_len, head_ev, BLOCK_EV, BLOCK_EC)
+        b_g = dot_rows(b_do, b_vt, p_do, stride_ol, o_m, q_len, p_v, stride_vl, o_n, k_len,
+                       head_ev, BLOCK_EV, BLOCK_EC)  # dL/dp [BM, BN]
         if HAS_DROPOUT:
-            b_g = b_g * _dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
-                                       BLOCK_M, BLOCK_N, HAS_DROPOUT)
+            b_g = b_g * dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
+                                      BLOCK_M, BLOCK_N, HAS_DROPOUT)
         b_dz = b_s * (b_g - b_delta[:, None])
         if BLOCK_EC < BLOCK_E:
             # loaded only now, so that it is not live during the chunked products
-            b_k = _load_rows(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E)
-        b_dq += _dot(b_dz.to(b_k.dtype), b_k)
+            b_k = load_rows(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E)
+        b_dq += dot(b_dz.to(b_k.dtype), b_k)
         if need_alpha_grad != 0:
             # h = -p log p with log p = log(d) / (alpha - 1) - log l
             # (off the support p = 0 and the log of the base is 0)
-            b_logp = (_log2_base(b_gap, ALPHA_KIND) * inv_am1
+            b_logp = (log2_base(b_gap, ALPHA_KIND) * inv_am1
                       - tl.log2(b_l)[:, None]) * 0.6931471805599453
             b_gh -= tl.sum(b_p * b_logp * b_g, 1)
     return b_dq, b_gh
@@ -106,8 +105,8 @@ def entmax_attn_bwd_dq_kernel(
     i_b = (pid_bh // n_heads).to(tl.int64)
     i_h = (pid_bh % n_heads).to(tl.int64)
     i_hk = i_h // kv_group
-    q_start, q_len, k_start, k_len = _sequence_bounds(cu_q_ptr, cu_k_ptr, i_b, seqlen_q,
-                                                      seqlen_k, IS_VARLEN)
+    q_start, q_len, k_start, k_len = sequence_bounds(cu_q_ptr, cu_k_ptr, i_b, seqlen_q,
+                                                     seqlen_k, IS_VARLEN)
     start_m = pid_m * BLOCK_M
     if start_m >= q_len:
         return
@@ -142,7 +141,7 @@ def entmax_attn_bwd_dq_kernel(
     if BLOCK_EC < BLOCK_EV:
         # chunked products reload dO: the full block need not stay live through the loop
         b_do = 0.0
-    b_q = _held_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, BLOCK_EC)
+    b_q = held_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, BLOCK_EC)
     b_mz = tl.load(p_stats + STAT_MAX_C * stride_stat, mask=m_m, other=0.0)
     b_tau = tl.load(p_stats + STAT_TAU_C * stride_stat, mask=m_m, other=0.0)
     b_l = tl.load(p_stats + STAT_SUM_C * stride_stat, mask=m_m, other=0.0)
@@ -155,7 +154,7 @@ def entmax_attn_bwd_dq_kernel(
     kv_end = k_len
     if is_causal != 0:
         kv_end = tl.minimum(k_len, start_m + BLOCK_M)
-    n_full = _full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
+    n_full = full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
     b_dq = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
     b_gh = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum_j g_j h_j for d(alpha)
     for start_n in range(0, n_full, BLOCK_N):
@@ -198,32 +197,32 @@ def _dkdv_tile(b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do,
     if tl.load(p_flags + (start_m // BLOCK_M) * n_kblocks) != 0:
         o_m = start_m + tl.arange(0, BLOCK_M)
         m_m = o_m < q_len
-        b_q = _held_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, BLOCK_EC)
-        b_do = _held_rows(p_do, stride_ol, o_m, q_len, head_ev, BLOCK_EV, BLOCK_EC)
+        b_q = held_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, BLOCK_EC)
+        b_do = held_rows(p_do, stride_ol, o_m, q_len, head_ev, BLOCK_EV, BLOCK_EC)
         b_mz = tl.load(p_stats + o_m + STAT_MAX_C * stride_stat, mask=m_m, other=0.0)
         b_tau = tl.load(p_stats + o_m + STAT_TAU_C * stride_stat, mask=m_m, other=0.0)
         b_l = tl.load(p_stats + o_m + STAT_SUM_C * stride_stat, mask=m_m, other=0.0)
         b_l = tl.where(b_l > 0, b_l, 1.0)
         b_delta = tl.load(p_rows + o_m + ROW_DELTA_C * stride_row, mask=m_m, other=0.0)
-        b_u = _scores(b_q, b_kt, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk,
-                      o_m, start_n, q_len, k_len, head_e, scale, b_mz, is_causal,
-                      BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
+        b_u = shifted_scores(b_q, b_kt, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq,
+                             stride_mk, o_m, start_n, q_len, k_len, head_e, scale, b_mz,
+                             is_causal, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
         b_gap, b_p, b_s = _row_weights(b_u, b_tau, b_l, am1, inv_am1, ALPHA_KIND)
-        b_g = _dot_rows(b_do, b_vt, p_do, stride_ol, o_m, q_len, p_v, stride_vl, o_n, k_len,
-                        head_ev, BLOCK_EV, BLOCK_EC)  # [BM, BN]
+        b_g = dot_rows(b_do, b_vt, p_do, stride_ol, o_m, q_len, p_v, stride_vl, o_n, k_len,
+                       head_ev, BLOCK_EV, BLOCK_EC)  # [BM, BN]
         if HAS_DROPOUT:
-            b_drop = _dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
-                                    BLOCK_M, BLOCK_N, HAS_DROPOUT)
+            b_drop = dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
+                                   BLOCK_M, BLOCK_N, HAS_DROPOUT)
             b_g = b_g * b_drop
             b_p = b_p * b_drop
         b_dz = b_s * (b_g - b_delta[:, None])
         if BLOCK_EC < BLOCK_E:
             # loaded only now, so that they are not live during the chunked products
-            b_q = _load_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E)
+            b_q = load_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E)
         if BLOCK_EC < BLOCK_EV:
-            b_do = _load_rows(p_do, stride_ol, o_m, q_len, head_ev, BLOCK_EV)
-        b_dv += _dot(tl.trans(b_p.to(b_do.dtype)), b_do)
-        b_dk += _dot(tl.trans(b_dz.to(b_q.dtype)), b_q)
+            b_do = load_rows(p_do, stride_ol, o_m, q_len, head_ev, BLOCK_EV)
+        b_dv += dot(tl.trans(b_p.to(b_do.dtype)), b_do)
+        b_dk += dot(tl.trans(b_dz.to(b_q.dtype)), b_q)
     return b_dk, b_dv
 
 
@@ -248,8 +247,8 @@ def entmax_attn_bwd_dkdv_kernel(
     pid_bhk = tl.program_id(1)
     i_b = (pid_bhk // n_kv_heads).to(tl.int64)
     i_hk = (pid_bhk % n_kv_heads).to(tl.int64)
-    q_start, q_len, k_start, k_len = _sequence_bounds(cu_q_ptr, cu_k_ptr, i_b, seqlen_q,
-                                                      seqlen_k, IS_VARLEN)
+    q_start, q_len, k_start, k_len = sequence_bounds(cu_q_ptr, cu_k_ptr, i_b, seqlen_q,
+                                                     seqlen_k, IS_VARLEN)
     start_n = pid_n * BLOCK_N
     if start_n >= k_len:
         return
@@ -261,8 +260,8 @@ def entmax_attn_bwd_dkdv_kernel(
     v_off = i_b * stride_vb + i_hk * stride_vh + k_start * stride_vl
     p_k = k_ptr + k_off
     p_v = v_ptr + v_off
-    b_kt = _held_cols(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E, BLOCK_EC)  # [BE, BN]
-    b_vt = _held_cols(p_v, stride_vl, o_n, k_len, head_ev, BLOCK_EV, BLOCK_EC)  # [BEV, BN]
+    b_kt = held_cols(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E, BLOCK_EC)  # [BE, BN]
+    b_vt = held_cols(p_v, stride_vl, o_n, k_len, head_ev, BLOCK_EV, BLOCK_EC)  # [BEV, BN]
     seed = tl.load(seed_ptr)
 
     m_begin = 0
@@ -314,14 +313,10 @@ def entmax_attn_bwd_dkdv_kernel(
              b_dv.to(dv_ptr.dtype.element_ty), mask=m_n[:, None] & (o_ev[None, :] < head_ev))
 
 
-BWD_POINTERS = dict(FWD_POINTERS, do_ptr="T", dq_ptr="T", dk_ptr="T", dv_ptr="T",
-                    rows_ptr="*fp32")
-
-
 def aot_configs():
-    """Every backward configuration the launcher in attention.py can choose."""
+    """Every backward configuration the launcher can choose."""
     configs = []
-    for dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout in _config_space():
+    for dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout in config_space():
         block_m, block_n = block_sizes(block_e, dtype_key, dropout)
         constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_E": block_e,
                       "BLOCK_EV": block_e, "ALPHA_KIND": alpha_kind, "MASK_KIND": mask_kind,
@@ -331,7 +326,7 @@ def aot_configs():
                          ("dkdv", entmax_attn_bwd_dkdv_kernel)):
             num_warps, num_stages = launch_config(name, block_e, dtype_key)
             configs.append({"name": f"entmax_attn_bwd_{name}_{suffix}", "fn": fn,
-                            "signature": kernel_signature(fn, dtype_key, mask_kind, BWD_POINTERS),
+                            "signature": attention_signature(fn, dtype_key, mask_kind),
                             "constexprs": dict(constexprs,
                                                BLOCK_EC=chunk_width(name, block_e, dtype_key)),
                             "num_warps": num_warps, "num_stages": num_stages})

@@ -20,343 +20,38 @@ scaled, masked scores and u = (alpha - 1)(z - max z), the threshold tau lies in 
    output row is an exact convex combination whatever tau's residual error) and rewrites
    the flags to "holds a non-zero weight" for the backward.
 
-The tiles work in z units shifted by the row maximum (`_scores`), so only score
+The tiles work in z units shifted by the row maximum (`shifted_scores`), so only score
 differences enter, whatever the offset; the bracket lives in u units (`_sums_in_u`).
 Masks cost per-score work only on the tiles that cross the key end or the causal
-diagonal (`_full_tiles_end`). Row statistics (max z, tau and the weight sum, in z units,
+diagonal (`full_tiles_end`). Row statistics (max z, tau and the weight sum, in z units,
 and the entropy) are stored for the backward, and, when gradients are needed, the
 D-vector ``sum_j s_j v_j / sum_j s_j`` with ``s_j = p_j^(2 - alpha)`` (docs/attention.md,
 "Backward").
-"""
-import itertools
 
+Tile tables, the statistics layout and the helpers the backward shares live in
+attention_common.py; the launcher in ``entmax_fast/backends/triton/attention.py``.
+"""
 import triton
 import triton.language as tl
 
-# ALPHA_KIND: specialisations of the power p = d^(1/(alpha-1)).
-ALPHA_GENERAL = 0
-ALPHA_15 = 1
-ALPHA_2 = 2
-ALPHA_GENERAL_C = tl.constexpr(ALPHA_GENERAL)
-ALPHA_15_C = tl.constexpr(ALPHA_15)
-ALPHA_2_C = tl.constexpr(ALPHA_2)
-# MASK_KIND: how attn_mask enters the scores.
-MASK_NONE = 0
-MASK_BOOL = 1
-MASK_ADDITIVE = 2
-MASK_BOOL_C = tl.constexpr(MASK_BOOL)
-MASK_ADDITIVE_C = tl.constexpr(MASK_ADDITIVE)
-# NEED_GRAD: what the forward stores for the backward (the D-vector for q, k, v; the row
-# entropy as well for alpha).
-GRAD_NONE = 0
-GRAD_INPUTS = 1
-GRAD_ALPHA = 2
-GRAD_INPUTS_C = tl.constexpr(GRAD_INPUTS)
-GRAD_ALPHA_C = tl.constexpr(GRAD_ALPHA)
-
-# Threshold passes: a row is done when its tau is certified exact or its Newton step (in
-# u = y - max(y), where tau lies in [-1, 0)) is below TAU_STEP_TOL, which leaves an error
-# of the order of its square. MAX_TAU_PASSES bounds adversarial rows.
-TAU_STEP_TOL = 1e-6
-MAX_TAU_PASSES = 24
-TAU_STEP_TOL_C = tl.constexpr(TAU_STEP_TOL)
-MAX_TAU_PASSES_C = tl.constexpr(MAX_TAU_PASSES)
-
-# Row statistics stored per query row, stacked along the first dimension of `stats`.
-STAT_MAX, STAT_TAU, STAT_SUM, STAT_ENTROPY = 0, 1, 2, 3
-NUM_STATS = 4
-STAT_MAX_C = tl.constexpr(STAT_MAX)
-STAT_TAU_C = tl.constexpr(STAT_TAU)
-STAT_SUM_C = tl.constexpr(STAT_SUM)
-STAT_ENTROPY_C = tl.constexpr(STAT_ENTROPY)
-
-
-def block_sizes(block_e, dtype_key, dropout=False):
-    """(BLOCK_M, BLOCK_N) for a padded head dimension and dtype.
-
-    Shared by forward and backward: the tile flags written by the forward are read by the
-    backward, so both tile the same way. fp16/bf16 use the 64x64 tiles measured fastest on
-    an H200 (docs/gpu.md: 7x faster than the 32x32 tiles with 8 warps and a 255-register
-    cap it replaces, same kernel); E = 256 halves BLOCK_N. fp32 runs its products as three
-    TF32 products and takes smaller tiles. Dropout's Philox state halves BLOCK_M.
-    bench/tune_attention.py re-measures the choice on a GPU.
-    """
-    if dtype_key == "fp32":
-        block_m, block_n = (32, 32) if block_e <= 64 else (16, 32)
-    elif block_e <= 128:
-        block_m, block_n = 64, 64
-    else:
-        block_m, block_n = 64, 32
-    if dropout:
-        block_m = max(16, block_m // 2)
-    return block_m, block_n
-
-
-def launch_config(kernel, block_e, dtype_key, mask_kind=MASK_NONE):
-    """(num_warps, num_stages) of `kernel` ("fwd", "dq" or "dkdv"); no register cap.
-
-    The fp16/bf16 forward at E <= 64 takes the measured best (4 warps, 3 stages) unless it
-    reads an attn_mask: the mask tiles of its eight inlined tile loops then left a 1.8 KB
-    stack frame at 4 warps (sm_90), 0.4 KB at 8. The
-    backward kernels hold more [BM, BN] tiles at once (scores, weights, sensitivities, dO.v)
-    and two [BN, E] accumulators: 8 warps halve each thread's share (sm_90 compile: stack
-    32-48 B instead of 232-488 B with 4). Wider heads take 8 warps everywhere. Estimates
-    from compiles, not timings, except where docs/gpu.md says measured.
-    """
-    if dtype_key == "fp32":
-        return 4, (2 if block_e <= 64 else 1)
-    if kernel == "fwd" and block_e <= 64 and mask_kind == MASK_NONE:
-        return 4, 3
-    return 8, (2 if block_e <= 128 else 1)
-
-
-# Head-dim chunk (BLOCK_EC) of the q.k and dO.v products, per (kernel, dtype) and padded
-# head dim; head dims not listed are not chunked. Chosen by compiling every configuration
-# for sm_80/sm_90 (triton_kernels/aot.py): chunk only where the whole head dim leaves a
-# stack frame, and no finer than needed, since each chunk reloads its operands from cache.
-_CHUNKS = {
-    ("fwd", "fp32"): {256: 32},
-    ("dq", "fp32"): {32: 16, 64: 32, 128: 32, 256: 32},
-    ("dq", "fp16"): {128: 64, 256: 64},
-    ("dq", "bf16"): {128: 64, 256: 64},
-    ("dkdv", "fp32"): {64: 32, 128: 32, 256: 32},
-}
-
-
-def chunk_width(kernel, block_e, dtype_key):
-    """BLOCK_EC of `kernel` ("fwd", "dq" or "dkdv"): block_e itself when not chunked."""
-    return _CHUNKS.get((kernel, dtype_key), {}).get(block_e, block_e)
-
-
-@triton.jit
-def _sequence_bounds(cu_q_ptr, cu_k_ptr, i_b, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
-    """(q_start, q_len, k_start, k_len) of batch entry i_b: from the varlen offsets, or the
-    whole padded sequence."""
-    if IS_VARLEN:
-        q_start = tl.load(cu_q_ptr + i_b).to(tl.int64)
-        q_len = tl.load(cu_q_ptr + i_b + 1).to(tl.int32) - q_start.to(tl.int32)
-        k_start = tl.load(cu_k_ptr + i_b).to(tl.int64)
-        k_len = tl.load(cu_k_ptr + i_b + 1).to(tl.int32) - k_start.to(tl.int32)
-    else:
-        q_start = i_b * 0
-        q_len = seqlen_q
-        k_start = i_b * 0
-        k_len = seqlen_k
-    return q_start, q_len, k_start, k_len
-
-
-@triton.jit
-def _load_rows(p_base, stride, o_rows, n_rows, width, BLOCK_E: tl.constexpr):
-    """Rows o_rows (< n_rows) of a row-major [*, width] matrix, zero-padded to [., BLOCK_E]."""
-    o_e = tl.arange(0, BLOCK_E)
-    return tl.load(p_base + o_rows[:, None] * stride + o_e[None, :],
-                   mask=(o_rows[:, None] < n_rows) & (o_e[None, :] < width), other=0.0)
-
-
-@triton.jit
-def _held_rows(p_base, stride, o_rows, n_rows, width, BLOCK_E: tl.constexpr,
-               BLOCK_EC: tl.constexpr):
-    """`_load_rows` for an operand of `_dot_rows`; nothing (0) when the head dim is
-    processed in chunks (BLOCK_EC < BLOCK_E), where `_dot_rows` reloads it chunk by chunk."""
-    if BLOCK_EC >= BLOCK_E:
-        b_rows = _load_rows(p_base, stride, o_rows, n_rows, width, BLOCK_E)
-    else:
-        b_rows = 0.0
-    return b_rows
-
-
-@triton.jit
-def _held_cols(p_base, stride, o_rows, n_rows, width, BLOCK_E: tl.constexpr,
-               BLOCK_EC: tl.constexpr):
-    """The transpose [BLOCK_E, len(o_rows)] of `_held_rows`, loaded as such: the right-hand
-    operand of `_dot_rows` (a transpose in registers would cost a layout conversion)."""
-    if BLOCK_EC >= BLOCK_E:
-        o_e = tl.arange(0, BLOCK_E)
-        b_cols = tl.load(p_base + o_rows[None, :] * stride + o_e[:, None],
-                         mask=(o_rows[None, :] < n_rows) & (o_e[:, None] < width), other=0.0)
-    else:
-        b_cols = 0.0
-    return b_cols
-
-
-@triton.jit
-def _dot_rows(b_a, b_bt, p_a, stride_a, o_a, n_a, p_b, stride_b, o_b, n_b, width,
-              BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr):
-    """a_i . b_j over the first `width` columns, for rows o_a of A and rows o_b of B (both
-    row-major with unit column stride): [len(o_a), len(o_b)] fp32.
-
-    Whole head dim (BLOCK_EC >= BLOCK_E): from the held blocks b_a [., BE] (`_held_rows`)
-    and b_bt [BE, .] (`_held_cols`). Chunked: both operands are reloaded BLOCK_EC columns at
-    a time (from cache). A tensor-core operand A is replicated across the warps that share its rows, so a
-    [16, 256] fp32 block alone fills 128 registers per thread (more with tf32x3's split):
-    chunks keep the wide-head kernels within 255 registers without spilling.
-    """
-    if BLOCK_EC >= BLOCK_E:
-        b_c = _dot(b_a, b_bt)
-    else:
-        b_c = tl.zeros([o_a.shape[0], o_b.shape[0]], dtype=tl.float32)
-        for e0 in tl.range(0, width, BLOCK_EC, loop_unroll_factor=1):
-            o_e = e0 + tl.arange(0, BLOCK_EC)
-            m_e = o_e < width
-            b_ac = tl.load(p_a + o_a[:, None] * stride_a + o_e[None, :],
-                           mask=(o_a[:, None] < n_a) & m_e[None, :], other=0.0)
-            b_bc = tl.load(p_b + o_b[None, :] * stride_b + o_e[:, None],
-                           mask=(o_b[None, :] < n_b) & m_e[:, None], other=0.0)
-            b_c += _dot(b_ac, b_bc)
-    return b_c
-
-
-@triton.jit
-def _scores(b_q, b_kt, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base, stride_mq,
-            stride_mk, o_m, start_n, q_len, k_len, head_e, scale, b_shift, is_causal,
-            BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
-            MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr):
-    """Scores z = scale * q k^T (+ additive mask) of one tile minus the per-row shift b_shift
-    [BM], -inf where masked. [BM, BN]
-
-    The shift (the row maximum) comes off after z is formed, in the same fused
-    multiply-add where there is no additive mask: scores near 1e30 keep their differences.
-    From the held blocks b_q (`_held_rows`) and b_kt (`_held_cols`), or from chunks that
-    `_dot_rows` reloads. BOUNDARY: the tile crosses the end of the keys or the causal
-    diagonal and needs their masks; tiles inside both skip that per-score work.
-    """
-    o_n = start_n + tl.arange(0, BLOCK_N)
-    b_qk = _dot_rows(b_q, b_kt, p_q_base, stride_ql, o_m, q_len, p_k_base, stride_kl, o_n,
-                     k_len, head_e, BLOCK_E, BLOCK_EC)
-    # rows past q_len are never stored, but a mask row past the end must not be read
-    m_load = o_m[:, None] < q_len
-    if BOUNDARY:
-        m_load = m_load & (o_n[None, :] < k_len)
-    if MASK_KIND == MASK_ADDITIVE_C:
-        b_add = tl.load(p_mask_base + o_m[:, None] * stride_mq + o_n[None, :] * stride_mk,
-                        mask=m_load, other=0.0).to(tl.float32)
-        b_z = tl.fma(b_qk, scale, b_add) - b_shift[:, None]
-    else:
-        b_z = tl.fma(b_qk, scale, -b_shift[:, None])
-    if MASK_KIND == MASK_BOOL_C:
-        b_keep = tl.load(p_mask_base + o_m[:, None] * stride_mq + o_n[None, :] * stride_mk,
-                         mask=m_load, other=0)
-        b_z = tl.where(b_keep != 0, b_z, float("-inf"))
-    if BOUNDARY:
-        # top-left aligned causal mask: query i sees keys j <= i (without is_causal the
-        # limit lies past every key; integer arithmetic because the interpreter cannot load
-        # under a mask built from a scalar boolean)
-        m_valid = (o_n[None, :] < k_len) & (
-            o_n[None, :] <= (o_m + (1 - is_causal) * k_len)[:, None])
-        b_z = tl.where(m_valid, b_z, float("-inf"))
-    return b_z
-
-
-@triton.jit
-def _full_tiles_end(start_m, k_len, is_causal, BLOCK_N: tl.constexpr):
-    """End of the key tiles that need neither the key-end nor the causal mask for the query
-    block starting at start_m: tile [n, n + BN) is inside when n + BN <= k_len and, causal,
-    n + BN <= start_m + 1 (its last key is visible to the block's first query)."""
-    n_end = k_len
-    if is_causal != 0:
-        n_end = tl.minimum(n_end, start_m + 1)
-    return (n_end // BLOCK_N) * BLOCK_N
-
-
-@triton.jit
-def _dot(b_a, b_b):
-    """Tensor-core matmul with fp32 accumulation; fp32 operands use three TF32 products
-    (about fp32 accuracy) instead of the register-hungry FMA path of "ieee"."""
-    if b_a.dtype == tl.float32:
-        b_c = tl.dot(b_a, b_b, input_precision="tf32x3")
-    else:
-        b_c = tl.dot(b_a, b_b)
-    return b_c
-
-
-@triton.jit
-def _gap(b_u, b_thr, inv_am1, ALPHA_KIND: tl.constexpr):
-    """Distance of the shifted scores b_u (z units, [BM, BN]) to the row threshold b_thr [BM]
-    (`_threshold_in_z`). alpha 2 and 1.5: d = [u - tau_z]_+ in z units. General alpha: w =
-    (alpha - 1) u - c with c = tau + 1 (u units), so that the base of the powers is 1 + w:
-    for alpha near 1, w is small and known to float precision where 1 + w is not."""
-    if ALPHA_KIND == ALPHA_GENERAL_C:
-        b_g = b_u * (1.0 / inv_am1) - b_thr[:, None]
-    else:
-        b_g = tl.maximum(b_u - b_thr[:, None], 0.0)
-    return b_g
-
-
-@triton.jit
-def _in_support(b_g, ALPHA_KIND: tl.constexpr):
-    """Entries of a `_gap` with non-zero weight."""
-    if ALPHA_KIND == ALPHA_GENERAL_C:
-        m_sup = b_g > -1.0
-    else:
-        m_sup = b_g > 0
-    return m_sup
-
-
-@triton.jit
-def _log2_base(b_g, ALPHA_KIND: tl.constexpr):
-    """log2 of the base of the powers p = base^e and s = base^(e-1) from a `_gap` (0 off the
-    support; callers discard those). alpha 2 and 1.5: the base is d (the constant factor of
-    z units cancels in the normalised weights). General: 1 + w, through log1p with the
-    rounding of 1 + w compensated, so that e log(base) stays accurate for alpha near 1."""
-    if ALPHA_KIND == ALPHA_GENERAL_C:
-        b_w = tl.where(b_g > -1.0, b_g, 0.0)
-        b_base = 1.0 + b_w
-        b_log2 = tl.log2(b_base) - ((b_base - 1.0) - b_w) / b_base * 1.4426950408889634
-    else:
-        b_log2 = tl.log2(tl.where(b_g > 0, b_g, 1.0))
-    return b_log2
-
-
-@triton.jit
-def _weights(b_g, inv_am1, ALPHA_KIND: tl.constexpr):
-    """Unnormalised weights p = base^(1/(alpha-1)) from a `_gap`."""
-    if ALPHA_KIND == ALPHA_2_C:
-        b_p = b_g
-    elif ALPHA_KIND == ALPHA_15_C:
-        b_p = b_g * b_g
-    else:
-        b_p = tl.where(b_g > -1.0, tl.exp2(inv_am1 * _log2_base(b_g, ALPHA_KIND)), 0.0)
-    return b_p
-
-
-@triton.jit
-def _sensitivity(b_g, inv_am1, ALPHA_KIND: tl.constexpr):
-    """dp/dbase = base^(1/(alpha-1) - 1), i.e. p^(2-alpha) before row normalisation."""
-    if ALPHA_KIND == ALPHA_2_C:
-        b_s = tl.where(b_g > 0, 1.0, 0.0)
-    elif ALPHA_KIND == ALPHA_15_C:
-        b_s = b_g
-    else:
-        b_s = tl.where(b_g > -1.0,
-                       tl.exp2((inv_am1 - 1.0) * _log2_base(b_g, ALPHA_KIND)), 0.0)
-    return b_s
+from .. import common
+from .attention_common import (MAX_TAU_PASSES_C, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C,
+                               STAT_TAU_C, TAU_STEP_TOL_C, attention_signature, block_sizes,
+                               chunk_width, config_space, config_suffix, dot, dropout_scale,
+                               full_tiles_end, gap, held_cols, held_rows, launch_config,
+                               log2_base, sensitivity, sequence_bounds, shifted_scores, weights)
+from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX, GRAD_ALPHA, GRAD_INPUTS
 
 
 @triton.jit
 def _threshold_in_z(b_c, inv_am1, ALPHA_KIND: tl.constexpr):
-    """The row threshold the tiles take (`_gap`) from c = tau + 1 (u units, where the
+    """The row threshold the tiles take (`gap`) from c = tau + 1 (u units, where the
     bracket lives): tau_z = (c - 1)/(alpha - 1) for alpha 2 and 1.5, c itself for general."""
-    if ALPHA_KIND == ALPHA_GENERAL_C:
+    if ALPHA_KIND == ALPHA_GENERAL:
         b_thr = b_c
     else:
         b_thr = (b_c - 1.0) * inv_am1
     return b_thr
-
-
-@triton.jit
-def _dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DROPOUT: tl.constexpr):
-    """Per-weight factor 0 (dropped) or 1/(1-p) (kept); 1 without dropout. [BM, BN]
-
-    The Philox offset is the weight's global index, so the backward regenerates the mask.
-    A compile-time switch: Philox's state costs registers that kernels without dropout
-    should not pay for.
-    """
-    b_drop = tl.full([BLOCK_M, BLOCK_N], 1.0, dtype=tl.float32)
-    if HAS_DROPOUT:
-        o_rand = (pid_bh.to(tl.int64) * seqlen_q + o_m[:, None]) * seqlen_k + o_n[None, :]
-        b_drop = tl.where(tl.rand(seed, o_rand) >= dropout_p, 1.0 / (1.0 - dropout_p), 0.0)
-    return b_drop
 
 
 @triton.jit
@@ -371,12 +66,12 @@ def _score_tile(b_q, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base, stri
                 stride_mk, o_m, start_n, q_len, k_len, head_e, scale, b_shift,
                 is_causal, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
                 BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr):
-    """`_scores` of the key tile at start_n, loading the key block."""
+    """`shifted_scores` of the key tile at start_n, loading the key block."""
     o_n = start_n + tl.arange(0, BLOCK_N)
-    b_kt = _held_cols(p_k_base, stride_kl, o_n, k_len, head_e, BLOCK_E, BLOCK_EC)
-    return _scores(b_q, b_kt, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base, stride_mq,
-                   stride_mk, o_m, start_n, q_len, k_len, head_e, scale, b_shift,
-                   is_causal, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
+    b_kt = held_cols(p_k_base, stride_kl, o_n, k_len, head_e, BLOCK_E, BLOCK_EC)
+    return shifted_scores(b_q, b_kt, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base,
+                          stride_mq, stride_mk, o_m, start_n, q_len, k_len, head_e, scale,
+                          b_shift, is_causal, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
 
 
 @triton.jit
@@ -388,7 +83,7 @@ def _row_max(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, 
     masked). [BM]"""
     b_zero = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    n_full = _full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
+    n_full = full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
     for start_n in range(0, n_full, BLOCK_N):
         b_y = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                           start_n, q_len, k_len, head_e, scale, b_zero, is_causal,
@@ -404,7 +99,7 @@ def _row_max(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, 
 
 @triton.jit
 def _moments(b_g, inv_am1, ALPHA_KIND: tl.constexpr):
-    """Per-row sums over one tile of a `_gap` that fix the threshold update
+    """Per-row sums over one tile of a `gap` that fix the threshold update
     (docs/attention.md, "Threshold"): (a, b, c, dmin) with
 
         alpha = 2:    a = sum d      b = #{d > 0}     c = b        (d in z units)
@@ -413,20 +108,20 @@ def _moments(b_g, inv_am1, ALPHA_KIND: tl.constexpr):
 
     and dmin the smallest positive d (the exactness certificate of alpha 2 and 1.5; general
     alpha returns b there, unused). f(t) = a - 1 in u units (`_sums_in_u`)."""
-    if ALPHA_KIND == ALPHA_2_C:
+    if ALPHA_KIND == ALPHA_SPARSEMAX:
         b_a = tl.sum(b_g, 1)
         b_b = tl.sum(tl.where(b_g > 0, 1.0, 0.0), 1)
         b_c = b_b
-    elif ALPHA_KIND == ALPHA_15_C:
+    elif ALPHA_KIND == ALPHA_ENTMAX15:
         b_a = tl.sum(b_g * b_g, 1)
         b_b = tl.sum(b_g, 1)
         b_c = tl.sum(tl.where(b_g > 0, 1.0, 0.0), 1)
     else:
-        b_pw = _sensitivity(b_g, inv_am1, ALPHA_KIND)
+        b_pw = sensitivity(b_g, inv_am1, ALPHA_KIND)
         b_b = tl.sum(b_pw, 1)
         b_a = b_b + tl.sum(b_pw * tl.where(b_g > -1.0, b_g, 0.0), 1)
         b_c = b_b
-    if ALPHA_KIND == ALPHA_GENERAL_C:
+    if ALPHA_KIND == ALPHA_GENERAL:
         b_dmin = b_b
     else:
         b_dmin = tl.min(tl.where(b_g > 0, b_g, float("inf")), 1)
@@ -453,7 +148,7 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
         b_u = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                           start_n, q_len, k_len, head_e, scale, b_shift, is_causal,
                           BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
-        b_a, b_b, b_c, b_n = _moments(_gap(b_u, b_t0, inv_am1, ALPHA_KIND), inv_am1, ALPHA_KIND)
+        b_a, b_b, b_c, b_n = _moments(gap(b_u, b_t0, inv_am1, ALPHA_KIND), inv_am1, ALPHA_KIND)
         b_a0 += b_a
         b_b0 += b_b
         b_c0 += b_c
@@ -462,7 +157,7 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
         b_alive = tl.max(tl.where(m_rows, b_b, 0.0), 0)
         tl.store(p_flags + start_n // BLOCK_N, (b_alive > 0).to(tl.int8))
         if TWO:
-            b_a, b_b, b_c, b_n = _moments(_gap(b_u, b_t1, inv_am1, ALPHA_KIND), inv_am1,
+            b_a, b_b, b_c, b_n = _moments(gap(b_u, b_t1, inv_am1, ALPHA_KIND), inv_am1,
                                           ALPHA_KIND)
             b_a1 += b_a
             b_b1 += b_b
@@ -483,7 +178,7 @@ def _threshold_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
     b_inf = tl.full([BLOCK_M], float("inf"), dtype=tl.float32)
     b_a0, b_b0, b_c0, b_n0 = b_zero, b_zero, b_zero, b_inf
     b_a1, b_b1, b_c1, b_n1 = b_zero, b_zero, b_zero, b_inf
-    n_full = _full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
+    n_full = full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
     for start_n in range(0, n_full, BLOCK_N):
         b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_tile(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_n,
@@ -504,9 +199,9 @@ def _sums_in_u(b_a, b_b, b_c, b_dmin, am1, inv_am1, ALPHA_KIND: tl.constexpr):
     """`_moments` sums taken on d in z units (scores minus their max), in u = (alpha-1) z
     units: alpha 1.5: a (alpha-1)^2, b (alpha-1); general: a (alpha-1) (its powers are in u
     units already); dmin (alpha-1)."""
-    if ALPHA_KIND == ALPHA_2_C:
+    if ALPHA_KIND == ALPHA_SPARSEMAX:
         b_a_u, b_b_u = b_a, b_b
-    elif ALPHA_KIND == ALPHA_15_C:
+    elif ALPHA_KIND == ALPHA_ENTMAX15:
         b_a_u, b_b_u = b_a * (am1 * am1), b_b * am1
     else:
         b_a_u, b_b_u = b_a, b_b
@@ -526,13 +221,13 @@ def _update_threshold(b_t, b_a, b_b, b_c, b_dmin, b_lo, b_hi, b_tau, m_done, am1
     b_f = b_a - 1.0
     m_left = b_f >= 0
     b_bs = tl.where(b_b > 0, b_b, 1.0)
-    if ALPHA_KIND == ALPHA_2_C:
+    if ALPHA_KIND == ALPHA_SPARSEMAX:
         b_step = b_f / b_bs
         b_root = b_t + b_step
         m_exact = m_left & (b_step <= b_dmin)
         b_new_lo = b_root
         b_new_hi = tl.where(m_left, b_hi, b_t)
-    elif ALPHA_KIND == ALPHA_15_C:
+    elif ALPHA_KIND == ALPHA_ENTMAX15:
         b_disc = b_b * b_b - b_c * b_f
         m_real = b_disc >= 0
         b_root = b_t + (b_b - tl.sqrt(tl.maximum(b_disc, 0.0))) / tl.where(b_c > 0, b_c, 1.0)
@@ -580,8 +275,8 @@ def _output_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, st
         b_u = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                           start_n, q_len, k_len, head_e, scale, b_mz, is_causal,
                           BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
-        b_g = _gap(b_u, b_tau, inv_am1, ALPHA_KIND)  # [BM, BN]
-        b_p = _weights(b_g, inv_am1, ALPHA_KIND)
+        b_g = gap(b_u, b_tau, inv_am1, ALPHA_KIND)  # [BM, BN]
+        b_p = weights(b_g, inv_am1, ALPHA_KIND)
         b_prow = tl.sum(b_p, 1)
         b_sum += b_prow
         b_alive = tl.max(tl.where(m_rows, b_prow, 0.0), 0) > 0
@@ -592,22 +287,22 @@ def _output_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, st
             b_v = tl.load(p_v + o_n[:, None] * stride_vl + o_ev[None, :],
                           mask=(o_n[:, None] < k_len) & (o_ev[None, :] < head_ev),
                           other=0.0)  # [BN, BEV]
-            b_drop = _dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
-                                    BLOCK_M, BLOCK_N, HAS_DROPOUT)
+            b_drop = dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
+                                   BLOCK_M, BLOCK_N, HAS_DROPOUT)
             if HAS_DROPOUT:
-                b_acc += _dot((b_p * b_drop).to(b_v.dtype), b_v)
+                b_acc += dot((b_p * b_drop).to(b_v.dtype), b_v)
             else:
-                b_acc += _dot(b_p.to(b_v.dtype), b_v)
-            if NEED_GRAD >= GRAD_INPUTS_C:
-                b_s = _sensitivity(b_g, inv_am1, ALPHA_KIND)
+                b_acc += dot(b_p.to(b_v.dtype), b_v)
+            if NEED_GRAD >= GRAD_INPUTS:
+                b_s = sensitivity(b_g, inv_am1, ALPHA_KIND)
                 b_ssum += tl.sum(b_s, 1)
                 if HAS_DROPOUT:
-                    b_dacc += _dot((b_s * b_drop).to(b_v.dtype), b_v)
+                    b_dacc += dot((b_s * b_drop).to(b_v.dtype), b_v)
                 else:
-                    b_dacc += _dot(b_s.to(b_v.dtype), b_v)
-            if NEED_GRAD >= GRAD_ALPHA_C:
+                    b_dacc += dot(b_s.to(b_v.dtype), b_v)
+            if NEED_GRAD >= GRAD_ALPHA:
                 # p log p = p * log(base) / (alpha - 1)
-                b_plogp += tl.sum(b_p * _log2_base(b_g, ALPHA_KIND), 1) * (
+                b_plogp += tl.sum(b_p * log2_base(b_g, ALPHA_KIND), 1) * (
                     inv_am1 * 0.6931471805599453)
     return b_sum, b_ssum, b_plogp, b_acc, b_dacc
 
@@ -634,8 +329,8 @@ def entmax_attn_fwd_kernel(
     i_b = (pid_bh // n_heads).to(tl.int64)
     i_h = (pid_bh % n_heads).to(tl.int64)
     i_hk = i_h // kv_group
-    q_start, q_len, k_start, k_len = _sequence_bounds(cu_q_ptr, cu_k_ptr, i_b, seqlen_q,
-                                                      seqlen_k, IS_VARLEN)
+    q_start, q_len, k_start, k_len = sequence_bounds(cu_q_ptr, cu_k_ptr, i_b, seqlen_q,
+                                                     seqlen_k, IS_VARLEN)
     start_m = pid_m * BLOCK_M
     if start_m >= q_len:
         return
@@ -649,7 +344,7 @@ def entmax_attn_fwd_kernel(
     p_mask = mask_ptr + i_b * stride_mb + i_h * stride_mh
     p_flags = flags_ptr + (pid_bh.to(tl.int64) * n_qblocks + pid_m) * n_kblocks
 
-    b_q = _held_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, BLOCK_EC)  # [BM, BE]
+    b_q = held_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, BLOCK_EC)  # [BM, BE]
     alpha = tl.load(alpha_ptr + i_h).to(tl.float32)
     am1 = alpha - 1.0
     inv_am1 = 1.0 / am1
@@ -713,7 +408,7 @@ def entmax_attn_fwd_kernel(
     b_ssum = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_EV], dtype=tl.float32)
     b_dacc = tl.zeros([BLOCK_M, BLOCK_EV], dtype=tl.float32)
-    n_full = _full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
+    n_full = full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
     for start_n in range(0, n_full, BLOCK_N):
         b_sum, b_ssum, b_plogp, b_acc, b_dacc = _output_tile(
             b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq, stride_mk,
@@ -743,72 +438,24 @@ def entmax_attn_fwd_kernel(
     tl.store(p_stats + STAT_MAX_C * stride_stat, tl.where(m_bad, float("nan"), b_mz), mask=m_m)
     tl.store(p_stats + STAT_TAU_C * stride_stat, b_tau, mask=m_m)
     tl.store(p_stats + STAT_SUM_C * stride_stat, b_sum, mask=m_m)
-    if NEED_GRAD >= GRAD_ALPHA_C:
+    if NEED_GRAD >= GRAD_ALPHA:
         # entropy of the normalised row: -sum (p/l) log(p/l) = log l - (sum p log p) / l
         b_entropy = tl.where(m_pos, tl.log(b_sum_safe) - b_plogp / b_sum_safe, 0.0)
         tl.store(p_stats + STAT_ENTROPY_C * stride_stat, b_entropy, mask=m_m)
-    if NEED_GRAD >= GRAD_INPUTS_C:
+    if NEED_GRAD >= GRAD_INPUTS:
         b_dvec = b_dacc / tl.where(b_ssum > 0, b_ssum, 1.0)[:, None]
         p_dv = dvec_ptr + i_b * stride_ob + i_h * stride_oh + q_start * stride_ol
         tl.store(p_dv + o_m[:, None] * stride_ol + o_ev[None, :], b_dvec, mask=m_o)
 
 
-_DTYPES = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16"}
-_BLOCK_ES = (16, 32, 64, 128, 256)
-
-
-def _mask_type(dtype_key, mask_kind):
-    """Additive masks have the query's dtype (SDPA's rule); boolean ones are read as int8."""
-    if mask_kind == MASK_ADDITIVE:
-        return _DTYPES[dtype_key]
-    return "*i8"
-
-
-def kernel_signature(fn, dtype_key, mask_kind, pointers, floats=("scale", "dropout_p")):
-    """The AOT signature of a @triton.jit kernel from its own parameter list: constexpr
-    parameters as such, `pointers` (name -> type; "T" = the tensors' dtype, "MASK" = the
-    mask's), `floats` fp32, every other parameter (strides, sizes, flags) i32."""
-    types = {"T": _DTYPES[dtype_key], "MASK": _mask_type(dtype_key, mask_kind)}
-    sig = {}
-    for param in fn.params:
-        if param.is_constexpr:
-            sig[param.name] = "constexpr"
-        elif param.name in pointers:
-            sig[param.name] = types.get(pointers[param.name], pointers[param.name])
-        else:
-            sig[param.name] = "fp32" if param.name in floats else "i32"
-    return sig
-
-
-FWD_POINTERS = {"q_ptr": "T", "k_ptr": "T", "v_ptr": "T", "o_ptr": "T", "dvec_ptr": "*fp32",
-                "stats_ptr": "*fp32", "flags_ptr": "*i8", "mask_ptr": "MASK",
-                "alpha_ptr": "*fp32", "seed_ptr": "*i64", "cu_q_ptr": "*i32",
-                "cu_k_ptr": "*i32"}
-
-
-def _config_space():
-    """(dtype, BLOCK_E, ALPHA_KIND, MASK_KIND, varlen, dropout) the launchers can choose;
-    the packed varlen form takes no attn_mask."""
-    for dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout in itertools.product(
-            _DTYPES, _BLOCK_ES, (ALPHA_GENERAL, ALPHA_15, ALPHA_2),
-            (MASK_NONE, MASK_BOOL, MASK_ADDITIVE), (False, True), (False, True)):
-        if not (varlen and mask_kind != MASK_NONE):
-            yield dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout
-
-
-def config_suffix(dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout):
-    return (f"{dtype_key}_e{block_e}_a{alpha_kind}_m{mask_kind}{'_varlen' if varlen else ''}"
-            f"{'_dropout' if dropout else ''}")
-
-
 def aot_configs():
-    """Every forward configuration the launcher in attention.py can choose."""
+    """Every forward configuration the launcher can choose."""
     configs = []
-    for dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout in _config_space():
+    for dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout in config_space():
         block_m, block_n = block_sizes(block_e, dtype_key, dropout)
         num_warps, num_stages = launch_config("fwd", block_e, dtype_key, mask_kind)
-        for need_grad in (GRAD_NONE, GRAD_INPUTS, GRAD_ALPHA):
-            if need_grad == GRAD_ALPHA and alpha_kind != ALPHA_GENERAL:
+        for need_grad in (common.GRAD_NONE, common.GRAD_INPUTS, common.GRAD_ALPHA):
+            if need_grad == common.GRAD_ALPHA and alpha_kind != common.ALPHA_GENERAL:
                 continue  # a differentiable alpha is a tensor: the general kind
             constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_E": block_e,
                           "BLOCK_EV": block_e, "BLOCK_EC": chunk_width("fwd", block_e, dtype_key),
@@ -819,8 +466,7 @@ def aot_configs():
             configs.append({
                 "name": f"entmax_attn_fwd_{suffix}_g{need_grad}",
                 "fn": entmax_attn_fwd_kernel,
-                "signature": kernel_signature(entmax_attn_fwd_kernel, dtype_key, mask_kind,
-                                              FWD_POINTERS),
+                "signature": attention_signature(entmax_attn_fwd_kernel, dtype_key, mask_kind),
                 "constexprs": constexprs,
                 "num_warps": num_warps,
                 "num_stages": num_stages,

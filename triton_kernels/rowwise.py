@@ -10,7 +10,7 @@ the row-wise mappings"):
 ``c`` is the support's largest ``[·]_+`` base: for a sparse row a small number that fp32
 holds to 1e-7 relative. The root lies in ``c ∈ [min(1, n^{−t}), max(1, n^{−t})]``.
 
-Forward (`_entmax_fwd_kernel`): a program takes ROWS rows. Rows of at most
+Forward (`entmax_rowwise_fwd_kernel`): a program takes ROWS rows. Rows of at most
 RESIDENT_MAX_COLS entries are read from memory once and kept in registers while c is found
 ("resident"); every iteration is a pass over the on-chip row, a few operations per entry.
 Longer rows are swept in chunks of BLOCK (one row per program) and every iteration reads
@@ -49,43 +49,34 @@ entries get weight zero, a row with no finite entry gives zeros. Scores are shif
 the row max before anything else, so large finite scores (1e30 fp32, fp16/bf16 maxima)
 are exact.
 
-Backward (`_entmax_bwd_kernel`, docs/maths.md, "Backward"): resident rows read p and g
+Backward (`entmax_rowwise_bwd_kernel`, docs/maths.md, "Backward"): resident rows read p and g
 once; dα (when asked, "Gradient of alpha") from the same sums, in a regrouped form that
 stays accurate as α → 1.
 
-Configurations (rows per program, block, warps) come from `_config`, a table keyed on
-the row length: see its docstring for why a table and not triton.autotune.
+Configurations (rows per program, block, warps) come from `tile_config`, a table keyed
+on the row length: see its docstring for why a table and not triton.autotune.
 
-Layout contract of the launchers: 2-D input (R, n); the row stride is free, the last
-dimension must have stride 1 (a tensor whose last stride is not 1 is copied once with
-``.contiguous()``, documented, not silent: see `entmax_rowwise_forward`). Outputs are
-contiguous.
+The launchers (allocation, grid, the α argument) are host code of the Triton backend,
+``entmax_fast/backends/triton/rowwise.py``; this module holds what they launch and what
+the AOT check (triton_kernels/aot.py) compiles.
 """
 from __future__ import annotations
 
-import math
-
-import torch
 import triton
 import triton.language as tl
 
+from .. import common
+from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SOFTMAX, ALPHA_SPARSEMAX
+from .signature import DTYPE_KEYS, TENSOR, kernel_signature
+
 __all__ = [
-    "entmax_rowwise_forward",
-    "entmax_rowwise_backward",
-    "entmax_rowwise_threshold",
     "aot_configs",
+    "tile_config",
+    "entmax_rowwise_fwd_kernel",
+    "entmax_rowwise_bwd_kernel",
     "RESIDENT_MAX_COLS",
 ]
 
-KIND_GENERAL = 0  # α read per row from a fp32 pointer (one value, or one per row)
-KIND_SPARSEMAX = 1  # α = 2
-KIND_ENTMAX15 = 2  # α = 1.5
-KIND_SOFTMAX = 3  # α = 1
-# the same values as constexprs, the form a @triton.jit function may read from globals
-_K_GENERAL = tl.constexpr(KIND_GENERAL)
-_K_SPARSEMAX = tl.constexpr(KIND_SPARSEMAX)
-_K_ENTMAX15 = tl.constexpr(KIND_ENTMAX15)
-_K_SOFTMAX = tl.constexpr(KIND_SOFTMAX)
 _LOG2E = tl.constexpr(1.4426950408889634)
 # 2!, 3!, …, 8!: Horner coefficients of the series Σ_k y^k / (k+2)! used by the backward
 _FACT = tl.constexpr((2.0, 6.0, 24.0, 120.0, 720.0, 5040.0, 40320.0))
@@ -100,8 +91,6 @@ RESIDENT_MAX_COLS = 8192
 CHUNK_BLOCK = 2048
 DEFAULT_TOL = 1e-6
 DEFAULT_MAX_PASSES = 40
-
-_IO_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 # ----------------------------------------------------------------------------- device helpers
@@ -182,13 +171,13 @@ def _pow_pos(y, e):
 
 
 @triton.jit
-def _row_alpha(alpha_ptr, rows, m_row, alpha_stride, KIND: tl.constexpr):
+def _row_alpha(alpha_ptr, rows, m_row, alpha_stride, ALPHA_KIND: tl.constexpr):
     zero = rows.to(tl.float32) * 0.0
-    if KIND == _K_SPARSEMAX:
+    if ALPHA_KIND == ALPHA_SPARSEMAX:
         alpha = zero + 2.0
-    elif KIND == _K_ENTMAX15:
+    elif ALPHA_KIND == ALPHA_ENTMAX15:
         alpha = zero + 1.5
-    elif KIND == _K_SOFTMAX:
+    elif ALPHA_KIND == ALPHA_SOFTMAX:
         alpha = zero + 1.0
     else:
         alpha = tl.load(alpha_ptr + rows * alpha_stride, mask=m_row, other=2.0).to(tl.float32)
@@ -203,18 +192,18 @@ def _scaled(b_x, shift, t):
 
 
 @triton.jit
-def _pass_sums(b_v, c_hi, c_lo, t, e, near_one, KIND: tl.constexpr):
+def _pass_sums(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND: tl.constexpr):
     """One evaluation at c per row: (Σa, Σb, Σq2, min d over the support).  [ROWS] each
 
     sparsemax: a = d_+, b = |S|, q2 unused; entmax15: a = d_+, b = |S|, q2 = Σd_+²;
     general: a = Σp, b = Σd_+^(e−1) (φ's slope), q2 unused; α = 1 rows a = Σexp(u)."""
-    if KIND == _K_SPARSEMAX:
+    if ALPHA_KIND == ALPHA_SPARSEMAX:
         b_d = c_hi[:, None] + b_v
         b_pos = b_d > 0
         b_a = tl.where(b_pos, b_d, 0.0)
         b_b = b_pos.to(tl.float32)
         b_q2 = b_a
-    elif KIND == _K_ENTMAX15:
+    elif ALPHA_KIND == ALPHA_ENTMAX15:
         b_d = c_hi[:, None] + b_v
         b_pos = b_d > 0
         b_a = tl.where(b_pos, b_d, 0.0)
@@ -238,14 +227,14 @@ def _pass_sums(b_v, c_hi, c_lo, t, e, near_one, KIND: tl.constexpr):
 
 
 @triton.jit
-def _p_at(b_v, c_hi, c_lo, t, e, near_one, KIND: tl.constexpr):
+def _p_at(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND: tl.constexpr):
     """p (not normalised) at the row's threshold.  [ROWS, BLOCK]"""
-    if KIND == _K_SPARSEMAX:
+    if ALPHA_KIND == ALPHA_SPARSEMAX:
         b_p = tl.maximum(c_hi[:, None] + b_v, 0.0)
-    elif KIND == _K_ENTMAX15:
+    elif ALPHA_KIND == ALPHA_ENTMAX15:
         b_d = tl.maximum(c_hi[:, None] + b_v, 0.0)
         b_p = b_d * b_d
-    elif KIND == _K_SOFTMAX:
+    elif ALPHA_KIND == ALPHA_SOFTMAX:
         b_p = tl.exp2(b_v * _LOG2E)
     else:
         b_d = (c_hi[:, None] + b_v) + c_lo[:, None]
@@ -258,11 +247,11 @@ def _p_at(b_v, c_hi, c_lo, t, e, near_one, KIND: tl.constexpr):
 
 
 @triton.jit
-def _exact_step(s_a, s_b, s_q2, d_min, KIND: tl.constexpr):
+def _exact_step(s_a, s_b, s_q2, d_min, ALPHA_KIND: tl.constexpr):
     """(step to the exact root on the current support, whether it is certified, whether
     it is the last, the monotone step to take otherwise) for sparsemax / entmax15.  [ROWS]"""
     k = tl.maximum(s_b, 1.0)
-    if KIND == _K_SPARSEMAX:
+    if ALPHA_KIND == ALPHA_SPARSEMAX:
         f = s_a - 1.0
         step = -f / k
         fallback = step
@@ -284,17 +273,17 @@ def _exact_step(s_a, s_b, s_q2, d_min, KIND: tl.constexpr):
 # ----------------------------------------------------------------------------- forward
 
 @triton.jit
-def _entmax_fwd_kernel(
+def entmax_rowwise_fwd_kernel(
     x_ptr, p_ptr, c_ptr, passes_ptr, alpha_ptr,
     n_rows, n_cols, stride_x_row, stride_p_row, alpha_stride, tol, max_passes,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr, RESIDENT: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr, ALPHA_KIND: tl.constexpr, RESIDENT: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     m_row = rows < n_rows
     o_col = tl.arange(0, BLOCK)
     p_x = x_ptr + rows[:, None] * stride_x_row + o_col[None, :]
     p_p = p_ptr + rows[:, None] * stride_p_row + o_col[None, :]
-    alpha = _row_alpha(alpha_ptr, rows, m_row, alpha_stride, KIND)
+    alpha = _row_alpha(alpha_ptr, rows, m_row, alpha_stride, ALPHA_KIND)
     t = alpha - 1.0
     e = 1.0 / tl.where(t == 0.0, 1.0, t)  # unused on α = 1 rows
     # general α: a row of the program near α = 1 takes the accurate log of d (`_log2_base`)
@@ -316,7 +305,7 @@ def _entmax_fwd_kernel(
             m_tile = m_row[:, None] & (start + o_col[None, :] < n_cols)
             b_x = tl.load(p_x + start, mask=m_tile, other=float("-inf")).to(tl.float32)
             b_new = tl.maximum(b_max, b_x)
-            if KIND == _K_SOFTMAX:
+            if ALPHA_KIND == ALPHA_SOFTMAX:
                 # a lane that has seen only −inf keeps sum 0 (avoids −inf − (−inf)).
                 b_ref = tl.where(b_new == float("-inf"), 0.0, b_new)
                 b_sum = b_sum * tl.exp2((b_max - b_ref) * _LOG2E) + tl.exp2((b_x - b_ref) * _LOG2E)
@@ -336,7 +325,7 @@ def _entmax_fwd_kernel(
     if RESIDENT:
         b_v = _scaled(b_x, shift, t)
 
-    if KIND == _K_SOFTMAX:
+    if ALPHA_KIND == ALPHA_SOFTMAX:
         if RESIDENT:
             norm = tl.sum(tl.exp2(b_v * _LOG2E), axis=1)
         else:
@@ -353,7 +342,7 @@ def _entmax_fwd_kernel(
         done = (n_fin == 0) | bad | ~m_row
         while (passes < max_passes) & (tl.sum((~done).to(tl.int32), axis=0) > 0):
             if RESIDENT:
-                s_a, s_b, s_q2, d_min = _pass_sums(b_v, c_hi, c_lo, t, e, near_one, KIND)
+                s_a, s_b, s_q2, d_min = _pass_sums(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND)
             else:
                 s_a = tl.zeros([ROWS], tl.float32)
                 s_b = tl.zeros([ROWS], tl.float32)
@@ -362,14 +351,14 @@ def _entmax_fwd_kernel(
                 for start in range(0, n_cols, BLOCK):
                     m_tile = m_row[:, None] & (start + o_col[None, :] < n_cols)
                     b_xc = tl.load(p_x + start, mask=m_tile, other=float("-inf")).to(tl.float32)
-                    c_a, c_b, c_q2, c_min = _pass_sums(_scaled(b_xc, shift, t), c_hi, c_lo, t, e, near_one, KIND)
+                    c_a, c_b, c_q2, c_min = _pass_sums(_scaled(b_xc, shift, t), c_hi, c_lo, t, e, near_one, ALPHA_KIND)
                     s_a += c_a
                     s_b += c_b
                     s_q2 += c_q2
                     d_min = tl.minimum(d_min, c_min)
             passes += 1
             at_cap = passes >= max_passes
-            if KIND == _K_GENERAL:
+            if ALPHA_KIND == ALPHA_GENERAL:
                 f = s_a - 1.0
                 # φ increases with c; Σp − 1 has φ's sign for t > 0 and the opposite for t < 0.
                 c_above = (f > 0) == (t > 0)
@@ -408,11 +397,11 @@ def _entmax_fwd_kernel(
                 c_lo = tl.where(fresh & ~stop, next_lo, c_lo)
                 done = done | stop
             else:
-                step, exact, final, fallback = _exact_step(s_a, s_b, s_q2, d_min, KIND)
+                step, exact, final, fallback = _exact_step(s_a, s_b, s_q2, d_min, ALPHA_KIND)
                 fresh = ~done
                 row_passes = tl.where(fresh, passes, row_passes)
                 stop = final | at_cap
-                if KIND == _K_SPARSEMAX:
+                if ALPHA_KIND == ALPHA_SPARSEMAX:
                     norm = tl.where(fresh & at_cap & ~final, s_a, norm)
                 else:
                     norm = tl.where(fresh & at_cap & ~final, s_q2, norm)
@@ -422,15 +411,15 @@ def _entmax_fwd_kernel(
     inv_norm = tl.where(norm > 0, 1.0 / norm, 0.0)
     inv_norm = tl.where(bad, float("nan"), inv_norm)
     if RESIDENT:
-        b_p = _p_at(b_v, c_hi, c_lo, t, e, near_one, KIND) * inv_norm[:, None]
+        b_p = _p_at(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND) * inv_norm[:, None]
         tl.store(p_p, b_p.to(p_ptr.dtype.element_ty), mask=m_tile)
     else:
         for start in range(0, n_cols, BLOCK):
             m_tile = m_row[:, None] & (start + o_col[None, :] < n_cols)
             b_xc = tl.load(p_x + start, mask=m_tile, other=float("-inf")).to(tl.float32)
-            b_p = _p_at(_scaled(b_xc, shift, t), c_hi, c_lo, t, e, near_one, KIND) * inv_norm[:, None]
+            b_p = _p_at(_scaled(b_xc, shift, t), c_hi, c_lo, t, e, near_one, ALPHA_KIND) * inv_norm[:, None]
             tl.store(p_p + start, b_p.to(p_ptr.dtype.element_ty), mask=m_tile)
-    if KIND == _K_SOFTMAX:
+    if ALPHA_KIND == ALPHA_SOFTMAX:
         c_hi = inv_norm  # the threshold c of softmax is 1/Σexp(u)
     else:
         c_hi = tl.where(t == 0.0, inv_norm, c_hi)
@@ -442,14 +431,14 @@ def _entmax_fwd_kernel(
 # ----------------------------------------------------------------------------- backward
 
 @triton.jit
-def _jacobian_weight(b_p, t, KIND: tl.constexpr):
+def _jacobian_weight(b_p, t, ALPHA_KIND: tl.constexpr):
     """s = p^(2−α) on the support, 0 elsewhere.  [ROWS, BLOCK]"""
     b_pos = b_p > 0
-    if KIND == _K_SPARSEMAX:
+    if ALPHA_KIND == ALPHA_SPARSEMAX:
         b_s = tl.where(b_pos, 1.0, 0.0)
-    elif KIND == _K_ENTMAX15:
+    elif ALPHA_KIND == ALPHA_ENTMAX15:
         b_s = tl.sqrt(tl.where(b_pos, b_p, 0.0))
-    elif KIND == _K_SOFTMAX:
+    elif ALPHA_KIND == ALPHA_SOFTMAX:
         b_s = tl.where(b_pos, b_p, 0.0)
     else:
         b_s = tl.where(b_pos, tl.exp2((1.0 - t[:, None]) * tl.log2(tl.where(b_pos, b_p, 1.0))), 0.0)
@@ -458,9 +447,9 @@ def _jacobian_weight(b_p, t, KIND: tl.constexpr):
 
 
 @triton.jit
-def _bwd_sums(b_p, b_g, t, KIND: tl.constexpr, NEED_DALPHA: tl.constexpr):
+def _bwd_sums(b_p, b_g, t, ALPHA_KIND: tl.constexpr, NEED_DALPHA: tl.constexpr):
     """Σs, Σsg and, for dα, Σgp, Σgp·log p, Σp·log p, Σp·r, Σgp·r (r: see below).  [ROWS]"""
-    b_s = _jacobian_weight(b_p, t, KIND)
+    b_s = _jacobian_weight(b_p, t, ALPHA_KIND)
     s_sum = tl.sum(b_s, axis=1)
     sg_sum = tl.sum(b_s * b_g, axis=1)
     zero = tl.zeros_like(s_sum)
@@ -490,10 +479,10 @@ def _bwd_sums(b_p, b_g, t, KIND: tl.constexpr, NEED_DALPHA: tl.constexpr):
 
 
 @triton.jit
-def _entmax_bwd_kernel(
+def entmax_rowwise_bwd_kernel(
     p_ptr, g_ptr, dx_ptr, dalpha_ptr, alpha_ptr,
     n_rows, n_cols, stride_p_row, stride_g_row, stride_dx_row, alpha_stride,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr, NEED_DALPHA: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr, ALPHA_KIND: tl.constexpr, NEED_DALPHA: tl.constexpr,
     RESIDENT: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -502,13 +491,13 @@ def _entmax_bwd_kernel(
     p_p = p_ptr + rows[:, None] * stride_p_row + o_col[None, :]
     p_g = g_ptr + rows[:, None] * stride_g_row + o_col[None, :]
     p_dx = dx_ptr + rows[:, None] * stride_dx_row + o_col[None, :]
-    t = _row_alpha(alpha_ptr, rows, m_row, alpha_stride, KIND) - 1.0
+    t = _row_alpha(alpha_ptr, rows, m_row, alpha_stride, ALPHA_KIND) - 1.0
 
     if RESIDENT:
         m_tile = m_row[:, None] & (o_col[None, :] < n_cols)
         b_p = tl.load(p_p, mask=m_tile, other=0.0).to(tl.float32)
         b_g = tl.load(p_g, mask=m_tile, other=0.0).to(tl.float32)
-        s_sum, sg_sum, gp, gpl, pl, pr, gpr = _bwd_sums(b_p, b_g, t, KIND, NEED_DALPHA)
+        s_sum, sg_sum, gp, gpl, pl, pr, gpr = _bwd_sums(b_p, b_g, t, ALPHA_KIND, NEED_DALPHA)
     else:
         s_sum = tl.zeros([ROWS], tl.float32)
         sg_sum = tl.zeros([ROWS], tl.float32)
@@ -521,7 +510,7 @@ def _entmax_bwd_kernel(
             m_tile = m_row[:, None] & (start + o_col[None, :] < n_cols)
             b_pc = tl.load(p_p + start, mask=m_tile, other=0.0).to(tl.float32)
             b_gc = tl.load(p_g + start, mask=m_tile, other=0.0).to(tl.float32)
-            c_s, c_sg, c_gp, c_gpl, c_pl, c_pr, c_gpr = _bwd_sums(b_pc, b_gc, t, KIND, NEED_DALPHA)
+            c_s, c_sg, c_gp, c_gpl, c_pl, c_pr, c_gpr = _bwd_sums(b_pc, b_gc, t, ALPHA_KIND, NEED_DALPHA)
             s_sum += c_s
             sg_sum += c_sg
             gp += c_gp
@@ -535,14 +524,14 @@ def _entmax_bwd_kernel(
     g_escort = tl.where(s_sum != s_sum, s_sum, g_escort)
 
     if RESIDENT:
-        b_s = _jacobian_weight(b_p, t, KIND)
+        b_s = _jacobian_weight(b_p, t, ALPHA_KIND)
         tl.store(p_dx, (b_s * (b_g - g_escort[:, None])).to(dx_ptr.dtype.element_ty), mask=m_tile)
     else:
         for start in range(0, n_cols, BLOCK):
             m_tile = m_row[:, None] & (start + o_col[None, :] < n_cols)
             b_pc = tl.load(p_p + start, mask=m_tile, other=0.0).to(tl.float32)
             b_gc = tl.load(p_g + start, mask=m_tile, other=0.0).to(tl.float32)
-            b_s = _jacobian_weight(b_pc, t, KIND)
+            b_s = _jacobian_weight(b_pc, t, ALPHA_KIND)
             tl.store(p_dx + start, (b_s * (b_gc - g_escort[:, None])).to(dx_ptr.dtype.element_ty), mask=m_tile)
 
     if NEED_DALPHA:
@@ -564,9 +553,9 @@ def _entmax_bwd_kernel(
         tl.store(dalpha_ptr + rows, tl.where(s_sum != s_sum, s_sum, d_alpha), mask=m_row)
 
 
-# ----------------------------------------------------------------------------- host side
+# ----------------------------------------------------------------------------- tile table
 
-def _config(n_cols: int) -> dict:
+def tile_config(n_cols: int) -> dict:
     """(ROWS, BLOCK, RESIDENT, num_warps) for rows of n_cols entries, forward and backward.
 
     A table, not triton.autotune: the kernels are bound by memory for every shape the rule
@@ -597,158 +586,49 @@ def _config(n_cols: int) -> dict:
 
 
 def _config_blocks() -> list[int]:
-    """Every n_cols class `_config` distinguishes (one representative length each)."""
+    """Every n_cols class `tile_config` distinguishes (one representative length each)."""
     lengths = [16]
     while lengths[-1] < RESIDENT_MAX_COLS:
         lengths.append(lengths[-1] * 2)
     return lengths + [RESIDENT_MAX_COLS + 1]
 
 
-def _alpha_args(alpha, n_rows: int, device):
-    """(KIND, fp32 alpha tensor, stride) for the kernels; validates alpha."""
-    if isinstance(alpha, torch.Tensor):
-        if alpha.shape != (n_rows,):
-            raise ValueError(f"alpha tensor must have shape ({n_rows},) (one per row), got {tuple(alpha.shape)}")
-        if alpha.device != device:
-            raise ValueError(f"alpha must be on {device}, got {alpha.device}")
-        return KIND_GENERAL, alpha.to(torch.float32).contiguous(), 1
-    alpha = float(alpha)
-    if not (alpha > 0 and math.isfinite(alpha)):
-        raise ValueError(f"alpha must be a finite number > 0, got {alpha}")
-    kind = {2.0: KIND_SPARSEMAX, 1.5: KIND_ENTMAX15, 1.0: KIND_SOFTMAX}.get(alpha, KIND_GENERAL)
-    return kind, torch.full((1,), alpha, dtype=torch.float32, device=device), 0
-
-
-def _check_rows(name: str, x: torch.Tensor) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"{name} must be a 2-D tensor (rows, n), got {got}")
-    if x.dtype not in _IO_DTYPES:
-        raise ValueError(f"{name} dtype must be float32, float16 or bfloat16, got {x.dtype}")
-    # Kernels index columns with unit stride; another last stride costs one copy.
-    return x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()
-
-
-def _forward(x: torch.Tensor, alpha, tol: float = DEFAULT_TOL, max_passes: int = DEFAULT_MAX_PASSES,
-             config: dict | None = None):
-    """Returns (p, c, passes): output; threshold in c-form (module docstring) as (R, 2) fp32
-    pairs, c = c[:, 0] + c[:, 1]; passes per row (int32). ``config`` overrides `_config`
-    (benchmarks and tests of the chunked path)."""
-    x = _check_rows("x", x)
-    n_rows, n_cols = x.shape
-    kind, alpha_t, alpha_stride = _alpha_args(alpha, n_rows, x.device)
-    if not (tol > 0):
-        raise ValueError(f"tol must be > 0, got {tol}")
-    if max_passes < 2:
-        raise ValueError(f"max_passes must be >= 2 (max, one evaluation), got {max_passes}")
-    p = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-    c = torch.empty((n_rows, 2), dtype=torch.float32, device=x.device)
-    passes = torch.empty((n_rows,), dtype=torch.int32, device=x.device)
-    if n_rows == 0 or n_cols == 0:
-        return p, c.fill_(0.0), passes.fill_(0)
-    cfg = dict(config or _config(n_cols))
-    num_warps = cfg.pop("num_warps")
-    _entmax_fwd_kernel[(triton.cdiv(n_rows, cfg["ROWS"]),)](
-        x, p, c, passes, alpha_t, n_rows, n_cols, x.stride(0), p.stride(0), alpha_stride,
-        float(tol), int(max_passes), KIND=kind, num_warps=num_warps, num_stages=1, **cfg)
-    return p, c, passes
-
-
-def entmax_rowwise_forward(x: torch.Tensor, alpha) -> torch.Tensor:
-    """α-entmax of every row of ``x``.
-
-    x: (R, n) float32/float16/bfloat16; row stride free, last stride 1 expected (else one
-    ``.contiguous()`` copy). alpha: python float > 0, or float tensor (R,) of values > 0
-    (not checked on the device, to avoid a host sync). Returns p (R, n) in x's dtype,
-    computed in fp32. A row holding NaN or +inf gives NaN; −inf entries get weight 0.
-    """
-    return _forward(x, alpha)[0]
-
-
-def entmax_rowwise_threshold(x: torch.Tensor, alpha, tol: float = DEFAULT_TOL,
-                             max_passes: int = DEFAULT_MAX_PASSES):
-    """(mu, passes): the reference's μ per row (fp32, (R,)) and passes over the row (int32).
-
-    Passes count evaluations over the row before the output: 1 (max) + one per iteration
-    (softmax: 1). For resident rows they are passes over registers, not memory reads.
-    """
-    _, c, passes = _forward(x, alpha, tol, max_passes)
-    n_rows = x.shape[0]
-    if isinstance(alpha, torch.Tensor):
-        t = alpha.to(torch.float32) - 1
-    else:
-        t = torch.full((n_rows,), float(alpha) - 1, dtype=torch.float32, device=x.device)
-    c = c.double().sum(-1)  # the pair, in float64 so that 1 − c keeps the low part
-    t = t.double()
-    t_safe = torch.where(t == 0, torch.ones_like(t), t)
-    mu = torch.where(t == 0, -torch.log(c), (1 - c) / t_safe)
-    return mu.float(), passes
-
-
-def entmax_rowwise_backward(p: torch.Tensor, grad: torch.Tensor, alpha, need_alpha_grad: bool,
-                            config: dict | None = None):
-    """(dx, dalpha or None) of α-entmax from its output p (docs/maths.md, "Backward").
-
-    p, grad: (R, n), float32/float16/bfloat16 (last stride 1 expected). dx has grad's dtype;
-    dalpha is fp32 (R,). At α = 1 dalpha uses the exact limit of ∂p/∂α.
-    """
-    p = _check_rows("p", p)
-    grad = _check_rows("grad", grad)
-    if grad.shape != p.shape:
-        raise ValueError(f"grad must have p's shape {tuple(p.shape)}, got {tuple(grad.shape)}")
-    n_rows, n_cols = p.shape
-    kind, alpha_t, alpha_stride = _alpha_args(alpha, n_rows, p.device)
-    dx = torch.empty((n_rows, n_cols), dtype=grad.dtype, device=p.device)
-    dalpha = torch.zeros((n_rows,), dtype=torch.float32, device=p.device) if need_alpha_grad else None
-    if n_rows == 0 or n_cols == 0:
-        return dx, dalpha
-    cfg = dict(config or _config(n_cols))
-    num_warps = cfg.pop("num_warps")
-    _entmax_bwd_kernel[(triton.cdiv(n_rows, cfg["ROWS"]),)](
-        p, grad, dx, dalpha if need_alpha_grad else alpha_t, alpha_t,
-        n_rows, n_cols, p.stride(0), grad.stride(0), dx.stride(0), alpha_stride,
-        KIND=kind, NEED_DALPHA=bool(need_alpha_grad), num_warps=num_warps, num_stages=1, **cfg)
-    return dx, dalpha
-
-
 # ----------------------------------------------------------------------------- AOT contract
 
-def aot_configs() -> list[dict]:
-    """Every (kernel, specialisation) the launchers above can choose, for triton_kernels/aot.py.
+FWD_POINTERS = {"x_ptr": TENSOR, "p_ptr": TENSOR, "c_ptr": "*fp32", "passes_ptr": "*i32",
+                "alpha_ptr": "*fp32"}
+BWD_POINTERS = {"p_ptr": TENSOR, "g_ptr": TENSOR, "dx_ptr": TENSOR, "dalpha_ptr": "*fp32",
+                "alpha_ptr": "*fp32"}
 
-    Integer arguments are listed as i32 (what the JIT picks for row lengths and strides
-    below 2³¹); the row index is widened to int64 inside the kernels.
+
+def aot_configs() -> list[dict]:
+    """Every (kernel, specialisation) the launchers can choose, for triton_kernels/aot.py.
+
+    Integer arguments are i32 (what the JIT picks for row lengths and strides below 2³¹);
+    the row index is widened to int64 inside the kernels.
     """
     configs = []
-    for dt_name in _IO_DTYPES.values():
-        io = f"*{dt_name}"
-        for kind in (KIND_GENERAL, KIND_SPARSEMAX, KIND_ENTMAX15, KIND_SOFTMAX):
+    for dtype_key in DTYPE_KEYS.values():
+        for alpha_kind in (common.ALPHA_GENERAL, common.ALPHA_SOFTMAX, common.ALPHA_ENTMAX15,
+                           common.ALPHA_SPARSEMAX):
             for n_cols in _config_blocks():
-                cfg = _config(n_cols)
+                cfg = tile_config(n_cols)
                 shape = {k: cfg[k] for k in ("ROWS", "BLOCK", "RESIDENT")}
                 tag = f"r{cfg['ROWS']}_b{cfg['BLOCK']}_{'res' if cfg['RESIDENT'] else 'chunk'}"
                 configs.append({
-                    "name": f"fwd_{dt_name}_k{kind}_{tag}",
-                    "fn": _entmax_fwd_kernel,
-                    "signature": {"x_ptr": io, "p_ptr": io, "c_ptr": "*fp32", "passes_ptr": "*i32",
-                                  "alpha_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32",
-                                  "stride_x_row": "i32", "stride_p_row": "i32", "alpha_stride": "i32",
-                                  "tol": "fp32", "max_passes": "i32", "ROWS": "constexpr",
-                                  "BLOCK": "constexpr", "KIND": "constexpr", "RESIDENT": "constexpr"},
-                    "constexprs": dict(shape, KIND=kind),
+                    "name": f"fwd_{dtype_key}_k{alpha_kind}_{tag}",
+                    "fn": entmax_rowwise_fwd_kernel,
+                    "signature": kernel_signature(entmax_rowwise_fwd_kernel, dtype_key, FWD_POINTERS,
+                                                  floats=("tol",)),
+                    "constexprs": dict(shape, ALPHA_KIND=alpha_kind),
                     "num_warps": cfg["num_warps"], "num_stages": 1,
                 })
-                for need in (False, True) if kind == KIND_GENERAL else (False,):
+                for need in (False, True) if alpha_kind == common.ALPHA_GENERAL else (False,):
                     configs.append({
-                        "name": f"bwd_{dt_name}_k{kind}_{tag}_da{int(need)}",
-                        "fn": _entmax_bwd_kernel,
-                        "signature": {"p_ptr": io, "g_ptr": io, "dx_ptr": io, "dalpha_ptr": "*fp32",
-                                      "alpha_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32",
-                                      "stride_p_row": "i32", "stride_g_row": "i32", "stride_dx_row": "i32",
-                                      "alpha_stride": "i32", "ROWS": "constexpr", "BLOCK": "constexpr",
-                                      "KIND": "constexpr", "NEED_DALPHA": "constexpr",
-                                      "RESIDENT": "constexpr"},
-                        "constexprs": dict(shape, KIND=kind, NEED_DALPHA=need),
+                        "name": f"bwd_{dtype_key}_k{alpha_kind}_{tag}_da{int(need)}",
+                        "fn": entmax_rowwise_bwd_kernel,
+                        "signature": kernel_signature(entmax_rowwise_bwd_kernel, dtype_key, BWD_POINTERS),
+                        "constexprs": dict(shape, ALPHA_KIND=alpha_kind, NEED_DALPHA=need),
                         "num_warps": cfg["num_warps"], "num_stages": 1,
                     })
     return configs

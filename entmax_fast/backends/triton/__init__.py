@@ -1,0 +1,85 @@
+"""The Triton backend: launchers and torch.library custom ops over the kernels of
+``entmax_fast.triton_kernels``, for CUDA tensors (and CPU tensors in the Triton interpreter).
+
+Light, as the backend contract asks (entmax_fast/backends/__init__.py): importing this
+package imports neither triton nor a kernel; `available` imports triton on its first call,
+and the submodules named in OPS (which import the kernels) are loaded by dispatch when an
+op is first run here.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+
+OPS = {"entmax": "rowwise", "attention": "attention", "attention_varlen": "attention"}
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def available() -> tuple[bool, str]:
+    """(available, reason): triton importable, and a CUDA device or the interpreter."""
+    try:
+        import triton
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
+        return False, f"triton is not importable ({type(exc).__name__}: {exc})"
+    if torch.cuda.is_available():
+        return True, f"triton {triton.__version__} with CUDA device {torch.cuda.get_device_name()}"
+    if _interpreting():
+        return True, (f"triton {triton.__version__}, no CUDA device: interpreter only "
+                      "(TRITON_INTERPRET=1; CPU tensors, when forced; slow, for testing)")
+    return False, (f"triton {triton.__version__} is importable, but there is no CUDA device, and the "
+                   "interpreter needs TRITON_INTERPRET=1 set before triton is imported")
+
+
+def runs_on(device: torch.device) -> Optional[str]:
+    """None if the kernels can run tensors on ``device`` here, else why not."""
+    if device.type != "cuda" and not (device.type == "cpu" and _interpreting()):
+        return (f"triton cannot run {device.type} tensors here (only CUDA tensors, or CPU "
+                "tensors in the interpreter: TRITON_INTERPRET=1 set before triton is imported)")
+    ok, why = available()
+    if not ok:
+        return why
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return "no CUDA device"
+    return None
+
+
+def supports(op: str, request) -> Optional[str]:
+    """None if the kernels can run this call of ``op``, else why not."""
+    if op == "entmax":
+        if request.dtype not in _KERNEL_DTYPES:
+            return f"triton row-wise kernels take float32/float16/bfloat16, got {request.dtype}"
+        return None
+    if op in ("attention", "attention_varlen"):
+        if request.dtype not in _KERNEL_DTYPES:
+            return f"the fused kernels take float32/float16/bfloat16, got {request.dtype}"
+        alpha = request.options.get("alpha")
+        # The threshold search relies on convexity, which holds only for 1 < alpha <= 2.
+        if isinstance(alpha, float) and not 1.0 < alpha <= 2.0:
+            return f"the fused kernels need 1 < alpha <= 2, got {alpha}"
+        if request.options.get("head_dim", 0) > 256:
+            return f"head dims above 256 are not supported by the fused kernels, got {request.options['head_dim']}"
+        if request.options.get("mask_requires_grad"):
+            return "the Triton kernels do not differentiate a float attn_mask"
+        return None
+    return f"the Triton backend has no {op}"
+
+
+def describe(op: str, request) -> str:
+    """What runs the call, in a user's words."""
+    where = "CUDA tensor" if request.device.type == "cuda" else "CPU tensor in the Triton interpreter"
+    # The fused attention kernels take only 1 < alpha <= 2; the row-wise ones any alpha.
+    alpha = request.options.get("alpha") if op.startswith("attention") else None
+    if isinstance(alpha, float):
+        where += f", alpha = {alpha:g} in (1, 2]"
+    elif alpha is not None:
+        where += ", alpha per head"
+    return f"triton: {where}"

@@ -1,0 +1,127 @@
+"""Launchers of the row-wise α-entmax kernels (entmax_fast/triton_kernels/rowwise.py): the
+Triton backend of the op ``entmax``.
+
+Layout: 2-D input (R, n); the row stride is free, the last dimension must have stride 1 (a
+tensor whose last stride is not 1 is copied once with ``.contiguous()``, documented, not
+silent: see `entmax_forward`). Outputs are contiguous. The threshold and pass count behind
+an output (`entmax_threshold`, `_forward`) are for tests and benchmarks.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from ... import common
+from ...triton_kernels.rowwise import (DEFAULT_MAX_PASSES, DEFAULT_TOL, entmax_rowwise_bwd_kernel,
+                                       entmax_rowwise_fwd_kernel, tile_config)
+from ...triton_kernels.signature import DTYPE_KEYS
+
+__all__ = ["entmax_forward", "entmax_backward", "entmax_threshold"]
+
+
+def _alpha_args(alpha, n_rows: int, device):
+    """(ALPHA_KIND, fp32 alpha tensor, stride) for the kernels; validates alpha."""
+    if isinstance(alpha, torch.Tensor):
+        if alpha.shape != (n_rows,):
+            raise ValueError(f"alpha tensor must have shape ({n_rows},) (one per row), got {tuple(alpha.shape)}")
+        if alpha.device != device:
+            raise ValueError(f"alpha must be on {device}, got {alpha.device}")
+        return common.ALPHA_GENERAL, alpha.to(torch.float32).contiguous(), 1
+    alpha = float(alpha)
+    if not (alpha > 0 and math.isfinite(alpha)):
+        raise ValueError(f"alpha must be a finite number > 0, got {alpha}")
+    return common.alpha_kind(alpha), torch.full((1,), alpha, dtype=torch.float32, device=device), 0
+
+
+def _check_rows(name: str, x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be a 2-D tensor (rows, n), got {got}")
+    if x.dtype not in DTYPE_KEYS:
+        raise ValueError(f"{name} dtype must be float32, float16 or bfloat16, got {x.dtype}")
+    # Kernels index columns with unit stride; another last stride costs one copy.
+    return x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()
+
+
+def _forward(x: torch.Tensor, alpha, tol: float = DEFAULT_TOL, max_passes: int = DEFAULT_MAX_PASSES,
+             config: dict | None = None):
+    """Returns (p, c, passes): output; threshold in the c-form of triton_kernels/rowwise.py
+    as (R, 2) fp32 pairs, c = c[:, 0] + c[:, 1]; passes per row (int32). ``config``
+    overrides `tile_config` (benchmarks and tests of the chunked path)."""
+    x = _check_rows("x", x)
+    n_rows, n_cols = x.shape
+    kind, alpha_t, alpha_stride = _alpha_args(alpha, n_rows, x.device)
+    if not (tol > 0):
+        raise ValueError(f"tol must be > 0, got {tol}")
+    if max_passes < 2:
+        raise ValueError(f"max_passes must be >= 2 (max, one evaluation), got {max_passes}")
+    p = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    c = torch.empty((n_rows, 2), dtype=torch.float32, device=x.device)
+    passes = torch.empty((n_rows,), dtype=torch.int32, device=x.device)
+    if n_rows == 0 or n_cols == 0:
+        return p, c.fill_(0.0), passes.fill_(0)
+    cfg = dict(config or tile_config(n_cols))
+    num_warps = cfg.pop("num_warps")
+    entmax_rowwise_fwd_kernel[(triton.cdiv(n_rows, cfg["ROWS"]),)](
+        x, p, c, passes, alpha_t, n_rows, n_cols, x.stride(0), p.stride(0), alpha_stride,
+        float(tol), int(max_passes), ALPHA_KIND=kind, num_warps=num_warps, num_stages=1, **cfg)
+    return p, c, passes
+
+
+def entmax_forward(x: torch.Tensor, alpha) -> torch.Tensor:
+    """α-entmax of every row of ``x``.
+
+    x: (R, n) float32/float16/bfloat16; row stride free, last stride 1 expected (else one
+    ``.contiguous()`` copy). alpha: python float > 0, or float tensor (R,) of values > 0
+    (not checked on the device, to avoid a host sync). Returns p (R, n) in x's dtype,
+    computed in fp32. A row holding NaN or +inf gives NaN; −inf entries get weight 0.
+    """
+    return _forward(x, alpha)[0]
+
+
+def entmax_threshold(x: torch.Tensor, alpha, tol: float = DEFAULT_TOL,
+                     max_passes: int = DEFAULT_MAX_PASSES):
+    """(mu, passes): the reference's μ per row (fp32, (R,)) and passes over the row (int32).
+
+    Passes count evaluations over the row before the output: 1 (max) + one per iteration
+    (softmax: 1). For resident rows they are passes over registers, not memory reads.
+    """
+    _, c, passes = _forward(x, alpha, tol, max_passes)
+    n_rows = x.shape[0]
+    if isinstance(alpha, torch.Tensor):
+        t = alpha.to(torch.float32) - 1
+    else:
+        t = torch.full((n_rows,), float(alpha) - 1, dtype=torch.float32, device=x.device)
+    c = c.double().sum(-1)  # the pair, in float64 so that 1 − c keeps the low part
+    t = t.double()
+    t_safe = torch.where(t == 0, torch.ones_like(t), t)
+    mu = torch.where(t == 0, -torch.log(c), (1 - c) / t_safe)
+    return mu.float(), passes
+
+
+def entmax_backward(p: torch.Tensor, grad: torch.Tensor, alpha, need_alpha_grad: bool,
+                    config: dict | None = None):
+    """(dx, dalpha or None) of α-entmax from its output p (docs/maths.md, "Backward").
+
+    p, grad: (R, n), float32/float16/bfloat16 (last stride 1 expected). dx has grad's dtype;
+    dalpha is fp32 (R,). At α = 1 dalpha uses the exact limit of ∂p/∂α.
+    """
+    p = _check_rows("p", p)
+    grad = _check_rows("grad", grad)
+    if grad.shape != p.shape:
+        raise ValueError(f"grad must have p's shape {tuple(p.shape)}, got {tuple(grad.shape)}")
+    n_rows, n_cols = p.shape
+    kind, alpha_t, alpha_stride = _alpha_args(alpha, n_rows, p.device)
+    dx = torch.empty((n_rows, n_cols), dtype=grad.dtype, device=p.device)
+    dalpha = torch.zeros((n_rows,), dtype=torch.float32, device=p.device) if need_alpha_grad else None
+    if n_rows == 0 or n_cols == 0:
+        return dx, dalpha
+    cfg = dict(config or tile_config(n_cols))
+    num_warps = cfg.pop("num_warps")
+    entmax_rowwise_bwd_kernel[(triton.cdiv(n_rows, cfg["ROWS"]),)](
+        p, grad, dx, dalpha if need_alpha_grad else alpha_t, alpha_t,
+        n_rows, n_cols, p.stride(0), grad.stride(0), dx.stride(0), alpha_stride,
+        ALPHA_KIND=kind, NEED_DALPHA=bool(need_alpha_grad), num_warps=num_warps, num_stages=1, **cfg)
+    return dx, dalpha

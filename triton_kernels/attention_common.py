@@ -1,0 +1,347 @@
+"""What the fused attention's forward (attention_fwd.py) and backward (attention_bwd.py)
+kernels share: the tile tables, the layout of the row statistics, the @triton.jit helpers
+both directions call, and the AOT signatures and configuration space of their kernels.
+
+The tile tables are shared because the tile flags written by the forward are read by the
+backward: both must tile the same way, and the launchers (host code of the Triton backend,
+``entmax_fast/backends/triton/attention.py``) read the same tables as the AOT check
+(triton_kernels/aot.py), which compiles exactly the configurations they can choose.
+"""
+import itertools
+
+import triton
+import triton.language as tl
+
+from .. import common
+from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX, MASK_ADDITIVE, MASK_BOOL
+from .signature import DTYPE_KEYS, TENSOR, kernel_signature, pointer_type
+
+# Threshold passes: a row is done when its tau is certified exact or its Newton step (in
+# u = y - max(y), where tau lies in [-1, 0)) is below TAU_STEP_TOL, which leaves an error
+# of the order of its square. MAX_TAU_PASSES bounds adversarial rows.
+TAU_STEP_TOL = 1e-6
+MAX_TAU_PASSES = 24
+TAU_STEP_TOL_C = tl.constexpr(TAU_STEP_TOL)
+MAX_TAU_PASSES_C = tl.constexpr(MAX_TAU_PASSES)
+
+# Row statistics stored per query row, stacked along the first dimension of `stats`.
+STAT_MAX, STAT_TAU, STAT_SUM, STAT_ENTROPY = 0, 1, 2, 3
+NUM_STATS = 4
+STAT_MAX_C = tl.constexpr(STAT_MAX)
+STAT_TAU_C = tl.constexpr(STAT_TAU)
+STAT_SUM_C = tl.constexpr(STAT_SUM)
+STAT_ENTROPY_C = tl.constexpr(STAT_ENTROPY)
+
+
+# The interpreter's cost is per tile: one fixed, large tiling keeps interpreted runs fast
+# (docs/checking.md); GPUs use the per-dtype table of `block_sizes`.
+INTERPRETER_BLOCKS = (64, 32)
+
+
+def block_sizes(block_e, dtype_key, dropout=False):
+    """(BLOCK_M, BLOCK_N) for a padded head dimension and dtype.
+
+    Shared by forward and backward: the tile flags written by the forward are read by the
+    backward, so both tile the same way. fp16/bf16 use the 64x64 tiles measured fastest on
+    an H200 (docs/gpu.md: 7x faster than the 32x32 tiles with 8 warps and a 255-register
+    cap it replaces, same kernel); E = 256 halves BLOCK_N. fp32 runs its products as three
+    TF32 products and takes smaller tiles. Dropout's Philox state halves BLOCK_M.
+    bench/tune_attention.py re-measures the choice on a GPU.
+    """
+    if dtype_key == "fp32":
+        block_m, block_n = (32, 32) if block_e <= 64 else (16, 32)
+    elif block_e <= 128:
+        block_m, block_n = 64, 64
+    else:
+        block_m, block_n = 64, 32
+    if dropout:
+        block_m = max(16, block_m // 2)
+    return block_m, block_n
+
+
+def launch_config(kernel, block_e, dtype_key, mask_kind=common.MASK_NONE):
+    """(num_warps, num_stages) of `kernel` ("fwd", "dq" or "dkdv"); no register cap.
+
+    The fp16/bf16 forward at E <= 64 takes the measured best (4 warps, 3 stages) unless it
+    reads an attn_mask: the mask tiles of its eight inlined tile loops then left a 1.8 KB
+    stack frame at 4 warps (sm_90), 0.4 KB at 8. The
+    backward kernels hold more [BM, BN] tiles at once (scores, weights, sensitivities, dO.v)
+    and two [BN, E] accumulators: 8 warps halve each thread's share (sm_90 compile: stack
+    32-48 B instead of 232-488 B with 4). Wider heads take 8 warps everywhere. Estimates
+    from compiles, not timings, except where docs/gpu.md says measured.
+    """
+    if dtype_key == "fp32":
+        return 4, (2 if block_e <= 64 else 1)
+    if kernel == "fwd" and block_e <= 64 and mask_kind == common.MASK_NONE:
+        return 4, 3
+    return 8, (2 if block_e <= 128 else 1)
+
+
+# Head-dim chunk (BLOCK_EC) of the q.k and dO.v products, per (kernel, dtype) and padded
+# head dim; head dims not listed are not chunked. Chosen by compiling every configuration
+# for sm_80/sm_90 (triton_kernels/aot.py): chunk only where the whole head dim leaves a
+# stack frame, and no finer than needed, since each chunk reloads its operands from cache.
+_CHUNKS = {
+    ("fwd", "fp32"): {256: 32},
+    ("dq", "fp32"): {32: 16, 64: 32, 128: 32, 256: 32},
+    ("dq", "fp16"): {128: 64, 256: 64},
+    ("dq", "bf16"): {128: 64, 256: 64},
+    ("dkdv", "fp32"): {64: 32, 128: 32, 256: 32},
+}
+
+
+def chunk_width(kernel, block_e, dtype_key):
+    """BLOCK_EC of `kernel` ("fwd", "dq" or "dkdv"): block_e itself when not chunked."""
+    return _CHUNKS.get((kernel, dtype_key), {}).get(block_e, block_e)
+
+
+@triton.jit
+def sequence_bounds(cu_q_ptr, cu_k_ptr, i_b, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
+    """(q_start, q_len, k_start, k_len) of batch entry i_b: from the varlen offsets, or the
+    whole padded sequence."""
+    if IS_VARLEN:
+        q_start = tl.load(cu_q_ptr + i_b).to(tl.int64)
+        q_len = tl.load(cu_q_ptr + i_b + 1).to(tl.int32) - q_start.to(tl.int32)
+        k_start = tl.load(cu_k_ptr + i_b).to(tl.int64)
+        k_len = tl.load(cu_k_ptr + i_b + 1).to(tl.int32) - k_start.to(tl.int32)
+    else:
+        q_start = i_b * 0
+        q_len = seqlen_q
+        k_start = i_b * 0
+        k_len = seqlen_k
+    return q_start, q_len, k_start, k_len
+
+
+@triton.jit
+def load_rows(p_base, stride, o_rows, n_rows, width, BLOCK_E: tl.constexpr):
+    """Rows o_rows (< n_rows) of a row-major [*, width] matrix, zero-padded to [., BLOCK_E]."""
+    o_e = tl.arange(0, BLOCK_E)
+    return tl.load(p_base + o_rows[:, None] * stride + o_e[None, :],
+                   mask=(o_rows[:, None] < n_rows) & (o_e[None, :] < width), other=0.0)
+
+
+@triton.jit
+def held_rows(p_base, stride, o_rows, n_rows, width, BLOCK_E: tl.constexpr,
+              BLOCK_EC: tl.constexpr):
+    """`load_rows` for an operand of `dot_rows`; nothing (0) when the head dim is
+    processed in chunks (BLOCK_EC < BLOCK_E), where `dot_rows` reloads it chunk by chunk."""
+    if BLOCK_EC >= BLOCK_E:
+        b_rows = load_rows(p_base, stride, o_rows, n_rows, width, BLOCK_E)
+    else:
+        b_rows = 0.0
+    return b_rows
+
+
+@triton.jit
+def held_cols(p_base, stride, o_rows, n_rows, width, BLOCK_E: tl.constexpr,
+              BLOCK_EC: tl.constexpr):
+    """The transpose [BLOCK_E, len(o_rows)] of `held_rows`, loaded as such: the right-hand
+    operand of `dot_rows` (a transpose in registers would cost a layout conversion)."""
+    if BLOCK_EC >= BLOCK_E:
+        o_e = tl.arange(0, BLOCK_E)
+        b_cols = tl.load(p_base + o_rows[None, :] * stride + o_e[:, None],
+                         mask=(o_rows[None, :] < n_rows) & (o_e[:, None] < width), other=0.0)
+    else:
+        b_cols = 0.0
+    return b_cols
+
+
+@triton.jit
+def dot_rows(b_a, b_bt, p_a, stride_a, o_a, n_a, p_b, stride_b, o_b, n_b, width,
+             BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr):
+    """a_i . b_j over the first `width` columns, for rows o_a of A and rows o_b of B (both
+    row-major with unit column stride): [len(o_a), len(o_b)] fp32.
+
+    Whole head dim (BLOCK_EC >= BLOCK_E): from the held blocks b_a [., BE] (`held_rows`)
+    and b_bt [BE, .] (`held_cols`). Chunked: both operands are reloaded BLOCK_EC columns at
+    a time (from cache). A tensor-core operand A is replicated across the warps that share its rows, so a
+    [16, 256] fp32 block alone fills 128 registers per thread (more with tf32x3's split):
+    chunks keep the wide-head kernels within 255 registers without spilling.
+    """
+    if BLOCK_EC >= BLOCK_E:
+        b_c = dot(b_a, b_bt)
+    else:
+        b_c = tl.zeros([o_a.shape[0], o_b.shape[0]], dtype=tl.float32)
+        for e0 in tl.range(0, width, BLOCK_EC, loop_unroll_factor=1):
+            o_e = e0 + tl.arange(0, BLOCK_EC)
+            m_e = o_e < width
+            b_ac = tl.load(p_a + o_a[:, None] * stride_a + o_e[None, :],
+                           mask=(o_a[:, None] < n_a) & m_e[None, :], other=0.0)
+            b_bc = tl.load(p_b + o_b[None, :] * stride_b + o_e[:, None],
+                           mask=(o_b[None, :] < n_b) & m_e[:, None], other=0.0)
+            b_c += dot(b_ac, b_bc)
+    return b_c
+
+
+@triton.jit
+def shifted_scores(b_q, b_kt, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base,
+                   stride_mq, stride_mk, o_m, start_n, q_len, k_len, head_e, scale, b_shift,
+                   is_causal, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+                   BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr):
+    """Scores z = scale * q k^T (+ additive mask) of one tile minus the per-row shift b_shift
+    [BM], -inf where masked. [BM, BN]
+
+    The shift (the row maximum) comes off after z is formed, in the same fused
+    multiply-add where there is no additive mask: scores near 1e30 keep their differences.
+    From the held blocks b_q (`held_rows`) and b_kt (`held_cols`), or from chunks that
+    `dot_rows` reloads. BOUNDARY: the tile crosses the end of the keys or the causal
+    diagonal and needs their masks; tiles inside both skip that per-score work.
+    """
+    o_n = start_n + tl.arange(0, BLOCK_N)
+    b_qk = dot_rows(b_q, b_kt, p_q_base, stride_ql, o_m, q_len, p_k_base, stride_kl, o_n,
+                    k_len, head_e, BLOCK_E, BLOCK_EC)
+    # rows past q_len are never stored, but a mask row past the end must not be read
+    m_load = o_m[:, None] < q_len
+    if BOUNDARY:
+        m_load = m_load & (o_n[None, :] < k_len)
+    if MASK_KIND == MASK_ADDITIVE:
+        b_add = tl.load(p_mask_base + o_m[:, None] * stride_mq + o_n[None, :] * stride_mk,
+                        mask=m_load, other=0.0).to(tl.float32)
+        b_z = tl.fma(b_qk, scale, b_add) - b_shift[:, None]
+    else:
+        b_z = tl.fma(b_qk, scale, -b_shift[:, None])
+    if MASK_KIND == MASK_BOOL:
+        b_keep = tl.load(p_mask_base + o_m[:, None] * stride_mq + o_n[None, :] * stride_mk,
+                         mask=m_load, other=0)
+        b_z = tl.where(b_keep != 0, b_z, float("-inf"))
+    if BOUNDARY:
+        # top-left aligned causal mask: query i sees keys j <= i (without is_causal the
+        # limit lies past every key; integer arithmetic because the interpreter cannot load
+        # under a mask built from a scalar boolean)
+        m_valid = (o_n[None, :] < k_len) & (
+            o_n[None, :] <= (o_m + (1 - is_causal) * k_len)[:, None])
+        b_z = tl.where(m_valid, b_z, float("-inf"))
+    return b_z
+
+
+@triton.jit
+def full_tiles_end(start_m, k_len, is_causal, BLOCK_N: tl.constexpr):
+    """End of the key tiles that need neither the key-end nor the causal mask for the query
+    block starting at start_m: tile [n, n + BN) is inside when n + BN <= k_len and, causal,
+    n + BN <= start_m + 1 (its last key is visible to the block's first query)."""
+    n_end = k_len
+    if is_causal != 0:
+        n_end = tl.minimum(n_end, start_m + 1)
+    return (n_end // BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def dot(b_a, b_b):
+    """Tensor-core matmul with fp32 accumulation; fp32 operands use three TF32 products
+    (about fp32 accuracy) instead of the register-hungry FMA path of "ieee"."""
+    if b_a.dtype == tl.float32:
+        b_c = tl.dot(b_a, b_b, input_precision="tf32x3")
+    else:
+        b_c = tl.dot(b_a, b_b)
+    return b_c
+
+
+@triton.jit
+def gap(b_u, b_thr, inv_am1, ALPHA_KIND: tl.constexpr):
+    """Distance of the shifted scores b_u (z units, [BM, BN]) to the row threshold b_thr [BM]
+    (`_threshold_in_z`). alpha 2 and 1.5: d = [u - tau_z]_+ in z units. General alpha: w =
+    (alpha - 1) u - c with c = tau + 1 (u units), so that the base of the powers is 1 + w:
+    for alpha near 1, w is small and known to float precision where 1 + w is not."""
+    if ALPHA_KIND == ALPHA_GENERAL:
+        b_g = b_u * (1.0 / inv_am1) - b_thr[:, None]
+    else:
+        b_g = tl.maximum(b_u - b_thr[:, None], 0.0)
+    return b_g
+
+
+@triton.jit
+def log2_base(b_g, ALPHA_KIND: tl.constexpr):
+    """log2 of the base of the powers p = base^e and s = base^(e-1) from a `gap` (0 off the
+    support; callers discard those). alpha 2 and 1.5: the base is d (the constant factor of
+    z units cancels in the normalised weights). General: 1 + w, through log1p with the
+    rounding of 1 + w compensated, so that e log(base) stays accurate for alpha near 1."""
+    if ALPHA_KIND == ALPHA_GENERAL:
+        b_w = tl.where(b_g > -1.0, b_g, 0.0)
+        b_base = 1.0 + b_w
+        b_log2 = tl.log2(b_base) - ((b_base - 1.0) - b_w) / b_base * 1.4426950408889634
+    else:
+        b_log2 = tl.log2(tl.where(b_g > 0, b_g, 1.0))
+    return b_log2
+
+
+@triton.jit
+def weights(b_g, inv_am1, ALPHA_KIND: tl.constexpr):
+    """Unnormalised weights p = base^(1/(alpha-1)) from a `gap`."""
+    if ALPHA_KIND == ALPHA_SPARSEMAX:
+        b_p = b_g
+    elif ALPHA_KIND == ALPHA_ENTMAX15:
+        b_p = b_g * b_g
+    else:
+        b_p = tl.where(b_g > -1.0, tl.exp2(inv_am1 * log2_base(b_g, ALPHA_KIND)), 0.0)
+    return b_p
+
+
+@triton.jit
+def sensitivity(b_g, inv_am1, ALPHA_KIND: tl.constexpr):
+    """dp/dbase = base^(1/(alpha-1) - 1), i.e. p^(2-alpha) before row normalisation."""
+    if ALPHA_KIND == ALPHA_SPARSEMAX:
+        b_s = tl.where(b_g > 0, 1.0, 0.0)
+    elif ALPHA_KIND == ALPHA_ENTMAX15:
+        b_s = b_g
+    else:
+        b_s = tl.where(b_g > -1.0,
+                       tl.exp2((inv_am1 - 1.0) * log2_base(b_g, ALPHA_KIND)), 0.0)
+    return b_s
+
+
+@triton.jit
+def dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+    """Per-weight factor 0 (dropped) or 1/(1-p) (kept); 1 without dropout. [BM, BN]
+
+    The Philox offset is the weight's global index, so the backward regenerates the mask.
+    A compile-time switch: Philox's state costs registers that kernels without dropout
+    should not pay for.
+    """
+    b_drop = tl.full([BLOCK_M, BLOCK_N], 1.0, dtype=tl.float32)
+    if HAS_DROPOUT:
+        o_rand = (pid_bh.to(tl.int64) * seqlen_q + o_m[:, None]) * seqlen_k + o_n[None, :]
+        b_drop = tl.where(tl.rand(seed, o_rand) >= dropout_p, 1.0 / (1.0 - dropout_p), 0.0)
+    return b_drop
+
+
+# ------------------------------------------------------------------------------ AOT
+
+BLOCK_ES = (16, 32, 64, 128, 256)
+ALPHA_KINDS = (common.ALPHA_GENERAL, common.ALPHA_ENTMAX15, common.ALPHA_SPARSEMAX)
+MASK_KINDS = (common.MASK_NONE, common.MASK_BOOL, common.MASK_ADDITIVE)
+# The pointer parameters of the three kernels; mask_ptr's type depends on the mask kind
+# (`attention_signature`).
+POINTER_TYPES = {"q_ptr": TENSOR, "k_ptr": TENSOR, "v_ptr": TENSOR, "o_ptr": TENSOR,
+                 "do_ptr": TENSOR, "dq_ptr": TENSOR, "dk_ptr": TENSOR, "dv_ptr": TENSOR,
+                 "dvec_ptr": "*fp32", "stats_ptr": "*fp32", "rows_ptr": "*fp32",
+                 "flags_ptr": "*i8", "alpha_ptr": "*fp32", "seed_ptr": "*i64",
+                 "cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}
+FLOAT_PARAMETERS = ("scale", "dropout_p")
+
+
+def mask_pointer_type(dtype_key, mask_kind):
+    """Additive masks have the query's dtype (SDPA's rule); boolean ones are read as int8."""
+    if mask_kind == common.MASK_ADDITIVE:
+        return pointer_type(dtype_key)
+    return "*i8"
+
+
+def attention_signature(fn, dtype_key, mask_kind):
+    """The AOT signature of one of the attention kernels (triton_kernels/signature.py)."""
+    pointers = dict(POINTER_TYPES, mask_ptr=mask_pointer_type(dtype_key, mask_kind))
+    return kernel_signature(fn, dtype_key, pointers, floats=FLOAT_PARAMETERS)
+
+
+def config_space():
+    """(dtype, BLOCK_E, ALPHA_KIND, MASK_KIND, varlen, dropout) the launchers can choose;
+    the packed varlen form takes no attn_mask."""
+    for dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout in itertools.product(
+            DTYPE_KEYS.values(), BLOCK_ES, ALPHA_KINDS, MASK_KINDS, (False, True), (False, True)):
+        if not (varlen and mask_kind != common.MASK_NONE):
+            yield dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout
+
+
+def config_suffix(dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout):
+    return (f"{dtype_key}_e{block_e}_a{alpha_kind}_m{mask_kind}{'_varlen' if varlen else ''}"
+            f"{'_dropout' if dropout else ''}")
