@@ -250,7 +250,7 @@ def test_series_and_closed_form_branches_agree_near_switch(monkeypatch):
 
 def test_poly_gauss_integrals_match_high_precision_quadrature():
     """The building block of every truncated density, both branches, tails included: absolute
-    error <= 2e-12 (as stated in continuous.py) against 30-digit mpmath quadrature."""
+    error <= 2e-12 (as stated in continuous/_integrals.py) against 30-digit mpmath quadrature."""
     mpmath = pytest.importorskip("mpmath")
     atol = 2e-12
     coeffs = one_d._family_1d("entmax15")[2] + [[1.0, 3.0, 3.0, 1.0, 0.0]]

@@ -1,8 +1,10 @@
 """Every branch of the dispatch registry, forced or chosen, is exercised here."""
+import math
 import os
 import subprocess
 import sys
 import threading
+import types
 
 import pytest
 import torch
@@ -70,36 +72,53 @@ def test_forced_triton_on_cpu_without_interpreter_raises(monkeypatch):
             entmax_fast.entmax15(torch.randn(2, 3))
 
 
+def _add_toy_op(monkeypatch, **refusals):
+    """Op "toy" (forward: math.sqrt) in the backends named, each refusing with the given
+    reason (None: accepts); a backend named with the refusal "broken" fails to load it."""
+    real = dispatch._backend
+    toy = types.ModuleType("toy_ops")
+    toy.toy_forward, toy.toy_backward = math.sqrt, math.floor
+    for name in refusals:
+        monkeypatch.setitem(sys.modules, f"entmax_fast.backends.{name}.toy_ops", toy)
+
+    def backend(name):
+        module = real(name)
+        if name not in refusals:
+            return module
+        refusal = refusals[name]
+        return types.SimpleNamespace(
+            OPS={**module.OPS, "toy": "no_such_module" if refusal == "broken" else "toy_ops"},
+            available=module.available, runs_on=module.runs_on, describe=module.describe,
+            supports=lambda op, request: (None if refusal == "broken" else refusal) if op == "toy"
+            else module.supports(op, request))
+
+    monkeypatch.setattr(dispatch, "_backend", backend)
+
+
 def test_forced_backend_without_implementation_falls_back_with_reason(monkeypatch):
-    monkeypatch.setitem(dispatch._REGISTRY, "toy", {"reference": dispatch._Impl("math", ("sqrt",), lambda r: None)})
+    _add_toy_op(monkeypatch, reference=None)
     with entmax_fast.use_backend("triton"):
-        implementation, choice = dispatch.select("toy", _cpu_request())
+        (forward, _), choice = dispatch.select("toy", _cpu_request())
     assert choice.backend == "reference" and "forced 'triton' has no toy implementation" in choice.reason
-    assert implementation(4.0) == 2.0
+    assert forward(4.0) == 2.0
 
 
 def test_unsupported_call_skips_to_next_backend(monkeypatch):
-    impls = {"cpp": dispatch._Impl("math", ("floor",), lambda r: "cpp refuses this dtype"),
-             "reference": dispatch._Impl("math", ("sqrt",), lambda r: None)}
-    monkeypatch.setitem(dispatch._REGISTRY, "toy", impls)
+    _add_toy_op(monkeypatch, cpp="cpp refuses this dtype", reference=None)
     monkeypatch.setitem(dispatch._AVAILABILITY, "cpp", (True, "pretend built"))
     _, choice = dispatch.select("toy", _cpu_request())
     assert choice.backend == "reference" and "cpp refuses this dtype" in choice.reason
 
 
 def test_broken_optional_backend_falls_back_with_reason(monkeypatch):
-    impls = {"cpp": dispatch._Impl("entmax_fast.no_such_module", ("f",), lambda r: None),
-             "reference": dispatch._Impl("math", ("sqrt",), lambda r: None)}
-    monkeypatch.setitem(dispatch._REGISTRY, "toy", impls)
+    _add_toy_op(monkeypatch, cpp="broken", reference=None)
     monkeypatch.setitem(dispatch._AVAILABILITY, "cpp", (True, "pretend built"))
     _, choice = dispatch.select("toy", _cpu_request())
     assert choice.backend == "reference" and "failed to load" in choice.reason
 
 
 def test_cuda_requests_prefer_triton_then_warn_on_reference(monkeypatch):
-    impls = {"triton": dispatch._Impl("math", ("floor",), lambda r: None),
-             "reference": dispatch._Impl("math", ("sqrt",), lambda r: None)}
-    monkeypatch.setitem(dispatch._REGISTRY, "toy", impls)
+    _add_toy_op(monkeypatch, triton=None, reference=None)
     request = dispatch.Request(torch.device("cuda"), torch.float16, {})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setitem(dispatch._AVAILABILITY, "triton", (True, "pretend GPU"))
@@ -111,11 +130,11 @@ def test_cuda_requests_prefer_triton_then_warn_on_reference(monkeypatch):
 
 
 def test_no_backend_at_all_raises(monkeypatch):
-    monkeypatch.setitem(dispatch._REGISTRY, "toy", {"cpp": dispatch._Impl("math", ("sqrt",), lambda r: "no")})
+    _add_toy_op(monkeypatch, cpp="no")
     monkeypatch.setitem(dispatch._AVAILABILITY, "cpp", (True, "pretend built"))
     with pytest.raises(dispatch.BackendUnavailableError, match="no backend can run toy"):
         dispatch.select("toy", _cpu_request())
-    with pytest.raises(KeyError, match="no backend registered"):
+    with pytest.raises(KeyError, match="no backend implements op 'nothing'"):
         dispatch.select("nothing", _cpu_request())
 
 

@@ -330,15 +330,6 @@ def test_second_alpha_derivative_at_alpha_one(backend):
     torch.testing.assert_close(second, numeric, atol=1e-5, rtol=0)
 
 
-def test_cpp_op_direct_gradgradcheck():
-    from entmax_fast import cpp_ops
-
-    _device_for("cpp")
-    X = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
-    alpha = torch.tensor([1.5, 1.3, 2.0], dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradgradcheck(lambda x, a: cpp_ops.entmax_rowwise_forward(x, a), (X, alpha))
-
-
 @pytest.mark.parametrize("backend", _backend_params("double_backward"))
 def test_hvp_through_entmax15_counts_the_mapping(backend):
     """The issue's example: the HVP must include entmax's own second derivative."""

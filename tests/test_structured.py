@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import entmax_fast.structured as S
+from entmax_fast import dispatch
+from entmax_fast.backends.cpp import loader
 from entmax_fast.reference import structured as R
 from oracle import oracle_oscar_prox, oracle_rows, oracle_sparsemax, oracle_tv_prox
 
@@ -45,7 +47,7 @@ def prox(kind: str, backend: str, X, reg, lengths=None):
 
 @pytest.fixture
 def force_reference(monkeypatch):
-    monkeypatch.setattr(S, "_extension_status", lambda: (False, "forced by test", frozenset()))
+    monkeypatch.setitem(dispatch._AVAILABILITY, "cpp", (False, "forced by test"))
 
 
 def ragged_scores(rows: int, n: int, dtype, generator_seed: int = 0, scale: float = 1.0):
@@ -484,7 +486,7 @@ def test_modules():
 # ---------------------------------------------------------------------------------------
 # The CUDA operators on a GPU (skipped without one) against the float64 reference.
 
-HAS_CUDA_OPS = HAS_CPP and torch.cuda.is_available() and "cuda" in S._extension_status()[2]
+HAS_CUDA_OPS = HAS_CPP and torch.cuda.is_available() and "cuda" in loader.structured_devices()
 needs_cuda_ops = pytest.mark.skipif(not HAS_CUDA_OPS, reason="no GPU, or entmax_fast._C built without CUDA")
 
 

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import torch
 
+from ..common import compute_dtype
+
 __all__ = [
     "compute_dtype",
     "sparsemax_threshold",
@@ -44,10 +46,6 @@ __all__ = [
     "entmax_rowwise_backward",
     "tsallis_entropy",
 ]
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def invalid_rows(X: torch.Tensor, dim: int) -> torch.Tensor:

@@ -9,24 +9,7 @@ Layers (top to bottom):
   implementations, so that torch.compile traces them as opaque ops;
 - `_launch_forward`, `_launch_backward`: the kernel launchers (allocation, grid).
 
-Causal masks are top-left aligned, like `scaled_dot_product_attention`: query i sees
-keys j <= i, whatever Lq and Lk are. For Lq = 3, Lk = 5 ("x" = attended):
-
-    k:  0 1 2 3 4
-    q0  x . . . .
-    q1  x x . . .
-    q2  x x x . .
-
-and for Lq = 5, Lk = 3 the last queries see every key:
-
-    k:  0 1 2
-    q0  x . .
-    q1  x x .
-    q2  x x x
-    q3  x x x
-    q4  x x x
-
-A row whose keys are all masked gets zero output and zero gradients.
+Causal masks are top-left aligned, as drawn in entmax_fast/attention.py. A row whose keys are all masked gets zero output and zero gradients.
 """
 import os
 from typing import Optional
