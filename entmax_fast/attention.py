@@ -60,6 +60,20 @@ def _per_head(alpha, heads):
     return alpha
 
 
+def _distinct(*tensors):
+    """Self-attention passes one tensor as query, key and value; torch.compile cannot trace an
+    autograd.Function given the same tensor twice, so repeats become views (free; gradients
+    still add up on the one tensor)."""
+    seen = []
+    out = []
+    for tensor in tensors:
+        if tensor is not None and any(tensor is other for other in seen):
+            tensor = tensor.view_as(tensor)
+        seen.append(tensor)
+        out.append(tensor)
+    return out
+
+
 class AttentionFunction(torch.autograd.Function):
     """Entmax attention with gradients for query, key, value, a float mask and a tensor α,
     on the dispatched backend (its ``attention_forward`` / ``attention_backward``). Once
@@ -218,6 +232,7 @@ def entmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
                        and torch.is_grad_enabled()}
     options = {"scale": float(scale), "is_causal": bool(is_causal), "dropout_p": float(dropout_p),
                "enable_gqa": bool(enable_gqa), "need_grad": _grad_level((query, key, value, attn_mask), alpha)}
+    query, key, value, attn_mask = _distinct(query, key, value, attn_mask)
     return AttentionFunction.apply(query, key, value, attn_mask, _per_head(alpha, query.shape[1]), options,
                                    request_options)
 
@@ -288,5 +303,6 @@ def entmax_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
                        "head_dim": max(q.shape[-1], v.shape[-1]), "is_causal": bool(is_causal)}
     options = {"scale": float(scale), "is_causal": bool(is_causal), "dropout_p": float(dropout_p),
                "need_grad": _grad_level((q, k, v), alpha)}
+    q, k, v = _distinct(q, k, v)
     return AttentionVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, _per_head(alpha, q.shape[1]),
                                          (int(max_seqlen_q), int(max_seqlen_k)), options, request_options)

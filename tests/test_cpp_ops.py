@@ -501,7 +501,8 @@ def test_errors_name_the_argument():
 def test_opcheck_rowwise_ops():
     x = torch.randn(5, 17)
     alpha = torch.tensor([1.0, 1.5, 2.0, 1.25, 0.75], requires_grad=True)
-    torch.library.opcheck(torch.ops.entmax_fast.entmax_rowwise_fwd, (x.requires_grad_(), alpha))
+    # No autograd on the operators: the public layer's autograd.Function calls forward and backward.
+    torch.library.opcheck(torch.ops.entmax_fast.entmax_rowwise_fwd, (x, alpha.detach()))
     p = cpp_ops.entmax_forward(x.detach(), alpha.detach())
     for need in (True, False):
         torch.library.opcheck(torch.ops.entmax_fast.entmax_rowwise_bwd, (p, torch.randn(5, 17), alpha.detach(), need))
@@ -512,7 +513,7 @@ def test_opcheck_attention_ops(masked):
     q, k, v = torch.randn(2, 4, 9, 8), torch.randn(2, 2, 11, 8), torch.randn(2, 2, 11, 5)
     mask = torch.rand(9, 11) > 0.5 if masked else None
     alpha = torch.tensor([1.0, 1.5, 2.0, 1.25], requires_grad=True)
-    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), mask, alpha, 0.3, not masked)
+    args = (q, k, v, mask, alpha.detach(), 0.3, not masked)
     torch.library.opcheck(torch.ops.entmax_fast.entmax_attention_fwd, args)
     _, stats = torch.ops.entmax_fast.entmax_attention_fwd(*(t.detach() if isinstance(t, torch.Tensor) else t
                                                             for t in args))

@@ -14,6 +14,7 @@
 
 #include "../common/structured_algos.h"
 #include "../common/structured_checks.h"
+#include "../common/structured_ops.h"
 #include "structured_cuda.h"
 
 namespace entmax_fast {
@@ -75,43 +76,12 @@ at::Tensor backward_impl(const char* op, Prox kind, const at::Tensor& grad_in, c
   return dz;
 }
 
-std::tuple<at::Tensor, at::Tensor> fusedmax_forward(const at::Tensor& x, double lam,
-                                                    const c10::optional<at::Tensor>& lengths) {
-  auto out = forward_impl("fusedmax", Prox::kTV, true, x, lam, "lam", lengths);
-  return {out[0], out[1]};
-}
-
-at::Tensor fusedmax_backward(const at::Tensor& grad, const at::Tensor& p, const at::Tensor& y, double lam) {
-  return backward_impl("fusedmax_backward", Prox::kTV, grad, p, y, lam, "lam");
-}
-
-std::tuple<at::Tensor, at::Tensor> oscarmax_forward(const at::Tensor& x, double beta,
-                                                    const c10::optional<at::Tensor>& lengths) {
-  auto out = forward_impl("oscarmax", Prox::kOSCAR, true, x, beta, "beta", lengths);
-  return {out[0], out[1]};
-}
-
-at::Tensor oscarmax_backward(const at::Tensor& grad, const at::Tensor& p, const at::Tensor& y, double beta) {
-  return backward_impl("oscarmax_backward", Prox::kOSCAR, grad, p, y, beta, "beta");
-}
-
-at::Tensor tv1d_prox(const at::Tensor& x, double lam, const c10::optional<at::Tensor>& lengths) {
-  return forward_impl("tv1d_prox", Prox::kTV, false, x, lam, "lam", lengths)[0];
-}
-
-at::Tensor oscar_prox(const at::Tensor& x, double beta, const c10::optional<at::Tensor>& lengths) {
-  return forward_impl("oscar_prox", Prox::kOSCAR, false, x, beta, "beta", lengths)[0];
-}
-
 }  // namespace structured_cuda
 }  // namespace entmax_fast
 
 TORCH_LIBRARY_IMPL(entmax_fast, CUDA, m) {
-  m.impl("fusedmax_forward", &entmax_fast::structured_cuda::fusedmax_forward);
-  m.impl("fusedmax_backward", &entmax_fast::structured_cuda::fusedmax_backward);
-  m.impl("oscarmax_forward", &entmax_fast::structured_cuda::oscarmax_forward);
-  m.impl("oscarmax_backward", &entmax_fast::structured_cuda::oscarmax_backward);
-  m.impl("tv1d_prox", &entmax_fast::structured_cuda::tv1d_prox);
-  m.impl("oscar_prox", &entmax_fast::structured_cuda::oscar_prox);
+  entmax_fast::structured::StructuredOps<entmax_fast::structured_cuda::forward_impl,
+                                          entmax_fast::structured_cuda::backward_impl>::register_for(m);
 }
+
 #endif  // ENTMAX_FAST_WITH_CUDA
