@@ -140,14 +140,8 @@ def fusedmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
     query (B, H, Lq, E), key (B, Hkv, Lk, E), value (B, Hkv, Lk, Ev) -> (B, H, Lq, Ev)
     (any leading dims). ``attn_mask``: bool (True = attend) or float (added to the scores),
     broadcastable to (B, H, Lq, Lk); masked keys are skipped by the fused chain.
-    ``is_causal`` is top-left aligned, for Lq != Lk too — query i sees keys j <= i::
-
-        Lq=3, Lk=5:   k0 k1 k2 k3 k4
-                  q0   x  .  .  .  .
-                  q1   x  x  .  .  .
-                  q2   x  x  x  .  .
-
-    A query row with every key masked gets zero weights and a zero output.
+    ``is_causal`` is top-left aligned, for Lq != Lk too — query i sees keys j <= i (drawn in
+    ``entmax_fast.attention``'s docstring). A query row with every key masked gets zero weights and a zero output.
 
     Memory: the scores are materialised one query chunk at a time (at most 4M entries per
     chunk), not fused into a flash-style kernel; autograd keeps every chunk's weights, so

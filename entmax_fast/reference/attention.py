@@ -12,7 +12,8 @@ import math
 import torch
 
 from .._validation import once_differentiable_grads
-from .mappings import compute_dtype, entmax_backward, entmax_forward
+from ..common import compute_dtype
+from .mappings import entmax_backward, entmax_forward
 
 __all__ = ["entmax_attention", "entmax_attention_varlen", "masked_scores", "zero_attention", "is_empty_attention",
            "CHUNK_ELEMENTS"]

@@ -36,7 +36,6 @@ import torch
 from ..common import compute_dtype
 
 __all__ = [
-    "compute_dtype",
     "sparsemax_threshold",
     "entmax15_threshold",
     "entmax_threshold_root",

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .mappings import _finish, _on_support, _shifted, compute_dtype
+from ..common import compute_dtype
+from .mappings import _finish, _on_support, _shifted
 
 __all__ = ["normmax_forward", "normmax_backward", "budget_forward", "budget_backward"]
 

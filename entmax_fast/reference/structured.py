@@ -33,6 +33,7 @@ import numbers
 
 import torch
 
+from ..common import compute_dtype
 from .attention import CHUNK_ELEMENTS, masked_scores
 
 __all__ = [
@@ -381,7 +382,7 @@ def structured_attention(mapping, query, key, value, attn_mask=None, dropout_p=0
         value = value.repeat_interleave(heads // kv_heads, dim=-3)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    compute = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+    compute = compute_dtype(query.dtype)
     q, k, v = query.to(compute), key.to(compute), value.to(compute)
     mask = attn_mask
     if mask is not None and mask.dim() < 2:
