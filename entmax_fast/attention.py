@@ -34,7 +34,7 @@ import torch
 from . import dispatch
 from ._validation import (_assert_values, check_alpha_float, check_alpha_tensor, check_backend_dtype, check_floating,
                           once_differentiable_grads)
-from .common import GRAD_ALPHA, GRAD_INPUTS, GRAD_NONE
+from .common import GRAD_ALPHA, GRAD_INPUTS, GRAD_NONE, alpha_vector
 from .reference.attention import is_empty_attention, zero_attention
 
 __all__ = ["entmax_attention", "sparsemax_attention", "entmax_attention_varlen", "AttentionFunction",
@@ -55,21 +55,17 @@ def _grad_level(tensors, alpha) -> int:
 
 def _per_head(alpha, heads):
     """A 0-d or one-element α tensor expanded to (H,): every backend takes a float or (H,)."""
-    if isinstance(alpha, torch.Tensor) and alpha.shape != (heads,):
-        return alpha.reshape(-1).expand(heads)
-    return alpha
+    return alpha_vector(alpha, heads, alpha.device, alpha.dtype) if isinstance(alpha, torch.Tensor) else alpha
 
 
 def _distinct(*tensors):
     """Self-attention passes one tensor as query, key and value; torch.compile cannot trace an
     autograd.Function given the same tensor twice, so repeats become views (free; gradients
     still add up on the one tensor)."""
-    seen = []
     out = []
     for tensor in tensors:
-        if tensor is not None and any(tensor is other for other in seen):
+        if tensor is not None and any(tensor is other for other in out):
             tensor = tensor.view_as(tensor)
-        seen.append(tensor)
         out.append(tensor)
     return out
 

@@ -63,6 +63,7 @@ class BackendUnavailableError(RuntimeError):
 
 
 _BACKEND_MODULES = {"reference": ".backends.reference", "triton": ".backends.triton", "cpp": ".backends.cpp"}
+_BACKEND_PACKAGES: dict[str, Any] = {}
 _LOADED: dict[tuple[str, str], Any] = {}
 _WARNED: set = set()
 # Per thread: the forced backend and the last choice of every op (another thread's calls
@@ -75,8 +76,12 @@ _LOAD_LOCK = threading.RLock()
 
 
 def _backend(name: str):
-    """The backend's package: light to import (no triton, no extension)."""
-    return importlib.import_module(_BACKEND_MODULES[name], package=__package__)
+    """The backend's package: light to import (no triton, no extension). Kept here because
+    every call of every op asks for it, several times."""
+    package = _BACKEND_PACKAGES.get(name)
+    if package is None:
+        package = _BACKEND_PACKAGES[name] = importlib.import_module(_BACKEND_MODULES[name], package=__package__)
+    return package
 
 
 def _implementations(op: str) -> tuple[str, ...]:

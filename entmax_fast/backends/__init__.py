@@ -11,8 +11,10 @@ triton nor the extension nor any kernel) and defines
 
     OPS: dict[str, str]      op name -> the submodule (relative to the backend package)
                              that defines the op's forward and backward
-    available() -> (bool, reason)             cached; the first call may import triton
+    available() -> (bool, reason)             asked once (dispatch keeps the answer); may
+                                              import triton or load the extension
     runs_on(device) -> None, or why it cannot run tensors on that torch.device here
+                             (availability aside)
     supports(op, request) -> None, or why it cannot run that call (request: device,
                              dtype and the op's options, see dispatch.Request)
     describe(op, request) -> what runs the call, in a user's words

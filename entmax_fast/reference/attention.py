@@ -15,8 +15,8 @@ from .._validation import once_differentiable_grads
 from ..common import compute_dtype
 from .mappings import entmax_backward, entmax_forward
 
-__all__ = ["entmax_attention", "entmax_attention_varlen", "masked_scores", "zero_attention", "is_empty_attention",
-           "CHUNK_ELEMENTS"]
+__all__ = ["entmax_attention", "entmax_attention_varlen", "masked_scores", "expand_heads", "zero_attention",
+           "is_empty_attention", "CHUNK_ELEMENTS"]
 
 # Scores per chunk: 4M entries, 16 MB in float32.
 CHUNK_ELEMENTS = 1 << 22
@@ -80,7 +80,7 @@ def zero_attention(query, key, value, alpha=None):
     return _ZeroAttentionFunction.apply(query, key, value, alpha if isinstance(alpha, torch.Tensor) else None)
 
 
-def _expand_heads(tensor, heads):
+def expand_heads(tensor, heads):
     """key/value with Hkv heads repeated to the query's H (grouped-query attention)."""
     return tensor if tensor.shape[-3] == heads else tensor.repeat_interleave(heads // tensor.shape[-3], dim=-3)
 
@@ -98,7 +98,7 @@ def attention_forward(query, key, value, attn_mask, alpha, *, scale, is_causal, 
     cdt = compute_dtype(query.dtype)
     heads = query.shape[-3]
     q = query.to(cdt)
-    k, v = _expand_heads(key, heads).to(cdt), _expand_heads(value, heads).to(cdt)
+    k, v = expand_heads(key, heads).to(cdt), expand_heads(value, heads).to(cdt)
     mask = _as_4d_mask(attn_mask)
     alpha_rows = alpha.to(cdt).view(1, -1, 1, 1) if isinstance(alpha, torch.Tensor) else alpha
     seed = _draw_seed(dropout_p)
@@ -124,7 +124,7 @@ def attention_backward(grad_out, query, key, value, attn_mask, alpha, out, saved
     cdt = compute_dtype(query.dtype)
     heads, kv_heads = query.shape[-3], key.shape[-3]
     q = query.to(cdt)
-    k, v = _expand_heads(key, heads).to(cdt), _expand_heads(value, heads).to(cdt)
+    k, v = expand_heads(key, heads).to(cdt), expand_heads(value, heads).to(cdt)
     mask = _as_4d_mask(attn_mask)
     d_out = grad_out.to(cdt)
     alpha_rows = alpha.to(cdt).view(1, -1, 1, 1) if isinstance(alpha, torch.Tensor) else alpha
@@ -220,20 +220,16 @@ def entmax_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
 
     q (total_q, H, E), k (total_k, Hkv, E), v (total_k, Hkv, Ev) -> (total_q, H, Ev).
     """
-    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     gqa = q.shape[1] != k.shape[1]
     outputs = []
-    for b in range(len(starts_q) - 1):
-        q_b = q[starts_q[b]:starts_q[b + 1]].transpose(0, 1).unsqueeze(0)
-        k_b = k[starts_k[b]:starts_k[b + 1]].transpose(0, 1).unsqueeze(0)
-        v_b = v[starts_k[b]:starts_k[b + 1]].transpose(0, 1).unsqueeze(0)
-        out = entmax_attention(q_b, k_b, v_b, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                               enable_gqa=gqa, alpha=alpha)
+    for rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k):
+        out = entmax_attention(_as_batch(q, rows_q), _as_batch(k, rows_k), _as_batch(v, rows_k), dropout_p=dropout_p,
+                               is_causal=is_causal, scale=scale, enable_gqa=gqa, alpha=alpha)
         outputs.append(out.squeeze(0).transpose(0, 1))
     return torch.cat(outputs, dim=0)
 
 
-def _sequences(q, k, cu_seqlens_q, cu_seqlens_k):
+def _sequences(cu_seqlens_q, cu_seqlens_k):
     """(query slice, key slice) of every packed sequence (reads the offsets on the host: a
     reference, not a fast path)."""
     starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -252,7 +248,7 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     holds one dropout seed per sequence."""
     out = q.new_zeros(q.shape[:-1] + v.shape[-1:])
     seeds = []
-    for rows_q, rows_k in _sequences(q, k, cu_seqlens_q, cu_seqlens_k):
+    for rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k):
         seed = torch.zeros(1, dtype=torch.int64)
         if rows_q.stop > rows_q.start and rows_k.stop > rows_k.start:
             out_b, (seed,) = attention_forward(_as_batch(q, rows_q), _as_batch(k, rows_k), _as_batch(v, rows_k),
@@ -269,7 +265,7 @@ def attention_varlen_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, max
     need_alpha_grad = need_alpha_grad and isinstance(alpha, torch.Tensor)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dalpha = torch.zeros_like(alpha) if need_alpha_grad else None
-    for index, (rows_q, rows_k) in enumerate(_sequences(q, k, cu_seqlens_q, cu_seqlens_k)):
+    for index, (rows_q, rows_k) in enumerate(_sequences(cu_seqlens_q, cu_seqlens_k)):
         if rows_q.stop == rows_q.start or rows_k.stop == rows_k.start:
             continue
         dq_b, dk_b, dv_b, _, dalpha_b = attention_backward(

@@ -34,7 +34,7 @@ import numbers
 import torch
 
 from ..common import compute_dtype
-from .attention import CHUNK_ELEMENTS, masked_scores
+from .attention import CHUNK_ELEMENTS, expand_heads, masked_scores
 
 __all__ = [
     "fusedmax",
@@ -378,8 +378,7 @@ def structured_attention(mapping, query, key, value, attn_mask=None, dropout_p=0
         if heads % kv_heads != 0:
             raise ValueError(f"attention: with enable_gqa the query heads ({heads}) must be a multiple of the "
                              f"key/value heads ({kv_heads})")
-        key = key.repeat_interleave(heads // kv_heads, dim=-3)
-        value = value.repeat_interleave(heads // kv_heads, dim=-3)
+        key, value = expand_heads(key, heads), expand_heads(value, heads)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     compute = compute_dtype(query.dtype)

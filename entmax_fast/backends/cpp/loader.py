@@ -20,6 +20,7 @@ _LOCK = threading.Lock()
 # (loaded, reason), filled once. Plain module state, so that torch.compile reads it as a
 # constant instead of tracing the loading.
 _STATUS: tuple[bool, str] | None = None
+_STRUCTURED_DEVICES: frozenset | None = None
 
 
 def status() -> tuple[bool, str]:
@@ -56,11 +57,17 @@ def has_entmax_ops() -> bool:
 
 
 def structured_devices() -> frozenset:
-    """Device types with a fusedmax/oscarmax kernel ("cpu", and "cuda" where built)."""
-    if not (status()[0] and all(_has(name) for name in _STRUCTURED_OPS)):
-        return frozenset()
-    return frozenset(device for device, key in (("cpu", "CPU"), ("cuda", "CUDA"))
-                     if torch._C._dispatch_has_kernel_for_dispatch_key("entmax_fast::fusedmax_forward", key))
+    """Device types with a fusedmax/oscarmax kernel ("cpu", and "cuda" where built); read
+    once, since every fusedmax/oscarmax call asks."""
+    global _STRUCTURED_DEVICES
+    if _STRUCTURED_DEVICES is None:
+        if status()[0] and all(_has(name) for name in _STRUCTURED_OPS):
+            _STRUCTURED_DEVICES = frozenset(
+                device for device, key in (("cpu", "CPU"), ("cuda", "CUDA"))
+                if torch._C._dispatch_has_kernel_for_dispatch_key("entmax_fast::fusedmax_forward", key))
+        else:
+            _STRUCTURED_DEVICES = frozenset()
+    return _STRUCTURED_DEVICES
 
 
 def cpu_kernel_set() -> str:

@@ -8,7 +8,6 @@ op is first run here.
 """
 from __future__ import annotations
 
-import functools
 import os
 from typing import Optional
 
@@ -23,7 +22,6 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@functools.cache
 def available() -> tuple[bool, str]:
     """(available, reason): triton importable, and a CUDA device or the interpreter."""
     try:
@@ -40,13 +38,11 @@ def available() -> tuple[bool, str]:
 
 
 def runs_on(device: torch.device) -> Optional[str]:
-    """None if the kernels can run tensors on ``device`` here, else why not."""
+    """None if the kernels can run tensors on ``device`` here, else why not (whether triton is
+    available at all is ``available``'s to say)."""
     if device.type != "cuda" and not (device.type == "cpu" and _interpreting()):
         return (f"triton cannot run {device.type} tensors here (only CUDA tensors, or CPU "
                 "tensors in the interpreter: TRITON_INTERPRET=1 set before triton is imported)")
-    ok, why = available()
-    if not ok:
-        return why
     if device.type == "cuda" and not torch.cuda.is_available():
         return "no CUDA device"
     return None

@@ -9,7 +9,8 @@ Layers (top to bottom):
   implementations, so that torch.compile traces them as opaque ops;
 - `_launch_forward`, `_launch_backward`: the kernel launchers (allocation, grid).
 
-Causal masks are top-left aligned, as drawn in entmax_fast/attention.py. A row whose keys are all masked gets zero output and zero gradients.
+Causal masks are top-left aligned, as drawn in entmax_fast/attention.py. A row whose keys
+are all masked gets zero output and zero gradients.
 """
 import os
 from typing import Optional
