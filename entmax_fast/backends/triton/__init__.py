@@ -13,12 +13,13 @@ from typing import Optional
 
 import torch
 
+# Imports torch only: the dtypes the kernels take, not the kernels.
+from ...triton_kernels.signature import DTYPE_KEYS
+
 OPS = {"entmax": "rowwise", "attention": "attention", "attention_varlen": "attention"}
 
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Whether triton runs in its interpreter (CPU tensors) rather than compiling for a GPU."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -30,7 +31,7 @@ def available() -> tuple[bool, str]:
         return False, f"triton is not importable ({type(exc).__name__}: {exc})"
     if torch.cuda.is_available():
         return True, f"triton {triton.__version__} with CUDA device {torch.cuda.get_device_name()}"
-    if _interpreting():
+    if interpreting():
         return True, (f"triton {triton.__version__}, no CUDA device: interpreter only "
                       "(TRITON_INTERPRET=1; CPU tensors, when forced; slow, for testing)")
     return False, (f"triton {triton.__version__} is importable, but there is no CUDA device, and the "
@@ -40,7 +41,7 @@ def available() -> tuple[bool, str]:
 def runs_on(device: torch.device) -> Optional[str]:
     """None if the kernels can run tensors on ``device`` here, else why not (whether triton is
     available at all is ``available``'s to say)."""
-    if device.type != "cuda" and not (device.type == "cpu" and _interpreting()):
+    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
         return (f"triton cannot run {device.type} tensors here (only CUDA tensors, or CPU "
                 "tensors in the interpreter: TRITON_INTERPRET=1 set before triton is imported)")
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -51,11 +52,11 @@ def runs_on(device: torch.device) -> Optional[str]:
 def supports(op: str, request) -> Optional[str]:
     """None if the kernels can run this call of ``op``, else why not."""
     if op == "entmax":
-        if request.dtype not in _KERNEL_DTYPES:
+        if request.dtype not in DTYPE_KEYS:
             return f"triton row-wise kernels take float32/float16/bfloat16, got {request.dtype}"
         return None
     if op in ("attention", "attention_varlen"):
-        if request.dtype not in _KERNEL_DTYPES:
+        if request.dtype not in DTYPE_KEYS:
             return f"the fused kernels take float32/float16/bfloat16, got {request.dtype}"
         alpha = request.options.get("alpha")
         # The threshold search relies on convexity, which holds only for 1 < alpha <= 2.

@@ -12,7 +12,6 @@ Layers (top to bottom):
 Causal masks are top-left aligned, as drawn in entmax_fast/attention.py. A row whose keys
 are all masked gets zero output and zero gradients.
 """
-import os
 from typing import Optional
 
 import torch
@@ -22,13 +21,10 @@ from torch import Tensor
 from ... import common
 from ...triton_kernels import attention_bwd, attention_common, attention_fwd
 from ...triton_kernels.signature import DTYPE_KEYS
+from . import interpreting
 
 __all__ = ["attention_forward", "attention_backward", "attention_varlen_forward",
            "attention_varlen_backward"]
-
-
-def _interpreting():
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _block_e(dim):
@@ -63,7 +59,7 @@ class _Geometry:
         # one padded width for both head dims keeps the compiled configurations few
         self.block_e = self.block_ev = max(_block_e(self.head_e), _block_e(self.head_ev))
         self.dtype_key = DTYPE_KEYS[q.dtype]
-        if _interpreting():
+        if interpreting():
             self.block_m, self.block_n = attention_common.INTERPRETER_BLOCKS
         else:
             self.block_m, self.block_n = attention_common.block_sizes(self.block_e, self.dtype_key,
