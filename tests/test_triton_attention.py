@@ -340,14 +340,15 @@ def test_custom_op_opcheck_and_compile():
     with entmax_fast.use_backend("triton"):
         eager = Block()(q, k, v)
         compiled = torch.compile(Block(), fullgraph=True, backend="aot_eager")(q, k, v)
-    assert torch.equal(eager, compiled)
+    # The same kernels run both ways: equal up to rounding, on any CPU.
+    torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("dtype,fwd_tol,grad_tol", [(torch.float32, 1e-5, 1e-4)])
 def test_gpu_tiling_table(monkeypatch, dtype, fwd_tol, grad_tol):
     """The interpreter normally runs one large tiling; force the GPU table's small tiles
     (with a custom scale)."""
-    monkeypatch.setattr(tri, "_interpreting", lambda: False)
+    monkeypatch.setattr(tri, "interpreting", lambda: False)
     q, k, v = _inputs(1, 2, 1, 40, 33, 16, dtype)
     keep = torch.rand(1, 1, 40, 33) > 0.2
     grad_out = torch.randn(1, 2, 40, 16)
