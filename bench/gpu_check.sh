@@ -1,16 +1,25 @@
 #!/usr/bin/env bash
 # The one GPU check (needs one CUDA GPU, torch with CUDA, triton >= 3.6, pytest; about 6
-# minutes from a cold Triton cache). In order, each step logged under $OUT_DIR:
-#   1. the Triton tests on CUDA (tests/conftest.py runs the compiled kernels, bf16 too);
-#   2. the fused-attention grid (bench/bench_attention_gpu.py: SDPA, entmax_fast α 1.5 / 2,
-#      AdaSplash and FlashAttention when importable, random and local inputs);
-#   3. the row-wise mappings (bench/bench_rowwise_gpu.py) and, with the extension built for
-#      CUDA, fusedmax/oscarmax (bench/bench_structured.py);
-#   4. the quick training run on the GPU (python -m entmax_fast.train --quick --device cuda).
-# A failing step is reported and the next one runs; the exit status is the number of
-# failed steps. QUICK=1 times four cells of the attention grid only.
+# minutes from a cold Triton cache). Each step is logged under $OUT_DIR and bounded by its
+# own time limit (a step past it is interrupted, reported, and the next one runs):
+#   tests      the Triton tests on CUDA (tests/conftest.py runs the compiled kernels, bf16
+#              too), in parallel workers when pytest-xdist is installed;
+#   train      the quick training run on the GPU (python -m entmax_fast.train --quick
+#              --device cuda), with CUDA_LAUNCH_BLOCKING=1 so a failing kernel is named;
+#   attention  the fused-attention grid (bench/bench_attention_gpu.py: SDPA, entmax_fast
+#              α 1.5 / 2, AdaSplash and FlashAttention when importable, random and local
+#              inputs); QUICK=1 times four cells only;
+#   profile    per-kernel time of a training step and the compiled kernels' resources
+#              (bench/profile_attention_gpu.py);
+#   tune       a small sweep of the attention tile table (bench/tune_attention.py);
+#   rowwise    the row-wise mappings (bench/bench_rowwise_gpu.py);
+#   structured fusedmax/oscarmax, when the extension is built for CUDA
+#              (bench/bench_structured.py).
+# STEPS picks and orders them (default: tests train attention rowwise structured). The exit
+# status is the number of failed steps.
 #
-#   bash bench/gpu_check.sh              # outputs in bench/out/gpu
+#   bash bench/gpu_check.sh                           # outputs in bench/out/gpu
+#   STEPS="attention profile" QUICK=1 bash bench/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT_DIR:-bench/out/gpu}"
@@ -22,14 +31,15 @@ mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1
 failed=0
 
+# step NAME SECONDS COMMAND...: SIGINT at the limit, so pytest still prints its summary.
 step() {
-  local name="$1"; shift
-  echo "=== $name: $*"
+  local name="$1" limit="$2"; shift 2
+  echo "=== $name (limit ${limit} s): $*"
   local start=$SECONDS
-  if "$@" 2>&1 | tee "$OUT_DIR/$name.log"; then
+  if timeout -s INT -k 20 "$limit" "$@" 2>&1 | tee "$OUT_DIR/$name.log"; then
     echo "=== $name: ok ($((SECONDS - start)) s)"
   else
-    echo "=== $name: FAILED ($((SECONDS - start)) s), log in $OUT_DIR/$name.log"
+    echo "=== $name: FAILED or cut off ($((SECONDS - start)) s), log in $OUT_DIR/$name.log"
     failed=$((failed + 1))
   fi
 }
@@ -47,19 +57,37 @@ print(f"{datetime.date.today()} {torch.cuda.get_device_name()} (CUDA {torch.vers
       f"{', '.join(versions)}; entmax_fast at {commit or 'unknown commit'}")
 PY
 
-step tests python -m pytest -q -p no:cacheprovider -x tests/test_triton_attention.py \
-  tests/test_triton_rowwise.py
-if [ "${QUICK:-0}" = "1" ]; then
-  step attention python bench/bench_attention_gpu.py --quick --out "$OUT_DIR"
-else
-  step attention python bench/bench_attention_gpu.py --out "$OUT_DIR"
+workers=()
+if python -c "import xdist" 2>/dev/null; then
+  workers=(-n "${TEST_WORKERS:-8}")
 fi
-if [ -f bench/bench_rowwise_gpu.py ]; then
-  step rowwise python bench/bench_rowwise_gpu.py --out "$OUT_DIR"
-fi
-if python -c "import torch, entmax_fast._C, sys; sys.exit(not torch._C._dispatch_has_kernel_for_dispatch_key('entmax_fast::fusedmax_forward', 'CUDA'))" 2>/dev/null; then
-  step structured python bench/bench_structured.py
-fi
-step train python -m entmax_fast.train --quick --device cuda --no-progress --out "$OUT_DIR/train"
+has_cuda_extension() {
+  python -c "import torch, entmax_fast._C, sys; sys.exit(not torch._C._dispatch_has_kernel_for_dispatch_key('entmax_fast::fusedmax_forward', 'CUDA'))" 2>/dev/null
+}
+
+for name in ${STEPS:-tests train attention rowwise structured}; do
+  case "$name" in
+    tests) step tests "${TESTS_LIMIT:-300}" python -m pytest -q -p no:cacheprovider "${workers[@]}" \
+             tests/test_triton_attention.py tests/test_triton_rowwise.py ;;
+    train) CUDA_LAUNCH_BLOCKING=1 step train "${TRAIN_LIMIT:-120}" python -m entmax_fast.train --quick \
+             --device cuda --no-progress --out "$OUT_DIR/train" ;;
+    attention)
+      if [ "${QUICK:-0}" = "1" ]; then
+        step attention "${ATTENTION_LIMIT:-300}" python bench/bench_attention_gpu.py --quick --out "$OUT_DIR"
+      else
+        step attention "${ATTENTION_LIMIT:-300}" python bench/bench_attention_gpu.py --out "$OUT_DIR"
+      fi ;;
+    profile) step profile "${PROFILE_LIMIT:-120}" python bench/profile_attention_gpu.py --causal ;;
+    tune) step tune "${TUNE_LIMIT:-300}" python bench/tune_attention.py --causal ${TUNE_ARGS:-} ;;
+    rowwise) step rowwise "${ROWWISE_LIMIT:-120}" python bench/bench_rowwise_gpu.py --out "$OUT_DIR" ;;
+    structured)
+      if has_cuda_extension; then
+        step structured "${STRUCTURED_LIMIT:-120}" python bench/bench_structured.py
+      else
+        echo "=== structured: skipped (entmax_fast._C has no CUDA kernels here)"
+      fi ;;
+    *) echo "=== $name: unknown step"; failed=$((failed + 1)) ;;
+  esac
+done
 echo "gpu_check: $failed step(s) failed; outputs in $OUT_DIR"
 exit "$failed"

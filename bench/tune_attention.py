@@ -4,6 +4,11 @@ and print the fastest, to replace `attention_common.block_sizes` / `launch_confi
 they lose. Needs a CUDA device.
 
     python bench/tune_attention.py [--dtype bf16] [--head-dims 64 128] [--length 4096]
+        [--tiles 64x64 128x64] [--fwd-launch 4x3 8x2] [--bwd-launch 8x2] [--forward-only]
+
+Each candidate is a fresh compile of every kernel it runs (seconds each): narrow the lists
+to what a GPU session has time for. --forward-only times the forward without autograd and
+compiles no backward kernel.
 """
 from __future__ import annotations
 
@@ -28,7 +33,12 @@ def _time(fn):
     return do_bench(fn, warmup=3, rep=30)
 
 
-def measure(dtype, head_dim, length, causal, tile_shape, fwd_launch, bwd_launch):
+def _pairs(texts):
+    return [tuple(int(x) for x in text.split("x")) for text in texts]
+
+
+def measure(dtype, head_dim, length, causal, tile_shape, fwd_launch, bwd_launch, alpha=1.5,
+            forward_only=False):
     import entmax_fast
     from entmax_fast.triton_kernels import attention_common as tiles
 
@@ -42,12 +52,16 @@ def measure(dtype, head_dim, length, causal, tile_shape, fwd_launch, bwd_launch)
     try:
         with entmax_fast.use_backend("triton"):
             with torch.no_grad():
-                t_fwd = _time(lambda: entmax_fast.entmax_attention(q, k, v, is_causal=causal, alpha=1.5))
+                t_fwd = _time(lambda: entmax_fast.entmax_attention(q, k, v, is_causal=causal,
+                                                                   alpha=alpha))
+            if forward_only:
+                return t_fwd, float("nan")
 
             def step():
                 for t in (q, k, v):
                     t.grad = None
-                entmax_fast.entmax_attention(q, k, v, is_causal=causal, alpha=1.5).backward(grad_out)
+                entmax_fast.entmax_attention(q, k, v, is_causal=causal,
+                                             alpha=alpha).backward(grad_out)
 
             t_step = _time(step)
     finally:
@@ -61,26 +75,41 @@ def main(argv=None):
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--alpha", type=float, default=1.5)
+    parser.add_argument("--tiles", nargs="+", default=[f"{m}x{n}" for m, n in TILES],
+                        help="BLOCK_MxBLOCK_N candidates")
+    parser.add_argument("--fwd-launch", nargs="+", default=[f"{w}x{s}" for w, s in FWD_LAUNCH],
+                        help="forward (warps)x(stages) candidates")
+    parser.add_argument("--bwd-launch", nargs="+", default=[f"{w}x{s}" for w, s in BWD_LAUNCH],
+                        help="backward (warps)x(stages) candidates")
+    parser.add_argument("--forward-only", action="store_true")
     args = parser.parse_args(argv)
+    bwd_launches = [(0, 0)] if args.forward_only else _pairs(args.bwd_launch)
     if not torch.cuda.is_available():
         print("tune_attention: needs a CUDA device (none here); nothing measured")
         return 0
-    print(f"{torch.cuda.get_device_name()}, {args.dtype}, L={args.length}, causal={args.causal}")
+    print(f"{torch.cuda.get_device_name()}, {args.dtype}, L={args.length}, causal={args.causal}, "
+          f"alpha={args.alpha}")
     for head_dim in args.head_dims:
         rows = []
-        for tiles, fwd_launch, bwd_launch in itertools.product(TILES, FWD_LAUNCH, BWD_LAUNCH):
+        for tiles, fwd_launch, bwd_launch in itertools.product(
+                _pairs(args.tiles), _pairs(args.fwd_launch), bwd_launches):
             try:
                 t_fwd, t_step = measure(DTYPES[args.dtype], head_dim, args.length, args.causal,
-                                        tiles, fwd_launch, bwd_launch)
+                                        tiles, fwd_launch, bwd_launch, args.alpha,
+                                        args.forward_only)
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: skip the config
-                print(f"E={head_dim} {tiles} fwd{fwd_launch} bwd{bwd_launch}: {type(exc).__name__}")
+                print(f"E={head_dim} {tiles} fwd{fwd_launch} bwd{bwd_launch}: "
+                      f"{type(exc).__name__}: {str(exc)[:120]}")
                 continue
-            rows.append((t_step, t_fwd, tiles, fwd_launch, bwd_launch))
+            rows.append((t_fwd if args.forward_only else t_step, t_fwd, tiles, fwd_launch,
+                         bwd_launch))
             print(f"E={head_dim} tiles {tiles} fwd (warps, stages) {fwd_launch} "
                   f"bwd {bwd_launch}: fwd {t_fwd:.3f} ms, fwd+bwd {t_step:.3f} ms", flush=True)
         rows.sort()
         if rows:
-            t_step, t_fwd, tiles, fwd_launch, bwd_launch = rows[0]
+            _, t_fwd, tiles, fwd_launch, bwd_launch = rows[0]
+            t_step = rows[0][0] if not args.forward_only else float("nan")
             print(f"best for E={head_dim}: tiles {tiles}, fwd {fwd_launch}, bwd {bwd_launch} "
                   f"(fwd {t_fwd:.3f} ms, fwd+bwd {t_step:.3f} ms)")
     return 0
