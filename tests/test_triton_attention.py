@@ -408,6 +408,43 @@ def test_strided_inputs_and_gradients():
         assert _err(got, want) <= 1e-4, name
 
 
+def test_slices_of_a_fused_projection():
+    """q, k, v split from one (B, L, 3·H·E) projection, as a self-attention layer makes
+    them: views whose strides no fresh tensor can share, so the gradients are written with
+    their own strides (writing them with q's ran past dq's end on a GPU)."""
+    b, length, h, e = 2, 37, 2, 16
+
+    def split(qkv):
+        return [t.view(b, length, h, e).transpose(1, 2) for t in qkv.split(h * e, dim=-1)]
+
+    qkv = torch.randn(b, length, 3 * h * e)
+    q = split(qkv)[0]
+    assert torch.empty_like(q).stride() != q.stride()
+    grad_out = torch.randn(b, h, length, e)
+    out, (grad,) = _grads(lambda t: _triton_attention(*split(t), is_causal=True, alpha=1.5),
+                          [qkv], grad_out)
+    _, (ref_grad,) = _grads(lambda t: reference_attention(*split(t), is_causal=True, alpha=1.5),
+                            [qkv.double()], grad_out)
+    assert _err(out, oracle_attention(*split(qkv), is_causal=True, alpha=1.5)) <= 1e-5
+    assert _err(grad, ref_grad) <= 1e-4
+
+
+def test_varlen_slices_of_a_fused_projection():
+    """The packed layout too: q, k, v = qkv.unbind(1) of a (tokens, 3, H, E) tensor."""
+    lens, h, e = [9, 30], 2, 16
+    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    qkv = torch.randn(sum(lens), 3, h, e)
+    grad_out = torch.randn(sum(lens), h, e)
+
+    def attend(q, k, v):
+        return _triton_attention_varlen(q, k, v, cu, cu, max(lens), max(lens), alpha=2.0)
+
+    _, (grad,) = _grads(lambda t: attend(*t.unbind(1)), [qkv], grad_out)
+    _, (dense_grad,) = _grads(lambda t: attend(*(x.contiguous() for x in t.unbind(1))), [qkv],
+                              grad_out)
+    assert _err(grad, dense_grad) <= 1e-6
+
+
 def test_mask_requiring_grad_is_rejected():
     """The kernels do not differentiate attn_mask: the backend refuses such calls, and a
     forced Triton backend then raises instead of dropping the mask's gradient."""

@@ -91,6 +91,7 @@ def entmax_attn_bwd_dq_kernel(
     stride_kb, stride_kh, stride_kl,
     stride_vb, stride_vh, stride_vl,
     stride_ob, stride_oh, stride_ol,
+    stride_dqb, stride_dqh, stride_dql,
     stride_mb, stride_mh, stride_mq, stride_mk,
     stride_sb, stride_sh, stride_stat, stride_row,
     n_heads, kv_group, seqlen_q, seqlen_k, n_qblocks, n_kblocks, head_e, head_ev,
@@ -99,7 +100,8 @@ def entmax_attn_bwd_dq_kernel(
     BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
-    """dQ for one query block; q, dq share strides, and o, do, dvec share strides."""
+    """dQ for one query block; o, do and dvec share strides. dq has its own: q may be a
+    view a fresh tensor cannot copy the strides of (a slice of a fused projection)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     i_b = (pid_bh // n_heads).to(tl.int64)
@@ -173,7 +175,8 @@ def entmax_attn_bwd_dq_kernel(
             BLOCK_EC, ALPHA_KIND, MASK_KIND, HAS_DROPOUT, True)
     # a row whose forward was NaN (a NaN or +inf score, stored shift NaN) gets NaN gradients
     b_dq = tl.where((b_mz != b_mz)[:, None], float("nan"), b_dq * scale)
-    tl.store(dq_ptr + q_off + o_m[:, None] * stride_ql + o_e[None, :],
+    dq_off = i_b * stride_dqb + i_h * stride_dqh + q_start * stride_dql
+    tl.store(dq_ptr + dq_off + o_m[:, None] * stride_dql + o_e[None, :],
              b_dq.to(dq_ptr.dtype.element_ty), mask=m_qe)
     tl.store(p_rows + ROW_DELTA_C * stride_row, b_delta, mask=m_m)
     if need_alpha_grad != 0:
@@ -234,6 +237,8 @@ def entmax_attn_bwd_dkdv_kernel(
     stride_kb, stride_kh, stride_kl,
     stride_vb, stride_vh, stride_vl,
     stride_ob, stride_oh, stride_ol,
+    stride_dkb, stride_dkh, stride_dkl,
+    stride_dvb, stride_dvh, stride_dvl,
     stride_mb, stride_mh, stride_mq, stride_mk,
     stride_sb, stride_sh, stride_stat, stride_row,
     n_heads, n_kv_heads, kv_group, seqlen_q, seqlen_k, n_qblocks, n_kblocks, head_e, head_ev,
@@ -242,7 +247,7 @@ def entmax_attn_bwd_dkdv_kernel(
     BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
-    """dK, dV for one key block of one key/value head; k, dk and v, dv share strides."""
+    """dK, dV for one key block of one key/value head; dk and dv have their own strides."""
     pid_n = tl.program_id(0)
     pid_bhk = tl.program_id(1)
     i_b = (pid_bhk // n_kv_heads).to(tl.int64)
@@ -306,10 +311,12 @@ def entmax_attn_bwd_dkdv_kernel(
                 inv_am1, is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
                 BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND,
                 HAS_DROPOUT, False)
-    tl.store(dk_ptr + k_off + o_n[:, None] * stride_kl + o_e[None, :],
+    dk_off = i_b * stride_dkb + i_hk * stride_dkh + k_start * stride_dkl
+    dv_off = i_b * stride_dvb + i_hk * stride_dvh + k_start * stride_dvl
+    tl.store(dk_ptr + dk_off + o_n[:, None] * stride_dkl + o_e[None, :],
              (b_dk * scale).to(dk_ptr.dtype.element_ty),
              mask=m_n[:, None] & (o_e[None, :] < head_e))
-    tl.store(dv_ptr + v_off + o_n[:, None] * stride_vl + o_ev[None, :],
+    tl.store(dv_ptr + dv_off + o_n[:, None] * stride_dvl + o_ev[None, :],
              b_dv.to(dv_ptr.dtype.element_ty), mask=m_n[:, None] & (o_ev[None, :] < head_ev))
 
 

@@ -45,15 +45,10 @@ class _Geometry:
             self.batch = cu_q.shape[0] - 1
             self.n_heads, self.n_kv_heads = q.shape[1], k.shape[1]
             self.seqlen_q, self.seqlen_k = max_q, max_k
-            self.q_strides = (0, q.stride(1), q.stride(0))
-            self.k_strides = (0, k.stride(1), k.stride(0))
-            self.v_strides = (0, v.stride(1), v.stride(0))
         else:
             self.batch, self.n_heads, self.seqlen_q = q.shape[0], q.shape[1], q.shape[2]
             self.n_kv_heads, self.seqlen_k = k.shape[1], k.shape[2]
-            self.q_strides = (q.stride(0), q.stride(1), q.stride(2))
-            self.k_strides = (k.stride(0), k.stride(1), k.stride(2))
-            self.v_strides = (v.stride(0), v.stride(1), v.stride(2))
+        self.q_strides, self.k_strides, self.v_strides = (self.token_strides(t) for t in (q, k, v))
         self.head_e, self.head_ev = q.shape[-1], v.shape[-1]
         self.kv_group = self.n_heads // self.n_kv_heads
         # one padded width for both head dims keeps the compiled configurations few
@@ -79,10 +74,12 @@ class _Geometry:
             return (q.shape[0], self.n_heads, head_dim)
         return (self.batch, self.n_heads, self.seqlen_q, head_dim)
 
-    def out_strides(self, o):
+    def token_strides(self, x):
+        """(batch, head, position) strides of a (B, H, L, E) tensor, or of a packed
+        (tokens, H, E) one, which has no batch stride: sequences start at cu_seqlens[b]."""
         if self.varlen:
-            return (0, o.stride(1), o.stride(0))
-        return (o.stride(0), o.stride(1), o.stride(2))
+            return (0, x.stride(1), x.stride(0))
+        return (x.stride(0), x.stride(1), x.stride(2))
 
     def stats_shape(self, q):
         if self.varlen:
@@ -140,7 +137,7 @@ def _launch_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is_c
     attention_fwd.entmax_attn_fwd_kernel[grid](
         q, k, v, out, dvec, stats, flags, mask, alpha, seed,
         cu_q if geo.varlen else cu_dummy, cu_k if geo.varlen else cu_dummy,
-        *geo.q_strides, *geo.k_strides, *geo.v_strides, *geo.out_strides(out),
+        *geo.q_strides, *geo.k_strides, *geo.v_strides, *geo.token_strides(out),
         *mask_strides, *geo.stats_strides(stats),
         geo.n_heads, geo.kv_group, geo.seqlen_q, geo.seqlen_k, geo.n_qblocks, geo.n_kblocks,
         geo.head_e, geo.head_ev, float(scale), float(dropout_p), int(is_causal),
@@ -176,8 +173,8 @@ def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha
     # dq first: it writes delta = dO . D per row, which the dk/dv kernel reads
     attention_bwd.entmax_attn_bwd_dq_kernel[(geo.n_qblocks, geo.batch * geo.n_heads)](
         q, k, v, o, do, dq, dvec, stats, rows, flags, mask, alpha, seed, cu_q_arg, cu_k_arg,
-        *geo.q_strides, *geo.k_strides, *geo.v_strides, *geo.out_strides(o),
-        *mask_strides, sb, sh, sstat, rows.stride(0),
+        *geo.q_strides, *geo.k_strides, *geo.v_strides, *geo.token_strides(o),
+        *geo.token_strides(dq), *mask_strides, sb, sh, sstat, rows.stride(0),
         geo.n_heads, geo.kv_group, geo.seqlen_q, geo.seqlen_k, geo.n_qblocks, geo.n_kblocks,
         geo.head_e, geo.head_ev, float(scale), float(dropout_p), int(is_causal),
         int(need_alpha_grad),
@@ -189,9 +186,9 @@ def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha
     )
     attention_bwd.entmax_attn_bwd_dkdv_kernel[(geo.n_kblocks, geo.batch * geo.n_kv_heads)](
         q, k, v, do, dk, dv, stats, rows, flags, mask, alpha, seed, cu_q_arg, cu_k_arg,
-        *geo.q_strides, *geo.k_strides, *geo.v_strides, *geo.out_strides(o),
-        *mask_strides, sb, sh, sstat, rows.stride(0),
-        geo.n_heads, geo.n_kv_heads, geo.kv_group, geo.seqlen_q, geo.seqlen_k,
+        *geo.q_strides, *geo.k_strides, *geo.v_strides, *geo.token_strides(o),
+        *geo.token_strides(dk), *geo.token_strides(dv), *mask_strides, sb, sh, sstat,
+        rows.stride(0), geo.n_heads, geo.n_kv_heads, geo.kv_group, geo.seqlen_q, geo.seqlen_k,
         geo.n_qblocks, geo.n_kblocks, geo.head_e, geo.head_ev, float(scale),
         float(dropout_p), int(is_causal),
         BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e, BLOCK_EV=geo.block_ev,
