@@ -62,18 +62,21 @@ def block_sizes(block_e, dtype_key, dropout=False):
 def launch_config(kernel, block_e, dtype_key, mask_kind=common.MASK_NONE):
     """(num_warps, num_stages) of `kernel` ("fwd", "dq" or "dkdv"); no register cap.
 
-    The fp16/bf16 forward at E <= 64 takes the measured best (4 warps, 3 stages) unless it
-    reads an attn_mask: the mask tiles of its eight inlined tile loops then left a 1.8 KB
-    stack frame at 4 warps (sm_90), 0.4 KB at 8. The
-    backward kernels hold more [BM, BN] tiles at once (scores, weights, sensitivities, dO.v)
-    and two [BN, E] accumulators: 8 warps halve each thread's share (sm_90 compile: stack
-    32-48 B instead of 232-488 B with 4). Wider heads take 8 warps everywhere. Estimates
-    from compiles, not timings, except where docs/gpu.md says measured.
+    Measured on an H100 (docs/gpu.md, bench/tune_attention.py; B4 H16 L4096 E64 causal
+    bf16, 64x64 tiles): the forward runs fastest with 4 warps and 3 stages (3.68 ms; 8 warps
+    7.5 ms), and the backward with 4 warps (training step 5.6 ms against 7.3 ms with 8),
+    although 8 warps halve each thread's share of the [BM, BN] tiles it holds. A forward that
+    reads an attn_mask takes 8 warps: its mask tiles left a 1.8 KB stack frame at 4 warps
+    (sm_90 compile), 0.4 KB at 8 (not timed). Wider heads take 8 warps everywhere (not
+    timed).
     """
     if dtype_key == "fp32":
         return 4, (2 if block_e <= 64 else 1)
-    if kernel == "fwd" and block_e <= 64 and mask_kind == common.MASK_NONE:
-        return 4, 3
+    if block_e <= 64:
+        if kernel != "fwd":
+            return 4, 1
+        if mask_kind == common.MASK_NONE:
+            return 4, 3
     return 8, (2 if block_e <= 128 else 1)
 
 
