@@ -8,7 +8,8 @@
 #              --device cuda), with CUDA_LAUNCH_BLOCKING=1 so a failing kernel is named;
 #   attention  the fused-attention grid (bench/bench_attention_gpu.py: SDPA, entmax_fast
 #              α 1.5 / 2, AdaSplash and FlashAttention when importable, random and local
-#              inputs); QUICK=1 times four cells only;
+#              inputs); QUICK=1 times four cells only, ATTENTION_ARGS adds arguments
+#              (e.g. "--baseline-budget 60");
 #   profile    per-kernel time of a training step and the compiled kernels' resources
 #              (bench/profile_attention_gpu.py);
 #   tune       a small sweep of the attention tile table (bench/tune_attention.py);
@@ -73,9 +74,11 @@ for name in ${STEPS:-tests train attention rowwise structured}; do
              --device cuda --no-progress --out "$OUT_DIR/train" ;;
     attention)
       if [ "${QUICK:-0}" = "1" ]; then
-        step attention "${ATTENTION_LIMIT:-300}" python bench/bench_attention_gpu.py --quick --out "$OUT_DIR"
+        step attention "${ATTENTION_LIMIT:-300}" python bench/bench_attention_gpu.py --quick \
+          --out "$OUT_DIR" ${ATTENTION_ARGS:-}
       else
-        step attention "${ATTENTION_LIMIT:-300}" python bench/bench_attention_gpu.py --out "$OUT_DIR"
+        step attention "${ATTENTION_LIMIT:-300}" python bench/bench_attention_gpu.py \
+          --out "$OUT_DIR" ${ATTENTION_ARGS:-}
       fi ;;
     profile) step profile "${PROFILE_LIMIT:-120}" python bench/profile_attention_gpu.py --causal ;;
     tune) step tune "${TUNE_LIMIT:-300}" python bench/tune_attention.py --causal ${TUNE_ARGS:-} ;;

@@ -156,7 +156,9 @@ def train_one(config: Config, attention, show_progress: bool = True) -> dict:
     progress = _Progress(config.steps, _label(attention)) if show_progress else None
     model.train()
     train_seconds = 0.0
-    for _ in range(config.steps):
+    # the first step compiles the Triton kernels (seconds on a GPU): timed steps start after it
+    timed_steps = max(1, config.steps - 1)
+    for step in range(config.steps):
         keys, values, query_keys, targets = (t.to(device) for t in recall_batch(config, config.batch, data_generator))
         start = time.perf_counter()
         logits, _ = model(keys, values, query_keys)
@@ -167,7 +169,8 @@ def train_one(config: Config, attention, show_progress: bool = True) -> dict:
         schedule.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        train_seconds += time.perf_counter() - start
+        if step > 0 or config.steps == 1:
+            train_seconds += time.perf_counter() - start
         if progress is not None:
             progress.update(f"loss {loss.detach().item():.3f}")
     if progress is not None:
@@ -175,7 +178,7 @@ def train_one(config: Config, attention, show_progress: bool = True) -> dict:
     long_accuracy = None
     if config.long_pairs:
         long_accuracy = evaluate(dataclasses.replace(config, pairs=config.long_pairs), model)["accuracy"]
-    return {"model": model, "seconds_per_step": train_seconds / config.steps, **evaluate(config, model),
+    return {"model": model, "seconds_per_step": train_seconds / timed_steps, **evaluate(config, model),
             "long_accuracy": long_accuracy}
 
 

@@ -62,22 +62,25 @@ def block_sizes(block_e, dtype_key, dropout=False):
 def launch_config(kernel, block_e, dtype_key, mask_kind=common.MASK_NONE):
     """(num_warps, num_stages) of `kernel` ("fwd", "dq" or "dkdv"); no register cap.
 
-    Measured on an H100 (docs/gpu.md, bench/tune_attention.py; B4 H16 L4096 E64 causal
-    bf16, 64x64 tiles): the forward runs fastest with 4 warps and 3 stages (3.68 ms; 8 warps
-    7.5 ms), and the backward with 4 warps (training step 5.6 ms against 7.3 ms with 8),
-    although 8 warps halve each thread's share of the [BM, BN] tiles it holds. A forward that
-    reads an attn_mask takes 8 warps: its mask tiles left a 1.8 KB stack frame at 4 warps
-    (sm_90 compile), 0.4 KB at 8 (not timed). Wider heads take 8 warps everywhere (not
-    timed).
+    Measured on an H100 (docs/gpu.md, bench/tune_attention.py; B·L 16384, H 16, L 4096,
+    causal, bf16, 64x64 tiles): 4 warps beat 8 in every kernel although 8 halve each
+    thread's share of the [BM, BN] tiles it holds. Forward, 4 warps and 3 stages: 3.68 ms at
+    E 64 (8 warps 7.5 ms), 4.77 ms at E 128 (8 warps, 2 stages 9.85 ms). Backward, 4 warps
+    and 1 stage: training step 5.6 ms at E 64 (8 warps 7.3 ms), 13.6 ms at E 128 (16.4 ms;
+    both with the forward at 8 warps).
+    Not timed, so still chosen from compiles: a forward that reads an attn_mask takes 8
+    warps (its mask tiles left a 1.8 KB stack frame at 4 warps on sm_90, 0.4 KB at 8), and
+    E 256 takes 8 warps everywhere.
     """
     if dtype_key == "fp32":
         return 4, (2 if block_e <= 64 else 1)
-    if block_e <= 64:
+    if block_e <= 128:
         if kernel != "fwd":
             return 4, 1
         if mask_kind == common.MASK_NONE:
             return 4, 3
-    return 8, (2 if block_e <= 128 else 1)
+        return 8, 2
+    return 8, 1
 
 
 # Head-dim chunk (BLOCK_EC) of the q.k and dO.v products, per (kernel, dtype) and padded
