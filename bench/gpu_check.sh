@@ -8,8 +8,9 @@
 #              --device cuda), with CUDA_LAUNCH_BLOCKING=1 so a failing kernel is named;
 #   attention  the fused-attention grid (bench/bench_attention_gpu.py: SDPA, entmax_fast
 #              α 1.5 / 2, AdaSplash and FlashAttention when importable, random and local
-#              inputs); QUICK=1 times four cells only, ATTENTION_ARGS adds arguments
-#              (e.g. "--baseline-budget 60");
+#              inputs); QUICK=1 times four cells only; ATTENTION_ARGS replaces the
+#              default "--baseline-budget 120" (AdaSplash autotunes for about a minute per
+#              shape: past 120 s it is no longer timed);
 #   profile    per-kernel time of a training step and the compiled kernels' resources
 #              (bench/profile_attention_gpu.py);
 #   tune       a small sweep of the attention tile table (bench/tune_attention.py);
@@ -32,15 +33,31 @@ mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1
 failed=0
 
-# step NAME SECONDS COMMAND...: SIGINT at the limit, so pytest still prints its summary.
+# step NAME SECONDS COMMAND...: runs COMMAND in its own process group, logged to
+# $OUT_DIR/NAME.log. At the limit the whole group gets SIGINT (pytest still prints its
+# summary), then SIGKILL 20 s later; whatever the step started and left running (pytest-xdist
+# workers) is killed when it ends, so that it cannot slow the next step's timings.
 step() {
   local name="$1" limit="$2"; shift 2
   echo "=== $name (limit ${limit} s): $*"
-  local start=$SECONDS
-  if timeout -s INT -k 20 "$limit" "$@" 2>&1 | tee "$OUT_DIR/$name.log"; then
+  local start=$SECONDS status
+  # job control on for one launch: the step gets a process group of its own, and (unlike
+  # a plain background job) does not ignore SIGINT
+  set -m
+  bash -c 'log=$1; shift; "$@" 2>&1 | tee -i "$log"; exit "${PIPESTATUS[0]}"' _ \
+    "$OUT_DIR/$name.log" "$@" &
+  local group=$!
+  set +m
+  (sleep "$limit"; kill -INT -- "-$group" 2>/dev/null; sleep 20; kill -KILL -- "-$group" 2>/dev/null) &
+  local watchdog=$!
+  wait "$group"
+  status=$?
+  kill "$watchdog" 2>/dev/null
+  kill -KILL -- "-$group" 2>/dev/null
+  if [ "$status" -eq 0 ]; then
     echo "=== $name: ok ($((SECONDS - start)) s)"
   else
-    echo "=== $name: FAILED or cut off ($((SECONDS - start)) s), log in $OUT_DIR/$name.log"
+    echo "=== $name: FAILED or cut off (status $status, $((SECONDS - start)) s), log in $OUT_DIR/$name.log"
     failed=$((failed + 1))
   fi
 }
@@ -75,10 +92,10 @@ for name in ${STEPS:-tests train attention rowwise structured}; do
     attention)
       if [ "${QUICK:-0}" = "1" ]; then
         step attention "${ATTENTION_LIMIT:-300}" python bench/bench_attention_gpu.py --quick \
-          --out "$OUT_DIR" ${ATTENTION_ARGS:-}
+          --out "$OUT_DIR" ${ATTENTION_ARGS:---baseline-budget 120}
       else
         step attention "${ATTENTION_LIMIT:-300}" python bench/bench_attention_gpu.py \
-          --out "$OUT_DIR" ${ATTENTION_ARGS:-}
+          --out "$OUT_DIR" ${ATTENTION_ARGS:---baseline-budget 120}
       fi ;;
     profile) step profile "${PROFILE_LIMIT:-120}" python bench/profile_attention_gpu.py --causal ;;
     tune) step tune "${TUNE_LIMIT:-300}" python bench/tune_attention.py --causal ${TUNE_ARGS:-} ;;
