@@ -17,7 +17,8 @@ per alpha and row length:
   output pass OUTPUT_OPS + QK_COST + PV_COST on the tiles it visits; a softmax forward
   (FlashAttention) is about SOFTMAX_UNITS. These are estimates from operation counts, not
   timings: docs/gpu.md has the measured figures.
-- the fraction of (query block, key block) tiles visited by the passes after the first.
+- the fraction of (query block, key block) tiles visited by the first threshold pass (those
+  the max pass flags) and by the passes after it.
 
 Usage: python bench/bench_attention_passes.py [--blocks 16] [--csv out.csv]
 """
@@ -102,7 +103,10 @@ def _update(t, sums, lo, hi, tau, done, alpha):
 
 def emulate_block(u, alpha):
     """Threshold passes of one block of rows u [R, n] (shifted: max 0, -inf masked).
-    Returns (tau [R], passes, tiles visited per pass after the first / tiles)."""
+    Returns (tau [R], passes, tiles the first threshold pass visits / tiles, tiles visited
+    per later pass / tiles). The first pass visits the tiles the max pass flagged: a score
+    within the bracket's width of its row's maximum (the kernel compares with the running
+    maximum, nearest tiles first; here the final one)."""
     rows = u.shape[0]
     lo = torch.full((rows,), -1.0)
     hi = torch.zeros(rows)
@@ -117,13 +121,14 @@ def emulate_block(u, alpha):
     n_tiles = -(-u.shape[1] // BLOCK_N)
     padded = torch.nn.functional.pad(u, (0, n_tiles * BLOCK_N - u.shape[1]), value=-float("inf"))
     tile_max = padded.reshape(rows, n_tiles, BLOCK_N).amax(-1)  # [R, tiles]
+    first_visited = float((tile_max > -1.0).any(0).float().mean())
     while not bool(done.all()) and passes < attention_common.MAX_TAU_PASSES:
         visited.append(float((tile_max > lo[:, None]).any(0).float().mean()))
         lo, hi, tau, done = _update(lo, _moments((u - lo[:, None]).clamp(min=0), alpha),
                                     lo, hi, tau, done, alpha)
         passes += 1
     tau = torch.where(done, tau, lo)
-    return tau, passes, (sum(visited) / len(visited) if visited else 0.0)
+    return tau, passes, first_visited, (sum(visited) / len(visited) if visited else 0.0)
 
 
 def exact_tau(u, alpha):
@@ -148,24 +153,27 @@ def table(alphas, lengths, blocks, sigma):
     for alpha in alphas:
         for n in lengths:
             for kind in ("random", "local"):
-                passes, errors, visits = [], [], []
+                passes, errors, firsts, visits = [], [], [], []
                 for _ in range(blocks):
                     z = scores(kind, n, sigma, n - BLOCK_M)
                     y = (alpha - 1.0) * z
                     u = (y - y.amax(-1, keepdim=True)).float()
-                    tau, p, visit = emulate_block(u, alpha)
+                    tau, p, first, visit = emulate_block(u, alpha)
                     passes.append(p)
+                    firsts.append(first)
                     visits.append(visit)
                     errors.append(float((tau.double() - exact_tau(u, alpha)).abs().max()))
                 mean_passes = sum(passes) / len(passes)
                 key = alpha if alpha in OPS_PER_EVAL else "general"
                 eval_ops = OPS_PER_EVAL[key]
                 visit = sum(visits) / len(visits)
+                first = sum(firsts) / len(firsts)
                 later = max(0.0, mean_passes - 1)
-                units = (QK_COST + MAX_PASS_OPS) + (QK_COST + 2 * eval_ops) \
+                units = (QK_COST + MAX_PASS_OPS) + first * (QK_COST + 2 * eval_ops) \
                     + later * visit * (QK_COST + eval_ops) + (QK_COST + PV_COST + OUTPUT_OPS)
                 rows.append({"alpha": alpha, "n": n, "scores": kind, "passes_mean": mean_passes,
                              "passes_max": max(passes), "tau_err_max": max(errors),
+                             "first_pass_tiles_visited": first,
                              "later_tiles_visited": visit, "units_per_score": units,
                              "x_softmax_fwd_est": units / SOFTMAX_UNITS})
     return rows
@@ -182,7 +190,7 @@ def check_against_kernel(alpha=1.5):
     z = z.masked_fill(torch.ones(64, 64, dtype=torch.bool).triu(1), float("-inf"))
     y = (alpha - 1.0) * z
     u = y - y.amax(-1, keepdim=True)
-    tau, _, _ = emulate_block(u, alpha)
+    tau = emulate_block(u, alpha)[0]
     # the kernel stores tau in z units
     return float((tau - (alpha - 1.0) * stats[attention_common.STAT_TAU, 0, 0]).abs().max())
 
@@ -198,11 +206,12 @@ def main(argv=None):
     torch.manual_seed(0)
     print(f"emulation vs kernel (interpreter), max |tau difference|: {check_against_kernel():.2e}")
     rows = table(args.alphas, args.lengths, args.blocks, args.sigma)
-    print("alpha | n | scores | passes mean | max | max tau err | later tiles visited | "
-          "units/score (est.) | x softmax fwd (est.)")
+    print("alpha | n | scores | passes mean | max | max tau err | pass-1 tiles visited | "
+          "later tiles visited | units/score (est.) | x softmax fwd (est.)")
     for r in rows:
         print(f"{r['alpha']:5g} | {r['n']:5d} | {r['scores']:6s} | {r['passes_mean']:5.2f} | "
-              f"{r['passes_max']:3d} | {r['tau_err_max']:.1e} | {r['later_tiles_visited']:.2f} | "
+              f"{r['passes_max']:3d} | {r['tau_err_max']:.1e} | "
+              f"{r['first_pass_tiles_visited']:.2f} | {r['later_tiles_visited']:.2f} | "
               f"{r['units_per_score']:6.1f} | {r['x_softmax_fwd_est']:.1f}")
     if args.csv:
         with open(args.csv, "w", newline="") as f:

@@ -488,6 +488,28 @@ def test_nan_and_inf_scores_follow_softmax_rule(alpha):
     assert torch.isnan(full).all()
 
 
+@pytest.mark.parametrize("alpha,is_causal", [(2.0, True), (1.5, True), (2.0, False),
+                                             ("per-head", False)])
+def test_far_keys_within_the_bracket_keep_their_weight(alpha, is_causal):
+    """The max pass leaves unflagged the key tiles with no score within 1/(alpha - 1) of the
+    row's running maximum. Each row's maximum sits in the last key tile and a second key in
+    the support sits in the first tile, 0.6 / (alpha - 1) below it: whatever order the tiles
+    are visited in, the first tile must keep its weight. Scores from an additive mask (q = 0)."""
+    lq = lk = 200
+    q, k, v = _inputs(1, 2, 2, lq, lk, 16, torch.float32)
+    q = torch.zeros_like(q)
+    alpha_h = _alpha(alpha, 2)
+    width = 1.0 / (torch.as_tensor(alpha_h, dtype=torch.float32).expand(2) - 1.0)
+    mask = torch.full((1, 2, lq, lk), -50.0)
+    rows = torch.arange(lq)
+    last = rows if is_causal else torch.full_like(rows, lk - 1)
+    mask[:, :, rows, last] = 0.0
+    mask[:, :, rows, 0] = (-0.6 * width).view(-1, 1)
+    out = _triton_attention(q, k, v, attn_mask=mask, is_causal=is_causal, alpha=alpha_h)
+    expected = oracle_attention(q, k, v, attn_mask=mask, is_causal=is_causal, alpha=alpha_h)
+    assert _err(out, expected) <= 1e-5
+
+
 @pytest.mark.parametrize("alpha,offset", [(1.5, 1e4), (2.0, 1e4), (1.5, 1e30), (2.0, 1e30),
                                           ("per-head", 1e30)])
 def test_large_score_offsets(alpha, offset):

@@ -4,7 +4,9 @@ One program handles one block of BLOCK_M query rows of one (batch, query head). 
 scaled, masked scores and u = (alpha - 1)(z - max z), the threshold tau lies in [-1, 0)
 (docs/attention.md, "Threshold"):
 
-1. a dense pass for the row maximum of z (NaN-propagating);
+1. a dense pass for the row maximum of z (NaN-propagating), which also flags the key tiles
+   with a score within 1/(alpha - 1) of its row's running maximum: tau lies above the
+   final maximum minus that, so the other tiles hold no weight (`_row_max`);
 2. threshold passes, each a few operations per score, like a softmax pass: the sums of
    `_moments` at one trial threshold t (two in the first pass: the bracket's lower end -1
    and its middle). From them `_update_threshold` gives a Newton step (a lower bound of
@@ -13,9 +15,9 @@ scaled, masked scores and u = (alpha - 1)(z - max z), the threshold tau lies in 
    that root (checked against the smallest positive d: an exact certificate). Passes
    repeat until every row of the block is exact or its Newton step is below TAU_STEP_TOL
    (at most MAX_TAU_PASSES); bench/bench_attention_passes.py counts them;
-3. each threshold pass flags the key tiles holding a score above its t (a lower bound of
-   tau, which only rises): later passes skip the rest, so on local attention the passes
-   after the first touch only the tiles near each query;
+3. each threshold pass visits only the tiles the previous pass flagged and flags those
+   holding a score above its t (a lower bound of tau, which only rises), so on local
+   attention every pass after the maximum touches only the tiles near each query;
 4. the output pass visits the flagged tiles, divides by the row sum of the weights (every
    output row is an exact convex combination whatever tau's residual error) and rewrites
    the flags to "holds a non-zero weight" for the backward.
@@ -75,25 +77,54 @@ def _score_tile(b_q, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base, stri
 
 
 @triton.jit
-def _row_max(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_m,
-             q_len, k_len, kv_end, head_e, scale, is_causal,
+def _max_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, m_m,
+              start_n, q_len, k_len, head_e, scale, is_causal, b_m, p_flags, window,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+              BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr):
+    """Adds one key tile to the running row maximum b_m and flags the tile when a row's
+    tile maximum comes within `window` of the running maximum."""
+    b_y = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
+                      start_n, q_len, k_len, head_e, scale, tl.zeros([BLOCK_M], dtype=tl.float32),
+                      is_causal, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
+    b_tile_max = tl.reduce(b_y, 1, _max_nan)
+    b_m = _max_nan(b_m, b_tile_max)
+    # The later passes see z - max rounded once (`shifted_scores`); here z was rounded
+    # first. Two fp32 units of |max| on top of the window keep every tile those passes
+    # could see within it, also at offsets where an ulp of max exceeds the window (there
+    # every tile stays flagged). NaN, -inf (masked) and +inf rows compare false: they have
+    # no threshold to find.
+    m_near = m_m & (b_tile_max - b_m > -(window + tl.abs(b_m) * 2.4e-7))
+    tl.store(p_flags + start_n // BLOCK_N, tl.max(m_near.to(tl.int8), 0))
+    return b_m
+
+
+@triton.jit
+def _row_max(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, m_m,
+             start_m, q_len, k_len, kv_end, head_e, scale, is_causal, p_flags, inv_am1,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
              BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr):
     """Pass 1: the row maximum of the scores (NaN if any score is NaN, -inf if all are
-    masked). [BM]"""
-    b_zero = tl.zeros([BLOCK_M], dtype=tl.float32)
+    masked), [BM], and the first tile flags. tau lies at or above max - 1/(alpha - 1) in z
+    units (the bracket's lower end), so a tile none of whose scores come within 1/(alpha - 1)
+    of their row's maximum holds no weight and no threshold pass needs it. The running
+    maximum is at most the final one, so flagging against it keeps every tile that matters;
+    the tiles nearest the diagonal go first (the boundary tiles, then the full ones leftwards
+    from the diagonal, wrapping round), so that on local attention the running maximum is
+    the final one almost at once and the far tiles go unflagged."""
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    n_full = full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
-    for start_n in range(0, n_full, BLOCK_N):
-        b_y = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                          start_n, q_len, k_len, head_e, scale, b_zero, is_causal,
-                          BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, False)
-        b_m = _max_nan(b_m, tl.reduce(b_y, 1, _max_nan))
-    for start_n in range(n_full, kv_end, BLOCK_N):
-        b_y = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                          start_n, q_len, k_len, head_e, scale, b_zero, is_causal,
-                          BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, True)
-        b_m = _max_nan(b_m, tl.reduce(b_y, 1, _max_nan))
+    # a margin over 1/(alpha - 1): the flag must not depend on rounding at the window's edge
+    window = inv_am1 * 1.001
+    for start_n in range(full_tiles_end(start_m, k_len, is_causal, BLOCK_N), kv_end, BLOCK_N):
+        b_m = _max_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
+                        m_m, start_n, q_len, k_len, head_e, scale, is_causal, b_m, p_flags,
+                        window, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, True)
+    n_full = full_tiles_end(start_m, k_len, is_causal, BLOCK_N) // BLOCK_N
+    diagonal = tl.minimum(start_m // BLOCK_N, n_full - 1)
+    for i in range(0, n_full):
+        start_n = ((diagonal - i + n_full) % n_full) * BLOCK_N
+        b_m = _max_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
+                        m_m, start_n, q_len, k_len, head_e, scale, is_causal, b_m, p_flags,
+                        window, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, False)
     return b_m
 
 
@@ -133,18 +164,14 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
                     start_n, q_len, k_len, head_e, scale, b_shift, is_causal,
                     b_t0, b_t1, m_rows, p_flags, inv_am1,
                     b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
-                    SKIP: tl.constexpr, TWO: tl.constexpr, BLOCK_N: tl.constexpr,
+                    TWO: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr,
                     ALPHA_KIND: tl.constexpr, BOUNDARY: tl.constexpr):
-    """Adds one key tile to the sums at threshold t0 (and t1 when TWO). With SKIP, tiles not
-    flagged by the previous pass are skipped: t0 is a lower bound of tau that only rises,
-    so a tile with no score above it then has none above it later. Rewrites the tile's flag:
+    """Adds one key tile to the sums at threshold t0 (and t1 when TWO), unless the previous
+    pass left it unflagged: t0 is a lower bound of tau that only rises, so a tile with no
+    score above the previous pass's t0 has none above this one. Rewrites the tile's flag:
     does any row have a score above t0?"""
-    if SKIP:
-        visit = tl.load(p_flags + start_n // BLOCK_N)
-    else:
-        visit = 1
-    if visit != 0:
+    if tl.load(p_flags + start_n // BLOCK_N) != 0:
         b_u = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                           start_n, q_len, k_len, head_e, scale, b_shift, is_causal,
                           BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
@@ -170,7 +197,7 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
 def _threshold_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                     start_m, q_len, k_len, kv_end, head_e, scale, b_shift, is_causal,
                     b_t0, b_t1, m_rows, p_flags, inv_am1,
-                    SKIP: tl.constexpr, TWO: tl.constexpr, BLOCK_M: tl.constexpr,
+                    TWO: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
                     MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr):
     """One pass over the keys: the `_moments` sums at t0 (and t1), inner tiles first."""
@@ -184,13 +211,13 @@ def _threshold_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_n,
             q_len, k_len, head_e, scale, b_shift, is_causal, b_t0, b_t1, m_rows,
             p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
-            SKIP, TWO, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, False)
+            TWO, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, False)
     for start_n in range(n_full, kv_end, BLOCK_N):
         b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_tile(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_n,
             q_len, k_len, head_e, scale, b_shift, is_causal, b_t0, b_t1, m_rows,
             p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
-            SKIP, TWO, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, True)
+            TWO, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, True)
     return b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1
 
 
@@ -353,10 +380,10 @@ def entmax_attn_fwd_kernel(
     if is_causal != 0:
         kv_end = tl.minimum(k_len, start_m + BLOCK_M)
 
-    # pass 1: row max
-    b_m = _row_max(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                   start_m, q_len, k_len, kv_end, head_e, scale, is_causal, BLOCK_M,
-                   BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND)
+    # pass 1: row max and the tiles the threshold passes need
+    b_m = _row_max(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, m_m,
+                   start_m, q_len, k_len, kv_end, head_e, scale, is_causal, p_flags, inv_am1,
+                   BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND)
     # torch.softmax's rule: a NaN or +inf score makes its row NaN; a row with every key
     # masked gets zeros. Neither has a threshold to find.
     m_bad = (b_m != b_m) | (b_m == float("inf"))
@@ -370,12 +397,13 @@ def entmax_attn_fwd_kernel(
     b_tau = b_lo
     m_done = ~m_rows
     b_mid = 0.5 * (b_lo + b_hi)
+    # reads the flags the max pass wrote from other threads
+    tl.debug_barrier()
     b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_pass(
         b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_m, q_len,
         k_len, kv_end, head_e, scale, b_mz, is_causal, _threshold_in_z(b_lo, inv_am1, ALPHA_KIND),
         _threshold_in_z(b_mid, inv_am1, ALPHA_KIND), m_rows,
-        p_flags, inv_am1, False, True, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND,
-        ALPHA_KIND)
+        p_flags, inv_am1, True, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
     b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
     b_a1, b_b1, b_c1, b_n1 = _sums_in_u(b_a1, b_b1, b_c1, b_n1, am1, inv_am1, ALPHA_KIND)
     b_lo, b_hi, b_tau, m_done = _update_threshold(b_lo, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi,
@@ -390,7 +418,7 @@ def entmax_attn_fwd_kernel(
         b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_pass(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_m,
             q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, b_t0, b_t0, m_rows, p_flags,
-            inv_am1, True, False, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
+            inv_am1, False, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
         b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
         b_lo, b_hi, b_tau, m_done = _update_threshold(b_lo, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi,
                                                       b_tau, m_done, am1, ALPHA_KIND)
