@@ -90,7 +90,8 @@ def main(argv=None):
         lambda: F.scaled_dot_product_attention(q, k, v, is_causal=args.causal))))
     for alpha in args.alphas:
         _print_times(f"entmax_fast alpha={alpha}", _kernel_times(step_of(
-            lambda: entmax_fast.entmax_attention(q, k, v, is_causal=args.causal, alpha=alpha))))
+            lambda alpha=alpha: entmax_fast.entmax_attention(q, k, v, is_causal=args.causal,
+                                                             alpha=alpha))))
     print("compiled attention kernels:")
     _compiled_resources()
     return 0

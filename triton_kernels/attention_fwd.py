@@ -120,7 +120,7 @@ def _row_max(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, 
                         window, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, True)
     n_full = full_tiles_end(start_m, k_len, is_causal, BLOCK_N) // BLOCK_N
     diagonal = tl.minimum(start_m // BLOCK_N, n_full - 1)
-    for i in range(0, n_full):
+    for i in range(n_full):
         start_n = ((diagonal - i + n_full) % n_full) * BLOCK_N
         b_m = _max_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                         m_m, start_n, q_len, k_len, head_e, scale, is_causal, b_m, p_flags,
