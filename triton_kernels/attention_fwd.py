@@ -78,22 +78,23 @@ def _score_tile(b_q, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base, stri
 
 @triton.jit
 def _max_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, m_m,
-              start_n, q_len, k_len, head_e, scale, is_causal, b_m, p_flags, window,
+              start_n, q_len, k_len, head_e, scale, is_causal, b_m, p_flags, inv_am1,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
               BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr):
     """Adds one key tile to the running row maximum b_m and flags the tile when a row's
-    tile maximum comes within `window` of the running maximum."""
+    tile maximum comes within 1/(alpha - 1) of the running maximum."""
     b_y = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                       start_n, q_len, k_len, head_e, scale, tl.zeros([BLOCK_M], dtype=tl.float32),
                       is_causal, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
     b_tile_max = tl.reduce(b_y, 1, _max_nan)
     b_m = _max_nan(b_m, b_tile_max)
-    # The later passes see z - max rounded once (`shifted_scores`); here z was rounded
-    # first. Two fp32 units of |max| on top of the window keep every tile those passes
-    # could see within it, also at offsets where an ulp of max exceeds the window (there
-    # every tile stays flagged). NaN, -inf (masked) and +inf rows compare false: they have
-    # no threshold to find.
-    m_near = m_m & (b_tile_max - b_m > -(window + tl.abs(b_m) * 2.4e-7))
+    # The window has a margin, so that the flag does not depend on rounding at its edge:
+    # 0.1 % of its width, and two fp32 units of |max|, since the later passes see z - max
+    # rounded once (`shifted_scores`) where here z was rounded first (at offsets where an
+    # ulp of max exceeds the window every tile stays flagged). NaN, -inf (masked) and +inf
+    # rows compare false: they have no threshold to find.
+    b_window = inv_am1 * 1.001 + tl.abs(b_m) * 2.4e-7
+    m_near = m_m & (b_tile_max - b_m > -b_window)
     tl.store(p_flags + start_n // BLOCK_N, tl.max(m_near.to(tl.int8), 0))
     return b_m
 
@@ -112,19 +113,18 @@ def _row_max(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, 
     from the diagonal, wrapping round), so that on local attention the running maximum is
     the final one almost at once and the far tiles go unflagged."""
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    # a margin over 1/(alpha - 1): the flag must not depend on rounding at the window's edge
-    window = inv_am1 * 1.001
-    for start_n in range(full_tiles_end(start_m, k_len, is_causal, BLOCK_N), kv_end, BLOCK_N):
+    full_end = full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
+    for start_n in range(full_end, kv_end, BLOCK_N):
         b_m = _max_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                         m_m, start_n, q_len, k_len, head_e, scale, is_causal, b_m, p_flags,
-                        window, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, True)
-    n_full = full_tiles_end(start_m, k_len, is_causal, BLOCK_N) // BLOCK_N
+                        inv_am1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, True)
+    n_full = full_end // BLOCK_N
     diagonal = tl.minimum(start_m // BLOCK_N, n_full - 1)
     for i in range(n_full):
         start_n = ((diagonal - i + n_full) % n_full) * BLOCK_N
         b_m = _max_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                         m_m, start_n, q_len, k_len, head_e, scale, is_causal, b_m, p_flags,
-                        window, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, False)
+                        inv_am1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, False)
     return b_m
 
 
