@@ -30,19 +30,39 @@ def _out_dtype(*tensors: Tensor) -> torch.dtype:
     return dtype
 
 
-def _reduce_grads_2d(ctx, grad, d_mu, d_sigma):
-    """grad [..., N]; d_mu [..., N, 2]; d_sigma [..., N, 2, 2] -> grads shaped like the inputs."""
-    mu_shape, sigma_shape, mu_dtype, sigma_dtype = ctx.shapes
-    g = grad.to(d_mu.dtype)
-    grad_mu = grad_sigma = None
-    if ctx.needs_input_grad[0]:
-        grad_mu = (g[..., None] * d_mu).sum(-2).sum_to_size(mu_shape).to(mu_dtype)
-    if ctx.needs_input_grad[1]:
-        grad_sigma = (g[..., None, None] * d_sigma).sum(-3).sum_to_size(sigma_shape).to(sigma_dtype)
-    return grad_mu, grad_sigma
+def _symmetric_2x2(x11: Tensor, x12: Tensor, x22: Tensor) -> Tensor:
+    """[[x11, x12], [x12, x22]] stacked into the last two dims."""
+    return torch.stack([torch.stack([x11, x12], -1), torch.stack([x12, x22], -1)], -2)
 
 
-class _ContinuousSoftmax2d(torch.autograd.Function):
+class _Expectation2d(torch.autograd.Function):
+    """The 2-D expectations' shared half: each forward computes ``E [..., N]`` with its
+    derivatives ``d_mu [..., N, 2]`` and ``d_sigma [..., N, 2, 2]`` and ends with ``_save``;
+    the backward contracts them with the incoming gradient into gradients shaped like mu and
+    sigma (the other inputs are constants)."""
+
+    @staticmethod
+    def _save(ctx, mu, sigma, expectation, d_mu, d_sigma, n_constants):
+        ctx.save_for_backward(d_mu, d_sigma)
+        ctx.shapes = (mu.shape, sigma.shape, mu.dtype, sigma.dtype)
+        ctx.n_constants = n_constants
+        return expectation.to(_out_dtype(mu, sigma))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        d_mu, d_sigma = ctx.saved_tensors
+        mu_shape, sigma_shape, mu_dtype, sigma_dtype = ctx.shapes
+        g = grad.to(d_mu.dtype)
+        grad_mu = grad_sigma = None
+        if ctx.needs_input_grad[0]:
+            grad_mu = (g[..., None] * d_mu).sum(-2).sum_to_size(mu_shape).to(mu_dtype)
+        if ctx.needs_input_grad[1]:
+            grad_sigma = (g[..., None, None] * d_sigma).sum(-3).sum_to_size(sigma_shape).to(sigma_dtype)
+        return (grad_mu, grad_sigma, *(None,) * ctx.n_constants)
+
+
+class _ContinuousSoftmax2d(_Expectation2d):
     @staticmethod
     def forward(ctx, mu, sigma, centers, variances):
         work = integration_dtype(mu.device)
@@ -56,18 +76,10 @@ class _ContinuousSoftmax2d(torch.autograd.Function):
         y2 = (ca * delta[..., 1] - cb * delta[..., 0]) / det
         expectation = torch.exp(-0.5 * (delta[..., 0] * y1 + delta[..., 1] * y2)) / (2 * math.pi * torch.sqrt(det))
         y = torch.stack([y1, y2], -1)
-        c_inv = torch.stack([torch.stack([cd, -cb], -1), torch.stack([-cb, ca], -1)], -2) / det[..., None, None]
+        c_inv = _symmetric_2x2(cd, -cb, ca) / det[..., None, None]
         d_mu = -expectation[..., None] * y
         d_sigma = 0.5 * expectation[..., None, None] * (y[..., :, None] * y[..., None, :] - c_inv)
-        ctx.save_for_backward(d_mu, d_sigma)
-        ctx.shapes = (mu.shape, sigma.shape, mu.dtype, sigma.dtype)
-        return expectation.to(_out_dtype(mu, sigma))
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        d_mu, d_sigma = ctx.saved_tensors
-        return (*_reduce_grads_2d(ctx, grad, d_mu, d_sigma), None, None)
+        return _Expectation2d._save(ctx, mu, sigma, expectation, d_mu, d_sigma, n_constants=2)
 
 
 def continuous_softmax_2d(mu: Tensor, sigma: Tensor, basis_centers: Tensor, basis_variances: Tensor) -> Tensor:
@@ -97,7 +109,7 @@ def _cholesky_entries(a: Tensor, b: Tensor, d: Tensor):
 _RADIAL_POLYS = ((1.0, 1.0, 0.0, 0.0), (1.0, 2.0, 1.0, 0.0), (1.0, 3.0, 3.0, 1.0))
 
 
-class _ContinuousSparsemax2d(torch.autograd.Function):
+class _ContinuousSparsemax2d(_Expectation2d):
     """Truncated paraboloid ``p(t) = (rho^2 - |u|^2)_+ / 2``, u = L^-1 (t - mu), Sigma = L L^T,
     ``rho^4 = 4 / (pi |L|)``. With D0 = |L| int_disk psi du, D_u = |L| int_disk psi u du,
     D_uu = |L| int_disk psi u u^T du (polar: radial integral in closed form, angles by the
@@ -150,16 +162,8 @@ class _ContinuousSparsemax2d(torch.autograd.Function):
         g11 = inv11 * inv11 * m11 + 2 * inv11 * inv21 * m12 + inv21 * inv21 * m22
         g12 = inv11 * inv22 * m12 + inv21 * inv22 * m22
         g22 = inv22 * inv22 * m22
-        d_sigma = 0.5 * torch.stack([torch.stack([g11, g12], -1), torch.stack([g12, g22], -1)], -2)
-        ctx.save_for_backward(d_mu, d_sigma)
-        ctx.shapes = (mu.shape, sigma.shape, mu.dtype, sigma.dtype)
-        return expectation.to(_out_dtype(mu, sigma))
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        d_mu, d_sigma = ctx.saved_tensors
-        return (*_reduce_grads_2d(ctx, grad, d_mu, d_sigma), None, None, None)
+        d_sigma = 0.5 * _symmetric_2x2(g11, g12, g22)
+        return _Expectation2d._save(ctx, mu, sigma, expectation, d_mu, d_sigma, n_constants=3)
 
 
 def continuous_sparsemax_2d(
