@@ -80,3 +80,42 @@ def test_programs_per_sm_from_registers_and_shared_memory():
     assert aot.programs_per_sm(90, 255, 4, 16384) == 2
     # shared memory limits first: 100 KB per program on sm_80's 164 KB
     assert aot.programs_per_sm(80, 32, 4, 100 * 1024) == 1
+
+
+# The forward's loops over key tiles (the max pass's two, the threshold passes' two, the
+# output pass's) and each backward kernel's loop over the flagged tiles load their tiles
+# unconditionally, so that Triton pipelines them. A loop that tests a tile's flag before
+# loading it is not pipelined: until the tile lists, only the max pass was.
+PIPELINED_AT_LEAST = {
+    ("attention_fwd", "entmax_attn_fwd_bf16_e64_a2_m0_g1"): 5,
+    ("attention_fwd", "entmax_attn_fwd_fp16_e128_a0_m0_g2"): 5,
+    ("attention_bwd", "entmax_attn_bwd_dq_bf16_e64_a2_m0"): 1,
+    ("attention_bwd", "entmax_attn_bwd_dkdv_bf16_e64_a2_m0"): 1,
+}
+
+
+@pytest.mark.parametrize("module_name", ("attention_fwd", "attention_bwd"))
+def test_tile_loops_are_pipelined(module_name):
+    names = [name for module, name in PIPELINED_AT_LEAST if module == module_name]
+    rows = aot.check(archs=(80, 90), modules=(module_name,), names=names)
+    assert len(rows) == 2 * len(names) and not aot.problems(rows), rows
+    for row in rows:
+        pipelined, loops = (int(n) for n in row["PIPELINED"].split("/"))
+        assert pipelined >= PIPELINED_AT_LEAST[(module_name, row["config"])], row
+
+
+def test_pipelined_loops_counts_the_loops_that_issue_async_copies():
+    ttgir = """
+    scf.for %i = %c0 to %n step %c1 {
+      %a = ttg.async_copy_global_to_local %p, %s
+      scf.for %j = %c0 to %m step %c1 {
+        %b = tt.load %q
+      }
+    }
+    scf.for %k = %c0 to %n step %c1 {
+      scf.if %c {
+        %c = ttg.async_copy_global_to_local %p, %s
+      }
+    }
+    """
+    assert aot.pipelined_loops(ttgir) == (2, 3)

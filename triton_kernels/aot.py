@@ -6,8 +6,10 @@ compile options such as maxnreg, as the launcher passes them): every configurati
 launcher can choose. This module compiles each of them for every arch in ARCHS without a
 GPU, reads the cubin's resource usage with the ``cuobjdump`` shipped in the triton wheel,
 and fails on compile errors and shared memory above SHARED_LIMIT_BYTES (A100's 163 KB, the
-smallest of the targets). Register spills (LOCAL or STACK > 0), warps and programs per SM
-are reported beside them as diagnostics: time on a GPU is the measure of speed.
+smallest of the targets). Register spills (LOCAL or STACK > 0), warps, programs per SM and
+the loops Triton software-pipelined are reported beside them as diagnostics: time on a GPU
+is the measure of speed. Kernels compile with the specialisation an aligned launch gets
+(`runtime_attrs`), so that the table describes the kernels that run.
 
     python -m entmax_fast.triton_kernels.aot      # or: python triton_kernels/aot.py
 
@@ -113,25 +115,71 @@ def covering_sample(configs: list[dict], pairs: bool = True) -> list[dict]:
     return chosen
 
 
-def compile_all(archs=ARCHS, modules=KERNEL_MODULES, on_event=None, sample=False) -> list[dict]:
+# Integer parameters that bound a tensor's contiguous dimension: at run time the JIT marks
+# them divisible by 16 for the usual sizes (head dims 64, 80, 96, 128; rows of 1024).
+_CONTIGUOUS_EXTENTS = ("head_e", "head_ev", "n_cols")
+
+
+def runtime_attrs(signature: dict) -> dict:
+    """The specialisation the JIT gives a launch on aligned tensors of the usual sizes, as
+    `triton.compile` attributes: pointers, strides and contiguous extents divisible by 16.
+    Without it a load masked along its contiguous dimension is neither vectorised nor made
+    asynchronous, and the compiled kernel (registers, pipelining) is not the one that runs."""
+    return {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(signature.items())
+            if kind.startswith("*") or name.startswith("stride_") or name in _CONTIGUOUS_EXTENTS}
+
+
+def compile_config(cfg: dict, arch: int):
+    """`triton.compile` of one entry of an `aot_configs()` list for sm_<arch>."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    src = ASTSource(fn=cfg["fn"], signature=cfg["signature"], constexprs=cfg["constexprs"],
+                    attrs=runtime_attrs(cfg["signature"]))
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
+                                   **cfg.get("options", {})})
+
+
+def pipelined_loops(ttgir: str) -> tuple[int, int]:
+    """(loops whose body issues asynchronous copies, loops) of a compiled kernel's TTGIR.
+
+    A software-pipelined loop copies later iterations' tiles global -> shared while this
+    one computes; a loop that loads under an `if` is not pipelined and waits for each load.
+    """
+    loops, pipelined, open_loops, depth = 0, 0, [], 0
+    for line in ttgir.splitlines():
+        code = re.sub(r'"[^"]*"', "", line.split(" loc(")[0])
+        if "scf.for " in code:
+            loops += 1
+            open_loops.append([depth, False])
+        if "async_copy_global_to_local" in code and open_loops:
+            open_loops[-1][1] = True
+        depth += code.count("{") - code.count("}")
+        while open_loops and depth <= open_loops[-1][0]:
+            pipelined += open_loops.pop()[1]
+    return pipelined, loops
+
+
+def compile_all(archs=ARCHS, modules=KERNEL_MODULES, on_event=None, sample=False,
+                names=None) -> list[dict]:
     """Compiles every config (or, with ``sample`` "pairs" or "values", that
-    ``covering_sample``) in this process;
+    ``covering_sample``; with ``names``, the configs so named) in this process;
     one row per (module, config, arch).
 
     `on_event(row)` is called before each compile (row with "compiling": True) and after.
     """
     if _interpreting():
         raise RuntimeError("compile_all cannot run with TRITON_INTERPRET set; use check()")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     rows = []
     for module_name in modules:
         module = _import_kernel_module(module_name)
         if module is None:
             continue
         configs = module.aot_configs()
+        if names:
+            configs = [cfg for cfg in configs if cfg["name"] in names]
         for cfg in (covering_sample(configs, pairs=_sample_mode(sample) == "pairs") if sample
                     else configs):
             for arch in archs:
@@ -140,17 +188,14 @@ def compile_all(archs=ARCHS, modules=KERNEL_MODULES, on_event=None, sample=False
                 if on_event:
                     on_event(dict(row, compiling=True))
                 try:
-                    src = ASTSource(fn=cfg["fn"], signature=cfg["signature"], constexprs=cfg["constexprs"])
-                    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                                              options={"num_warps": cfg["num_warps"],
-                                                       "num_stages": cfg["num_stages"],
-                                                       **cfg.get("options", {})})
+                    compiled = compile_config(cfg, arch)
                     usage = _resource_usage(compiled.asm["cubin"], compiled.metadata.name)
                     # Triton's shared memory is dynamic: the cubin's SHARED omits it.
                     usage["SHARED"] = max(usage["SHARED"], int(compiled.metadata.shared))
                     row.update(usage)
                     row["PROGS/SM"] = programs_per_sm(arch, usage["REG"], cfg["num_warps"],
                                                       usage["SHARED"])
+                    row["PIPELINED"] = "{}/{}".format(*pipelined_loops(compiled.asm["ttgir"]))
                 except Exception as exc:  # noqa: BLE001 - every failure is a row of the report
                     row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
                 rows.append(row)
@@ -200,7 +245,8 @@ def _sample_mode(sample) -> str:
     return sample if sample in ("pairs", "values") else "pairs"
 
 
-def check(archs=ARCHS, modules=KERNEL_MODULES, timeout_s: float = MODULE_TIMEOUT_S, sample=False) -> list[dict]:
+def check(archs=ARCHS, modules=KERNEL_MODULES, timeout_s: float = MODULE_TIMEOUT_S, sample=False,
+          names=None) -> list[dict]:
     """compile_all, one subprocess per module (without TRITON_INTERPRET) and a time limit.
 
     A module that runs past `timeout_s` (e.g. ptxas stuck on one config) keeps the rows it
@@ -210,7 +256,9 @@ def check(archs=ARCHS, modules=KERNEL_MODULES, timeout_s: float = MODULE_TIMEOUT
     rows = []
     for module_name in modules:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--jsonl",
-               "--archs", ",".join(str(a) for a in archs), "--modules", module_name] + (["--sample", _sample_mode(sample)] if sample else [])
+               "--archs", ",".join(str(a) for a in archs), "--modules", module_name]
+        cmd += ["--sample", _sample_mode(sample)] if sample else []
+        cmd += ["--names", ",".join(names)] if names else []
         try:
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
             out, failed = done.stdout, done.returncode != 0
@@ -230,7 +278,7 @@ def check(archs=ARCHS, modules=KERNEL_MODULES, timeout_s: float = MODULE_TIMEOUT
 
 
 def format_table(rows: list[dict]) -> str:
-    columns = _FIELDS + ("WARPS", "PROGS/SM")
+    columns = _FIELDS + ("WARPS", "PROGS/SM", "PIPELINED")
     header = ("module", "config", "arch") + columns + ("error",)
     lines = [[row["module"], row["config"], row["arch"]]
              + [str(row.get(field, "-")) for field in columns] + [row["error"] or ""]
@@ -248,16 +296,20 @@ def main(argv=None) -> int:
                         help="compile in this process, print one JSON line per event (used by check)")
     parser.add_argument("--archs", default=",".join(str(a) for a in ARCHS))
     parser.add_argument("--modules", default=",".join(KERNEL_MODULES))
+    parser.add_argument("--names", default="",
+                        help="only the configurations of these names (comma-separated)")
     parser.add_argument("--sample", nargs="?", const="pairs", choices=("pairs", "values"),
                         help="only a covering sample of each module's configs: every pair of "
                              "option values (default) or every value once")
     args = parser.parse_args(argv)
     archs = tuple(int(a) for a in args.archs.split(","))
     modules = tuple(m for m in args.modules.split(",") if m)
+    names = tuple(n for n in args.names.split(",") if n)
     if args.jsonl:
-        compile_all(archs, modules, on_event=lambda row: print(json.dumps(row), flush=True), sample=args.sample)
+        compile_all(archs, modules, on_event=lambda row: print(json.dumps(row), flush=True),
+                    sample=args.sample, names=names)
         return 0
-    rows = check(archs, modules, sample=args.sample)
+    rows = check(archs, modules, sample=args.sample, names=names)
     print(format_table(rows))
     found = problems(rows)
     for line in found:

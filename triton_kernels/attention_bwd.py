@@ -13,7 +13,8 @@ Two kernels, each writing its outputs exactly once:
   per-row term of d(alpha) (Correia et al. 2019; docs/attention.md, "Gradient of alpha");
 - `entmax_attn_bwd_dkdv_kernel`, one program per key block of one key/value head: dK and
   dV, summing over the query heads of its group (GQA) in a fixed order.
-Both visit only the tiles the forward flagged as holding non-zero weight, and spend the
+Both visit only the tiles the forward flagged as holding non-zero weight, the full ones
+through a list of them (`listed_tiles`, so that the loops are pipelined), and spend the
 causal and key-end masks only on the tiles that cross them.
 """
 import triton
@@ -22,8 +23,8 @@ import triton.language as tl
 from .attention_common import (STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C, STAT_TAU_C,
                                attention_signature, block_sizes, chunk_width, config_space,
                                config_suffix, dot, dot_rows, dropout_scale, full_tiles_end, gap,
-                               held_cols, held_rows, load_rows, launch_config, log2_base,
-                               sensitivity, sequence_bounds, shifted_scores, weights)
+                               held_cols, held_rows, listed_tiles, load_rows, launch_config,
+                               log2_base, sensitivity, sequence_bounds, shifted_scores, weights)
 
 # rows of the backward's per-row buffer
 ROW_DELTA, ROW_DALPHA = 0, 1
@@ -45,48 +46,47 @@ def _row_weights(b_u, b_thr, b_l, am1, inv_am1, ALPHA_KIND: tl.constexpr):
 
 @triton.jit
 def _dq_tile(b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
-             p_mask, stride_mq, stride_mk, p_flags, o_m, start_n, q_len, k_len, head_e, head_ev,
+             p_mask, stride_mq, stride_mk, o_m, start_n, q_len, k_len, head_e, head_ev,
              scale, am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, seed, pid_bh,
              seqlen_q, seqlen_k, dropout_p, need_alpha_grad, b_dq, b_gh,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
              BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
              MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, BOUNDARY: tl.constexpr):
-    """Adds one key tile, when the forward flagged it, to dQ and to sum_j g_j h_j."""
-    if tl.load(p_flags + start_n // BLOCK_N) != 0:
-        o_n = start_n + tl.arange(0, BLOCK_N)
-        b_k = held_rows(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E, BLOCK_EC)  # [BN, BE]
-        if BLOCK_EC >= BLOCK_E:
-            b_kt = tl.trans(b_k)  # one load of k for the scores and for dQ
-        else:
-            b_kt = 0.0
-        b_u = shifted_scores(b_q, b_kt, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq,
-                             stride_mk, o_m, start_n, q_len, k_len, head_e, scale, b_mz,
-                             is_causal, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
-        b_gap, b_p, b_s = _row_weights(b_u, b_tau, b_l, am1, inv_am1, ALPHA_KIND)
-        b_vt = held_cols(p_v, stride_vl, o_n, k_len, head_ev, BLOCK_EV, BLOCK_EC)
-        b_g = dot_rows(b_do, b_vt, p_do, stride_ol, o_m, q_len, p_v, stride_vl, o_n, k_len,
-                       head_ev, BLOCK_EV, BLOCK_EC)  # dL/dp [BM, BN]
-        if HAS_DROPOUT:
-            b_g = b_g * dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
-                                      BLOCK_M, BLOCK_N, HAS_DROPOUT)
-        b_dz = b_s * (b_g - b_delta[:, None])
-        if BLOCK_EC < BLOCK_E:
-            # loaded only now, so that it is not live during the chunked products
-            b_k = load_rows(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E)
-        b_dq += dot(b_dz.to(b_k.dtype), b_k)
-        if need_alpha_grad != 0:
-            # h = -p log p with log p = log(d) / (alpha - 1) - log l
-            # (off the support p = 0 and the log of the base is 0)
-            b_logp = (log2_base(b_gap, ALPHA_KIND) * inv_am1
-                      - tl.log2(b_l)[:, None]) * 0.6931471805599453
-            b_gh -= tl.sum(b_p * b_logp * b_g, 1)
+    """Adds one key tile to dQ and to sum_j g_j h_j."""
+    o_n = start_n + tl.arange(0, BLOCK_N)
+    b_k = held_rows(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E, BLOCK_EC)  # [BN, BE]
+    if BLOCK_EC >= BLOCK_E:
+        b_kt = tl.trans(b_k)  # one load of k for the scores and for dQ
+    else:
+        b_kt = 0.0
+    b_u = shifted_scores(b_q, b_kt, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq,
+                         stride_mk, o_m, start_n, q_len, k_len, head_e, scale, b_mz,
+                         is_causal, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
+    b_gap, b_p, b_s = _row_weights(b_u, b_tau, b_l, am1, inv_am1, ALPHA_KIND)
+    b_vt = held_cols(p_v, stride_vl, o_n, k_len, head_ev, BLOCK_EV, BLOCK_EC)
+    b_g = dot_rows(b_do, b_vt, p_do, stride_ol, o_m, q_len, p_v, stride_vl, o_n, k_len,
+                   head_ev, BLOCK_EV, BLOCK_EC)  # dL/dp [BM, BN]
+    if HAS_DROPOUT:
+        b_g = b_g * dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
+                                  BLOCK_M, BLOCK_N, HAS_DROPOUT)
+    b_dz = b_s * (b_g - b_delta[:, None])
+    if BLOCK_EC < BLOCK_E:
+        # loaded only now, so that it is not live during the chunked products
+        b_k = load_rows(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E)
+    b_dq += dot(b_dz.to(b_k.dtype), b_k)
+    if need_alpha_grad != 0:
+        # h = -p log p with log p = log(d) / (alpha - 1) - log l
+        # (off the support p = 0 and the log of the base is 0)
+        b_logp = (log2_base(b_gap, ALPHA_KIND) * inv_am1
+                  - tl.log2(b_l)[:, None]) * 0.6931471805599453
+        b_gh -= tl.sum(b_p * b_logp * b_g, 1)
     return b_dq, b_gh
 
 
 @triton.jit
 def entmax_attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, dq_ptr, dvec_ptr, stats_ptr, rows_ptr, flags_ptr,
-    mask_ptr, alpha_ptr, seed_ptr, cu_q_ptr, cu_k_ptr,
+    tiles_ptr, mask_ptr, alpha_ptr, seed_ptr, cu_q_ptr, cu_k_ptr,
     stride_qb, stride_qh, stride_ql,
     stride_kb, stride_kh, stride_kl,
     stride_vb, stride_vh, stride_vl,
@@ -125,6 +125,7 @@ def entmax_attn_bwd_dq_kernel(
     p_v = v_ptr + i_b * stride_vb + i_hk * stride_vh + k_start * stride_vl
     p_mask = mask_ptr + i_b * stride_mb + i_h * stride_mh
     p_flags = flags_ptr + (pid_bh.to(tl.int64) * n_qblocks + pid_m) * n_kblocks
+    p_tiles = tiles_ptr + (pid_bh.to(tl.int64) * n_qblocks + pid_m) * n_kblocks
     p_stats = stats_ptr + i_b * stride_sb + i_h * stride_sh + q_start + o_m
     p_rows = rows_ptr + i_b * stride_sb + i_h * stride_sh + q_start + o_m
 
@@ -159,20 +160,25 @@ def entmax_attn_bwd_dq_kernel(
     n_full = full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
     b_dq = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
     b_gh = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum_j g_j h_j for d(alpha)
-    for start_n in range(0, n_full, BLOCK_N):
+    # the full tiles the forward flagged through their list: a pipelined loop
+    n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
+    tl.debug_barrier()
+    for i in range(n_listed):
+        start_n = tl.load(p_tiles + i) * BLOCK_N
         b_dq, b_gh = _dq_tile(
             b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol, p_mask,
-            stride_mq, stride_mk, p_flags, o_m, start_n, q_len, k_len, head_e, head_ev, scale,
+            stride_mq, stride_mk, o_m, start_n, q_len, k_len, head_e, head_ev, scale,
             am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, seed, pid_bh, seqlen_q, seqlen_k,
             dropout_p, need_alpha_grad, b_dq, b_gh, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
             BLOCK_EC, ALPHA_KIND, MASK_KIND, HAS_DROPOUT, False)
     for start_n in range(n_full, kv_end, BLOCK_N):
-        b_dq, b_gh = _dq_tile(
-            b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol, p_mask,
-            stride_mq, stride_mk, p_flags, o_m, start_n, q_len, k_len, head_e, head_ev, scale,
-            am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, seed, pid_bh, seqlen_q, seqlen_k,
-            dropout_p, need_alpha_grad, b_dq, b_gh, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
-            BLOCK_EC, ALPHA_KIND, MASK_KIND, HAS_DROPOUT, True)
+        if tl.load(p_flags + start_n // BLOCK_N) != 0:
+            b_dq, b_gh = _dq_tile(
+                b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
+                p_mask, stride_mq, stride_mk, o_m, start_n, q_len, k_len, head_e, head_ev,
+                scale, am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, seed, pid_bh,
+                seqlen_q, seqlen_k, dropout_p, need_alpha_grad, b_dq, b_gh, BLOCK_M, BLOCK_N,
+                BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND, HAS_DROPOUT, True)
     # a row whose forward was NaN (a NaN or +inf score, stored shift NaN) gets NaN gradients
     b_dq = tl.where((b_mz != b_mz)[:, None], float("nan"), b_dq * scale)
     dq_off = i_b * stride_dqb + i_h * stride_dqh + q_start * stride_dql
@@ -189,49 +195,48 @@ def entmax_attn_bwd_dq_kernel(
 
 @triton.jit
 def _dkdv_tile(b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
-               p_mask, stride_mq, stride_mk, p_flags, p_stats, stride_stat, p_rows, stride_row,
-               o_n, start_n, start_m, q_len, k_len, n_kblocks, head_e, head_ev, scale, am1,
+               p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row,
+               o_n, start_n, start_m, q_len, k_len, head_e, head_ev, scale, am1,
                inv_am1, is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
                BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
                MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, BOUNDARY: tl.constexpr):
-    """Adds one query tile, when the forward flagged it, to dK and dV. Rows past q_len load
-    as zeros (q, dO, the statistics), so their weights and gradients are zero."""
-    if tl.load(p_flags + (start_m // BLOCK_M) * n_kblocks) != 0:
-        o_m = start_m + tl.arange(0, BLOCK_M)
-        m_m = o_m < q_len
-        b_q = held_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, BLOCK_EC)
-        b_do = held_rows(p_do, stride_ol, o_m, q_len, head_ev, BLOCK_EV, BLOCK_EC)
-        b_mz = tl.load(p_stats + o_m + STAT_MAX_C * stride_stat, mask=m_m, other=0.0)
-        b_tau = tl.load(p_stats + o_m + STAT_TAU_C * stride_stat, mask=m_m, other=0.0)
-        b_l = tl.load(p_stats + o_m + STAT_SUM_C * stride_stat, mask=m_m, other=0.0)
-        b_l = tl.where(b_l > 0, b_l, 1.0)
-        b_delta = tl.load(p_rows + o_m + ROW_DELTA_C * stride_row, mask=m_m, other=0.0)
-        b_u = shifted_scores(b_q, b_kt, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq,
-                             stride_mk, o_m, start_n, q_len, k_len, head_e, scale, b_mz,
-                             is_causal, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
-        b_gap, b_p, b_s = _row_weights(b_u, b_tau, b_l, am1, inv_am1, ALPHA_KIND)
-        b_g = dot_rows(b_do, b_vt, p_do, stride_ol, o_m, q_len, p_v, stride_vl, o_n, k_len,
-                       head_ev, BLOCK_EV, BLOCK_EC)  # [BM, BN]
-        if HAS_DROPOUT:
-            b_drop = dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
-                                   BLOCK_M, BLOCK_N, HAS_DROPOUT)
-            b_g = b_g * b_drop
-            b_p = b_p * b_drop
-        b_dz = b_s * (b_g - b_delta[:, None])
-        if BLOCK_EC < BLOCK_E:
-            # loaded only now, so that they are not live during the chunked products
-            b_q = load_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E)
-        if BLOCK_EC < BLOCK_EV:
-            b_do = load_rows(p_do, stride_ol, o_m, q_len, head_ev, BLOCK_EV)
-        b_dv += dot(tl.trans(b_p.to(b_do.dtype)), b_do)
-        b_dk += dot(tl.trans(b_dz.to(b_q.dtype)), b_q)
+    """Adds one query tile to dK and dV. Rows past q_len load as zeros (q, dO, the
+    statistics), so their weights and gradients are zero."""
+    o_m = start_m + tl.arange(0, BLOCK_M)
+    m_m = o_m < q_len
+    b_q = held_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, BLOCK_EC)
+    b_do = held_rows(p_do, stride_ol, o_m, q_len, head_ev, BLOCK_EV, BLOCK_EC)
+    b_mz = tl.load(p_stats + o_m + STAT_MAX_C * stride_stat, mask=m_m, other=0.0)
+    b_tau = tl.load(p_stats + o_m + STAT_TAU_C * stride_stat, mask=m_m, other=0.0)
+    b_l = tl.load(p_stats + o_m + STAT_SUM_C * stride_stat, mask=m_m, other=0.0)
+    b_l = tl.where(b_l > 0, b_l, 1.0)
+    b_delta = tl.load(p_rows + o_m + ROW_DELTA_C * stride_row, mask=m_m, other=0.0)
+    b_u = shifted_scores(b_q, b_kt, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq,
+                         stride_mk, o_m, start_n, q_len, k_len, head_e, scale, b_mz,
+                         is_causal, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
+    b_gap, b_p, b_s = _row_weights(b_u, b_tau, b_l, am1, inv_am1, ALPHA_KIND)
+    b_g = dot_rows(b_do, b_vt, p_do, stride_ol, o_m, q_len, p_v, stride_vl, o_n, k_len,
+                   head_ev, BLOCK_EV, BLOCK_EC)  # [BM, BN]
+    if HAS_DROPOUT:
+        b_drop = dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
+                               BLOCK_M, BLOCK_N, HAS_DROPOUT)
+        b_g = b_g * b_drop
+        b_p = b_p * b_drop
+    b_dz = b_s * (b_g - b_delta[:, None])
+    if BLOCK_EC < BLOCK_E:
+        # loaded only now, so that they are not live during the chunked products
+        b_q = load_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E)
+    if BLOCK_EC < BLOCK_EV:
+        b_do = load_rows(p_do, stride_ol, o_m, q_len, head_ev, BLOCK_EV)
+    b_dv += dot(tl.trans(b_p.to(b_do.dtype)), b_do)
+    b_dk += dot(tl.trans(b_dz.to(b_q.dtype)), b_q)
     return b_dk, b_dv
 
 
 @triton.jit
 def entmax_attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, stats_ptr, rows_ptr, flags_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, stats_ptr, rows_ptr, flags_ptr, tiles_ptr,
     mask_ptr, alpha_ptr, seed_ptr, cu_q_ptr, cu_k_ptr,
     stride_qb, stride_qh, stride_ql,
     stride_kb, stride_kh, stride_kl,
@@ -281,6 +286,7 @@ def entmax_attn_bwd_dkdv_kernel(
     if start_n + BLOCK_N > k_len:
         m_full = q_len
     m_full = tl.minimum(m_full, q_len)
+    p_tiles = tiles_ptr + (pid_bhk.to(tl.int64) * n_kblocks + pid_n) * n_qblocks
     b_dk = tl.zeros([BLOCK_N, BLOCK_E], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_EV], dtype=tl.float32)
     for i_g in range(0, kv_group):
@@ -296,19 +302,27 @@ def entmax_attn_bwd_dkdv_kernel(
         p_stats = stats_ptr + i_b * stride_sb + i_h * stride_sh + q_start
         p_rows = rows_ptr + i_b * stride_sb + i_h * stride_sh + q_start
         for start_m in range(m_begin, m_full, BLOCK_M):
+            if tl.load(p_flags + (start_m // BLOCK_M) * n_kblocks) != 0:
+                b_dk, b_dv = _dkdv_tile(
+                    b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
+                    p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row,
+                    o_n, start_n, start_m, q_len, k_len, head_e, head_ev, scale, am1, inv_am1,
+                    is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
+                    BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND,
+                    HAS_DROPOUT, True)
+        # the full query tiles the forward flagged through their list: a pipelined loop
+        # (the list of the previous head of the group is read to the end first)
+        tl.debug_barrier()
+        n_listed = listed_tiles(p_flags, n_kblocks, tl.cdiv(m_full, BLOCK_M),
+                                tl.cdiv(q_len, BLOCK_M), p_tiles)
+        tl.debug_barrier()
+        for i in range(n_listed):
+            start_m = tl.load(p_tiles + i) * BLOCK_M
             b_dk, b_dv = _dkdv_tile(
                 b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
-                p_mask, stride_mq, stride_mk, p_flags, p_stats, stride_stat, p_rows, stride_row,
-                o_n, start_n, start_m, q_len, k_len, n_kblocks, head_e, head_ev, scale, am1,
-                inv_am1, is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
-                BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND,
-                HAS_DROPOUT, True)
-        for start_m in range(m_full, q_len, BLOCK_M):
-            b_dk, b_dv = _dkdv_tile(
-                b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
-                p_mask, stride_mq, stride_mk, p_flags, p_stats, stride_stat, p_rows, stride_row,
-                o_n, start_n, start_m, q_len, k_len, n_kblocks, head_e, head_ev, scale, am1,
-                inv_am1, is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
+                p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row,
+                o_n, start_n, start_m, q_len, k_len, head_e, head_ev, scale, am1, inv_am1,
+                is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
                 BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND,
                 HAS_DROPOUT, False)
     dk_off = i_b * stride_dkb + i_hk * stride_dkh + k_start * stride_dkl

@@ -68,15 +68,19 @@ def launch_config(kernel, block_e, dtype_key, mask_kind=common.MASK_NONE):
     E 64 (8 warps 7.5 ms), 4.77 ms at E 128 (8 warps, 2 stages 9.85 ms). Backward, 4 warps
     and 1 stage: training step 5.6 ms at E 64 (8 warps 7.3 ms), 13.6 ms at E 128 (16.4 ms;
     both with the forward at 8 warps).
-    Not timed, so still chosen from compiles: a forward that reads an attn_mask takes 8
-    warps (its mask tiles left a 1.8 KB stack frame at 4 warps on sm_90, 0.4 KB at 8), and
-    E 256 takes 8 warps everywhere.
+    Those backward timings were taken while every backward loop tested a flag before its
+    loads, which Triton cannot pipeline, so the stage count did nothing there; the loops
+    now run over lists of the flagged tiles (`listed_tiles`) and the backward takes 2
+    stages, like the measured forward's pipelined loops. Not timed yet (an estimate to
+    re-measure with bench/tune_attention.py): that, a forward that reads an attn_mask (8
+    warps: its mask tiles left a 1.8 KB stack frame at 4 warps on sm_90, 0.4 KB at 8), and
+    E 256 (8 warps everywhere).
     """
     if dtype_key == "fp32":
         return 4, (2 if block_e <= 64 else 1)
     if block_e <= 128:
         if kernel != "fwd":
-            return 4, 1
+            return 4, 2
         if mask_kind == common.MASK_NONE:
             return 4, 3
         return 8, 2
@@ -231,6 +235,31 @@ def full_tiles_end(start_m, k_len, is_causal, BLOCK_N: tl.constexpr):
     return (n_end // BLOCK_N) * BLOCK_N
 
 
+# Flags compacted per call of `listed_tiles`: one vector of this many at a time.
+LIST_CHUNK = tl.constexpr(128)
+
+
+@triton.jit
+def listed_tiles(p_flags, stride_flag, first, end, p_list):
+    """Writes the indices first <= i < end whose flag p_flags[i * stride_flag] is set to
+    p_list[0:count], in increasing order, and returns count.
+
+    A loop that skips unflagged tiles inside an `if` is not software-pipelined (Triton
+    overlaps only the loads at a loop's top level with earlier iterations' work), so each
+    tile then waits for its own loads. A loop over this list loads every tile it visits
+    unconditionally and is pipelined. Several threads write the list: the caller puts a
+    barrier between writing and reading it, and between reading it and writing it again.
+    """
+    count = first * 0
+    for start in range(first, end, LIST_CHUNK):
+        o_i = start + tl.arange(0, LIST_CHUNK)
+        b_set = (tl.load(p_flags + o_i * stride_flag, mask=o_i < end, other=0) != 0).to(tl.int32)
+        b_pos = count + tl.cumsum(b_set, 0) - b_set
+        tl.store(p_list + b_pos, o_i, mask=b_set != 0)
+        count += tl.sum(b_set, 0)
+    return count
+
+
 @triton.jit
 def dot(b_a, b_b):
     """Tensor-core matmul with fp32 accumulation; fp32 operands use three TF32 products
@@ -321,7 +350,7 @@ MASK_KINDS = (common.MASK_NONE, common.MASK_BOOL, common.MASK_ADDITIVE)
 POINTER_TYPES = {"q_ptr": TENSOR, "k_ptr": TENSOR, "v_ptr": TENSOR, "o_ptr": TENSOR,
                  "do_ptr": TENSOR, "dq_ptr": TENSOR, "dk_ptr": TENSOR, "dv_ptr": TENSOR,
                  "dvec_ptr": "*fp32", "stats_ptr": "*fp32", "rows_ptr": "*fp32",
-                 "flags_ptr": "*i8", "alpha_ptr": "*fp32", "seed_ptr": "*i64",
+                 "flags_ptr": "*i8", "tiles_ptr": "*i32", "alpha_ptr": "*fp32", "seed_ptr": "*i64",
                  "cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}
 FLOAT_PARAMETERS = ("scale", "dropout_p")
 

@@ -17,7 +17,9 @@ scaled, masked scores and u = (alpha - 1)(z - max z), the threshold tau lies in 
    (at most MAX_TAU_PASSES); bench/bench_attention_passes.py counts them;
 3. each threshold pass visits only the tiles the previous pass flagged and flags those
    holding a score above its t (a lower bound of tau, which only rises), so on local
-   attention every pass after the maximum touches only the tiles near each query;
+   attention every pass after the maximum touches only the tiles near each query. The
+   passes loop over a list of the flagged tiles (`listed_tiles`, in tiles_ptr's scratch),
+   not over flags tested inside the loop, so that Triton pipelines their loads;
 4. the output pass visits the flagged tiles, divides by the row sum of the weights (every
    output row is an exact convex combination whatever tau's residual error) and rewrites
    the flags to "holds a non-zero weight" for the backward.
@@ -41,7 +43,8 @@ from .attention_common import (MAX_TAU_PASSES_C, STAT_ENTROPY_C, STAT_MAX_C, STA
                                STAT_TAU_C, TAU_STEP_TOL_C, attention_signature, block_sizes,
                                chunk_width, config_space, config_suffix, dot, dropout_scale,
                                full_tiles_end, gap, held_cols, held_rows, launch_config,
-                               log2_base, sensitivity, sequence_bounds, shifted_scores, weights)
+                               listed_tiles, log2_base, sensitivity, sequence_bounds,
+                               shifted_scores, weights)
 from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX, GRAD_ALPHA, GRAD_INPUTS
 
 
@@ -167,57 +170,60 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
                     TWO: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr,
                     ALPHA_KIND: tl.constexpr, BOUNDARY: tl.constexpr):
-    """Adds one key tile to the sums at threshold t0 (and t1 when TWO), unless the previous
-    pass left it unflagged: t0 is a lower bound of tau that only rises, so a tile with no
-    score above the previous pass's t0 has none above this one. Rewrites the tile's flag:
-    does any row have a score above t0?"""
-    if tl.load(p_flags + start_n // BLOCK_N) != 0:
-        b_u = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                          start_n, q_len, k_len, head_e, scale, b_shift, is_causal,
-                          BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
-        b_a, b_b, b_c, b_n = _moments(gap(b_u, b_t0, inv_am1, ALPHA_KIND), inv_am1, ALPHA_KIND)
-        b_a0 += b_a
-        b_b0 += b_b
-        b_c0 += b_c
-        b_n0 = tl.minimum(b_n0, b_n)
-        # rows without a threshold (masked, NaN, past the end) must not keep tiles alive
-        b_alive = tl.max(tl.where(m_rows, b_b, 0.0), 0)
-        tl.store(p_flags + start_n // BLOCK_N, (b_alive > 0).to(tl.int8))
-        if TWO:
-            b_a, b_b, b_c, b_n = _moments(gap(b_u, b_t1, inv_am1, ALPHA_KIND), inv_am1,
-                                          ALPHA_KIND)
-            b_a1 += b_a
-            b_b1 += b_b
-            b_c1 += b_c
-            b_n1 = tl.minimum(b_n1, b_n)
+    """Adds one key tile to the sums at threshold t0 (and t1 when TWO) and rewrites its
+    flag: does any row have a score above t0? t0 is a lower bound of tau that only rises, so
+    a tile with none has none above any later pass's t0 either."""
+    b_u = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
+                      start_n, q_len, k_len, head_e, scale, b_shift, is_causal,
+                      BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
+    b_a, b_b, b_c, b_n = _moments(gap(b_u, b_t0, inv_am1, ALPHA_KIND), inv_am1, ALPHA_KIND)
+    b_a0 += b_a
+    b_b0 += b_b
+    b_c0 += b_c
+    b_n0 = tl.minimum(b_n0, b_n)
+    # rows without a threshold (masked, NaN, past the end) must not keep tiles alive
+    b_alive = tl.max(tl.where(m_rows, b_b, 0.0), 0)
+    tl.store(p_flags + start_n // BLOCK_N, (b_alive > 0).to(tl.int8))
+    if TWO:
+        b_a, b_b, b_c, b_n = _moments(gap(b_u, b_t1, inv_am1, ALPHA_KIND), inv_am1, ALPHA_KIND)
+        b_a1 += b_a
+        b_b1 += b_b
+        b_c1 += b_c
+        b_n1 = tl.minimum(b_n1, b_n)
     return b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1
 
 
 @triton.jit
 def _threshold_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                     start_m, q_len, k_len, kv_end, head_e, scale, b_shift, is_causal,
-                    b_t0, b_t1, m_rows, p_flags, inv_am1,
+                    b_t0, b_t1, m_rows, p_flags, p_tiles, inv_am1,
                     TWO: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
                     MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr):
-    """One pass over the keys: the `_moments` sums at t0 (and t1), inner tiles first."""
+    """One pass over the tiles the previous pass flagged: the `_moments` sums at t0 (and
+    t1). The full tiles through their list (`listed_tiles`: a pipelined loop), the few that
+    cross a mask's edge through their flags."""
     b_zero = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_inf = tl.full([BLOCK_M], float("inf"), dtype=tl.float32)
     b_a0, b_b0, b_c0, b_n0 = b_zero, b_zero, b_zero, b_inf
     b_a1, b_b1, b_c1, b_n1 = b_zero, b_zero, b_zero, b_inf
     n_full = full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
-    for start_n in range(0, n_full, BLOCK_N):
+    n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
+    tl.debug_barrier()
+    for i in range(n_listed):
+        start_n = tl.load(p_tiles + i) * BLOCK_N
         b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_tile(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_n,
             q_len, k_len, head_e, scale, b_shift, is_causal, b_t0, b_t1, m_rows,
             p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
             TWO, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, False)
     for start_n in range(n_full, kv_end, BLOCK_N):
-        b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_tile(
-            b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_n,
-            q_len, k_len, head_e, scale, b_shift, is_causal, b_t0, b_t1, m_rows,
-            p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
-            TWO, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, True)
+        if tl.load(p_flags + start_n // BLOCK_N) != 0:
+            b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_tile(
+                b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
+                start_n, q_len, k_len, head_e, scale, b_shift, is_causal, b_t0, b_t1, m_rows,
+                p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
+                TWO, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, True)
     return b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1
 
 
@@ -296,47 +302,44 @@ def _output_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, st
                  BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr,
                  ALPHA_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                  NEED_GRAD: tl.constexpr, BOUNDARY: tl.constexpr):
-    """Adds one flagged key tile to the output sums; rewrites its flag to "holds a non-zero
-    weight" and skips the products when it does not."""
-    if tl.load(p_flags + start_n // BLOCK_N) != 0:
-        b_u = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                          start_n, q_len, k_len, head_e, scale, b_mz, is_causal,
-                          BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
-        b_g = gap(b_u, b_tau, inv_am1, ALPHA_KIND)  # [BM, BN]
-        b_p = weights(b_g, inv_am1, ALPHA_KIND)
-        b_prow = tl.sum(b_p, 1)
-        b_sum += b_prow
-        b_alive = tl.max(tl.where(m_rows, b_prow, 0.0), 0) > 0
-        tl.store(p_flags + start_n // BLOCK_N, b_alive.to(tl.int8))
-        if b_alive:
-            o_n = start_n + tl.arange(0, BLOCK_N)
-            o_ev = tl.arange(0, BLOCK_EV)
-            b_v = tl.load(p_v + o_n[:, None] * stride_vl + o_ev[None, :],
-                          mask=(o_n[:, None] < k_len) & (o_ev[None, :] < head_ev),
-                          other=0.0)  # [BN, BEV]
-            b_drop = dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
-                                   BLOCK_M, BLOCK_N, HAS_DROPOUT)
-            if HAS_DROPOUT:
-                b_acc += dot((b_p * b_drop).to(b_v.dtype), b_v)
-            else:
-                b_acc += dot(b_p.to(b_v.dtype), b_v)
-            if NEED_GRAD >= GRAD_INPUTS:
-                b_s = sensitivity(b_g, inv_am1, ALPHA_KIND)
-                b_ssum += tl.sum(b_s, 1)
-                if HAS_DROPOUT:
-                    b_dacc += dot((b_s * b_drop).to(b_v.dtype), b_v)
-                else:
-                    b_dacc += dot(b_s.to(b_v.dtype), b_v)
-            if NEED_GRAD >= GRAD_ALPHA:
-                # p log p = p * log(base) / (alpha - 1)
-                b_plogp += tl.sum(b_p * log2_base(b_g, ALPHA_KIND), 1) * (
-                    inv_am1 * 0.6931471805599453)
+    """Adds one key tile to the output sums and rewrites its flag to "holds a non-zero
+    weight". The tiles the last threshold pass kept hold weight almost always: the products
+    run unconditionally, which keeps the loop pipelined."""
+    b_u = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
+                      start_n, q_len, k_len, head_e, scale, b_mz, is_causal,
+                      BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
+    b_g = gap(b_u, b_tau, inv_am1, ALPHA_KIND)  # [BM, BN]
+    b_p = weights(b_g, inv_am1, ALPHA_KIND)
+    b_prow = tl.sum(b_p, 1)
+    b_sum += b_prow
+    b_alive = tl.max(tl.where(m_rows, b_prow, 0.0), 0) > 0
+    tl.store(p_flags + start_n // BLOCK_N, b_alive.to(tl.int8))
+    o_n = start_n + tl.arange(0, BLOCK_N)
+    o_ev = tl.arange(0, BLOCK_EV)
+    b_v = tl.load(p_v + o_n[:, None] * stride_vl + o_ev[None, :],
+                  mask=(o_n[:, None] < k_len) & (o_ev[None, :] < head_ev), other=0.0)  # [BN, BEV]
+    b_drop = dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
+                           BLOCK_M, BLOCK_N, HAS_DROPOUT)
+    if HAS_DROPOUT:
+        b_acc += dot((b_p * b_drop).to(b_v.dtype), b_v)
+    else:
+        b_acc += dot(b_p.to(b_v.dtype), b_v)
+    if NEED_GRAD >= GRAD_INPUTS:
+        b_s = sensitivity(b_g, inv_am1, ALPHA_KIND)
+        b_ssum += tl.sum(b_s, 1)
+        if HAS_DROPOUT:
+            b_dacc += dot((b_s * b_drop).to(b_v.dtype), b_v)
+        else:
+            b_dacc += dot(b_s.to(b_v.dtype), b_v)
+    if NEED_GRAD >= GRAD_ALPHA:
+        # p log p = p * log(base) / (alpha - 1)
+        b_plogp += tl.sum(b_p * log2_base(b_g, ALPHA_KIND), 1) * (inv_am1 * 0.6931471805599453)
     return b_sum, b_ssum, b_plogp, b_acc, b_dacc
 
 
 @triton.jit
 def entmax_attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, dvec_ptr, stats_ptr, flags_ptr, mask_ptr, alpha_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, dvec_ptr, stats_ptr, flags_ptr, tiles_ptr, mask_ptr, alpha_ptr,
     seed_ptr, cu_q_ptr, cu_k_ptr,
     stride_qb, stride_qh, stride_ql,
     stride_kb, stride_kh, stride_kl,
@@ -370,6 +373,7 @@ def entmax_attn_fwd_kernel(
     p_v = v_ptr + i_b * stride_vb + i_hk * stride_vh + k_start * stride_vl
     p_mask = mask_ptr + i_b * stride_mb + i_h * stride_mh
     p_flags = flags_ptr + (pid_bh.to(tl.int64) * n_qblocks + pid_m) * n_kblocks
+    p_tiles = tiles_ptr + (pid_bh.to(tl.int64) * n_qblocks + pid_m) * n_kblocks
 
     b_q = held_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, BLOCK_EC)  # [BM, BE]
     alpha = tl.load(alpha_ptr + i_h).to(tl.float32)
@@ -403,7 +407,7 @@ def entmax_attn_fwd_kernel(
         b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_m, q_len,
         k_len, kv_end, head_e, scale, b_mz, is_causal, _threshold_in_z(b_lo, inv_am1, ALPHA_KIND),
         _threshold_in_z(b_mid, inv_am1, ALPHA_KIND), m_rows,
-        p_flags, inv_am1, True, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
+        p_flags, p_tiles, inv_am1, True, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
     b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
     b_a1, b_b1, b_c1, b_n1 = _sums_in_u(b_a1, b_b1, b_c1, b_n1, am1, inv_am1, ALPHA_KIND)
     b_lo, b_hi, b_tau, m_done = _update_threshold(b_lo, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi,
@@ -418,7 +422,7 @@ def entmax_attn_fwd_kernel(
         b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_pass(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_m,
             q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, b_t0, b_t0, m_rows, p_flags,
-            inv_am1, False, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
+            p_tiles, inv_am1, False, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
         b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
         b_lo, b_hi, b_tau, m_done = _update_threshold(b_lo, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi,
                                                       b_tau, m_done, am1, ALPHA_KIND)
@@ -437,7 +441,10 @@ def entmax_attn_fwd_kernel(
     b_acc = tl.zeros([BLOCK_M, BLOCK_EV], dtype=tl.float32)
     b_dacc = tl.zeros([BLOCK_M, BLOCK_EV], dtype=tl.float32)
     n_full = full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
-    for start_n in range(0, n_full, BLOCK_N):
+    n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
+    tl.debug_barrier()
+    for i in range(n_listed):
+        start_n = tl.load(p_tiles + i) * BLOCK_N
         b_sum, b_ssum, b_plogp, b_acc, b_dacc = _output_tile(
             b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq, stride_mk,
             o_m, start_n, q_len, k_len, head_e, head_ev, scale, inv_am1, b_mz, b_tau,
@@ -445,12 +452,13 @@ def entmax_attn_fwd_kernel(
             b_sum, b_ssum, b_plogp, b_acc, b_dacc, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
             BLOCK_EC, MASK_KIND, ALPHA_KIND, HAS_DROPOUT, NEED_GRAD, False)
     for start_n in range(n_full, kv_end, BLOCK_N):
-        b_sum, b_ssum, b_plogp, b_acc, b_dacc = _output_tile(
-            b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq, stride_mk,
-            o_m, start_n, q_len, k_len, head_e, head_ev, scale, inv_am1, b_mz, b_tau,
-            m_rows, is_causal, p_flags, seed, pid_bh, seqlen_q, seqlen_k, dropout_p,
-            b_sum, b_ssum, b_plogp, b_acc, b_dacc, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
-            BLOCK_EC, MASK_KIND, ALPHA_KIND, HAS_DROPOUT, NEED_GRAD, True)
+        if tl.load(p_flags + start_n // BLOCK_N) != 0:
+            b_sum, b_ssum, b_plogp, b_acc, b_dacc = _output_tile(
+                b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq,
+                stride_mk, o_m, start_n, q_len, k_len, head_e, head_ev, scale, inv_am1, b_mz,
+                b_tau, m_rows, is_causal, p_flags, seed, pid_bh, seqlen_q, seqlen_k, dropout_p,
+                b_sum, b_ssum, b_plogp, b_acc, b_dacc, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
+                BLOCK_EC, MASK_KIND, ALPHA_KIND, HAS_DROPOUT, NEED_GRAD, True)
 
     m_pos = b_sum > 0
     b_sum_safe = tl.where(m_pos, b_sum, 1.0)

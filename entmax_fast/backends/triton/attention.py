@@ -69,6 +69,12 @@ class _Geometry:
         self.n_qblocks = triton.cdiv(max(self.seqlen_q, 1), self.block_m)
         self.n_kblocks = triton.cdiv(max(self.seqlen_k, 1), self.block_n)
 
+    def tile_lists(self, device):
+        """Scratch of the kernels' lists of flagged tiles (attention_common.listed_tiles):
+        one list of key tiles per query block, or (backward) of query tiles per key block."""
+        return torch.empty(self.batch * self.n_heads * self.n_qblocks * self.n_kblocks,
+                           dtype=torch.int32, device=device)
+
     def out_shape(self, q, head_dim):
         if self.varlen:
             return (q.shape[0], self.n_heads, head_dim)
@@ -135,7 +141,7 @@ def _launch_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is_c
     fwd_warps, fwd_stages = attention_common.launch_config("fwd", geo.block_e, geo.dtype_key,
                                                            mask_kind)
     attention_fwd.entmax_attn_fwd_kernel[grid](
-        q, k, v, out, dvec, stats, flags, mask, alpha, seed,
+        q, k, v, out, dvec, stats, flags, geo.tile_lists(q.device), mask, alpha, seed,
         cu_q if geo.varlen else cu_dummy, cu_k if geo.varlen else cu_dummy,
         *geo.q_strides, *geo.k_strides, *geo.v_strides, *geo.token_strides(out),
         *mask_strides, *geo.stats_strides(stats),
@@ -170,9 +176,11 @@ def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha
     if geo.batch * geo.n_heads == 0 or geo.seqlen_q == 0 or geo.seqlen_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), torch.zeros_like(alpha)
     sb, sh, sstat = geo.stats_strides(stats)
+    tiles = geo.tile_lists(q.device)
     # dq first: it writes delta = dO . D per row, which the dk/dv kernel reads
     attention_bwd.entmax_attn_bwd_dq_kernel[(geo.n_qblocks, geo.batch * geo.n_heads)](
-        q, k, v, o, do, dq, dvec, stats, rows, flags, mask, alpha, seed, cu_q_arg, cu_k_arg,
+        q, k, v, o, do, dq, dvec, stats, rows, flags, tiles, mask, alpha, seed, cu_q_arg,
+        cu_k_arg,
         *geo.q_strides, *geo.k_strides, *geo.v_strides, *geo.token_strides(o),
         *geo.token_strides(dq), *mask_strides, sb, sh, sstat, rows.stride(0),
         geo.n_heads, geo.kv_group, geo.seqlen_q, geo.seqlen_k, geo.n_qblocks, geo.n_kblocks,
@@ -185,7 +193,7 @@ def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha
         num_warps=geo.launch["dq"][0], num_stages=geo.launch["dq"][1],
     )
     attention_bwd.entmax_attn_bwd_dkdv_kernel[(geo.n_kblocks, geo.batch * geo.n_kv_heads)](
-        q, k, v, do, dk, dv, stats, rows, flags, mask, alpha, seed, cu_q_arg, cu_k_arg,
+        q, k, v, do, dk, dv, stats, rows, flags, tiles, mask, alpha, seed, cu_q_arg, cu_k_arg,
         *geo.q_strides, *geo.k_strides, *geo.v_strides, *geo.token_strides(o),
         *geo.token_strides(dk), *geo.token_strides(dv), *mask_strides, sb, sh, sstat,
         rows.stride(0), geo.n_heads, geo.n_kv_heads, geo.kv_group, geo.seqlen_q, geo.seqlen_k,
