@@ -230,6 +230,26 @@ def _dropout_factors_kernel(out_ptr, seed_ptr, n_heads, seqlen_q, seqlen_k, drop
             tl.store(p_out, b_drop, mask=(o_m[:, None] < seqlen_q) & (o_n[None, :] < seqlen_k))
 
 
+@triton.jit
+def _listed_tiles_kernel(flags_ptr, stride_flag, first, end, list_ptr, count_ptr):
+    count = attention_common.listed_tiles(flags_ptr, stride_flag, first, end, list_ptr)
+    tl.store(count_ptr, count)
+
+
+@pytest.mark.parametrize("n, stride, first, end", [(300, 1, 0, 300), (300, 3, 7, 95),
+                                                   (5, 1, 2, 2), (129, 1, 0, 129)])
+def test_listed_tiles_lists_the_flagged_indices_in_order(n, stride, first, end):
+    """The compaction the kernels' tile loops run over, across several chunks of flags."""
+    flags = (torch.rand(n * stride) < 0.4).to(torch.int8)
+    tiles = torch.full((n,), -1, dtype=torch.int32)
+    count = torch.zeros(1, dtype=torch.int32)
+    _listed_tiles_kernel[(1,)](flags, stride, first, end, tiles, count)
+    i = torch.arange(first, end)
+    expected = i[flags[i * stride] != 0]
+    assert int(count) == len(expected)
+    assert torch.equal(tiles[:len(expected)].long().cpu(), expected.cpu())
+
+
 def test_dropout_mask_is_regenerated_in_backward():
     b, h, lq, lk, e, dropout_p = 1, 2, 63, 70, 16, 0.3
     alpha = _alpha("per-head", h)
