@@ -24,7 +24,8 @@ from .attention_common import (STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C, STAT_TAU_
                                attention_signature, block_sizes, chunk_width, config_space,
                                config_suffix, dot, dot_rows, dropout_scale, full_tiles_end, gap,
                                held_cols, held_rows, listed_tiles, load_rows, launch_config,
-                               log2_base, sensitivity, sequence_bounds, shifted_scores, weights)
+                               log2_base, query_block, sensitivity, sequence_bounds,
+                               shifted_scores, weights)
 
 # rows of the backward's per-row buffer
 ROW_DELTA, ROW_DALPHA = 0, 1
@@ -102,7 +103,7 @@ def entmax_attn_bwd_dq_kernel(
 ):
     """dQ for one query block; o, do and dvec share strides. dq has its own: q may be a
     view a fresh tensor cannot copy the strides of (a slice of a fused projection)."""
-    pid_m = tl.program_id(0)
+    pid_m = query_block(tl.program_id(0), n_qblocks, is_causal)
     pid_bh = tl.program_id(1)
     i_b = (pid_bh // n_heads).to(tl.int64)
     i_h = (pid_bh % n_heads).to(tl.int64)

@@ -225,6 +225,15 @@ def shifted_scores(b_q, b_kt, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_b
 
 
 @triton.jit
+def query_block(pid, n_qblocks, is_causal):
+    """The query block a program handles. Causal, the last blocks see the most keys: they
+    are launched first, so that the grid does not end on a few long programs."""
+    if is_causal != 0:
+        pid = n_qblocks - 1 - pid
+    return pid
+
+
+@triton.jit
 def full_tiles_end(start_m, k_len, is_causal, BLOCK_N: tl.constexpr):
     """End of the key tiles that need neither the key-end nor the causal mask for the query
     block starting at start_m: tile [n, n + BN) is inside when n + BN <= k_len and, causal,

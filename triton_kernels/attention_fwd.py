@@ -43,8 +43,8 @@ from .attention_common import (MAX_TAU_PASSES_C, STAT_ENTROPY_C, STAT_MAX_C, STA
                                STAT_TAU_C, TAU_STEP_TOL_C, attention_signature, block_sizes,
                                chunk_width, config_space, config_suffix, dot, dropout_scale,
                                full_tiles_end, gap, held_cols, held_rows, launch_config,
-                               listed_tiles, log2_base, sensitivity, sequence_bounds,
-                               shifted_scores, weights)
+                               listed_tiles, log2_base, query_block, sensitivity,
+                               sequence_bounds, shifted_scores, weights)
 from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX, GRAD_ALPHA, GRAD_INPUTS
 
 
@@ -354,7 +354,7 @@ def entmax_attn_fwd_kernel(
     MASK_KIND: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     NEED_GRAD: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    pid_m = query_block(tl.program_id(0), n_qblocks, is_causal)
     pid_bh = tl.program_id(1)
     i_b = (pid_bh // n_heads).to(tl.int64)
     i_h = (pid_bh % n_heads).to(tl.int64)
