@@ -74,7 +74,8 @@ def launch_config(kernel, block_e, dtype_key, mask_kind=common.MASK_NONE):
     stages, like the measured forward's pipelined loops. Not timed yet (an estimate to
     re-measure with bench/tune_attention.py): that, a forward that reads an attn_mask (8
     warps: its mask tiles left a 1.8 KB stack frame at 4 warps on sm_90, 0.4 KB at 8), and
-    E 256 (8 warps everywhere).
+    E 256 (8 warps everywhere; 2 stages where they add no stack on sm_90, the forward and
+    dQ; dK/dV keeps 1, its 2-stage buffers reach A100's shared-memory limit).
     """
     if dtype_key == "fp32":
         return 4, (2 if block_e <= 64 else 1)
@@ -84,7 +85,7 @@ def launch_config(kernel, block_e, dtype_key, mask_kind=common.MASK_NONE):
         if mask_kind == common.MASK_NONE:
             return 4, 3
         return 8, 2
-    return 8, 1
+    return 8, (1 if kernel == "dkdv" else 2)
 
 
 # Head-dim chunk (BLOCK_EC) of the q.k and dO.v products, per (kernel, dtype) and padded
