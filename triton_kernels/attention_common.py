@@ -75,10 +75,11 @@ def launch_config(kernel, block_e, dtype_key, mask_kind=common.MASK_NONE):
     re-measure with bench/tune_attention.py): that, a forward that reads an attn_mask (8
     warps: its mask tiles left a 1.8 KB stack frame at 4 warps on sm_90, 0.4 KB at 8), and
     E 256 (8 warps everywhere; 2 stages where they add no stack on sm_90, the forward and
-    dQ; dK/dV keeps 1, its 2-stage buffers reach A100's shared-memory limit).
+    dQ; dK/dV keeps 1, its 2-stage buffers reach A100's shared-memory limit). fp32: 2
+    stages (dK/dV above E 64 keeps 1: 2 add 40-70 bytes of stack there, none elsewhere).
     """
     if dtype_key == "fp32":
-        return 4, (2 if block_e <= 64 else 1)
+        return 4, (1 if kernel == "dkdv" and block_e > 64 else 2)
     if block_e <= 128:
         if kernel != "fwd":
             return 4, 2
