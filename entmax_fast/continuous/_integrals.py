@@ -1,4 +1,5 @@
-"""The integral every truncated density reduces to, and the dtype it is computed in.
+"""The integral every truncated density reduces to, the dtype it is computed in, and the
+autograd half the expectations share (`ExpectationFunction`).
 
 ``T_P(z, h) = integral_{-1}^{1} P(y) phi(z + h y) dy`` for polynomials P (phi the standard
 normal pdf): the 1-D truncated densities and the radial part of the 2-D sparsemax are such
@@ -103,3 +104,45 @@ def _poly_gauss_integrals(polys: Sequence[Sequence[float]], z: Tensor, h: Tensor
     pdf_z = _normal_pdf(z)
     out = [torch.where(use_series, s_p * pdf_z, c_p) for s_p, c_p in zip(series, closed)]
     return torch.stack(out, dim=-1)
+
+
+class ExpectationFunction(torch.autograd.Function):
+    """The autograd half every continuous expectation shares: a forward computes ``E``
+    [..., N] with its derivatives with respect to its two differentiable inputs (the mean
+    and a variance parameter) and returns through ``_save``; the backward contracts them
+    with the incoming gradient. The inputs after those two are constants."""
+
+    @staticmethod
+    def _save(ctx, mu, scale, expectation, d_mu, d_scale, param_dims, n_constants):
+        """Saves what the backward needs (nothing when neither input needs a gradient) and
+        returns ``E`` in the inputs' promoted dtype. ``param_dims``: the number of the
+        mean's and the variance parameter's own dims, e.g. (1, 2) for a 2-D mu and Sigma."""
+        if any(ctx.needs_input_grad[:2]):
+            ctx.save_for_backward(d_mu, d_scale)
+        ctx.shapes = (mu.shape, scale.shape, mu.dtype, scale.dtype)
+        ctx.param_dims = param_dims
+        ctx.n_constants = n_constants
+        return expectation.to(torch.promote_types(mu.dtype, scale.dtype))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        d_mu, d_scale = ctx.saved_tensors
+        mu_shape, scale_shape, mu_dtype, scale_dtype = ctx.shapes
+        mu_dims, scale_dims = ctx.param_dims
+        grad_mu = grad_scale = None
+        if ctx.needs_input_grad[0]:
+            grad_mu = _parameter_gradient(grad, d_mu, mu_dims, mu_shape, mu_dtype)
+        if ctx.needs_input_grad[1]:
+            grad_scale = _parameter_gradient(grad, d_scale, scale_dims, scale_shape, scale_dtype)
+        return (grad_mu, grad_scale, *(None,) * ctx.n_constants)
+
+
+def _parameter_gradient(grad: Tensor, derivative: Tensor, param_dims: int, shape: torch.Size,
+                        dtype: torch.dtype) -> Tensor:
+    """The gradient of a parameter of ``shape`` and ``dtype`` from the gradient ``grad``
+    [..., N] of the expectations and their derivatives ``derivative`` [..., N, *d] with
+    respect to it (``param_dims`` = len(d)): summed over the N basis functions and over the
+    dims the parameter was broadcast along."""
+    g = grad.to(derivative.dtype).reshape(grad.shape + (1,) * param_dims)
+    return (g * derivative).sum(-1 - param_dims).sum_to_size(shape).to(dtype)

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ._checks import DENSITIES_1D, check_basis_1d, check_density_1d, check_params_1d
-from ._integrals import _poly_gauss_integrals, integration_dtype
+from ._integrals import ExpectationFunction, _poly_gauss_integrals, integration_dtype
 
 
 def _family_1d(density: str):
@@ -39,7 +39,7 @@ def _family_1d(density: str):
     return scale, power, rows
 
 
-class _ContinuousExpectation1d(torch.autograd.Function):
+class _ContinuousExpectation1d(ExpectationFunction):
     """E_p[psi_j] for p in {softmax, sparsemax, entmax15}; gradients w.r.t. mu, sigma_sq.
 
     Truncated densities: p(t) = w((t - mu)/a)/a on [mu - a, mu + a], so with z = (mu - m_j)/s_j,
@@ -50,8 +50,8 @@ class _ContinuousExpectation1d(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, mu, sigma_sq, centers, variances, density):
-        out_dtype = torch.promote_types(mu.dtype, sigma_sq.dtype)
         work = integration_dtype(mu.device)
+        d_mu = d_sigma_sq = None  # the truncated densities skip them when no gradient is needed
         mu_w = mu.to(work)[..., None]  # [..., 1]
         s2_w = sigma_sq.to(work)[..., None]
         m = centers.to(work)  # [N]
@@ -76,23 +76,8 @@ class _ContinuousExpectation1d(torch.autograd.Function):
             if len(polys) == 3:
                 d_mu = integrals[..., 1] / (sd * a)
                 d_sigma_sq = integrals[..., 2] * (power / s2_w) / sd
-        if any(ctx.needs_input_grad[:2]):
-            ctx.save_for_backward(d_mu, d_sigma_sq)
-        ctx.shapes = (mu.shape, sigma_sq.shape, mu.dtype, sigma_sq.dtype)
-        return expectation.to(out_dtype)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        d_mu, d_sigma_sq = ctx.saved_tensors
-        mu_shape, s2_shape, mu_dtype, s2_dtype = ctx.shapes
-        g = grad.to(d_mu.dtype)
-        grad_mu = grad_s2 = None
-        if ctx.needs_input_grad[0]:
-            grad_mu = (g * d_mu).sum(-1).sum_to_size(mu_shape).to(mu_dtype)
-        if ctx.needs_input_grad[1]:
-            grad_s2 = (g * d_sigma_sq).sum(-1).sum_to_size(s2_shape).to(s2_dtype)
-        return grad_mu, grad_s2, None, None, None
+        return ExpectationFunction._save(ctx, mu, sigma_sq, expectation, d_mu, d_sigma_sq, (0, 0),
+                                         n_constants=3)
 
 
 def continuous_density(density: str, mu: Tensor, sigma_sq: Tensor, basis_centers: Tensor, basis_variances: Tensor) -> Tensor:

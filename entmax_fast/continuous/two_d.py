@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ._checks import (check_basis_2d, check_num_angles, check_params_2d, check_positive, check_sigma_2d,
                       check_sigma_shape_2d, check_tensor)
-from ._integrals import _poly_gauss_integrals, integration_dtype
+from ._integrals import ExpectationFunction, _poly_gauss_integrals, integration_dtype
 
 
 def _sym_entries(sigma: Tensor, work: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
@@ -23,46 +23,12 @@ def _sym_entries(sigma: Tensor, work: torch.dtype) -> Tuple[Tensor, Tensor, Tens
     return s[..., 0, 0], 0.5 * (s[..., 0, 1] + s[..., 1, 0]), s[..., 1, 1]
 
 
-def _out_dtype(*tensors: Tensor) -> torch.dtype:
-    dtype = tensors[0].dtype
-    for t in tensors[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
-
-
 def _symmetric_2x2(x11: Tensor, x12: Tensor, x22: Tensor) -> Tensor:
     """[[x11, x12], [x12, x22]] stacked into the last two dims."""
     return torch.stack([torch.stack([x11, x12], -1), torch.stack([x12, x22], -1)], -2)
 
 
-class _Expectation2d(torch.autograd.Function):
-    """The 2-D expectations' shared half: each forward computes ``E [..., N]`` with its
-    derivatives ``d_mu [..., N, 2]`` and ``d_sigma [..., N, 2, 2]`` and ends with ``_save``;
-    the backward contracts them with the incoming gradient into gradients shaped like mu and
-    sigma (the other inputs are constants)."""
-
-    @staticmethod
-    def _save(ctx, mu, sigma, expectation, d_mu, d_sigma, n_constants):
-        ctx.save_for_backward(d_mu, d_sigma)
-        ctx.shapes = (mu.shape, sigma.shape, mu.dtype, sigma.dtype)
-        ctx.n_constants = n_constants
-        return expectation.to(_out_dtype(mu, sigma))
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        d_mu, d_sigma = ctx.saved_tensors
-        mu_shape, sigma_shape, mu_dtype, sigma_dtype = ctx.shapes
-        g = grad.to(d_mu.dtype)
-        grad_mu = grad_sigma = None
-        if ctx.needs_input_grad[0]:
-            grad_mu = (g[..., None] * d_mu).sum(-2).sum_to_size(mu_shape).to(mu_dtype)
-        if ctx.needs_input_grad[1]:
-            grad_sigma = (g[..., None, None] * d_sigma).sum(-3).sum_to_size(sigma_shape).to(sigma_dtype)
-        return (grad_mu, grad_sigma, *(None,) * ctx.n_constants)
-
-
-class _ContinuousSoftmax2d(_Expectation2d):
+class _ContinuousSoftmax2d(ExpectationFunction):
     @staticmethod
     def forward(ctx, mu, sigma, centers, variances):
         work = integration_dtype(mu.device)
@@ -79,7 +45,7 @@ class _ContinuousSoftmax2d(_Expectation2d):
         c_inv = _symmetric_2x2(cd, -cb, ca) / det[..., None, None]
         d_mu = -expectation[..., None] * y
         d_sigma = 0.5 * expectation[..., None, None] * (y[..., :, None] * y[..., None, :] - c_inv)
-        return _Expectation2d._save(ctx, mu, sigma, expectation, d_mu, d_sigma, n_constants=2)
+        return ExpectationFunction._save(ctx, mu, sigma, expectation, d_mu, d_sigma, (1, 2), n_constants=2)
 
 
 def continuous_softmax_2d(mu: Tensor, sigma: Tensor, basis_centers: Tensor, basis_variances: Tensor) -> Tensor:
@@ -109,7 +75,7 @@ def _cholesky_entries(a: Tensor, b: Tensor, d: Tensor):
 _RADIAL_POLYS = ((1.0, 1.0, 0.0, 0.0), (1.0, 2.0, 1.0, 0.0), (1.0, 3.0, 3.0, 1.0))
 
 
-class _ContinuousSparsemax2d(_Expectation2d):
+class _ContinuousSparsemax2d(ExpectationFunction):
     """Truncated paraboloid ``p(t) = (rho^2 - |u|^2)_+ / 2``, u = L^-1 (t - mu), Sigma = L L^T,
     ``rho^4 = 4 / (pi |L|)``. With D0 = |L| int_disk psi du, D_u = |L| int_disk psi u du,
     D_uu = |L| int_disk psi u u^T du (polar: radial integral in closed form, angles by the
@@ -163,7 +129,7 @@ class _ContinuousSparsemax2d(_Expectation2d):
         g12 = inv11 * inv22 * m12 + inv21 * inv22 * m22
         g22 = inv22 * inv22 * m22
         d_sigma = 0.5 * _symmetric_2x2(g11, g12, g22)
-        return _Expectation2d._save(ctx, mu, sigma, expectation, d_mu, d_sigma, n_constants=3)
+        return ExpectationFunction._save(ctx, mu, sigma, expectation, d_mu, d_sigma, (1, 2), n_constants=3)
 
 
 def continuous_sparsemax_2d(
