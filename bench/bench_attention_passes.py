@@ -104,9 +104,10 @@ def _update(t, sums, lo, hi, tau, done, alpha):
 def emulate_block(u, alpha):
     """Threshold passes of one block of rows u [R, n] (shifted: max 0, -inf masked).
     Returns (tau [R], passes, tiles the first threshold pass visits / tiles, tiles visited
-    per later pass / tiles). The first pass visits the tiles the max pass flagged: a score
-    within the bracket's width of its row's maximum (the kernel compares with the running
-    maximum, nearest tiles first; here the final one)."""
+    per later pass / tiles). The first two passes visit the tiles the max pass flagged: a
+    score within the bracket's width of its row's maximum (the kernel compares with the
+    running maximum, nearest tiles first; here the final one). The second pass rewrites the
+    flags at its threshold, and the passes after it visit those."""
     rows = u.shape[0]
     lo = torch.full((rows,), -1.0)
     hi = torch.zeros(rows)
@@ -122,8 +123,11 @@ def emulate_block(u, alpha):
     padded = torch.nn.functional.pad(u, (0, n_tiles * BLOCK_N - u.shape[1]), value=-float("inf"))
     tile_max = padded.reshape(rows, n_tiles, BLOCK_N).amax(-1)  # [R, tiles]
     first_visited = float((tile_max > -1.0).any(0).float().mean())
+    flagged = tile_max > -1.0
     while not bool(done.all()) and passes < attention_common.MAX_TAU_PASSES:
-        visited.append(float((tile_max > lo[:, None]).any(0).float().mean()))
+        visited.append(float(flagged.any(0).float().mean()))
+        if passes == 1:
+            flagged = tile_max > lo[:, None]
         lo, hi, tau, done = _update(lo, _moments((u - lo[:, None]).clamp(min=0), alpha),
                                     lo, hi, tau, done, alpha)
         passes += 1

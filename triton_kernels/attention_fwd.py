@@ -15,11 +15,13 @@ scaled, masked scores and u = (alpha - 1)(z - max z), the threshold tau lies in 
    that root (checked against the smallest positive d: an exact certificate). Passes
    repeat until every row of the block is exact or its Newton step is below TAU_STEP_TOL
    (at most MAX_TAU_PASSES); bench/bench_attention_passes.py counts them;
-3. each threshold pass visits only the tiles the previous pass flagged and flags those
-   holding a score above its t (a lower bound of tau, which only rises), so on local
-   attention every pass after the maximum touches only the tiles near each query. The
-   passes loop over a list of the flagged tiles (`listed_tiles`, in tiles_ptr's scratch),
-   not over flags tested inside the loop, so that Triton pipelines their loads;
+3. the threshold passes visit only the flagged tiles, so on local attention every pass
+   after the maximum touches only the tiles near each query. The second threshold pass
+   rewrites the flags to the tiles holding a score above its t (the lower bound of tau
+   the first found; tau only rises, so no later pass needs the others); the other passes
+   leave them (a flag costs a cross-warp reduction per tile). The passes loop over a list
+   of the flagged tiles (`listed_tiles`, in tiles_ptr's scratch), not over flags tested
+   inside the loop, so that Triton pipelines their loads;
 4. the output pass visits the flagged tiles, divides by the row sum of the weights (every
    output row is an exact convex combination whatever tau's residual error) and rewrites
    the flags to "holds a non-zero weight" for the backward.
@@ -166,13 +168,13 @@ def _moments(b_g, inv_am1, ALPHA_KIND: tl.constexpr):
 def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                     start_n, q_len, k_len, head_e, scale, b_shift, is_causal,
                     b_t0, b_t1, m_rows, p_flags, inv_am1,
-                    b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
+                    b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, reflag,
                     TWO: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr,
                     ALPHA_KIND: tl.constexpr, BOUNDARY: tl.constexpr):
-    """Adds one key tile to the sums at threshold t0 (and t1 when TWO) and rewrites its
-    flag: does any row have a score above t0? t0 is a lower bound of tau that only rises, so
-    a tile with none has none above any later pass's t0 either."""
+    """Adds one key tile to the sums at threshold t0 (and t1 when TWO) and, when reflag,
+    rewrites its flag: does any row have a score above t0? t0 is a lower bound of tau that
+    only rises, so a tile with none has none above any later pass's t0 either."""
     b_u = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                       start_n, q_len, k_len, head_e, scale, b_shift, is_causal,
                       BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
@@ -181,9 +183,10 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
     b_b0 += b_b
     b_c0 += b_c
     b_n0 = tl.minimum(b_n0, b_n)
-    # rows without a threshold (masked, NaN, past the end) must not keep tiles alive
-    b_alive = tl.max(tl.where(m_rows, b_b, 0.0), 0)
-    tl.store(p_flags + start_n // BLOCK_N, (b_alive > 0).to(tl.int8))
+    if reflag:
+        # rows without a threshold (masked, NaN, past the end) must not keep tiles alive
+        b_alive = tl.max(tl.where(m_rows, b_b, 0.0), 0)
+        tl.store(p_flags + start_n // BLOCK_N, (b_alive > 0).to(tl.int8))
     if TWO:
         b_a, b_b, b_c, b_n = _moments(gap(b_u, b_t1, inv_am1, ALPHA_KIND), inv_am1, ALPHA_KIND)
         b_a1 += b_a
@@ -196,33 +199,31 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
 @triton.jit
 def _threshold_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                     start_m, q_len, k_len, kv_end, head_e, scale, b_shift, is_causal,
-                    b_t0, b_t1, m_rows, p_flags, p_tiles, inv_am1,
+                    b_t0, b_t1, m_rows, p_flags, p_tiles, n_listed, reflag, inv_am1,
                     TWO: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
                     MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr):
-    """One pass over the tiles the previous pass flagged: the `_moments` sums at t0 (and
-    t1). The full tiles through their list (`listed_tiles`: a pipelined loop), the few that
-    cross a mask's edge through their flags."""
+    """One pass over the flagged tiles: the `_moments` sums at t0 (and t1). The full tiles
+    through their list (p_tiles[0:n_listed], `listed_tiles`: a pipelined loop), the few
+    that cross a mask's edge through their flags. reflag: rewrite the flags at t0."""
     b_zero = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_inf = tl.full([BLOCK_M], float("inf"), dtype=tl.float32)
     b_a0, b_b0, b_c0, b_n0 = b_zero, b_zero, b_zero, b_inf
     b_a1, b_b1, b_c1, b_n1 = b_zero, b_zero, b_zero, b_inf
     n_full = full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
-    n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
-    tl.debug_barrier()
     for i in range(n_listed):
         start_n = tl.load(p_tiles + i) * BLOCK_N
         b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_tile(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_n,
             q_len, k_len, head_e, scale, b_shift, is_causal, b_t0, b_t1, m_rows,
-            p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
+            p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, reflag,
             TWO, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, False)
     for start_n in range(n_full, kv_end, BLOCK_N):
         if tl.load(p_flags + start_n // BLOCK_N) != 0:
             b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_tile(
                 b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                 start_n, q_len, k_len, head_e, scale, b_shift, is_causal, b_t0, b_t1, m_rows,
-                p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
+                p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, reflag,
                 TWO, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, True)
     return b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1
 
@@ -401,13 +402,16 @@ def entmax_attn_fwd_kernel(
     b_tau = b_lo
     m_done = ~m_rows
     b_mid = 0.5 * (b_lo + b_hi)
-    # reads the flags the max pass wrote from other threads
+    # the list of the tiles the max pass flagged (from other threads' flags)
+    tl.debug_barrier()
+    n_full = full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
+    n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
     tl.debug_barrier()
     b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_pass(
         b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_m, q_len,
         k_len, kv_end, head_e, scale, b_mz, is_causal, _threshold_in_z(b_lo, inv_am1, ALPHA_KIND),
-        _threshold_in_z(b_mid, inv_am1, ALPHA_KIND), m_rows,
-        p_flags, p_tiles, inv_am1, True, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
+        _threshold_in_z(b_mid, inv_am1, ALPHA_KIND), m_rows, p_flags, p_tiles, n_listed, False,
+        inv_am1, True, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
     b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
     b_a1, b_b1, b_c1, b_n1 = _sums_in_u(b_a1, b_b1, b_c1, b_n1, am1, inv_am1, ALPHA_KIND)
     b_lo, b_hi, b_tau, m_done = _update_threshold(b_lo, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi,
@@ -416,33 +420,38 @@ def entmax_attn_fwd_kernel(
                                                   b_tau, m_done, am1, ALPHA_KIND)
     n_pass = 1
     while (tl.max(tl.where(m_done, 0, 1), 0) > 0) & (n_pass < MAX_TAU_PASSES_C):
-        # this pass reads the flags the previous one wrote from other threads
-        tl.debug_barrier()
+        # Only the second pass rewrites the flags, at the lower bound the first one found:
+        # rewriting them costs a cross-warp reduction per tile (14 % of the forward with
+        # every pass rewriting, on an H100), and the later passes' higher bounds drop few
+        # more tiles (bench/bench_attention_passes.py).
+        reflag = n_pass == 1
         b_t0 = _threshold_in_z(b_lo, inv_am1, ALPHA_KIND)
         b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_pass(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_m,
             q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, b_t0, b_t0, m_rows, p_flags,
-            p_tiles, inv_am1, False, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
+            p_tiles, n_listed, reflag, inv_am1, False, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC,
+            MASK_KIND, ALPHA_KIND)
         b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
         b_lo, b_hi, b_tau, m_done = _update_threshold(b_lo, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi,
                                                       b_tau, m_done, am1, ALPHA_KIND)
+        if reflag:
+            tl.debug_barrier()
+            n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
+            tl.debug_barrier()
         n_pass += 1
     # rows still open after MAX_TAU_PASSES: the last lower bound (a Newton step). From here
     # on the tiles' threshold (`_threshold_in_z`), which the statistics store too.
     b_tau = _threshold_in_z(tl.where(m_done, b_tau, b_lo), inv_am1, ALPHA_KIND)
     tl.debug_barrier()
 
-    # output pass (sparse): tiles flagged by the last threshold pass; it flags exactly the
-    # tiles holding non-zero weight, for the backward
+    # output pass (sparse): the listed tiles; it flags exactly the tiles holding non-zero
+    # weight, for the backward
     seed = tl.load(seed_ptr)
     b_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_plogp = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_ssum = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_EV], dtype=tl.float32)
     b_dacc = tl.zeros([BLOCK_M, BLOCK_EV], dtype=tl.float32)
-    n_full = full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
-    n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
-    tl.debug_barrier()
     for i in range(n_listed):
         start_n = tl.load(p_tiles + i) * BLOCK_N
         b_sum, b_ssum, b_plogp, b_acc, b_dacc = _output_tile(
