@@ -64,19 +64,17 @@ def launch_config(kernel, block_e, dtype_key, mask_kind=common.MASK_NONE):
 
     Measured on an H100 (docs/gpu.md, bench/tune_attention.py; B·L 16384, H 16, L 4096,
     causal, bf16, 64x64 tiles): 4 warps beat 8 in every kernel although 8 halve each
-    thread's share of the [BM, BN] tiles it holds. Forward, 4 warps and 3 stages: 3.68 ms at
-    E 64 (8 warps 7.5 ms), 4.77 ms at E 128 (8 warps, 2 stages 9.85 ms). Backward, 4 warps
-    and 1 stage: training step 5.6 ms at E 64 (8 warps 7.3 ms), 13.6 ms at E 128 (16.4 ms;
-    both with the forward at 8 warps).
-    Those backward timings were taken while every backward loop tested a flag before its
-    loads, which Triton cannot pipeline, so the stage count did nothing there; the loops
-    now run over lists of the flagged tiles (`listed_tiles`) and the backward takes 2
-    stages, like the measured forward's pipelined loops. Not timed yet (an estimate to
-    re-measure with bench/tune_attention.py): that, a forward that reads an attn_mask (8
-    warps: its mask tiles left a 1.8 KB stack frame at 4 warps on sm_90, 0.4 KB at 8), and
-    E 256 (8 warps everywhere; 2 stages where they add no stack on sm_90, the forward and
-    dQ; dK/dV keeps 1, its 2-stage buffers reach A100's shared-memory limit). fp32: 2
-    stages (dK/dV above E 64 keeps 1: 2 add 40-70 bytes of stack there, none elsewhere).
+    thread's share of the [BM, BN] tiles it holds (a row's reductions then cross warps).
+    Forward, 4 warps and 3 stages: 3.55 ms at E 64 (2 stages 3.71, 8 warps 7.0; 2 warps on
+    32x64 tiles 5.2), 4.2 ms at E 128 (8 warps and 2 stages took 9.85 before the tile
+    lists). Backward, 4 warps and 2 stages, its tile loops pipelined (`listed_tiles`):
+    training step 5.27 ms at E 64 (1 stage 5.41, 3 stages 5.27, 8 warps 7.0), 8.12 at E
+    128 (1 stage 8.09).
+    Not timed yet: a forward that reads an attn_mask (8 warps: its mask tiles left a 1.8 KB
+    stack frame at 4 warps on sm_90, 0.4 KB at 8), and E 256 (8 warps everywhere; 2 stages
+    where they add no stack on sm_90, the forward and dQ; dK/dV keeps 1, its 2-stage
+    buffers reach A100's shared-memory limit). fp32: 2 stages (dK/dV above E 64 keeps 1:
+    2 add 40-70 bytes of stack there, none elsewhere).
     """
     if dtype_key == "fp32":
         return 4, (1 if kernel == "dkdv" and block_e > 64 else 2)
