@@ -596,3 +596,21 @@ def test_alpha_near_one(alpha):
     assert _err(out, oracle_attention(q, k, v, is_causal=True, alpha=alpha)) <= 1e-5
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert _err(got, want) <= 1e-4, name
+
+
+def test_forward_variants_still_edit_the_kernel(tmp_path):
+    """bench/bench_attention_variants.py times edited copies of the forward kernel; each
+    edit's anchor must still be in the kernel, or the variant would time nothing new."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "bench_attention_variants.py")
+    spec = importlib.util.spec_from_file_location("bench_attention_variants", path)
+    variants = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(variants)
+    from entmax_fast.triton_kernels import attention_fwd
+
+    for name, edits in variants.VARIANTS.items():
+        kernel = variants.variant_kernel(name, str(tmp_path))
+        assert type(kernel) is type(attention_fwd.entmax_attn_fwd_kernel), name
+        assert (kernel is attention_fwd.entmax_attn_fwd_kernel) == (not edits), name

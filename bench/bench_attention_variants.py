@@ -1,0 +1,120 @@
+"""What one part of the fused attention forward costs on a GPU: times variants of the
+forward kernel side by side, each made by one edit of triton_kernels/attention_fwd.py's
+source (written to a temporary module), against the kernel as it is. Needs a CUDA device.
+
+The variants are measuring instruments, not alternatives: a cap on the threshold passes
+gives wrong thresholds, a forward that writes no tile flags breaks the backward. Timing
+them is how the cost of a threshold pass (the difference between two caps) and of the
+flag writes (a reduction across the block's warps on every tile) were measured
+(docs/gpu.md, "Where a forward pass's time goes"). An edit whose anchor text is no longer
+in the kernel fails with the variant's name: update the anchor with the kernel.
+
+    python bench/bench_attention_variants.py [--length 4096] [--head-dim 64]
+        [--alphas 1.5 2] [--variants kernel cap2 cap3 no_output_flags]
+
+Each variant is a fresh compile (about 20 s on 16 cores; run it once at a small length
+to fill Triton's cache, in parallel processes, then time).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+_CAP = "(n_pass < MAX_TAU_PASSES_C)"
+_MAX_FLAG = "    tl.store(p_flags + start_n // BLOCK_N, tl.max(m_near.to(tl.int8), 0))\n"
+_REFLAG = "        reflag = n_pass == 1\n"
+_OUTPUT_FLAG = "    tl.store(p_flags + start_n // BLOCK_N, b_alive.to(tl.int8))\n"
+
+# name: [(anchor, replacement)]. A cap of 1 folds the pass loop away, which triton 3.6
+# fails to compile: the smallest cap is 2.
+VARIANTS = {
+    "kernel": [],
+    "cap2": [(_CAP, "(n_pass < 2)")],
+    "cap3": [(_CAP, "(n_pass < 3)")],
+    "cap4": [(_CAP, "(n_pass < 4)")],
+    "no_reflag": [(_REFLAG, "        reflag = n_pass < 0\n")],
+    "no_output_flags": [(_OUTPUT_FLAG, "")],
+    # every tile flagged without the reduction: on random scores, where every tile holds
+    # weight anyway, the difference to "kernel" is what the max pass's flags cost
+    "max_flags_all": [(_MAX_FLAG, "    tl.store(p_flags + start_n // BLOCK_N, 1)\n")],
+}
+
+
+def variant_kernel(name, directory):
+    """The forward kernel with `name`'s edits, from a module written under `directory`."""
+    from entmax_fast.triton_kernels import attention_fwd
+
+    with open(attention_fwd.__file__) as f:
+        source = f.read()
+    for anchor, replacement in VARIANTS[name]:
+        if anchor not in source:
+            raise ValueError(f"variant {name}: {anchor.strip()!r} is no longer in attention_fwd.py")
+        source = source.replace(anchor, replacement)
+    if not VARIANTS[name]:
+        return attention_fwd.entmax_attn_fwd_kernel
+    path = os.path.join(directory, f"_variant_{name}.py")
+    with open(path, "w") as f:
+        f.write(source)
+    # a submodule of the package, so that the kernel's relative imports resolve
+    module_name = f"entmax_fast.triton_kernels._variant_{name}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module.entmax_attn_fwd_kernel
+
+
+def time_variant(kernel, length, head_dim, alpha, causal=True, heads=16, tokens=16384):
+    """Median ms of the forward without gradients (bf16) with `kernel` launched in place of
+    the forward kernel."""
+    import entmax_fast
+    from entmax_fast.triton_kernels import attention_fwd
+    from triton.testing import do_bench
+
+    shape = (max(1, tokens // length), heads, length, head_dim)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    saved = attention_fwd.entmax_attn_fwd_kernel
+    attention_fwd.entmax_attn_fwd_kernel = kernel
+    try:
+        with entmax_fast.use_backend("triton"), torch.no_grad():
+            return do_bench(lambda: entmax_fast.entmax_attention(q, k, v, is_causal=causal,
+                                                                 alpha=alpha),
+                            warmup=5, rep=60)
+    finally:
+        attention_fwd.entmax_attn_fwd_kernel = saved
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--alphas", type=float, nargs="+", default=[1.5, 2.0])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--not-causal", action="store_true")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_attention_variants: needs a CUDA device (none here); nothing measured")
+        return 0
+    print(f"{torch.cuda.get_device_name()}: bf16 L={args.length} E={args.head_dim} "
+          f"causal={not args.not_causal}, forward without gradients, ms")
+    with tempfile.TemporaryDirectory() as directory:
+        kernels = {name: variant_kernel(name, directory) for name in args.variants}
+        for alpha in args.alphas:
+            base = None
+            for name, kernel in kernels.items():
+                ms = time_variant(kernel, args.length, args.head_dim, alpha, not args.not_causal)
+                base = ms if base is None else base
+                print(f"alpha={alpha} {name:16s} {ms:8.3f} ms ({ms / base:5.2f}x the first)",
+                      flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
