@@ -22,6 +22,10 @@ reason says so.
 last in the calling thread and why; a CUDA call that does not get a fast backend also warns
 once.
 
+Choices are memoised: a small op's whole GPU kernel can take less time than a fresh choice
+(backend questions, reasons in words), so a call like an earlier one reuses its choice; the
+memo's key holds every input a choice reads (`_selection_key`).
+
 Importing this module imports neither triton nor ``torch._dynamo`` (together seconds of
 start-up): triton is imported when a backend's availability is first asked for, dynamo only
 by ``torch.compile`` itself.
@@ -40,6 +44,8 @@ import torch
 
 BACKENDS = ("reference", "triton", "cpp")
 ENV_VAR = "ENTMAX_FAST_BACKEND"
+# Read by the triton backend's runs_on on every choice; see backends/triton/__init__.py.
+_TRITON_INTERPRET_VAR = "TRITON_INTERPRET"
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,10 @@ _AVAILABILITY: dict[str, tuple[bool, str]] = {}
 # Loading a backend may register torch.library kernels, once per process; two threads
 # doing it at the same time would register twice.
 _LOAD_LOCK = threading.RLock()
+# _selection_key -> (backend, Choice). Float options (entmax_bisect's α) can take endless
+# values, so the memo is emptied when it grows past _SELECTIONS_MAX.
+_SELECTIONS: dict[tuple, tuple[str, Choice]] = {}
+_SELECTIONS_MAX = 1024
 
 
 def _backend(name: str):
@@ -180,7 +190,44 @@ def select(op: str, request: Request) -> tuple[Any, Choice]:
         options = tuple(sorted(request.options.items()))
         backend, reason = _choice_while_tracing(op, request.device.type, request.dtype, options)
         return _LOADED[(op, backend)], Choice(op, backend, reason)
-    return _select(op, request)
+    try:
+        memo = _SELECTIONS.get(_selection_key(op, request))
+    except TypeError:  # an unhashable option: choose afresh, as without the memo
+        return _select(op, request)
+    if memo is None:
+        implementation, choice = _select(op, request)
+        # Keyed after choosing: the first choice fills _AVAILABILITY, which the key holds.
+        if len(_SELECTIONS) >= _SELECTIONS_MAX:
+            _SELECTIONS.clear()
+        _SELECTIONS[_selection_key(op, request)] = (choice.backend, choice)
+        return implementation, choice
+    backend, choice = memo
+    # Read afresh: _LOADED is the one record of what a backend's module gave (tests replace
+    # its entries, and a removed one is loaded again by choosing afresh).
+    implementation = _LOADED.get((op, backend))
+    if implementation is None:
+        return _select(op, request)
+    _last_choices()[op] = choice
+    if request.device.type == "cuda" and backend == "reference" and op not in _WARNED:
+        _warn_reference_on_cuda(op, choice.reason, stacklevel=3)
+    return implementation, choice
+
+
+def _selection_key(op: str, request: Request) -> tuple:
+    """Everything `_select` reads that can differ between two calls: the call (op, device,
+    dtype, options), the forcing (this thread's `use_backend`, the environment variable),
+    what the backends answer (availability; the triton backend's runs_on reads
+    TRITON_INTERPRET and torch.cuda.is_available, which is fixed in a process but replaced by
+    tests) and the registry functions tests replace (`_backend`, `_default_order`)."""
+    environ = os.environ
+    return (op, request.device, request.dtype, tuple(request.options.items()), getattr(_LOCAL, "forced", None),
+            environ.get(ENV_VAR), environ.get(_TRITON_INTERPRET_VAR), torch.cuda.is_available,
+            tuple(_AVAILABILITY.items()), _backend, _default_order)
+
+
+def _warn_reference_on_cuda(op: str, reason: str, stacklevel: int) -> None:
+    _WARNED.add(op)
+    warnings.warn(f"entmax_fast: {op} on CUDA runs the plain-torch reference: {reason}", stacklevel=stacklevel)
 
 
 @_mark_constant_for_compile
@@ -230,9 +277,7 @@ def _select(op: str, request: Request) -> tuple[Any, Choice]:
             choice = Choice(op, backend, reason)
             _last_choices()[op] = choice
             if request.device.type == "cuda" and backend == "reference" and op not in _WARNED:
-                _WARNED.add(op)
-                warnings.warn(f"entmax_fast: {op} on CUDA runs the plain-torch reference: {reason}",
-                              stacklevel=3)
+                _warn_reference_on_cuda(op, reason, stacklevel=4)
             return implementation, choice
         refusals.append(f"{backend}: {why_not}")
     raise BackendUnavailableError(f"no backend can run {op}: " + "; ".join(refusals))

@@ -5,6 +5,7 @@ import subprocess
 import sys
 import threading
 import types
+import warnings
 
 import pytest
 import torch
@@ -274,3 +275,118 @@ def test_triton_without_cuda_is_reported_as_interpreter_only_or_unusable():
         assert ok and "no CUDA device: interpreter only" in reason
     else:
         assert not ok and "no CUDA device" in reason
+
+
+def _counting_select(monkeypatch):
+    """Replaces dispatch._select by a counter of fresh choices (the memo's misses)."""
+    fresh = []
+    real = dispatch._select
+
+    def counting(op, request):
+        fresh.append(op)
+        return real(op, request)
+
+    monkeypatch.setattr(dispatch, "_select", counting)
+    return fresh
+
+
+def test_a_repeated_call_reuses_its_choice_and_reports_it(monkeypatch):
+    """The memo answers a call like an earlier one, and last_choice / backend_info still
+    report the latest call's choice, with its reason, after a different one in between."""
+    fresh = _counting_select(monkeypatch)
+    X = torch.randn(2, 3)
+    entmax_fast.entmax15(X)
+    default = dispatch.last_choice("entmax")
+    with entmax_fast.use_backend("reference"):
+        entmax_fast.entmax15(X)
+    assert dispatch.last_choice("entmax").reason == "reference: plain torch; forced by use_backend('reference')"
+    calls_so_far = len(fresh)
+    entmax_fast.entmax15(X)
+    assert len(fresh) == calls_so_far, "the same call as before chose afresh"
+    assert dispatch.last_choice("entmax") == default
+    assert entmax_fast.backend_info()["last_choice"]["entmax"] == {"backend": default.backend,
+                                                                   "reason": default.reason}
+
+
+def test_memoised_choice_follows_use_backend_and_the_env_var(monkeypatch):
+    X = torch.randn(2, 3)
+    entmax_fast.sparsemax(X)
+    default = dispatch.last_choice("entmax")
+    for _ in range(2):  # the second round runs on memoised choices
+        with entmax_fast.use_backend("reference"):
+            entmax_fast.sparsemax(X)
+            assert dispatch.last_choice("entmax").reason.endswith("forced by use_backend('reference')")
+        entmax_fast.sparsemax(X)
+        assert dispatch.last_choice("entmax") == default
+        monkeypatch.setenv(dispatch.ENV_VAR, "reference")
+        entmax_fast.sparsemax(X)
+        assert dispatch.last_choice("entmax").reason.endswith("forced by ENTMAX_FAST_BACKEND=reference")
+        monkeypatch.setenv(dispatch.ENV_VAR, "cuda-magic")
+        with pytest.raises(ValueError, match="ENTMAX_FAST_BACKEND must be one of"):
+            entmax_fast.sparsemax(X)
+        monkeypatch.delenv(dispatch.ENV_VAR)
+        entmax_fast.sparsemax(X)
+        assert dispatch.last_choice("entmax") == default
+
+
+def test_memoised_choice_follows_availability(monkeypatch):
+    X = torch.randn(2, 3)
+    entmax_fast.entmax15(X)
+    default = dispatch.last_choice("entmax")
+    with monkeypatch.context() as patch:
+        patch.setitem(dispatch._AVAILABILITY, "cpp", (False, "not built in this test"))
+        entmax_fast.entmax15(X)
+        choice = dispatch.last_choice("entmax")
+        assert choice.backend == "reference" and "not built in this test" in choice.reason
+        with entmax_fast.use_backend("cpp"):
+            with pytest.raises(dispatch.BackendUnavailableError, match="not built in this test"):
+                entmax_fast.entmax15(X)
+    entmax_fast.entmax15(X)
+    assert dispatch.last_choice("entmax") == default
+
+
+def test_memoised_cuda_fallback_warns_from_the_callers_line_once(monkeypatch):
+    """The once-per-op warning of a CUDA call on the reference: from the memo as from a fresh
+    choice, pointing at select's caller."""
+    _add_toy_op(monkeypatch, triton=None, reference=None)
+    request = dispatch.Request(torch.device("cuda"), torch.float16, {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(dispatch._AVAILABILITY, "triton", (False, "no triton in this test"))
+    monkeypatch.setattr(dispatch, "_WARNED", set())
+    with pytest.warns(UserWarning, match="no triton in this test") as fresh:
+        dispatch.select("toy", request)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dispatch.select("toy", request)[1].backend == "reference"
+    monkeypatch.setattr(dispatch, "_WARNED", set())
+    with pytest.warns(UserWarning, match="no triton in this test") as memoised:
+        dispatch.select("toy", request)
+    assert [w.filename for w in fresh] == [w.filename for w in memoised] == [__file__]
+
+
+def test_memo_takes_the_implementation_from_the_loaded_table(monkeypatch):
+    _add_toy_op(monkeypatch, reference=None)
+    assert dispatch.select("toy", _cpu_request())[0][0](9.0) == 3.0
+    monkeypatch.setitem(dispatch._LOADED, ("toy", "reference"), (abs, abs))
+    assert dispatch.select("toy", _cpu_request())[0] == (abs, abs)
+    monkeypatch.delitem(dispatch._LOADED, ("toy", "reference"))
+    (forward, _), choice = dispatch.select("toy", _cpu_request())
+    assert forward(9.0) == 3.0 and choice.backend == "reference"
+
+
+def test_unhashable_options_are_chosen_afresh(monkeypatch):
+    _add_toy_op(monkeypatch, reference=None)
+    fresh = _counting_select(monkeypatch)
+    request = dispatch.Request(torch.device("cpu"), torch.float32, {"sizes": [1, 2]})
+    for _ in range(2):
+        assert dispatch.select("toy", request)[1].backend == "reference"
+    assert fresh == ["toy", "toy"]
+
+
+def test_memo_stays_bounded(monkeypatch):
+    monkeypatch.setattr(dispatch, "_SELECTIONS", {})
+    monkeypatch.setattr(dispatch, "_SELECTIONS_MAX", 3)
+    X = torch.randn(2, 3)
+    for alpha in (1.1, 1.2, 1.3, 1.4, 1.6, 1.7):
+        entmax_fast.entmax_bisect(X, alpha)
+        assert len(dispatch._SELECTIONS) <= 3
