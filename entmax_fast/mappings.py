@@ -26,15 +26,19 @@ __all__ = ["sparsemax", "entmax15", "entmax_bisect", "sparsemax_bisect", "normma
 
 def _to_rows(X: torch.Tensor, dim: int):
     """(R, n) rows with a unit-stride last dim, as every backend's contract requires."""
-    moved = X.movedim(dim, -1)
-    rows = moved.reshape(-1, moved.shape[-1])
+    # dim is usually already last, and X often 2-D: each skipped view is a few µs of host
+    # time, as much as a small call's kernel on a GPU.
+    moved = X if dim == X.dim() - 1 else X.movedim(dim, -1)
+    rows = moved if moved.dim() == 2 else moved.reshape(-1, moved.shape[-1])
     if rows.stride(-1) != 1 and rows.shape[-1] > 1:
         rows = rows.contiguous()
     return rows, moved.shape
 
 
 def _from_rows(rows: torch.Tensor, moved_shape, dim: int):
-    return rows.reshape(moved_shape).movedim(-1, dim)
+    if rows.shape != moved_shape:
+        rows = rows.reshape(moved_shape)
+    return rows if dim == rows.dim() - 1 else rows.movedim(-1, dim)
 
 
 def _alpha_rows(alpha, X, dim):

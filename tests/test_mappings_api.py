@@ -183,3 +183,27 @@ def test_strided_and_noncontiguous_inputs():
     transposed = base.T
     for X, dim in ((strided, -1), (transposed, 0), (transposed, 1)):
         torch.testing.assert_close(entmax_fast.entmax15(X, dim=dim), oracle_entmax(X, 1.5, dim=dim), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("shape,dim", [((7,), 0), ((4, 7), 1), ((4, 7), 0), ((2, 3, 7), 2), ((2, 3, 7), 1),
+                                       ((2, 3, 7), 0), ((4, 1), 1), ((1, 7), 1)])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "strided"])
+def test_rows_are_unit_stride_and_come_back_unchanged(shape, dim, layout):
+    """`_to_rows` gives the (R, n) rows of the movedim/reshape it stands for (without them
+    where dim is already last or X already 2-D), with a unit-stride last dim (or a single
+    column), and `_from_rows` puts them back to X exactly."""
+    from entmax_fast.mappings import _from_rows, _to_rows
+
+    X = torch.randn(shape)
+    if layout == "transposed" and X.dim() > 1:
+        X = X.transpose(0, -1).contiguous().transpose(0, -1)
+    elif layout == "strided":
+        X = torch.randn(*shape[:-1], 2 * shape[-1])[..., ::2]
+    rows, moved_shape = _to_rows(X, dim)
+    moved = X.movedim(dim, -1)
+    assert moved_shape == moved.shape
+    assert rows.dim() == 2 and (rows.stride(-1) == 1 or rows.shape[-1] == 1)
+    assert torch.equal(rows, moved.reshape(-1, moved.shape[-1]))
+    assert torch.equal(_from_rows(rows, moved_shape, dim), X)
+    if dim == X.dim() - 1 and X.dim() == 2 and X.stride(-1) == 1:
+        assert rows is X, "rows already in place were copied or viewed"
