@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+from entmax_fast import common
 from entmax_fast.reference.mappings import entmax_backward, entmax_forward, entmax_threshold_root
 
 triton = pytest.importorskip("triton")
@@ -458,3 +459,66 @@ def test_empty_shapes():
     dx, dalpha = rowwise.entmax_backward(torch.zeros(3, 0, device=DEVICE), torch.zeros(3, 0, device=DEVICE),
                                                  1.5, True)
     assert dx.shape == (3, 0) and torch.equal(dalpha, torch.zeros(3, device=DEVICE))
+
+
+def test_float_alpha_tensor_is_shared_per_device_and_value():
+    """A python-float α is handed to the kernels in one (1,) tensor per (device, value),
+    filled once; a tensor α is the caller's, never kept."""
+    device = torch.device(DEVICE)
+    kind, alpha_t, stride = rowwise._alpha_args(1.3, device)
+    assert kind == common.ALPHA_GENERAL and stride == 0 and alpha_t.dtype == torch.float32 and alpha_t.shape == (1,)
+    assert alpha_t.item() == torch.tensor(1.3, dtype=torch.float32).item()
+    assert rowwise._alpha_args(1.3, device)[1] is alpha_t
+    assert rowwise._alpha_args(1.7, device)[1] is not alpha_t
+    kind, alpha_two, _ = rowwise._alpha_args(2.0, device)
+    assert kind == common.ALPHA_SPARSEMAX and alpha_two.item() == 2.0
+    elsewhere = rowwise._alpha_args(1.3, torch.device("meta"))[1]
+    assert elsewhere.device.type == "meta" and elsewhere is not alpha_t
+    alpha_rows = torch.full((4,), 1.3, device=device)
+    assert rowwise._alpha_args(alpha_rows, device)[1] is alpha_rows
+    assert not any(kept is alpha_rows for _, kept, _ in rowwise._FLOAT_ALPHA_ARGS.values())
+
+
+def test_shared_alpha_tensor_is_left_as_filled():
+    """The kernels only read α: after forwards and backwards at a general float α (with and
+    without dα), the shared tensor still holds it."""
+    x = torch.randn(3, 40, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    g = torch.randn(3, 40, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    p = rowwise.entmax_forward(x, 1.3)
+    rowwise.entmax_backward(p, g, 1.3, False)
+    rowwise.entmax_backward(p, g, torch.full((3,), 1.3, device=DEVICE), True)
+    assert rowwise._alpha_args(1.3, x.device)[1].item() == torch.tensor(1.3).item()
+    torch.testing.assert_close(rowwise.entmax_forward(x, 1.3), p, atol=0, rtol=0)
+
+
+def test_launch_config_is_the_tile_table_read_only():
+    for n in [1, 2, 15, 16, 17, 100, 1024, 1025, 2048, 5000, kernels.RESIDENT_MAX_COLS,
+              kernels.RESIDENT_MAX_COLS + 1, 10 ** 6]:
+        cfg = dict(kernels.tile_config(n))
+        rows, num_warps, tile = rowwise._launch_config(n)
+        assert rows == cfg["ROWS"] and num_warps == cfg.pop("num_warps") and dict(tile) == cfg
+        with pytest.raises(TypeError):
+            tile["BLOCK"] = 1
+    # The block is the next power of two, as triton.next_power_of_2 gives it.
+    for n in range(1, 4097):
+        assert kernels.tile_config(n)["BLOCK"] == max(16, triton.next_power_of_2(n))
+
+
+@pytest.mark.parametrize("n_rows", [1, 2, 3, 4, 5, 8, 9, 1000])
+def test_grid_covers_every_row(monkeypatch, n_rows):
+    """The launch grid (integer arithmetic on the host) is triton.cdiv(rows, ROWS)."""
+    grids = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(rowwise, "entmax_rowwise_fwd_kernel", Recorder())
+    monkeypatch.setattr(rowwise, "entmax_rowwise_bwd_kernel", Recorder())
+    x = torch.randn(n_rows, 7, device=DEVICE)
+    for config in (None, {"ROWS": 4, "BLOCK": 16, "RESIDENT": True, "num_warps": 1}):
+        rowwise._forward(x, 1.3, config=config)
+        rowwise.entmax_backward(x, x, 1.3, False, config=config)
+        rows = 1 if config is None else 4
+        assert grids[-2:] == [(triton.cdiv(n_rows, rows),)] * 2

@@ -571,7 +571,9 @@ def tile_config(n_cols: int) -> dict:
     """
     if n_cols > RESIDENT_MAX_COLS:
         return {"ROWS": 1, "BLOCK": CHUNK_BLOCK, "RESIDENT": False, "num_warps": 4}
-    block = max(16, triton.next_power_of_2(max(n_cols, 1)))
+    # The next power of two >= n_cols, in plain integers (triton.next_power_of_2 is a
+    # ConstexprFunction: microseconds per host call).
+    block = max(16, 1 << (max(n_cols, 1) - 1).bit_length())
     if block <= 1024:
         # One row per program, one warp per 256 entries: each row carries ~15 scalars
         # through the loop (threshold and bracket pairs, sums, flags), replicated over the

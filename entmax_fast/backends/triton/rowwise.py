@@ -8,8 +8,10 @@ an output (`entmax_threshold`, `_forward`) are for tests and benchmarks.
 """
 from __future__ import annotations
 
+import functools
+import types
+
 import torch
-import triton
 
 from ... import common
 from ...triton_kernels.rowwise import (DEFAULT_MAX_PASSES, DEFAULT_TOL, entmax_rowwise_bwd_kernel,
@@ -18,11 +20,50 @@ from ...triton_kernels.rowwise import (DEFAULT_MAX_PASSES, DEFAULT_TOL, entmax_r
 __all__ = ["entmax_forward", "entmax_backward", "entmax_threshold"]
 
 
+# (device, α, stream) -> _alpha_args of a python-float α. Filling a fresh (1,) tensor costs a
+# kernel launch per call on a GPU; the kernels only read it, so one per value is shared.
+# Only the general kind reads it (1, 1.5 and 2 are constexpr kinds): its tensor is filled on
+# the stream of the call that creates it and shared only with calls on that stream, which
+# run after the fill, so nothing waits on the host. Float α can take endless values (an
+# annealed α), hence the bound.
+_FLOAT_ALPHA_ARGS: dict[tuple, tuple[int, torch.Tensor, int]] = {}
+_FLOAT_ALPHA_ARGS_MAX = 256
+
+
 def _alpha_args(alpha, device):
     """(ALPHA_KIND, fp32 alpha tensor, stride) for the kernels. The public layer checked α."""
     if isinstance(alpha, torch.Tensor):
         return common.ALPHA_GENERAL, alpha.to(torch.float32).contiguous(), 1
-    return common.alpha_kind(alpha), torch.full((1,), float(alpha), dtype=torch.float32, device=device), 0
+    kind = common.alpha_kind(alpha)
+    stream = None
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            # filled by the graph, as the call's own: it holds α only once the graph replays
+            return kind, torch.full((1,), float(alpha), dtype=torch.float32, device=device), 0
+        if kind == common.ALPHA_GENERAL:
+            stream = torch.cuda.current_stream(device).cuda_stream
+    key = (device, alpha, stream)
+    args = _FLOAT_ALPHA_ARGS.get(key)
+    if args is None:
+        args = (kind, torch.full((1,), float(alpha), dtype=torch.float32, device=device), 0)
+        if len(_FLOAT_ALPHA_ARGS) >= _FLOAT_ALPHA_ARGS_MAX:
+            _FLOAT_ALPHA_ARGS.clear()
+        _FLOAT_ALPHA_ARGS[key] = args
+    return args
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_config(n_cols: int) -> tuple[int, int, types.MappingProxyType]:
+    """(ROWS, num_warps, the kernels' tile constexprs) of `tile_config`, once per length:
+    the table is fixed, and building it again each call is host time a small call's kernel
+    does not have. Read-only, as every call shares it."""
+    return _split_config(tile_config(n_cols))
+
+
+def _split_config(config: dict) -> tuple[int, int, types.MappingProxyType]:
+    constexprs = dict(config)
+    num_warps = constexprs.pop("num_warps")
+    return constexprs["ROWS"], num_warps, types.MappingProxyType(constexprs)
 
 
 def _unit_stride(x: torch.Tensor) -> torch.Tensor:
@@ -47,11 +88,11 @@ def _forward(x: torch.Tensor, alpha, tol: float = DEFAULT_TOL, max_passes: int =
     passes = torch.empty((n_rows,), dtype=torch.int32, device=x.device)
     if n_rows == 0 or n_cols == 0:
         return p, c.fill_(0.0), passes.fill_(0)
-    cfg = dict(config or tile_config(n_cols))
-    num_warps = cfg.pop("num_warps")
-    entmax_rowwise_fwd_kernel[(triton.cdiv(n_rows, cfg["ROWS"]),)](
+    rows_per_program, num_warps, tile = _split_config(config) if config else _launch_config(n_cols)
+    # Plain integer arithmetic: triton.cdiv is a ConstexprFunction, microseconds per call on the host.
+    entmax_rowwise_fwd_kernel[((n_rows + rows_per_program - 1) // rows_per_program,)](
         x, p, c, passes, alpha_t, n_rows, n_cols, x.stride(0), p.stride(0), alpha_stride,
-        float(tol), int(max_passes), ALPHA_KIND=kind, num_warps=num_warps, num_stages=1, **cfg)
+        float(tol), int(max_passes), ALPHA_KIND=kind, num_warps=num_warps, num_stages=1, **tile)
     return p, c, passes
 
 
@@ -100,10 +141,9 @@ def entmax_backward(p: torch.Tensor, grad: torch.Tensor, alpha, need_alpha_grad:
     dalpha = torch.zeros((n_rows,), dtype=torch.float32, device=p.device) if need_alpha_grad else None
     if n_rows == 0 or n_cols == 0:
         return dx, dalpha
-    cfg = dict(config or tile_config(n_cols))
-    num_warps = cfg.pop("num_warps")
-    entmax_rowwise_bwd_kernel[(triton.cdiv(n_rows, cfg["ROWS"]),)](
+    rows_per_program, num_warps, tile = _split_config(config) if config else _launch_config(n_cols)
+    entmax_rowwise_bwd_kernel[((n_rows + rows_per_program - 1) // rows_per_program,)](
         p, grad, dx, dalpha if need_alpha_grad else alpha_t, alpha_t,
         n_rows, n_cols, p.stride(0), grad.stride(0), dx.stride(0), alpha_stride,
-        ALPHA_KIND=kind, NEED_DALPHA=bool(need_alpha_grad), num_warps=num_warps, num_stages=1, **cfg)
+        ALPHA_KIND=kind, NEED_DALPHA=bool(need_alpha_grad), num_warps=num_warps, num_stages=1, **tile)
     return dx, dalpha
