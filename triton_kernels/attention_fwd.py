@@ -198,19 +198,19 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
 
 @triton.jit
 def _threshold_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                    start_m, q_len, k_len, kv_end, head_e, scale, b_shift, is_causal,
+                    n_full, q_len, k_len, kv_end, head_e, scale, b_shift, is_causal,
                     b_t0, b_t1, m_rows, p_flags, p_tiles, n_listed, reflag, inv_am1,
                     TWO: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
                     MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr):
     """One pass over the flagged tiles: the `_moments` sums at t0 (and t1). The full tiles
-    through their list (p_tiles[0:n_listed], `listed_tiles`: a pipelined loop), the few
-    that cross a mask's edge through their flags. reflag: rewrite the flags at t0."""
+    (those before n_full, `full_tiles_end`) through their list (p_tiles[0:n_listed],
+    `listed_tiles`: a pipelined loop), the few that cross a mask's edge through their
+    flags. reflag: rewrite the flags at t0."""
     b_zero = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_inf = tl.full([BLOCK_M], float("inf"), dtype=tl.float32)
     b_a0, b_b0, b_c0, b_n0 = b_zero, b_zero, b_zero, b_inf
     b_a1, b_b1, b_c1, b_n1 = b_zero, b_zero, b_zero, b_inf
-    n_full = full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
     for i in range(n_listed):
         start_n = tl.load(p_tiles + i) * BLOCK_N
         b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_tile(
@@ -408,7 +408,7 @@ def entmax_attn_fwd_kernel(
     n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
     tl.debug_barrier()
     b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_pass(
-        b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_m, q_len,
+        b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full, q_len,
         k_len, kv_end, head_e, scale, b_mz, is_causal, _threshold_in_z(b_lo, inv_am1, ALPHA_KIND),
         _threshold_in_z(b_mid, inv_am1, ALPHA_KIND), m_rows, p_flags, p_tiles, n_listed, False,
         inv_am1, True, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
@@ -427,7 +427,7 @@ def entmax_attn_fwd_kernel(
         reflag = n_pass == 1
         b_t0 = _threshold_in_z(b_lo, inv_am1, ALPHA_KIND)
         b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_pass(
-            b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_m,
+            b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
             q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, b_t0, b_t0, m_rows, p_flags,
             p_tiles, n_listed, reflag, inv_am1, False, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC,
             MASK_KIND, ALPHA_KIND)
