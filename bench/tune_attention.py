@@ -5,6 +5,11 @@ they lose. Needs a CUDA device.
 
     python bench/tune_attention.py [--dtype bf16] [--head-dims 64 128] [--length 4096]
         [--tiles 64x64 128x64] [--fwd-launch 4x3 8x2] [--bwd-launch 8x2] [--forward-only]
+        [--phases fused split] [--threshold-caps 0 128]
+
+--phases: the forward as one launch or as the threshold and output launches
+(`attention_common.forward_phases`); --threshold-caps: maxnreg of the threshold launch
+(0: none), tried only with split. --fwd-launch applies to every forward launch.
 
 Each candidate is a fresh compile of every kernel it runs (seconds each): narrow the lists
 to what a GPU session has time for. --forward-only times the forward without autograd and
@@ -37,8 +42,15 @@ def _pairs(texts):
     return [tuple(int(x) for x in text.split("x")) for text in texts]
 
 
+def _phases(name):
+    from entmax_fast.triton_kernels import attention_common as tiles
+
+    return {"fused": (tiles.PHASE_FUSED,),
+            "split": (tiles.PHASE_THRESHOLD, tiles.PHASE_OUTPUT)}[name]
+
+
 def measure(dtype, head_dim, length, causal, tile_shape, fwd_launch, bwd_launch, alpha=1.5,
-            forward_only=False):
+            forward_only=False, phases="fused", threshold_cap=0):
     import entmax_fast
     from entmax_fast.triton_kernels import attention_common as tiles
 
@@ -46,9 +58,12 @@ def measure(dtype, head_dim, length, causal, tile_shape, fwd_launch, bwd_launch,
     shape = (batch, 16, length, head_dim)
     q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
     grad_out = torch.randn(shape, device="cuda", dtype=dtype)
-    saved = tiles.block_sizes, tiles.launch_config
+    saved = tiles.block_sizes, tiles.launch_config, tiles.forward_phases, tiles.register_cap
     tiles.block_sizes = lambda block_e, dtype_key, dropout=False: tile_shape
-    tiles.launch_config = lambda kernel, *_: fwd_launch if kernel == "fwd" else bwd_launch
+    tiles.launch_config = lambda kernel, *_: fwd_launch if kernel.startswith("fwd") else bwd_launch
+    tiles.forward_phases = lambda *_: _phases(phases)
+    tiles.register_cap = lambda kernel, *_: (
+        threshold_cap or None) if kernel == "fwd_threshold" else None
     try:
         with entmax_fast.use_backend("triton"):
             with torch.no_grad():
@@ -65,7 +80,7 @@ def measure(dtype, head_dim, length, causal, tile_shape, fwd_launch, bwd_launch,
 
             t_step = _time(step)
     finally:
-        tiles.block_sizes, tiles.launch_config = saved
+        tiles.block_sizes, tiles.launch_config, tiles.forward_phases, tiles.register_cap = saved
     return t_fwd, t_step
 
 
@@ -83,7 +98,12 @@ def main(argv=None):
     parser.add_argument("--bwd-launch", nargs="+", default=[f"{w}x{s}" for w, s in BWD_LAUNCH],
                         help="backward (warps)x(stages) candidates")
     parser.add_argument("--forward-only", action="store_true")
+    parser.add_argument("--phases", nargs="+", default=["fused"], choices=["fused", "split"])
+    parser.add_argument("--threshold-caps", type=int, nargs="+", default=[0],
+                        help="maxnreg of the split forward's threshold launch (0: none)")
     args = parser.parse_args(argv)
+    forwards = [(phases, cap) for phases in args.phases
+                for cap in (args.threshold_caps if phases == "split" else [0])]
     bwd_launches = [(0, 0)] if args.forward_only else _pairs(args.bwd_launch)
     if not torch.cuda.is_available():
         print("tune_attention: needs a CUDA device (none here); nothing measured")
@@ -92,26 +112,27 @@ def main(argv=None):
           f"alpha={args.alpha}")
     for head_dim in args.head_dims:
         rows = []
-        for tiles, fwd_launch, bwd_launch in itertools.product(
-                _pairs(args.tiles), _pairs(args.fwd_launch), bwd_launches):
+        for tiles, fwd_launch, bwd_launch, (phases, cap) in itertools.product(
+                _pairs(args.tiles), _pairs(args.fwd_launch), bwd_launches, forwards):
+            label = f"{phases}" + (f" cap {cap}" if cap else "")
             try:
                 t_fwd, t_step = measure(DTYPES[args.dtype], head_dim, args.length, args.causal,
                                         tiles, fwd_launch, bwd_launch, args.alpha,
-                                        args.forward_only)
+                                        args.forward_only, phases, cap)
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: skip the config
-                print(f"E={head_dim} {tiles} fwd{fwd_launch} bwd{bwd_launch}: "
+                print(f"E={head_dim} {tiles} fwd{fwd_launch} {label} bwd{bwd_launch}: "
                       f"{type(exc).__name__}: {str(exc)[:120]}")
                 continue
-            rows.append((t_fwd if args.forward_only else t_step, t_fwd, tiles, fwd_launch,
+            rows.append((t_fwd if args.forward_only else t_step, t_fwd, tiles, fwd_launch, label,
                          bwd_launch))
-            print(f"E={head_dim} tiles {tiles} fwd (warps, stages) {fwd_launch} "
+            print(f"E={head_dim} tiles {tiles} fwd (warps, stages) {fwd_launch} {label} "
                   f"bwd {bwd_launch}: fwd {t_fwd:.3f} ms, fwd+bwd {t_step:.3f} ms", flush=True)
         rows.sort()
         if rows:
-            _, t_fwd, tiles, fwd_launch, bwd_launch = rows[0]
+            _, t_fwd, tiles, fwd_launch, label, bwd_launch = rows[0]
             t_step = rows[0][0] if not args.forward_only else float("nan")
-            print(f"best for E={head_dim}: tiles {tiles}, fwd {fwd_launch}, bwd {bwd_launch} "
-                  f"(fwd {t_fwd:.3f} ms, fwd+bwd {t_step:.3f} ms)")
+            print(f"best for E={head_dim}: tiles {tiles}, fwd {fwd_launch} {label}, "
+                  f"bwd {bwd_launch} (fwd {t_fwd:.3f} ms, fwd+bwd {t_step:.3f} ms)")
     return 0
 
 

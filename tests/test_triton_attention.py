@@ -140,6 +140,53 @@ def test_fp32_forward_and_backward(b, h, hkv, lq, lk, e, alpha_spec, is_causal, 
         assert torch.equal(grads[0][:, :, 3], torch.zeros_like(grads[0][:, :, 3]))
 
 
+SPLIT = (attention_common.PHASE_THRESHOLD, attention_common.PHASE_OUTPUT)
+
+
+@pytest.mark.parametrize("b,h,hkv,lq,lk,e,alpha_spec,is_causal,mask_spec",
+                         [CASES[3], CASES[5], CASES[6], CASES[1]])
+def test_split_forward_matches_the_oracle_and_the_fused_one(monkeypatch, b, h, hkv, lq, lk, e,
+                                                            alpha_spec, is_causal, mask_spec):
+    """The forward as two launches (`forward_phases`: threshold, then output): against the
+    float64 oracle forward and backward, and against the one-launch forward on the same
+    inputs: the same statistics (the backward's inputs) and tile flags."""
+    q, k, v = _inputs(b, h, hkv, lq, lk, e, torch.float32)
+    alpha = _alpha(alpha_spec, h)
+    mask = _mask(mask_spec, b, h, lq, lk)
+    grad_out = torch.randn(b, h, lq, e)
+
+    def forward(phases, q_):
+        monkeypatch.setattr(attention_common, "forward_phases", lambda *_: phases)
+        out, (stats, dvec, flags, _) = tri.attention_forward(
+            q_, k, v, mask, alpha, scale=e ** -0.5, is_causal=is_causal, dropout_p=0.0,
+            enable_gqa=True, need_grad=common.GRAD_ALPHA)
+        return out, stats, dvec, flags
+
+    q_nan = q.clone()
+    q_nan[0, 0, 2, 0] = float("nan")  # a NaN row's rule crosses from one launch to the other
+    fused = forward((attention_common.PHASE_FUSED,), q_nan)
+    split = forward(SPLIT, q_nan)
+    for name, got, want in zip(("out", "stats", "dvec"), split[:3], fused[:3]):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6, equal_nan=True, msg=name)
+    assert torch.isnan(split[0][0, 0, 2]).all()
+    assert torch.equal(split[3], fused[3])
+
+    monkeypatch.setattr(attention_common, "forward_phases", lambda *_: SPLIT)
+    inputs = [q, k, v] + ([alpha] if isinstance(alpha, torch.Tensor) else [])
+
+    def run(fn, q_, k_, v_, *a):
+        return fn(q_, k_, v_, attn_mask=mask, is_causal=is_causal, enable_gqa=True,
+                  alpha=a[0] if a else alpha)
+
+    out, grads = _grads(lambda *t: run(_triton_attention, *t), inputs, grad_out)
+    _, ref_grads = _grads(lambda *t: run(reference_attention, *t),
+                          [t.to(torch.float64) for t in inputs], grad_out)
+    expected = oracle_attention(q, k, v, attn_mask=mask, is_causal=is_causal, alpha=alpha)
+    assert _err(out, expected) <= 1e-5
+    for name, got, want in zip(("dq", "dk", "dv", "dalpha"), grads, ref_grads):
+        assert _err(got, want) <= 1e-4, name
+
+
 class _PlainTorchEntmax(torch.autograd.Function):
     """Reference mapping with its exact backward, used inside the plain-torch low-precision run."""
 

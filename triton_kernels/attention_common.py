@@ -32,6 +32,15 @@ STAT_TAU_C = tl.constexpr(STAT_TAU)
 STAT_SUM_C = tl.constexpr(STAT_SUM)
 STAT_ENTROPY_C = tl.constexpr(STAT_ENTROPY)
 
+# What one launch of the forward kernel does (`forward_phases`): everything (the max pass,
+# the threshold passes and the output pass), or half of it in each of two launches. The
+# threshold launch leaves the raw row maximum (NaN, +-inf included) and the tiles'
+# threshold in the statistics and the tile flags behind, for the output launch.
+PHASE_FUSED, PHASE_THRESHOLD, PHASE_OUTPUT = 0, 1, 2
+PHASE_FUSED_C = tl.constexpr(PHASE_FUSED)
+PHASE_THRESHOLD_C = tl.constexpr(PHASE_THRESHOLD)
+PHASE_OUTPUT_C = tl.constexpr(PHASE_OUTPUT)
+
 
 # The interpreter's cost is per tile: one fixed, large tiling keeps interpreted runs fast
 # (docs/checking.md); GPUs use the per-dtype table of `block_sizes`.
@@ -59,8 +68,33 @@ def block_sizes(block_e, dtype_key, dropout=False):
     return block_m, block_n
 
 
+def forward_phases(block_e, dtype_key, mask_kind=common.MASK_NONE):
+    """The forward's launches, in order: (PHASE_FUSED,), one kernel for every pass, or
+    (PHASE_THRESHOLD, PHASE_OUTPUT), the passes that find the threshold in one launch and
+    the output pass in another. A kernel's registers are those of its hungriest pass: fused,
+    the output pass's accumulators (two [BM, BEV] fp32 blocks with gradients) set the count
+    the threshold passes run at (sm_90, bf16, E 64: 198 registers without gradients, 255
+    with, two programs per SM), though those passes hold one score tile and a few row sums.
+    Split, the threshold launch can run more programs per SM, at the cost of a second
+    launch and of reading the flags and statistics back.
+    """
+    return (PHASE_FUSED,)
+
+
+# The table key (`launch_config`, `register_cap`) of each forward launch.
+PHASE_KERNELS = {PHASE_FUSED: "fwd", PHASE_THRESHOLD: "fwd_threshold", PHASE_OUTPUT: "fwd_output"}
+
+
+def register_cap(kernel, block_e, dtype_key, mask_kind=common.MASK_NONE):
+    """maxnreg of `kernel` (a `launch_config` name), or None for none. A cap below what a
+    kernel wants trades spills for programs per SM (65536 registers per SM over
+    registers x threads per program)."""
+    return None
+
+
 def launch_config(kernel, block_e, dtype_key, mask_kind=common.MASK_NONE):
-    """(num_warps, num_stages) of `kernel` ("fwd", "dq" or "dkdv"); no register cap.
+    """(num_warps, num_stages) of `kernel` ("fwd", "fwd_threshold", "fwd_output" (the
+    `forward_phases` launches), "dq" or "dkdv").
 
     Measured on an H100 (docs/gpu.md, bench/tune_attention.py; B·L 16384, H 16, L 4096,
     causal, bf16, 64x64 tiles): 4 warps beat 8 in every kernel although 8 halve each
@@ -76,6 +110,8 @@ def launch_config(kernel, block_e, dtype_key, mask_kind=common.MASK_NONE):
     buffers reach A100's shared-memory limit). fp32: 2 stages (dK/dV above E 64 keeps 1:
     2 add 40-70 bytes of stack there, none elsewhere).
     """
+    if kernel.startswith("fwd"):
+        kernel = "fwd"
     if dtype_key == "fp32":
         return 4, (1 if kernel == "dkdv" and block_e > 64 else 2)
     if block_e <= 128:

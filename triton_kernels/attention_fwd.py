@@ -41,12 +41,14 @@ import triton
 import triton.language as tl
 
 from .. import common
-from .attention_common import (MAX_TAU_PASSES_C, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C,
+from .attention_common import (MAX_TAU_PASSES_C, PHASE_KERNELS, PHASE_OUTPUT_C, PHASE_THRESHOLD,
+                               PHASE_THRESHOLD_C, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C,
                                STAT_TAU_C, TAU_STEP_TOL_C, attention_signature, block_sizes,
                                chunk_width, config_space, config_suffix, dot, dropout_scale,
-                               full_tiles_end, gap, held_cols, held_rows, launch_config,
-                               listed_tiles, log2_base, query_block, sensitivity,
-                               sequence_bounds, shifted_scores, weights)
+                               forward_phases, full_tiles_end, gap, held_cols, held_rows,
+                               launch_config, listed_tiles, log2_base, query_block,
+                               register_cap, sensitivity, sequence_bounds, shifted_scores,
+                               weights)
 from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX, GRAD_ALPHA, GRAD_INPUTS
 
 
@@ -295,6 +297,64 @@ def _update_threshold(b_t, b_a, b_b, b_c, b_dmin, b_lo, b_hi, b_tau, m_done, am1
 
 
 @triton.jit
+def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
+                    n_full, q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows,
+                    p_flags, p_tiles, am1, inv_am1, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
+                    MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr):
+    """Passes 2 and on: the tiles' threshold (`_threshold_in_z`) of every row, [BM], and the
+    number of listed tiles (p_tiles) the output pass visits, from the flags the max pass
+    left (which the second threshold pass rewrites)."""
+    # threshold passes; the bracket holds c = tau + 1 in [0, 1), u = (alpha-1)(z - max z)
+    # units: near alpha = 1 the threshold sits close to -1 and c keeps its digits
+    b_lo = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_hi = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    b_tau = b_lo
+    m_done = ~m_rows
+    b_mid = 0.5 * (b_lo + b_hi)
+    # the list of the tiles the max pass flagged (from other threads' flags)
+    tl.debug_barrier()
+    n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
+    tl.debug_barrier()
+    b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_pass(
+        b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full, q_len,
+        k_len, kv_end, head_e, scale, b_mz, is_causal, _threshold_in_z(b_lo, inv_am1, ALPHA_KIND),
+        _threshold_in_z(b_mid, inv_am1, ALPHA_KIND), m_rows, p_flags, p_tiles, n_listed, False,
+        inv_am1, True, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
+    b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
+    b_a1, b_b1, b_c1, b_n1 = _sums_in_u(b_a1, b_b1, b_c1, b_n1, am1, inv_am1, ALPHA_KIND)
+    b_lo, b_hi, b_tau, m_done = _update_threshold(b_lo, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi,
+                                                  b_tau, m_done, am1, ALPHA_KIND)
+    b_lo, b_hi, b_tau, m_done = _update_threshold(b_mid, b_a1, b_b1, b_c1, b_n1, b_lo, b_hi,
+                                                  b_tau, m_done, am1, ALPHA_KIND)
+    n_pass = 1
+    while (tl.max(tl.where(m_done, 0, 1), 0) > 0) & (n_pass < MAX_TAU_PASSES_C):
+        # Only the second pass rewrites the flags, at the lower bound the first one found:
+        # rewriting them costs a cross-warp reduction per tile (14 % of the forward with
+        # every pass rewriting, on an H100), and the later passes' higher bounds drop few
+        # more tiles (bench/bench_attention_passes.py).
+        reflag = n_pass == 1
+        b_t0 = _threshold_in_z(b_lo, inv_am1, ALPHA_KIND)
+        b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_pass(
+            b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
+            q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, b_t0, b_t0, m_rows, p_flags,
+            p_tiles, n_listed, reflag, inv_am1, False, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC,
+            MASK_KIND, ALPHA_KIND)
+        b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
+        b_lo, b_hi, b_tau, m_done = _update_threshold(b_lo, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi,
+                                                      b_tau, m_done, am1, ALPHA_KIND)
+        if reflag:
+            tl.debug_barrier()
+            n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
+            tl.debug_barrier()
+        n_pass += 1
+    # rows still open after MAX_TAU_PASSES: the last lower bound (a Newton step). From here
+    # on the tiles' threshold (`_threshold_in_z`), which the statistics store too.
+    b_tau = _threshold_in_z(tl.where(m_done, b_tau, b_lo), inv_am1, ALPHA_KIND)
+    return b_tau, n_listed
+
+
+@triton.jit
 def _output_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq,
                  stride_mk, o_m, start_n, q_len, k_len, head_e, head_ev, scale, inv_am1,
                  b_mz, b_tau, m_rows, is_causal, p_flags, seed, pid_bh, seqlen_q, seqlen_k,
@@ -353,7 +413,7 @@ def entmax_attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    NEED_GRAD: tl.constexpr,
+    NEED_GRAD: tl.constexpr, PHASE: tl.constexpr,
 ):
     pid_m = query_block(tl.program_id(0), n_qblocks, is_causal)
     pid_bh = tl.program_id(1)
@@ -375,6 +435,7 @@ def entmax_attn_fwd_kernel(
     p_mask = mask_ptr + i_b * stride_mb + i_h * stride_mh
     p_flags = flags_ptr + (pid_bh.to(tl.int64) * n_qblocks + pid_m) * n_kblocks
     p_tiles = tiles_ptr + (pid_bh.to(tl.int64) * n_qblocks + pid_m) * n_kblocks
+    p_stats = stats_ptr + i_b * stride_sb + i_h * stride_sh + q_start + o_m
 
     b_q = held_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, BLOCK_EC)  # [BM, BE]
     alpha = tl.load(alpha_ptr + i_h).to(tl.float32)
@@ -385,63 +446,32 @@ def entmax_attn_fwd_kernel(
     if is_causal != 0:
         kv_end = tl.minimum(k_len, start_m + BLOCK_M)
 
-    # pass 1: row max and the tiles the threshold passes need
-    b_m = _row_max(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, m_m,
-                   start_m, q_len, k_len, kv_end, head_e, scale, is_causal, p_flags, inv_am1,
-                   BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND)
+    if PHASE == PHASE_OUTPUT_C:
+        b_m = tl.load(p_stats + STAT_MAX_C * stride_stat, mask=m_m, other=float("-inf"))
+    else:
+        # pass 1: row max and the tiles the threshold passes need
+        b_m = _row_max(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
+                       m_m, start_m, q_len, k_len, kv_end, head_e, scale, is_causal, p_flags,
+                       inv_am1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND)
     # torch.softmax's rule: a NaN or +inf score makes its row NaN; a row with every key
     # masked gets zeros. Neither has a threshold to find.
     m_bad = (b_m != b_m) | (b_m == float("inf"))
     m_rows = m_m & (b_m > float("-inf")) & (b_m < float("inf"))
     b_mz = tl.where(m_rows, b_m, 0.0)
 
-    # threshold passes; the bracket holds c = tau + 1 in [0, 1), u = (alpha-1)(z - max z)
-    # units: near alpha = 1 the threshold sits close to -1 and c keeps its digits
-    b_lo = tl.zeros([BLOCK_M], dtype=tl.float32)
-    b_hi = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-    b_tau = b_lo
-    m_done = ~m_rows
-    b_mid = 0.5 * (b_lo + b_hi)
-    # the list of the tiles the max pass flagged (from other threads' flags)
-    tl.debug_barrier()
     n_full = full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
-    n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
-    tl.debug_barrier()
-    b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_pass(
-        b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full, q_len,
-        k_len, kv_end, head_e, scale, b_mz, is_causal, _threshold_in_z(b_lo, inv_am1, ALPHA_KIND),
-        _threshold_in_z(b_mid, inv_am1, ALPHA_KIND), m_rows, p_flags, p_tiles, n_listed, False,
-        inv_am1, True, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
-    b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
-    b_a1, b_b1, b_c1, b_n1 = _sums_in_u(b_a1, b_b1, b_c1, b_n1, am1, inv_am1, ALPHA_KIND)
-    b_lo, b_hi, b_tau, m_done = _update_threshold(b_lo, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi,
-                                                  b_tau, m_done, am1, ALPHA_KIND)
-    b_lo, b_hi, b_tau, m_done = _update_threshold(b_mid, b_a1, b_b1, b_c1, b_n1, b_lo, b_hi,
-                                                  b_tau, m_done, am1, ALPHA_KIND)
-    n_pass = 1
-    while (tl.max(tl.where(m_done, 0, 1), 0) > 0) & (n_pass < MAX_TAU_PASSES_C):
-        # Only the second pass rewrites the flags, at the lower bound the first one found:
-        # rewriting them costs a cross-warp reduction per tile (14 % of the forward with
-        # every pass rewriting, on an H100), and the later passes' higher bounds drop few
-        # more tiles (bench/bench_attention_passes.py).
-        reflag = n_pass == 1
-        b_t0 = _threshold_in_z(b_lo, inv_am1, ALPHA_KIND)
-        b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_pass(
+    if PHASE == PHASE_OUTPUT_C:
+        b_tau = tl.load(p_stats + STAT_TAU_C * stride_stat, mask=m_m, other=0.0)
+        n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
+    else:
+        b_tau, n_listed = _find_threshold(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
-            q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, b_t0, b_t0, m_rows, p_flags,
-            p_tiles, n_listed, reflag, inv_am1, False, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC,
-            MASK_KIND, ALPHA_KIND)
-        b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
-        b_lo, b_hi, b_tau, m_done = _update_threshold(b_lo, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi,
-                                                      b_tau, m_done, am1, ALPHA_KIND)
-        if reflag:
-            tl.debug_barrier()
-            n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
-            tl.debug_barrier()
-        n_pass += 1
-    # rows still open after MAX_TAU_PASSES: the last lower bound (a Newton step). From here
-    # on the tiles' threshold (`_threshold_in_z`), which the statistics store too.
-    b_tau = _threshold_in_z(tl.where(m_done, b_tau, b_lo), inv_am1, ALPHA_KIND)
+            q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows, p_flags, p_tiles,
+            am1, inv_am1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
+        if PHASE == PHASE_THRESHOLD_C:
+            tl.store(p_stats + STAT_MAX_C * stride_stat, b_m, mask=m_m)
+            tl.store(p_stats + STAT_TAU_C * stride_stat, b_tau, mask=m_m)
+            return
     tl.debug_barrier()
 
     # output pass (sparse): the listed tiles; it flags exactly the tiles holding non-zero
@@ -479,7 +509,6 @@ def entmax_attn_fwd_kernel(
              mask=m_o)
 
     # the backward recomputes u from the stored shift: NaN on NaN rows keeps them NaN there
-    p_stats = stats_ptr + i_b * stride_sb + i_h * stride_sh + q_start + o_m
     tl.store(p_stats + STAT_MAX_C * stride_stat, tl.where(m_bad, float("nan"), b_mz), mask=m_m)
     tl.store(p_stats + STAT_TAU_C * stride_stat, b_tau, mask=m_m)
     tl.store(p_stats + STAT_SUM_C * stride_stat, b_sum, mask=m_m)
@@ -498,18 +527,26 @@ def aot_configs():
     configs = []
     for dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout in config_space():
         block_m, block_n = block_sizes(block_e, dtype_key, dropout)
-        num_warps, num_stages = launch_config("fwd", block_e, dtype_key, mask_kind)
-        for need_grad in (common.GRAD_NONE, common.GRAD_INPUTS, common.GRAD_ALPHA):
-            if need_grad == common.GRAD_ALPHA and alpha_kind != common.ALPHA_GENERAL:
-                continue  # a differentiable alpha is a tensor: the general kind
+        launches = [(phase, need_grad)
+                    for phase in forward_phases(block_e, dtype_key, mask_kind)
+                    for need_grad in (common.GRAD_NONE, common.GRAD_INPUTS, common.GRAD_ALPHA)
+                    # the threshold launch is compiled without gradients (the launcher's
+                    # rule); a differentiable alpha is a tensor: the general kind
+                    if not (phase == PHASE_THRESHOLD and need_grad != common.GRAD_NONE)
+                    and not (need_grad == common.GRAD_ALPHA and alpha_kind != common.ALPHA_GENERAL)]
+        for phase, need_grad in launches:
             constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_E": block_e,
                           "BLOCK_EV": block_e, "BLOCK_EC": chunk_width("fwd", block_e, dtype_key),
                           "ALPHA_KIND": alpha_kind, "MASK_KIND": mask_kind,
                           "IS_VARLEN": int(varlen), "HAS_DROPOUT": int(dropout),
-                          "NEED_GRAD": need_grad}
+                          "NEED_GRAD": need_grad, "PHASE": phase}
             suffix = config_suffix(dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout)
+            kernel = PHASE_KERNELS[phase]
+            num_warps, num_stages = launch_config(kernel, block_e, dtype_key, mask_kind)
+            cap = register_cap(kernel, block_e, dtype_key, mask_kind)
             configs.append({
-                "name": f"entmax_attn_fwd_{suffix}_g{need_grad}",
+                "name": f"entmax_attn_{kernel}_{suffix}_g{need_grad}",
+                "options": {} if cap is None else {"maxnreg": cap},
                 "fn": entmax_attn_fwd_kernel,
                 "signature": attention_signature(entmax_attn_fwd_kernel, dtype_key, mask_kind),
                 "constexprs": constexprs,
