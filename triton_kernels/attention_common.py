@@ -74,10 +74,18 @@ def forward_phases(block_e, dtype_key, mask_kind=common.MASK_NONE):
     the output pass in another. A kernel's registers are those of its hungriest pass: fused,
     the output pass's accumulators (two [BM, BEV] fp32 blocks with gradients) set the count
     the threshold passes run at (sm_90, bf16, E 64: 198 registers without gradients, 255
-    with, two programs per SM), though those passes hold one score tile and a few row sums.
-    Split, the threshold launch can run more programs per SM, at the cost of a second
-    launch and of reading the flags and statistics back.
+    with: two programs per SM), though those passes hold one score tile and a few row sums.
+    Split, the threshold launch runs at 128 (`register_cap`): four programs per SM.
+
+    Measured on an H100 (docs/gpu.md, third session; bf16, L 4096, causal, B·L 16384, 4
+    warps, 3 stages): forward without gradients 3.33 ms fused, 3.18 split, 3.06 split with
+    the threshold launch capped at 128 registers (96: 3.17), training step 4.99 / 5.07 /
+    4.94; alpha 2: 2.96 / 2.93 / 2.73 and 4.80 / 4.83 / 4.71. The grid gained 4-10 % on
+    the forward at E 64 and 128, causal or not, and up to 4 % on a training step. Masked,
+    fp32 and E 256 forwards are not timed split: they stay fused.
     """
+    if dtype_key != "fp32" and block_e <= 128 and mask_kind == common.MASK_NONE:
+        return (PHASE_THRESHOLD, PHASE_OUTPUT)
     return (PHASE_FUSED,)
 
 
@@ -88,7 +96,10 @@ PHASE_KERNELS = {PHASE_FUSED: "fwd", PHASE_THRESHOLD: "fwd_threshold", PHASE_OUT
 def register_cap(kernel, block_e, dtype_key, mask_kind=common.MASK_NONE):
     """maxnreg of `kernel` (a `launch_config` name), or None for none. A cap below what a
     kernel wants trades spills for programs per SM (65536 registers per SM over
-    registers x threads per program)."""
+    registers x threads per program). The threshold launch of the split forward: 128
+    (`forward_phases`; it spills 4-8 bytes there, and ran faster than without the cap)."""
+    if kernel == "fwd_threshold":
+        return 128
     return None
 
 

@@ -26,6 +26,11 @@ scaled, masked scores and u = (alpha - 1)(z - max z), the threshold tau lies in 
    output row is an exact convex combination whatever tau's residual error) and rewrites
    the flags to "holds a non-zero weight" for the backward.
 
+PHASE splits the passes between two launches (`forward_phases`): 1-3 (PHASE_THRESHOLD,
+which leaves the raw row maximum and tau in the statistics) and 4 (PHASE_OUTPUT), so that
+the threshold passes do not run at the output pass's register count (docs/attention.md,
+"Two launches").
+
 The tiles work in z units shifted by the row maximum (`shifted_scores`), so only score
 differences enter, whatever the offset; the bracket lives in u units (`_sums_in_u`).
 Masks cost per-score work only on the tiles that cross the key end or the causal
