@@ -32,18 +32,17 @@ _MAX_FLAG = "    tl.store(p_flags + start_n // BLOCK_N, tl.max(m_near.to(tl.int8
 _REFLAG = "        reflag = n_pass == 1\n"
 _OUTPUT_FLAG = "    tl.store(p_flags + start_n // BLOCK_N, b_alive.to(tl.int8))\n"
 
-_LATER_T1 = "b_mz, is_causal, b_t0, b_t0, b_t0, b_t0,"
-_LATER_POINTS = "reflag, inv_am1, 1, BLOCK_M,"
-_LATER_SUMS = "        b_a0, b_b0, b_s0, b_n0 = _sums_in_u(b_a0, b_b0, b_s0, b_n0, am1, inv_am1, ALPHA_KIND)\n"
-_FIRST_POINTS = "FIRST_PASS_POINTS = tl.constexpr(2)"
+_LATER_T1 = "b_t0, b_t0, m_rows, p_flags,"
+_LATER_TWO = "p_tiles, n_listed, reflag, inv_am1, False, BLOCK_M,"
+_LATER_SUMS = "        b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)\n"
 _DMIN = '        b_dmin = tl.min(tl.where(b_g > 0, b_g, float("inf")), 1)\n'
 # The passes after the first evaluate a second trial point just above the first; its sums
 # feed the result through a comparison that never holds, so that nothing is optimised away
 # and the thresholds (and so the pass count) stay those of the kernel.
 _EXTRA_POINT = [
-    (_LATER_T1, "b_mz, is_causal, b_t0, b_t0 + 1e-3, b_t0, b_t0,"),
-    (_LATER_POINTS, "reflag, inv_am1, 2, BLOCK_M,"),
-    (_LATER_SUMS, "        b_a0 += tl.where(b_a1 + b_b1 + b_s1 + b_n1 == -1.2345, 1e-30, 0.0)\n"
+    (_LATER_T1, "b_t0, b_t0 + 1e-3, m_rows, p_flags,"),
+    (_LATER_TWO, "p_tiles, n_listed, reflag, inv_am1, True, BLOCK_M,"),
+    (_LATER_SUMS, "        b_a0 += tl.where(b_a1 + b_b1 + b_c1 + b_n1 == -1.2345, 1e-30, 0.0)\n"
                   + _LATER_SUMS),
 ]
 
@@ -63,8 +62,6 @@ VARIANTS = {
     # and what the exactness certificate's min reduction costs (no row is then certified,
     # every block runs to the cap)
     "cap3_extra_point": [(_CAP, "(n_pass < 3)")] + _EXTRA_POINT,
-    # a candidate, not an instrument: four trial points in the first threshold pass
-    "first4": [(_FIRST_POINTS, "FIRST_PASS_POINTS = tl.constexpr(4)")],
     "cap3_no_dmin": [(_CAP, "(n_pass < 3)"), (_DMIN, "        b_dmin = b_b * 0.0\n")],
 }
 

@@ -57,13 +57,6 @@ from .attention_common import (MAX_TAU_PASSES_C, PHASE_KERNELS, PHASE_OUTPUT_C, 
 from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX, GRAD_ALPHA, GRAD_INPUTS
 
 
-# Trial points of the first threshold pass (2 or 4), evenly spaced over the bracket; the
-# passes after it evaluate one. One score tile serves every point, so a point costs its
-# `_moments` only. In float32 emulation (bench/bench_attention_passes.py, random rows of
-# 1024-16384 keys) 4 points save 0.4-1.8 passes per block against 2.
-FIRST_PASS_POINTS = tl.constexpr(2)
-
-
 @triton.jit
 def _threshold_in_z(b_c, inv_am1, ALPHA_KIND: tl.constexpr):
     """The row threshold the tiles take (`gap`) from c = tau + 1 (u units, where the
@@ -179,86 +172,67 @@ def _moments(b_g, inv_am1, ALPHA_KIND: tl.constexpr):
 
 
 @triton.jit
-def _add_moments(b_u, b_t, b_a0, b_b0, b_c0, b_n0, inv_am1, ALPHA_KIND: tl.constexpr):
-    """Adds one tile's `_moments` at threshold t to the running sums; also returns the
-    tile's own b (positive where a row has a score above t)."""
-    b_a, b_b, b_c, b_n = _moments(gap(b_u, b_t, inv_am1, ALPHA_KIND), inv_am1, ALPHA_KIND)
-    return b_a0 + b_a, b_b0 + b_b, b_c0 + b_c, tl.minimum(b_n0, b_n), b_b
-
-
-@triton.jit
 def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                     start_n, q_len, k_len, head_e, scale, b_shift, is_causal,
-                    b_t0, b_t1, b_t2, b_t3, m_rows, p_flags, inv_am1,
-                    b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
-                    b_a2, b_b2, b_c2, b_n2, b_a3, b_b3, b_c3, b_n3, reflag,
-                    POINTS: tl.constexpr, BLOCK_N: tl.constexpr,
+                    b_t0, b_t1, m_rows, p_flags, inv_am1,
+                    b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, reflag,
+                    TWO: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr,
                     ALPHA_KIND: tl.constexpr, BOUNDARY: tl.constexpr):
-    """Adds one key tile to the sums at the thresholds t0 .. t(POINTS-1) (POINTS 1, 2 or
-    4; one score tile for all) and, when reflag, rewrites its flag: does any row have a
-    score above t0? t0 is a lower bound of tau that only rises, so a tile with none has
-    none above any later pass's t0 either."""
+    """Adds one key tile to the sums at threshold t0 (and t1 when TWO) and, when reflag,
+    rewrites its flag: does any row have a score above t0? t0 is a lower bound of tau that
+    only rises, so a tile with none has none above any later pass's t0 either."""
     b_u = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                       start_n, q_len, k_len, head_e, scale, b_shift, is_causal,
                       BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
-    b_a0, b_b0, b_c0, b_n0, b_b = _add_moments(b_u, b_t0, b_a0, b_b0, b_c0, b_n0, inv_am1,
-                                               ALPHA_KIND)
+    b_a, b_b, b_c, b_n = _moments(gap(b_u, b_t0, inv_am1, ALPHA_KIND), inv_am1, ALPHA_KIND)
+    b_a0 += b_a
+    b_b0 += b_b
+    b_c0 += b_c
+    b_n0 = tl.minimum(b_n0, b_n)
     if reflag:
         # rows without a threshold (masked, NaN, past the end) must not keep tiles alive
         b_alive = tl.max(tl.where(m_rows, b_b, 0.0), 0)
         tl.store(p_flags + start_n // BLOCK_N, (b_alive > 0).to(tl.int8))
-    if POINTS >= 2:
-        b_a1, b_b1, b_c1, b_n1, b_b = _add_moments(b_u, b_t1, b_a1, b_b1, b_c1, b_n1, inv_am1,
-                                                   ALPHA_KIND)
-    if POINTS >= 4:
-        b_a2, b_b2, b_c2, b_n2, b_b = _add_moments(b_u, b_t2, b_a2, b_b2, b_c2, b_n2, inv_am1,
-                                                   ALPHA_KIND)
-        b_a3, b_b3, b_c3, b_n3, b_b = _add_moments(b_u, b_t3, b_a3, b_b3, b_c3, b_n3, inv_am1,
-                                                   ALPHA_KIND)
-    return (b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
-            b_a2, b_b2, b_c2, b_n2, b_a3, b_b3, b_c3, b_n3)
+    if TWO:
+        b_a, b_b, b_c, b_n = _moments(gap(b_u, b_t1, inv_am1, ALPHA_KIND), inv_am1, ALPHA_KIND)
+        b_a1 += b_a
+        b_b1 += b_b
+        b_c1 += b_c
+        b_n1 = tl.minimum(b_n1, b_n)
+    return b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1
 
 
 @triton.jit
 def _threshold_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                     n_full, q_len, k_len, kv_end, head_e, scale, b_shift, is_causal,
-                    b_t0, b_t1, b_t2, b_t3, m_rows, p_flags, p_tiles, n_listed, reflag, inv_am1,
-                    POINTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                    b_t0, b_t1, m_rows, p_flags, p_tiles, n_listed, reflag, inv_am1,
+                    TWO: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
                     MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr):
-    """One pass over the flagged tiles: the `_moments` sums at t0 .. t(POINTS-1), four per
-    point (the unused points' sums come back as zeros). The full tiles (those before
-    n_full, `full_tiles_end`) through their list (p_tiles[0:n_listed], `listed_tiles`: a
-    pipelined loop), the few that cross a mask's edge through their flags. reflag: rewrite
-    the flags at t0."""
+    """One pass over the flagged tiles: the `_moments` sums at t0 (and t1). The full tiles
+    (those before n_full, `full_tiles_end`) through their list (p_tiles[0:n_listed],
+    `listed_tiles`: a pipelined loop), the few that cross a mask's edge through their
+    flags. reflag: rewrite the flags at t0."""
     b_zero = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_inf = tl.full([BLOCK_M], float("inf"), dtype=tl.float32)
     b_a0, b_b0, b_c0, b_n0 = b_zero, b_zero, b_zero, b_inf
     b_a1, b_b1, b_c1, b_n1 = b_zero, b_zero, b_zero, b_inf
-    b_a2, b_b2, b_c2, b_n2 = b_zero, b_zero, b_zero, b_inf
-    b_a3, b_b3, b_c3, b_n3 = b_zero, b_zero, b_zero, b_inf
     for i in range(n_listed):
         start_n = tl.load(p_tiles + i) * BLOCK_N
-        (b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
-         b_a2, b_b2, b_c2, b_n2, b_a3, b_b3, b_c3, b_n3) = _threshold_tile(
+        b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_tile(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_n,
-            q_len, k_len, head_e, scale, b_shift, is_causal, b_t0, b_t1, b_t2, b_t3, m_rows,
-            p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
-            b_a2, b_b2, b_c2, b_n2, b_a3, b_b3, b_c3, b_n3, reflag,
-            POINTS, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, False)
+            q_len, k_len, head_e, scale, b_shift, is_causal, b_t0, b_t1, m_rows,
+            p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, reflag,
+            TWO, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, False)
     for start_n in range(n_full, kv_end, BLOCK_N):
         if tl.load(p_flags + start_n // BLOCK_N) != 0:
-            (b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
-             b_a2, b_b2, b_c2, b_n2, b_a3, b_b3, b_c3, b_n3) = _threshold_tile(
+            b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_tile(
                 b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                start_n, q_len, k_len, head_e, scale, b_shift, is_causal,
-                b_t0, b_t1, b_t2, b_t3, m_rows, p_flags, inv_am1,
-                b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
-                b_a2, b_b2, b_c2, b_n2, b_a3, b_b3, b_c3, b_n3, reflag,
-                POINTS, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, True)
-    return (b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
-            b_a2, b_b2, b_c2, b_n2, b_a3, b_b3, b_c3, b_n3)
+                start_n, q_len, k_len, head_e, scale, b_shift, is_causal, b_t0, b_t1, m_rows,
+                p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, reflag,
+                TWO, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, True)
+    return b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1
 
 
 @triton.jit
@@ -342,34 +316,22 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
     b_hi = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     b_tau = b_lo
     m_done = ~m_rows
-    # the first pass's trial points, evenly spaced from the bracket's lower end: c = j / P
-    b_c1 = b_lo + 1.0 / FIRST_PASS_POINTS
-    b_c2 = b_lo + 2.0 / FIRST_PASS_POINTS
-    b_c3 = b_lo + 3.0 / FIRST_PASS_POINTS
+    b_mid = 0.5 * (b_lo + b_hi)
     # the list of the tiles the max pass flagged (from other threads' flags)
     tl.debug_barrier()
     n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
     tl.debug_barrier()
-    (b_a0, b_b0, b_s0, b_n0, b_a1, b_b1, b_s1, b_n1,
-     b_a2, b_b2, b_s2, b_n2, b_a3, b_b3, b_s3, b_n3) = _threshold_pass(
+    b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_pass(
         b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full, q_len,
         k_len, kv_end, head_e, scale, b_mz, is_causal, _threshold_in_z(b_lo, inv_am1, ALPHA_KIND),
-        _threshold_in_z(b_c1, inv_am1, ALPHA_KIND), _threshold_in_z(b_c2, inv_am1, ALPHA_KIND),
-        _threshold_in_z(b_c3, inv_am1, ALPHA_KIND), m_rows, p_flags, p_tiles, n_listed, False,
-        inv_am1, FIRST_PASS_POINTS, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
-    b_a0, b_b0, b_s0, b_n0 = _sums_in_u(b_a0, b_b0, b_s0, b_n0, am1, inv_am1, ALPHA_KIND)
-    b_lo, b_hi, b_tau, m_done = _update_threshold(b_lo, b_a0, b_b0, b_s0, b_n0, b_lo, b_hi,
+        _threshold_in_z(b_mid, inv_am1, ALPHA_KIND), m_rows, p_flags, p_tiles, n_listed, False,
+        inv_am1, True, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
+    b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
+    b_a1, b_b1, b_c1, b_n1 = _sums_in_u(b_a1, b_b1, b_c1, b_n1, am1, inv_am1, ALPHA_KIND)
+    b_lo, b_hi, b_tau, m_done = _update_threshold(b_lo, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi,
                                                   b_tau, m_done, am1, ALPHA_KIND)
-    b_a1, b_b1, b_s1, b_n1 = _sums_in_u(b_a1, b_b1, b_s1, b_n1, am1, inv_am1, ALPHA_KIND)
-    b_lo, b_hi, b_tau, m_done = _update_threshold(b_c1, b_a1, b_b1, b_s1, b_n1, b_lo, b_hi,
+    b_lo, b_hi, b_tau, m_done = _update_threshold(b_mid, b_a1, b_b1, b_c1, b_n1, b_lo, b_hi,
                                                   b_tau, m_done, am1, ALPHA_KIND)
-    if FIRST_PASS_POINTS >= 4:
-        b_a2, b_b2, b_s2, b_n2 = _sums_in_u(b_a2, b_b2, b_s2, b_n2, am1, inv_am1, ALPHA_KIND)
-        b_lo, b_hi, b_tau, m_done = _update_threshold(b_c2, b_a2, b_b2, b_s2, b_n2, b_lo, b_hi,
-                                                      b_tau, m_done, am1, ALPHA_KIND)
-        b_a3, b_b3, b_s3, b_n3 = _sums_in_u(b_a3, b_b3, b_s3, b_n3, am1, inv_am1, ALPHA_KIND)
-        b_lo, b_hi, b_tau, m_done = _update_threshold(b_c3, b_a3, b_b3, b_s3, b_n3, b_lo, b_hi,
-                                                      b_tau, m_done, am1, ALPHA_KIND)
     n_pass = 1
     while (tl.max(tl.where(m_done, 0, 1), 0) > 0) & (n_pass < MAX_TAU_PASSES_C):
         # Only the second pass rewrites the flags, at the lower bound the first one found:
@@ -378,14 +340,13 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
         # more tiles (bench/bench_attention_passes.py).
         reflag = n_pass == 1
         b_t0 = _threshold_in_z(b_lo, inv_am1, ALPHA_KIND)
-        (b_a0, b_b0, b_s0, b_n0, b_a1, b_b1, b_s1, b_n1,
-         b_a2, b_b2, b_s2, b_n2, b_a3, b_b3, b_s3, b_n3) = _threshold_pass(
+        b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_pass(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
-            q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, b_t0, b_t0, b_t0, b_t0,
-            m_rows, p_flags, p_tiles, n_listed, reflag, inv_am1, 1, BLOCK_M, BLOCK_N, BLOCK_E,
-            BLOCK_EC, MASK_KIND, ALPHA_KIND)
-        b_a0, b_b0, b_s0, b_n0 = _sums_in_u(b_a0, b_b0, b_s0, b_n0, am1, inv_am1, ALPHA_KIND)
-        b_lo, b_hi, b_tau, m_done = _update_threshold(b_lo, b_a0, b_b0, b_s0, b_n0, b_lo, b_hi,
+            q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, b_t0, b_t0, m_rows, p_flags,
+            p_tiles, n_listed, reflag, inv_am1, False, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC,
+            MASK_KIND, ALPHA_KIND)
+        b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
+        b_lo, b_hi, b_tau, m_done = _update_threshold(b_lo, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi,
                                                       b_tau, m_done, am1, ALPHA_KIND)
         if reflag:
             tl.debug_barrier()
