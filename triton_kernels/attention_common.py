@@ -37,7 +37,6 @@ STAT_ENTROPY_C = tl.constexpr(STAT_ENTROPY)
 # threshold launch leaves the raw row maximum (NaN, +-inf included) and the tiles'
 # threshold in the statistics and the tile flags behind, for the output launch.
 PHASE_FUSED, PHASE_THRESHOLD, PHASE_OUTPUT = 0, 1, 2
-PHASE_FUSED_C = tl.constexpr(PHASE_FUSED)
 PHASE_THRESHOLD_C = tl.constexpr(PHASE_THRESHOLD)
 PHASE_OUTPUT_C = tl.constexpr(PHASE_OUTPUT)
 
@@ -80,9 +79,10 @@ def forward_phases(block_e, dtype_key, mask_kind=common.MASK_NONE):
     Measured on an H100 (docs/gpu.md, third session; bf16, L 4096, causal, B·L 16384, 4
     warps, 3 stages): forward without gradients 3.33 ms fused, 3.18 split, 3.06 split with
     the threshold launch capped at 128 registers (96: 3.17), training step 4.99 / 5.07 /
-    4.94; alpha 2: 2.96 / 2.93 / 2.73 and 4.80 / 4.83 / 4.71. The grid gained 4-10 % on
-    the forward at E 64 and 128, causal or not, and up to 4 % on a training step. Masked,
-    fp32 and E 256 forwards are not timed split: they stay fused.
+    4.94; alpha 2: 2.96 / 2.93 / 2.73 and 4.80 / 4.83 / 4.71. Over the grid the forward
+    gained 5-9 % on random scores (E 128 at L 16384: 2 % slower) and 19-24 % on local ones,
+    a training step 0-4 %. Masked, fp32 and E 256 forwards are not timed split: they stay
+    fused.
     """
     if dtype_key != "fp32" and block_e <= 128 and mask_kind == common.MASK_NONE:
         return (PHASE_THRESHOLD, PHASE_OUTPUT)
