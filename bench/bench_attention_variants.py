@@ -12,14 +12,17 @@ in the kernel fails with the variant's name: update the anchor with the kernel.
     python bench/bench_attention_variants.py [--length 4096] [--head-dim 64]
         [--alphas 1.5 2] [--variants kernel cap2 cap3 no_output_flags]
 
-Each variant is a fresh compile (about 20 s on 16 cores; run it once at a small length
-to fill Triton's cache, in parallel processes, then time).
+Each variant is a fresh compile (about 20 s each). ``--jobs N`` first compiles every
+(variant, alpha) in up to N processes at once (each runs this script at a short length,
+which fills Triton's cache), then times them one after the other in this process, alone
+on the GPU.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import os
+import subprocess
 import sys
 import tempfile
 
@@ -110,6 +113,23 @@ def time_variant(kernel, length, head_dim, alpha, causal=True, heads=16, tokens=
         attention_fwd.entmax_attn_fwd_kernel = saved
 
 
+def compile_all(args, length=1024):
+    """Fills Triton's cache with every (variant, alpha) of ``args``: one process each, at
+    most ``args.jobs`` at a time; their timings are discarded (they share the GPU)."""
+    commands = [[sys.executable, os.path.abspath(__file__), "--length", str(length),
+                 "--head-dim", str(args.head_dim), "--alphas", str(alpha), "--variants", name]
+                + (["--not-causal"] if args.not_causal else [])
+                for alpha in args.alphas for name in args.variants]
+    started = []
+    for command in commands:
+        while sum(process.poll() is None for process in started) >= args.jobs:
+            started[[process.poll() is None for process in started].index(True)].wait()
+        started.append(subprocess.Popen(command, stdout=subprocess.DEVNULL))
+    failed = sum(process.wait() != 0 for process in started)
+    if failed:
+        print(f"bench_attention_variants: {failed} compile process(es) failed; timing anyway")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--length", type=int, default=4096)
@@ -117,10 +137,14 @@ def main(argv=None):
     parser.add_argument("--alphas", type=float, nargs="+", default=[1.5, 2.0])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--not-causal", action="store_true")
+    parser.add_argument("--jobs", type=int, default=0,
+                        help="compile the variants in this many processes first (0: no)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_attention_variants: needs a CUDA device (none here); nothing measured")
         return 0
+    if args.jobs > 0:
+        compile_all(args)
     print(f"{torch.cuda.get_device_name()}: bf16 L={args.length} E={args.head_dim} "
           f"causal={not args.not_causal}, forward without gradients, ms")
     with tempfile.TemporaryDirectory() as directory:

@@ -14,6 +14,11 @@
 #   profile    per-kernel time of a training step and the compiled kernels' resources
 #              (bench/profile_attention_gpu.py);
 #   tune       a small sweep of the attention tile table (bench/tune_attention.py);
+#   variants   what each part of a forward pass costs (bench/bench_attention_variants.py:
+#              edited copies of the forward kernel compiled in 8 processes, then timed
+#              alone); VARIANTS_ARGS picks them (e.g. "--variants kernel cap2 cap3");
+#   extension  builds the C++/CUDA extension in place (MAX_JOBS, default 16 jobs), so
+#              that the structured step has CUDA kernels to time; not in the default list;
 #   rowwise    the row-wise mappings (bench/bench_rowwise_gpu.py);
 #   structured fusedmax/oscarmax, when the extension is built for CUDA
 #              (bench/bench_structured.py).
@@ -99,6 +104,10 @@ for name in ${STEPS:-tests train attention rowwise structured}; do
       fi ;;
     profile) step profile "${PROFILE_LIMIT:-120}" python bench/profile_attention_gpu.py --causal ;;
     tune) step tune "${TUNE_LIMIT:-300}" python bench/tune_attention.py --causal ${TUNE_ARGS:-} ;;
+    variants) step variants "${VARIANTS_LIMIT:-300}" python bench/bench_attention_variants.py \
+             --jobs 8 ${VARIANTS_ARGS:-} ;;
+    extension) MAX_JOBS="${MAX_JOBS:-16}" step extension "${EXTENSION_LIMIT:-600}" \
+             python setup.py build_ext --inplace ;;
     rowwise) step rowwise "${ROWWISE_LIMIT:-120}" python bench/bench_rowwise_gpu.py --out "$OUT_DIR" ;;
     structured)
       if has_cuda_extension; then
