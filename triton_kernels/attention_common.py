@@ -8,6 +8,7 @@ backward: both must tile the same way, and the launchers (host code of the Trito
 (triton_kernels/aot.py), which compiles exactly the configurations they can choose.
 """
 import itertools
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
@@ -101,6 +102,32 @@ def register_cap(kernel, block_e, dtype_key, mask_kind=common.MASK_NONE):
     if kernel == "fwd_threshold":
         return 128
     return None
+
+
+class ForwardLaunch(NamedTuple):
+    """One launch of the forward kernel: its PHASE, its table key, the NEED_GRAD it is
+    compiled with, and its launch options."""
+    phase: int
+    kernel: str
+    need_grad: int
+    num_warps: int
+    num_stages: int
+    maxnreg: int | None
+
+
+def forward_launches(block_e, dtype_key, mask_kind, need_grad):
+    """The launches of a forward call that needs `need_grad` (common.GRAD_*), in order,
+    from `forward_phases`, `launch_config` and `register_cap`. The launcher runs them and
+    the AOT check compiles them. The threshold launch computes nothing the gradients need,
+    so it is compiled without gradients whatever the call needs: one compile for all."""
+    launches = []
+    for phase in forward_phases(block_e, dtype_key, mask_kind):
+        kernel = PHASE_KERNELS[phase]
+        num_warps, num_stages = launch_config(kernel, block_e, dtype_key, mask_kind)
+        launches.append(ForwardLaunch(
+            phase, kernel, common.GRAD_NONE if phase == PHASE_THRESHOLD else need_grad,
+            num_warps, num_stages, register_cap(kernel, block_e, dtype_key, mask_kind)))
+    return launches
 
 
 def launch_config(kernel, block_e, dtype_key, mask_kind=common.MASK_NONE):

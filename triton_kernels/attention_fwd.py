@@ -46,14 +46,13 @@ import triton
 import triton.language as tl
 
 from .. import common
-from .attention_common import (MAX_TAU_PASSES_C, PHASE_KERNELS, PHASE_OUTPUT_C, PHASE_THRESHOLD,
-                               PHASE_THRESHOLD_C, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C,
-                               STAT_TAU_C, TAU_STEP_TOL_C, attention_signature, block_sizes,
-                               chunk_width, config_space, config_suffix, dot, dropout_scale,
-                               forward_phases, full_tiles_end, gap, held_cols, held_rows,
-                               launch_config, listed_tiles, log2_base, query_block,
-                               register_cap, sensitivity, sequence_bounds, shifted_scores,
-                               weights)
+from .attention_common import (MAX_TAU_PASSES_C, PHASE_OUTPUT_C, PHASE_THRESHOLD_C,
+                               STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C, STAT_TAU_C, TAU_STEP_TOL_C,
+                               attention_signature, block_sizes, chunk_width, config_space,
+                               config_suffix, dot, dropout_scale, forward_launches,
+                               full_tiles_end, gap, held_cols, held_rows, listed_tiles,
+                               log2_base, query_block, sensitivity, sequence_bounds,
+                               shifted_scores, weights)
 from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX, GRAD_ALPHA, GRAD_INPUTS
 
 
@@ -532,30 +531,27 @@ def aot_configs():
     configs = []
     for dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout in config_space():
         block_m, block_n = block_sizes(block_e, dtype_key, dropout)
-        launches = [(phase, need_grad)
-                    for phase in forward_phases(block_e, dtype_key, mask_kind)
-                    for need_grad in (common.GRAD_NONE, common.GRAD_INPUTS, common.GRAD_ALPHA)
-                    # the threshold launch is compiled without gradients (the launcher's
-                    # rule); a differentiable alpha is a tensor: the general kind
-                    if not (phase == PHASE_THRESHOLD and need_grad != common.GRAD_NONE)
-                    and not (need_grad == common.GRAD_ALPHA and alpha_kind != common.ALPHA_GENERAL)]
-        for phase, need_grad in launches:
+        # a differentiable alpha is a tensor: the general kind
+        grads = (common.GRAD_NONE, common.GRAD_INPUTS) + (
+            (common.GRAD_ALPHA,) if alpha_kind == common.ALPHA_GENERAL else ())
+        # every call's launches; a launch several calls share (the threshold one) once
+        launches = dict.fromkeys(launch for need_grad in grads
+                                 for launch in forward_launches(block_e, dtype_key, mask_kind,
+                                                                need_grad))
+        for launch in launches:
             constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_E": block_e,
                           "BLOCK_EV": block_e, "BLOCK_EC": chunk_width("fwd", block_e, dtype_key),
                           "ALPHA_KIND": alpha_kind, "MASK_KIND": mask_kind,
                           "IS_VARLEN": int(varlen), "HAS_DROPOUT": int(dropout),
-                          "NEED_GRAD": need_grad, "PHASE": phase}
+                          "NEED_GRAD": launch.need_grad, "PHASE": launch.phase}
             suffix = config_suffix(dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout)
-            kernel = PHASE_KERNELS[phase]
-            num_warps, num_stages = launch_config(kernel, block_e, dtype_key, mask_kind)
-            cap = register_cap(kernel, block_e, dtype_key, mask_kind)
             configs.append({
-                "name": f"entmax_attn_{kernel}_{suffix}_g{need_grad}",
-                "options": {} if cap is None else {"maxnreg": cap},
+                "name": f"entmax_attn_{launch.kernel}_{suffix}_g{launch.need_grad}",
+                "options": {} if launch.maxnreg is None else {"maxnreg": launch.maxnreg},
                 "fn": entmax_attn_fwd_kernel,
                 "signature": attention_signature(entmax_attn_fwd_kernel, dtype_key, mask_kind),
                 "constexprs": constexprs,
-                "num_warps": num_warps,
-                "num_stages": num_stages,
+                "num_warps": launch.num_warps,
+                "num_stages": launch.num_stages,
             })
     return configs

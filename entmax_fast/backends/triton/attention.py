@@ -139,14 +139,9 @@ def _launch_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is_c
         return out.zero_(), stats, dvec.zero_(), flags
     grid = (geo.n_qblocks, geo.batch * geo.n_heads)
     tiles = geo.tile_lists(q.device)
-    for phase in attention_common.forward_phases(geo.block_e, geo.dtype_key, mask_kind):
-        kernel = attention_common.PHASE_KERNELS[phase]
-        num_warps, num_stages = attention_common.launch_config(kernel, geo.block_e,
-                                                               geo.dtype_key, mask_kind)
-        cap = attention_common.register_cap(kernel, geo.block_e, geo.dtype_key, mask_kind)
-        options = {} if cap is None else {"maxnreg": cap}
-        # the threshold launch computes nothing the gradients need: one compile for all
-        phase_grad = common.GRAD_NONE if phase == attention_common.PHASE_THRESHOLD else need_grad
+    for launch in attention_common.forward_launches(geo.block_e, geo.dtype_key, mask_kind,
+                                                    int(need_grad)):
+        options = {} if launch.maxnreg is None else {"maxnreg": launch.maxnreg}
         attention_fwd.entmax_attn_fwd_kernel[grid](
             q, k, v, out, dvec, stats, flags, tiles, mask, alpha, seed,
             cu_q if geo.varlen else cu_dummy, cu_k if geo.varlen else cu_dummy,
@@ -158,8 +153,8 @@ def _launch_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is_c
             BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e,
             BLOCK_EV=geo.block_ev, BLOCK_EC=geo.block_ec["fwd"], ALPHA_KIND=alpha_kind,
             MASK_KIND=mask_kind, IS_VARLEN=geo.varlen, HAS_DROPOUT=dropout_p > 0.0,
-            NEED_GRAD=int(phase_grad), PHASE=phase, num_warps=num_warps, num_stages=num_stages,
-            **options,
+            NEED_GRAD=launch.need_grad, PHASE=launch.phase, num_warps=launch.num_warps,
+            num_stages=launch.num_stages, **options,
         )
     return out, stats, dvec, flags
 
