@@ -150,23 +150,31 @@ def _moments(b_g, inv_am1, ALPHA_KIND: tl.constexpr):
 
     and dmin the smallest positive d (the exactness certificate of alpha 2 and 1.5; general
     alpha returns b there, unused). f(t) = a - 1 in u units (`_sums_in_u`)."""
-    if ALPHA_KIND == ALPHA_SPARSEMAX:
-        b_a = tl.sum(b_g, 1)
-        b_b = tl.sum(tl.where(b_g > 0, 1.0, 0.0), 1)
-        b_c = b_b
-    elif ALPHA_KIND == ALPHA_ENTMAX15:
-        b_a = tl.sum(b_g * b_g, 1)
-        b_b = tl.sum(b_g, 1)
-        b_c = tl.sum(tl.where(b_g > 0, 1.0, 0.0), 1)
-    else:
+    if ALPHA_KIND == ALPHA_GENERAL:
         b_pw = sensitivity(b_g, inv_am1, ALPHA_KIND)
         b_b = tl.sum(b_pw, 1)
         b_a = b_b + tl.sum(b_pw * tl.where(b_g > -1.0, b_g, 0.0), 1)
         b_c = b_b
-    if ALPHA_KIND == ALPHA_GENERAL:
         b_dmin = b_b
     else:
-        b_dmin = tl.min(tl.where(b_g > 0, b_g, float("inf")), 1)
+        # No predicate per score: compiled from `d > 0`, LLVM packed the comparisons of a
+        # thread's scores into integer bit masks and unpacked them for each use, 3-4 integer
+        # operations per score (docs/attention.md, "Threshold"). d >= 0 orders like
+        # its bit pattern; minus one, d = +0 becomes -1, whose sign bit counts the zeros and
+        # whose unsigned value is the largest, so the unsigned minimum is the smallest
+        # positive d.
+        b_bits = b_g.to(tl.int32, bitcast=True) - 1
+        b_count = (tl.sum(b_bits >> 31, 1) + b_g.shape[1]).to(tl.float32)
+        if ALPHA_KIND == ALPHA_SPARSEMAX:
+            b_a = tl.sum(b_g, 1)
+            b_b = b_count
+        else:
+            b_a = tl.sum(b_g * b_g, 1)
+            b_b = tl.sum(b_g, 1)
+        b_c = b_count
+        b_low = tl.min(b_bits.to(tl.uint32, bitcast=True), 1)
+        b_dmin = tl.where(b_low == 0xFFFFFFFF, float("inf"),
+                          (b_low + 1).to(tl.float32, bitcast=True))
     return b_a, b_b, b_c, b_dmin
 
 
