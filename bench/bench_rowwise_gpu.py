@@ -169,7 +169,10 @@ def _write(rows, out_dir):
 
 def sweep():
     """Forward ms of each `tile_config` entry at 16384×1024-sized problems and its neighbours
-    (rows per program ×½, ×2; warps ×½, ×2), fp32, for α = 1.5 and 1.3."""
+    (rows per program ×½, ×2; warps ×¼, ×½, ×2), fp32, for α = 1.5 and 1.3. Warps ×¼: at
+    1024 entries one warp per row needs no barrier in a pass's reductions, and its sm_90
+    SASS holds 11.5 instructions per entry and pass (entmax15) against 24.6 at the table's 4
+    warps (`bench/kernel_loops.py`, docs/gpu.md, fourth session)."""
     import triton
 
     from entmax_fast.backends.triton import rowwise
@@ -180,7 +183,7 @@ def sweep():
         x = torch.randn(n_rows, n_cols, device="cuda")
         base = tile_config(n_cols)
         candidates = [base]
-        for rows_factor, warps_factor in ((0.5, 1), (2, 1), (1, 0.5), (1, 2)):
+        for rows_factor, warps_factor in ((0.5, 1), (2, 1), (1, 0.25), (1, 0.5), (1, 2)):
             cand = dict(base, ROWS=int(base["ROWS"] * rows_factor), num_warps=int(base["num_warps"] * warps_factor))
             if cand["ROWS"] >= 1 and 1 <= cand["num_warps"] <= 32 and (cand["RESIDENT"] or cand["ROWS"] == 1):
                 candidates.append(cand)

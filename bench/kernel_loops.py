@@ -5,8 +5,9 @@ threshold passes are bound by the instructions each score costs, not by memory).
 Compiles configurations of the AOT tables (`aot_configs()` of triton_kernels/attention_fwd.py,
 attention_bwd.py, rowwise.py) for one architecture, without a GPU, disassembles them with the
 cuobjdump of the triton wheel and prints every loop (a backward branch) of at least
---min-instructions instructions: its length, and for attention tiles the instructions per
-score (length x threads / (BLOCK_M x BLOCK_N)), with the most frequent opcodes.
+--min-instructions instructions: its length, the instructions per element of a tile
+(length x threads / (BLOCK_M x BLOCK_N) scores for attention, / (ROWS x BLOCK) entries for
+the row-wise kernels) and the most frequent opcodes.
 `--variants` also compiles the forward variants of bench/bench_attention_variants.py, so
 that an edit's effect is read in one run:
 
@@ -87,10 +88,12 @@ def report(cfg, arch, min_instructions, label):
     usage = aot._resource_usage(compiled.asm["cubin"], compiled.metadata.name)
     threads = 32 * cfg["num_warps"]
     constexprs = cfg["constexprs"]
-    tile = constexprs.get("BLOCK_M", 0) * constexprs.get("BLOCK_N", 0)
-    print(f"{label} sm_{arch}: {usage['REG']} registers, {cfg['num_warps']} warps")
+    tile = (constexprs.get("BLOCK_M", 0) * constexprs.get("BLOCK_N", 0)
+            or constexprs.get("ROWS", 0) * constexprs.get("BLOCK", 0))
+    print(f"{label} sm_{arch}: {usage['REG']} registers, {usage['STACK']} bytes of stack, "
+          f"{cfg['num_warps']} warps")
     for loop in sass_loops(disassemble(compiled.asm["cubin"]), min_instructions):
-        per_score = f", {loop['instructions'] * threads / tile:.1f} per score" if tile else ""
+        per_score = f", {loop['instructions'] * threads / tile:.1f} per element" if tile else ""
         top = " ".join(f"{op}:{n}" for op, n in loop["opcodes"].most_common(10))
         print(f"  loop {loop['start']:#07x}-{loop['end']:#07x}: {loop['instructions']} "
               f"instructions{per_score}  [{top}]")

@@ -5,11 +5,14 @@ they lose. Needs a CUDA device.
 
     python bench/tune_attention.py [--dtype bf16] [--head-dims 64 128] [--length 4096]
         [--tiles 64x64 128x64] [--fwd-launch 4x3 8x2] [--bwd-launch 8x2] [--forward-only]
-        [--phases fused split] [--threshold-caps 0 128]
+        [--phases fused split] [--threshold-caps 0 128] [--mask none bool additive]
 
 --phases: the forward as one launch or as the threshold and output launches
 (`attention_common.forward_phases`); --threshold-caps: maxnreg of the threshold launch
-(0: none), tried only with split. --fwd-launch applies to every forward launch.
+(0: none), tried only with split. --fwd-launch applies to every forward launch. --mask
+passes the causal mask as an (L, L) attn_mask instead of is_causal (bool: True attends;
+additive: 0 / -inf), as transformers' models do when a batch has padding: the masked
+kernels (MASK_BOOL, MASK_ADDITIVE), which read the mask on every tile.
 
 Each candidate is a fresh compile of every kernel it runs (seconds each): narrow the lists
 to what a GPU session has time for. --forward-only times the forward without autograd and
@@ -49,8 +52,18 @@ def _phases(name):
             "split": (tiles.PHASE_THRESHOLD, tiles.PHASE_OUTPUT)}[name]
 
 
+def _causal_mask(kind, length, dtype):
+    """None, or the causal mask as an (L, L) attn_mask of `kind` ("bool" or "additive")."""
+    if kind == "none":
+        return None
+    keep = torch.ones(length, length, dtype=torch.bool, device="cuda").tril()
+    if kind == "bool":
+        return keep
+    return torch.zeros(length, length, dtype=dtype, device="cuda").masked_fill(~keep, float("-inf"))
+
+
 def measure(dtype, head_dim, length, causal, tile_shape, fwd_launch, bwd_launch, alpha=1.5,
-            forward_only=False, phases="fused", threshold_cap=0):
+            forward_only=False, phases="fused", threshold_cap=0, mask="none"):
     import entmax_fast
     from entmax_fast.triton_kernels import attention_common as tiles
 
@@ -58,6 +71,8 @@ def measure(dtype, head_dim, length, causal, tile_shape, fwd_launch, bwd_launch,
     shape = (batch, 16, length, head_dim)
     q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
     grad_out = torch.randn(shape, device="cuda", dtype=dtype)
+    attn_mask = _causal_mask(mask, length, dtype) if causal else None
+    is_causal = causal and attn_mask is None
     saved = tiles.block_sizes, tiles.launch_config, tiles.forward_phases, tiles.register_cap
     tiles.block_sizes = lambda block_e, dtype_key, dropout=False: tile_shape
     tiles.launch_config = lambda kernel, *_: fwd_launch if kernel.startswith("fwd") else bwd_launch
@@ -67,15 +82,15 @@ def measure(dtype, head_dim, length, causal, tile_shape, fwd_launch, bwd_launch,
     try:
         with entmax_fast.use_backend("triton"):
             with torch.no_grad():
-                t_fwd = _time(lambda: entmax_fast.entmax_attention(q, k, v, is_causal=causal,
-                                                                   alpha=alpha))
+                t_fwd = _time(lambda: entmax_fast.entmax_attention(
+                    q, k, v, attn_mask=attn_mask, is_causal=is_causal, alpha=alpha))
             if forward_only:
                 return t_fwd, float("nan")
 
             def step():
                 for t in (q, k, v):
                     t.grad = None
-                entmax_fast.entmax_attention(q, k, v, is_causal=causal,
+                entmax_fast.entmax_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                                              alpha=alpha).backward(grad_out)
 
             t_step = _time(step)
@@ -101,6 +116,8 @@ def main(argv=None):
     parser.add_argument("--phases", nargs="+", default=["fused"], choices=["fused", "split"])
     parser.add_argument("--threshold-caps", type=int, nargs="+", default=[0],
                         help="maxnreg of the split forward's threshold launch (0: none)")
+    parser.add_argument("--mask", default="none", choices=["none", "bool", "additive"],
+                        help="with --causal: the causal mask as an attn_mask of this kind")
     args = parser.parse_args(argv)
     forwards = [(phases, cap) for phases in args.phases
                 for cap in (args.threshold_caps if phases == "split" else [0])]
@@ -109,7 +126,7 @@ def main(argv=None):
         print("tune_attention: needs a CUDA device (none here); nothing measured")
         return 0
     print(f"{torch.cuda.get_device_name()}, {args.dtype}, L={args.length}, causal={args.causal}, "
-          f"alpha={args.alpha}")
+          f"alpha={args.alpha}, mask={args.mask}")
     for head_dim in args.head_dims:
         rows = []
         for tiles, fwd_launch, bwd_launch, (phases, cap) in itertools.product(
@@ -118,7 +135,7 @@ def main(argv=None):
             try:
                 t_fwd, t_step = measure(DTYPES[args.dtype], head_dim, args.length, args.causal,
                                         tiles, fwd_launch, bwd_launch, args.alpha,
-                                        args.forward_only, phases, cap)
+                                        args.forward_only, phases, cap, args.mask)
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: skip the config
                 print(f"E={head_dim} {tiles} fwd{fwd_launch} {label} bwd{bwd_launch}: "
                       f"{type(exc).__name__}: {str(exc)[:120]}")

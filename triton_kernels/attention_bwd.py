@@ -24,8 +24,8 @@ from .attention_common import (STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C, STAT_TAU_
                                attention_signature, block_sizes, chunk_width, config_space,
                                config_suffix, dot, dot_rows, dropout_scale, full_tiles_end, gap,
                                held_cols, held_rows, listed_tiles, load_rows, launch_config,
-                               log2_base, query_block, sensitivity, sequence_bounds,
-                               shifted_scores, weights)
+                               log2_base, mask_specialisation, query_block, sensitivity,
+                               sequence_bounds, shifted_scores, weights)
 
 # rows of the backward's per-row buffer
 ROW_DELTA, ROW_DALPHA = 0, 1
@@ -342,7 +342,8 @@ def aot_configs():
         block_m, block_n = block_sizes(block_e, dtype_key, dropout)
         constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_E": block_e,
                       "BLOCK_EV": block_e, "ALPHA_KIND": alpha_kind, "MASK_KIND": mask_kind,
-                      "IS_VARLEN": int(varlen), "HAS_DROPOUT": int(dropout)}
+                      "IS_VARLEN": int(varlen), "HAS_DROPOUT": int(dropout),
+                      **mask_specialisation(mask_kind)}
         suffix = config_suffix(dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout)
         for name, fn in (("dq", entmax_attn_bwd_dq_kernel),
                          ("dkdv", entmax_attn_bwd_dkdv_kernel)):

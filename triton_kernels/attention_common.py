@@ -142,8 +142,12 @@ def launch_config(kernel, block_e, dtype_key, mask_kind=common.MASK_NONE):
     lists). Backward, 4 warps and 2 stages, its tile loops pipelined (`listed_tiles`):
     training step 5.27 ms at E 64 (1 stage 5.41, 3 stages 5.27, 8 warps 7.0), 8.12 at E
     128 (1 stage 8.09).
-    Not timed yet: a forward that reads an attn_mask (8 warps: its mask tiles left a 1.8 KB
-    stack frame at 4 warps on sm_90, 0.4 KB at 8), and E 256 (8 warps everywhere; 2 stages
+    Not timed yet: a forward that reads an attn_mask (8 warps, one launch: chosen when the
+    AOT check compiled it with a variable stride_mk, where 4 warps left a 1.8 KB stack
+    frame on sm_90; compiled as it runs (`mask_specialisation`), bf16/fp16 E 64-128 leave
+    0-280 bytes at 8 warps fused, 24-440 in a 4-warp threshold launch capped at 128 and up
+    to 536 in a 4-warp output launch with gradients: `tune_attention.py --mask bool`
+    decides), and E 256 (8 warps everywhere; 2 stages
     where they add no stack on sm_90, the forward and dQ; dK/dV keeps 1, its 2-stage
     buffers reach A100's shared-memory limit). fp32: 2 stages (dK/dV above E 64 keeps 1:
     2 add 40-70 bytes of stack there, none elsewhere).
@@ -445,10 +449,27 @@ def mask_pointer_type(dtype_key, mask_kind):
     return "*i8"
 
 
+def mask_specialisation(mask_kind):
+    """Integer parameters the JIT turns into constants for the usual attn_mask: {name: 1}.
+
+    The JIT compiles an integer argument equal to 1 as the constant 1. A mask laid out
+    with the keys last (any mask `_mask_args` expands from a (..., Lq, Lk) or (..., 1, Lk)
+    tensor) has stride_mk == 1, so that is the kernel that runs: its mask loads are
+    contiguous and vectorised. Compiled with a variable stride instead, the masked forward
+    loaded one byte per score with 64-bit address arithmetic and spilled (sm_90, bf16, E 64,
+    4 warps: a 576-byte stack frame against 24), which is what the AOT table showed."""
+    return {"stride_mk": 1} if mask_kind != common.MASK_NONE else {}
+
+
 def attention_signature(fn, dtype_key, mask_kind):
-    """The AOT signature of one of the attention kernels (triton_kernels/signature.py)."""
+    """The AOT signature of one of the attention kernels (triton_kernels/signature.py), with
+    the `mask_specialisation` parameters as constexprs (the AOT configurations add their
+    values)."""
     pointers = dict(POINTER_TYPES, mask_ptr=mask_pointer_type(dtype_key, mask_kind))
-    return kernel_signature(fn, dtype_key, pointers, floats=FLOAT_PARAMETERS)
+    signature = kernel_signature(fn, dtype_key, pointers, floats=FLOAT_PARAMETERS)
+    for name in mask_specialisation(mask_kind):
+        signature[name] = "constexpr"
+    return signature
 
 
 def config_space():

@@ -51,8 +51,8 @@ from .attention_common import (MAX_TAU_PASSES_C, PHASE_OUTPUT_C, PHASE_THRESHOLD
                                attention_signature, block_sizes, chunk_width, config_space,
                                config_suffix, dot, dropout_scale, forward_launches,
                                full_tiles_end, gap, held_cols, held_rows, listed_tiles,
-                               log2_base, query_block, sensitivity, sequence_bounds,
-                               shifted_scores, weights)
+                               log2_base, mask_specialisation, query_block, sensitivity,
+                               sequence_bounds, shifted_scores, weights)
 from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX, GRAD_ALPHA, GRAD_INPUTS
 
 
@@ -551,7 +551,8 @@ def aot_configs():
                           "BLOCK_EV": block_e, "BLOCK_EC": chunk_width("fwd", block_e, dtype_key),
                           "ALPHA_KIND": alpha_kind, "MASK_KIND": mask_kind,
                           "IS_VARLEN": int(varlen), "HAS_DROPOUT": int(dropout),
-                          "NEED_GRAD": launch.need_grad, "PHASE": launch.phase}
+                          "NEED_GRAD": launch.need_grad, "PHASE": launch.phase,
+                          **mask_specialisation(mask_kind)}
             suffix = config_suffix(dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout)
             configs.append({
                 "name": f"entmax_attn_{launch.kernel}_{suffix}_g{launch.need_grad}",
