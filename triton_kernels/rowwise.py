@@ -19,7 +19,8 @@ the row again (mostly from L2). Iterations, all starting from c = 1 (the top ent
 - α = 2 (sparsemax): Michelot's exact support update ``c ← c − (Σ_S d − 1)/|S|`` with
   d = c + u and S = {d > 0}. From c = 1 it decreases monotonically to c*; it is exact and
   stops when no entry of S leaves at the new c (min_S d > step), which certifies that S is
-  the support. Per entry and pass: add, compare, 2 selects, 2 adds, a min.
+  the support. Per entry and pass: add, max, 2 adds, and the count and min d taken on
+  the bit patterns of d_+ (`_pass_sums`).
 - α = 1.5 (entmax15): on S the equation Σ_S (d + δ)² = 1 is a quadratic; its root is
   exact when no entry of S leaves (same certificate). Otherwise c moves by a Newton step
   on φ(c) = (Σ d_+²)^{1/2} − 1, which is convex and increasing, so the step never crosses
@@ -197,18 +198,22 @@ def _pass_sums(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND: tl.constexpr):
 
     sparsemax: a = d_+, b = |S|, q2 unused; entmax15: a = d_+, b = |S|, q2 = Σd_+²;
     general: a = Σp, b = Σd_+^(e−1) (φ's slope), q2 unused; α = 1 rows a = Σexp(u)."""
-    if ALPHA_KIND == ALPHA_SPARSEMAX:
-        b_d = c_hi[:, None] + b_v
-        b_pos = b_d > 0
-        b_a = tl.where(b_pos, b_d, 0.0)
-        b_b = b_pos.to(tl.float32)
-        b_q2 = b_a
-    elif ALPHA_KIND == ALPHA_ENTMAX15:
-        b_d = c_hi[:, None] + b_v
-        b_pos = b_d > 0
-        b_a = tl.where(b_pos, b_d, 0.0)
-        b_b = b_pos.to(tl.float32)
-        b_q2 = b_a * b_a
+    if (ALPHA_KIND == ALPHA_SPARSEMAX) | (ALPHA_KIND == ALPHA_ENTMAX15):
+        # The count and min d from the bit patterns of d_+, not the predicate d > 0 (which
+        # LLVM packs into bit masks and unpacks per use): d_+ >= 0 orders like its bits;
+        # minus one, d_+ = 0 becomes -1, whose sign bit counts it and whose unsigned value
+        # is the largest (as in the attention forward's `_moments`).
+        b_a = tl.maximum(c_hi[:, None] + b_v, 0.0)
+        b_bits = b_a.to(tl.int32, bitcast=True) - 1
+        s_a = tl.sum(b_a, axis=1)
+        s_b = (tl.sum(b_bits >> 31, axis=1) + b_a.shape[1]).to(tl.float32)
+        if ALPHA_KIND == ALPHA_ENTMAX15:
+            s_q2 = tl.sum(b_a * b_a, axis=1)
+        else:
+            s_q2 = s_a
+        low = tl.min(b_bits.to(tl.uint32, bitcast=True), axis=1)
+        d_min = tl.where(low == 0xFFFFFFFF, float("inf"),
+                         (low + 1).to(tl.float32, bitcast=True))
     else:
         # d = (c_hi + v) + c_lo: for entries near the support's edge c_hi + v is exact
         # (Sterbenz), so d keeps its relative precision down to d ≈ 0.
@@ -221,9 +226,11 @@ def _pass_sums(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND: tl.constexpr):
         b_q = tl.exp2(b_arg)
         b_b = tl.where(b_pos, b_q, 0.0)
         b_a = tl.where(is_soft, b_q, b_b * tl.where(b_pos, b_d, 0.0))
-        b_q2 = b_a
-    d_min = tl.min(tl.where(b_pos, b_d, float("inf")), axis=1)
-    return tl.sum(b_a, axis=1), tl.sum(b_b, axis=1), tl.sum(b_q2, axis=1), d_min
+        s_a = tl.sum(b_a, axis=1)
+        s_b = tl.sum(b_b, axis=1)
+        s_q2 = s_a
+        d_min = tl.min(tl.where(b_pos, b_d, float("inf")), axis=1)
+    return s_a, s_b, s_q2, d_min
 
 
 @triton.jit
