@@ -20,6 +20,7 @@ causal and key-end masks only on the tiles that cross them.
 import triton
 import triton.language as tl
 
+from .. import common
 from .attention_common import (STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C, STAT_TAU_C,
                                attention_signature, block_sizes, chunk_width, config_space,
                                config_suffix, dot, dot_rows, dropout_scale, full_tiles_end, gap,
@@ -49,10 +50,11 @@ def _row_weights(b_u, b_thr, b_l, am1, inv_am1, ALPHA_KIND: tl.constexpr):
 def _dq_tile(b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
              p_mask, stride_mq, stride_mk, o_m, start_n, q_len, k_len, head_e, head_ev,
              scale, am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, seed, pid_bh,
-             seqlen_q, seqlen_k, dropout_p, need_alpha_grad, b_dq, b_gh,
+             seqlen_q, seqlen_k, dropout_p, b_dq, b_gh,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
              BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
-             MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, BOUNDARY: tl.constexpr):
+             MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, NEED_DALPHA: tl.constexpr,
+             BOUNDARY: tl.constexpr):
     """Adds one key tile to dQ and to sum_j g_j h_j."""
     o_n = start_n + tl.arange(0, BLOCK_N)
     b_k = held_rows(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E, BLOCK_EC)  # [BN, BE]
@@ -75,7 +77,7 @@ def _dq_tile(b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, st
         # loaded only now, so that it is not live during the chunked products
         b_k = load_rows(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E)
     b_dq += dot(b_dz.to(b_k.dtype), b_k)
-    if need_alpha_grad != 0:
+    if NEED_DALPHA:
         # h = -p log p with log p = log(d) / (alpha - 1) - log l
         # (off the support p = 0 and the log of the base is 0)
         b_logp = (log2_base(b_gap, ALPHA_KIND) * inv_am1
@@ -96,13 +98,17 @@ def entmax_attn_bwd_dq_kernel(
     stride_mb, stride_mh, stride_mq, stride_mk,
     stride_sb, stride_sh, stride_stat, stride_row,
     n_heads, kv_group, seqlen_q, seqlen_k, n_qblocks, n_kblocks, head_e, head_ev,
-    scale, dropout_p, is_causal, need_alpha_grad,
+    scale, dropout_p, is_causal,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    NEED_DALPHA: tl.constexpr,
 ):
     """dQ for one query block; o, do and dvec share strides. dq has its own: q may be a
-    view a fresh tensor cannot copy the strides of (a slice of a fused projection)."""
+    view a fresh tensor cannot copy the strides of (a slice of a fused projection).
+    NEED_DALPHA, the per-row d(alpha) terms, is a compile-time switch: as a run-time flag
+    its terms (a log per score) held 250 registers in every dQ launch on sm_90 (bf16,
+    E 64, alpha 1.5), against 162 without them."""
     pid_m = query_block(tl.program_id(0), n_qblocks, is_causal)
     pid_bh = tl.program_id(1)
     i_b = (pid_bh // n_heads).to(tl.int64)
@@ -138,7 +144,7 @@ def entmax_attn_bwd_dq_kernel(
                      other=0.0)
     b_delta = tl.sum(b_do.to(tl.float32) * b_dvec, 1)  # [BM]
     b_gp = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if need_alpha_grad != 0:
+    if NEED_DALPHA:
         b_o = tl.load(o_ptr + o_off + o_m[:, None] * stride_ol + o_ev[None, :], mask=m_qev,
                       other=0.0)
         b_gp = tl.sum(b_do.to(tl.float32) * b_o.to(tl.float32), 1)  # sum_j g_j p_j = dO . o
@@ -170,23 +176,24 @@ def entmax_attn_bwd_dq_kernel(
             b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol, p_mask,
             stride_mq, stride_mk, o_m, start_n, q_len, k_len, head_e, head_ev, scale,
             am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, seed, pid_bh, seqlen_q, seqlen_k,
-            dropout_p, need_alpha_grad, b_dq, b_gh, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
-            BLOCK_EC, ALPHA_KIND, MASK_KIND, HAS_DROPOUT, False)
+            dropout_p, b_dq, b_gh, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
+            BLOCK_EC, ALPHA_KIND, MASK_KIND, HAS_DROPOUT, NEED_DALPHA, False)
     for start_n in range(n_full, kv_end, BLOCK_N):
         if tl.load(p_flags + start_n // BLOCK_N) != 0:
             b_dq, b_gh = _dq_tile(
                 b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
                 p_mask, stride_mq, stride_mk, o_m, start_n, q_len, k_len, head_e, head_ev,
                 scale, am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, seed, pid_bh,
-                seqlen_q, seqlen_k, dropout_p, need_alpha_grad, b_dq, b_gh, BLOCK_M, BLOCK_N,
-                BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND, HAS_DROPOUT, True)
+                seqlen_q, seqlen_k, dropout_p, b_dq, b_gh, BLOCK_M, BLOCK_N,
+                BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND, HAS_DROPOUT, NEED_DALPHA,
+                True)
     # a row whose forward was NaN (a NaN or +inf score, stored shift NaN) gets NaN gradients
     b_dq = tl.where((b_mz != b_mz)[:, None], float("nan"), b_dq * scale)
     dq_off = i_b * stride_dqb + i_h * stride_dqh + q_start * stride_dql
     tl.store(dq_ptr + dq_off + o_m[:, None] * stride_dql + o_e[None, :],
              b_dq.to(dq_ptr.dtype.element_ty), mask=m_qe)
     tl.store(p_rows + ROW_DELTA_C * stride_row, b_delta, mask=m_m)
-    if need_alpha_grad != 0:
+    if NEED_DALPHA:
         # dalpha = sum_i g_i dp_i/dalpha with sum g p = dO.o, sum g p~ = delta
         # (docs/attention.md, "Gradient of alpha")
         b_entropy = tl.load(p_stats + STAT_ENTROPY_C * stride_stat, mask=m_m, other=0.0)
@@ -345,12 +352,16 @@ def aot_configs():
                       "IS_VARLEN": int(varlen), "HAS_DROPOUT": int(dropout),
                       **mask_specialisation(mask_kind)}
         suffix = config_suffix(dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout)
-        for name, fn in (("dq", entmax_attn_bwd_dq_kernel),
-                         ("dkdv", entmax_attn_bwd_dkdv_kernel)):
+        # dQ with and without the d(alpha) terms; a differentiable alpha is a tensor: the
+        # general kind
+        dalphas = (False, True) if alpha_kind == common.ALPHA_GENERAL else (False,)
+        kernels = [("dq", entmax_attn_bwd_dq_kernel, {"NEED_DALPHA": need}, f"_da{int(need)}")
+                   for need in dalphas] + [("dkdv", entmax_attn_bwd_dkdv_kernel, {}, "")]
+        for name, fn, switches, tag in kernels:
             num_warps, num_stages = launch_config(name, block_e, dtype_key)
-            configs.append({"name": f"entmax_attn_bwd_{name}_{suffix}", "fn": fn,
+            configs.append({"name": f"entmax_attn_bwd_{name}_{suffix}{tag}", "fn": fn,
                             "signature": attention_signature(fn, dtype_key, mask_kind),
-                            "constexprs": dict(constexprs,
+                            "constexprs": dict(constexprs, **switches,
                                                BLOCK_EC=chunk_width(name, block_e, dtype_key)),
                             "num_warps": num_warps, "num_stages": num_stages})
     return configs

@@ -189,11 +189,10 @@ def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha
         *geo.token_strides(dq), *mask_strides, sb, sh, sstat, rows.stride(0),
         geo.n_heads, geo.kv_group, geo.seqlen_q, geo.seqlen_k, geo.n_qblocks, geo.n_kblocks,
         geo.head_e, geo.head_ev, float(scale), float(dropout_p), int(is_causal),
-        int(need_alpha_grad),
         BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e, BLOCK_EV=geo.block_ev,
         BLOCK_EC=geo.block_ec["dq"], ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind,
         IS_VARLEN=geo.varlen,
-        HAS_DROPOUT=dropout_p > 0.0,
+        HAS_DROPOUT=dropout_p > 0.0, NEED_DALPHA=bool(need_alpha_grad),
         num_warps=geo.launch["dq"][0], num_stages=geo.launch["dq"][1],
     )
     attention_bwd.entmax_attn_bwd_dkdv_kernel[(geo.n_kblocks, geo.batch * geo.n_kv_heads)](
