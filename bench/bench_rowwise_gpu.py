@@ -167,7 +167,7 @@ def _write(rows, out_dir):
         f.write("\n".join(lines) + "\n")
 
 
-def sweep():
+def sweep(lengths=(128, 512, 1024, 2048, 4096, 8192, 32768)):
     """Forward ms of each `tile_config` entry at 16384×1024-sized problems and its neighbours
     (rows per program ×½, ×2; warps ×¼, ×½, ×2), fp32, for α = 1.5 and 1.3. Warps ×¼: at
     1024 entries one warp per row needs no barrier in a pass's reductions, and its sm_90
@@ -178,7 +178,7 @@ def sweep():
     from entmax_fast.backends.triton import rowwise
     from entmax_fast.triton_kernels.rowwise import tile_config
 
-    for n_cols in (128, 512, 1024, 2048, 4096, 8192, 32768):
+    for n_cols in lengths:
         n_rows = max(1, 16384 * 1024 // n_cols)
         x = torch.randn(n_rows, n_cols, device="cuda")
         base = tile_config(n_cols)
@@ -199,6 +199,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join("bench", "out", "gpu"))
     parser.add_argument("--sweep", action="store_true", help="also time neighbours of each table configuration")
+    parser.add_argument("--sweep-lengths", type=int, nargs="+",
+                        default=[128, 512, 1024, 2048, 4096, 8192, 32768])
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_rowwise_gpu: needs a CUDA device (none here); nothing measured")
@@ -209,7 +211,7 @@ def main(argv=None):
     print(f"{torch.cuda.get_device_name()}; {_versions()}")
     run(args.out)
     if args.sweep:
-        sweep()
+        sweep(args.sweep_lengths)
     return 0
 
 

@@ -14,12 +14,17 @@
 #   profile    per-kernel time of a training step and the compiled kernels' resources
 #              (bench/profile_attention_gpu.py);
 #   tune       a small sweep of the attention tile table (bench/tune_attention.py);
+#   masked     the masked forward's launch (8 warps fused, the table's choice, against 4
+#              warps and 3 stages fused or split with the threshold launch capped at 128),
+#              the causal mask passed as a bool attn_mask (tune_attention.py --mask bool);
 #   variants   what each part of a forward pass costs (bench/bench_attention_variants.py:
 #              edited copies of the forward kernel compiled in 8 processes, then timed
 #              alone); VARIANTS_ARGS picks them (e.g. "--variants kernel cap2 cap3");
 #   extension  builds the C++/CUDA extension in place (MAX_JOBS, default 16 jobs), so
 #              that the structured step has CUDA kernels to time; not in the default list;
 #   rowwise    the row-wise mappings (bench/bench_rowwise_gpu.py);
+#   sweep      the row-wise tile table's neighbours (bench_rowwise_gpu.py --sweep) at
+#              SWEEP_LENGTHS (default "1024 4096");
 #   structured fusedmax/oscarmax, when the extension is built for CUDA
 #              (bench/bench_structured.py).
 # STEPS picks and orders them (default: tests train attention rowwise structured). The exit
@@ -27,6 +32,8 @@
 #
 #   bash bench/gpu_check.sh                           # outputs in bench/out/gpu
 #   STEPS="attention profile" QUICK=1 bash bench/gpu_check.sh
+#   STEPS="tests variants masked sweep" bash bench/gpu_check.sh   # the open decisions
+#                                                     # (docs/gpu.md, fourth session)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT_DIR:-bench/out/gpu}"
@@ -104,11 +111,16 @@ for name in ${STEPS:-tests train attention rowwise structured}; do
       fi ;;
     profile) step profile "${PROFILE_LIMIT:-120}" python bench/profile_attention_gpu.py --causal ;;
     tune) step tune "${TUNE_LIMIT:-300}" python bench/tune_attention.py --causal ${TUNE_ARGS:-} ;;
+    masked) step masked "${MASKED_LIMIT:-400}" python bench/tune_attention.py --causal --mask bool \
+             --head-dims 64 --tiles 64x64 --fwd-launch 8x2 4x3 --bwd-launch 4x2 \
+             --phases fused split --threshold-caps 128 ;;
     variants) step variants "${VARIANTS_LIMIT:-300}" python bench/bench_attention_variants.py \
-             --jobs 8 ${VARIANTS_ARGS:-} ;;
+             --jobs 8 ${VARIANTS_ARGS:---variants kernel predicated_moments cap2 cap3 cap3_no_dmin} ;;
     extension) MAX_JOBS="${MAX_JOBS:-16}" step extension "${EXTENSION_LIMIT:-600}" \
              python setup.py build_ext --inplace ;;
     rowwise) step rowwise "${ROWWISE_LIMIT:-120}" python bench/bench_rowwise_gpu.py --out "$OUT_DIR" ;;
+    sweep) step sweep "${SWEEP_LIMIT:-300}" python bench/bench_rowwise_gpu.py --sweep --out "$OUT_DIR" \
+             --sweep-lengths ${SWEEP_LENGTHS:-1024 4096} ;;
     structured)
       if has_cuda_extension; then
         step structured "${STRUCTURED_LIMIT:-120}" python bench/bench_structured.py
