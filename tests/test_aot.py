@@ -121,3 +121,27 @@ def test_pipelined_loops_counts_the_loops_that_issue_async_copies():
     }
     """
     assert aot.pipelined_loops(ttgir) == (2, 3)
+
+
+def test_kernel_loops_reads_loops_from_backward_branches():
+    """bench/kernel_loops.py's parser: a loop is a backward branch, its body the
+    instructions from the target to the branch; forward branches and short loops are not
+    loops to report, and predicates do not change an opcode."""
+    path = Path(__file__).resolve().parent.parent / "bench" / "kernel_loops.py"
+    spec = importlib.util.spec_from_file_location("kernel_loops", path)
+    kernel_loops = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernel_loops)
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   FADD R2, R2, R3 ;
+        /*0020*/               @P0 FFMA R4, R2, R2, R4 ;
+        /*0030*/              @!P1 FFMA R5, R2, R2, R5 ;
+        /*0040*/               @P2 BRA 0x60 ;
+        /*0050*/                   FMNMX R6, R6, R2, !PT ;
+        /*0060*/               @P3 BRA 0x10 ;
+        /*0070*/                   EXIT ;
+    """
+    loops = kernel_loops.sass_loops(sass, min_instructions=2)
+    assert [(loop["start"], loop["end"], loop["instructions"]) for loop in loops] == [(0x10, 0x60, 6)]
+    assert loops[0]["opcodes"]["FFMA"] == 2 and loops[0]["opcodes"]["BRA"] == 2
+    assert kernel_loops.sass_loops(sass, min_instructions=7) == []
