@@ -351,8 +351,19 @@ struct ForwardParams {
   size_t row_bytes;
 };
 
-template <typename T>
-__global__ void __launch_bounds__(1024) forward_kernel(ForwardParams<T> params) {
+// The row arrays of one block: after the reduction slots in shared memory, or its slice of
+// the global scratch. A compile-time choice, so that in the shared instantiation every row
+// array derives from the shared buffer alone and the compiler emits shared-memory loads and
+// stores (LDS/STS) instead of generic ones that resolve the address space at run time.
+template <bool kRowsInShared>
+__device__ __forceinline__ unsigned char* row_arrays(const Carver& shared, unsigned char* scratch,
+                                                     size_t row_bytes) {
+  if (kRowsInShared) return shared.base + shared.size();
+  return scratch + static_cast<size_t>(blockIdx.x) * row_bytes;
+}
+
+template <typename T, bool kRowsInShared>
+__device__ __forceinline__ void forward_rows(const ForwardParams<T>& params) {
   using Key = typename ForwardRow<T>::Key;
   const T inf = structured::positive_infinity<T>();
   const int n = params.n;
@@ -360,9 +371,7 @@ __global__ void __launch_bounds__(1024) forward_kernel(ForwardParams<T> params) 
   const int threads = static_cast<int>(blockDim.x);
   Carver shared{dynamic_shared_memory(), 0};
   const Reductions<T> slots = carve_reductions<T>(shared);
-  Carver row_memory{params.rows_in_shared ? shared.base + shared.size()
-                                          : params.scratch + static_cast<size_t>(blockIdx.x) * params.row_bytes,
-                    0};
+  Carver row_memory{row_arrays<kRowsInShared>(shared, params.scratch, params.row_bytes), 0};
   const ForwardRow<T> row = carve_forward_row<T>(row_memory, params.kind, n);
 
   for (int64_t r = blockIdx.x; r < params.rows; r += gridDim.x) {
@@ -456,6 +465,15 @@ __global__ void __launch_bounds__(1024) forward_kernel(ForwardParams<T> params) 
 }
 
 template <typename T>
+__global__ void __launch_bounds__(1024) forward_kernel(ForwardParams<T> params) {
+  if (params.rows_in_shared) {
+    forward_rows<T, true>(params);
+  } else {
+    forward_rows<T, false>(params);
+  }
+}
+
+template <typename T>
 struct BackwardParams {
   const T* g;
   const T* p;
@@ -472,8 +490,8 @@ struct BackwardParams {
 
 // dz = J_prox (J_sparsemax g), both Jacobians symmetric: J_sparsemax g = s (g - mean_S g)
 // on the support S; J_prox averages over the prox's groups (signed for OSCAR).
-template <typename T>
-__global__ void __launch_bounds__(1024) backward_kernel(BackwardParams<T> params) {
+template <typename T, bool kRowsInShared>
+__device__ __forceinline__ void backward_rows(const BackwardParams<T>& params) {
   using Key = typename BackwardRow<T>::Key;
   const int n = params.n;
   const int tid = static_cast<int>(threadIdx.x);
@@ -481,9 +499,7 @@ __global__ void __launch_bounds__(1024) backward_kernel(BackwardParams<T> params
   const bool tv = params.kind == Prox::kTV;
   Carver shared{dynamic_shared_memory(), 0};
   const Reductions<T> slots = carve_reductions<T>(shared);
-  Carver row_memory{params.rows_in_shared ? shared.base + shared.size()
-                                          : params.scratch + static_cast<size_t>(blockIdx.x) * params.row_bytes,
-                    0};
+  Carver row_memory{row_arrays<kRowsInShared>(shared, params.scratch, params.row_bytes), 0};
   const BackwardRow<T> row = carve_backward_row<T>(row_memory, params.kind, params.grouped, n);
 
   for (int64_t r = blockIdx.x; r < params.rows; r += gridDim.x) {
@@ -558,6 +574,15 @@ __global__ void __launch_bounds__(1024) backward_kernel(BackwardParams<T> params
       const T mean = row.group_mean[row.group[rank]];
       dz[row.position[i]] = row.y[i] > T(0) ? mean : -mean;
     }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(1024) backward_kernel(BackwardParams<T> params) {
+  if (params.rows_in_shared) {
+    backward_rows<T, true>(params);
+  } else {
+    backward_rows<T, false>(params);
   }
 }
 
