@@ -38,11 +38,7 @@ _OUTPUT_FLAG = "    tl.store(p_flags + start_n // BLOCK_N, b_alive.to(tl.int8))\
 _LATER_T1 = "b_t0, b_t0, m_rows, p_flags,"
 _LATER_TWO = "p_tiles, n_listed, reflag, inv_am1, False, BLOCK_M,"
 _LATER_SUMS = "        b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)\n"
-_COUNT = "        b_count = (tl.sum(b_bits >> 31, 1) + b_g.shape[1]).to(tl.float32)\n"
-_DMIN = """        b_low = tl.min(b_bits.to(tl.uint32, bitcast=True), 1)
-        b_dmin = tl.where(b_low == 0xFFFFFFFF, float("inf"),
-                          (b_low + 1).to(tl.float32, bitcast=True))
-"""
+_SUPPORT = "        b_count, b_dmin = support_count_and_min(b_g)\n"
 # The passes after the first evaluate a second trial point just above the first; its sums
 # feed the result through a comparison that never holds, so that nothing is optimised away
 # and the thresholds (and so the pass count) stay those of the kernel.
@@ -69,12 +65,13 @@ VARIANTS = {
     # and what the exactness certificate's min reduction costs (no row is then certified,
     # every block runs to the cap)
     "cap3_extra_point": [(_CAP, "(n_pass < 3)")] + _EXTRA_POINT,
-    "cap3_no_dmin": [(_CAP, "(n_pass < 3)"), (_DMIN, "        b_dmin = b_b * 0.0\n")],
+    "cap3_no_dmin": [(_CAP, "(n_pass < 3)"),
+                     (_SUPPORT, _SUPPORT + "        b_dmin = b_count * 0.0\n")],
     # the count and the certificate from the predicate `d > 0`, as the kernel had them
-    # (LLVM packs those predicates into bit masks): what `_moments`' integer forms save
+    # (LLVM packs those predicates into bit masks): what `support_count_and_min` saves
     "predicated_moments": [
-        (_COUNT, "        b_count = tl.sum(tl.where(b_g > 0, 1.0, 0.0), 1)\n"),
-        (_DMIN, '        b_dmin = tl.min(tl.where(b_g > 0, b_g, float("inf")), 1)\n')],
+        (_SUPPORT, "        b_count = tl.sum(tl.where(b_g > 0, 1.0, 0.0), 1)\n"
+                   '        b_dmin = tl.min(tl.where(b_g > 0, b_g, float("inf")), 1)\n')],
 }
 
 

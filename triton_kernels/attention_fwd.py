@@ -54,6 +54,7 @@ from .attention_common import (MAX_TAU_PASSES_C, PHASE_OUTPUT_C, PHASE_THRESHOLD
                                log2_base, mask_specialisation, query_block, sensitivity,
                                sequence_bounds, shifted_scores, weights)
 from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX, GRAD_ALPHA, GRAD_INPUTS
+from .support import support_count_and_min
 
 
 @triton.jit
@@ -157,14 +158,7 @@ def _moments(b_g, inv_am1, ALPHA_KIND: tl.constexpr):
         b_c = b_b
         b_dmin = b_b
     else:
-        # No predicate per score: compiled from `d > 0`, LLVM packed the comparisons of a
-        # thread's scores into integer bit masks and unpacked them for each use, 3-4 integer
-        # operations per score (docs/attention.md, "Threshold"). d >= 0 orders like
-        # its bit pattern; minus one, d = +0 becomes -1, whose sign bit counts the zeros and
-        # whose unsigned value is the largest, so the unsigned minimum is the smallest
-        # positive d.
-        b_bits = b_g.to(tl.int32, bitcast=True) - 1
-        b_count = (tl.sum(b_bits >> 31, 1) + b_g.shape[1]).to(tl.float32)
+        b_count, b_dmin = support_count_and_min(b_g)
         if ALPHA_KIND == ALPHA_SPARSEMAX:
             b_a = tl.sum(b_g, 1)
             b_b = b_count
@@ -172,9 +166,6 @@ def _moments(b_g, inv_am1, ALPHA_KIND: tl.constexpr):
             b_a = tl.sum(b_g * b_g, 1)
             b_b = tl.sum(b_g, 1)
         b_c = b_count
-        b_low = tl.min(b_bits.to(tl.uint32, bitcast=True), 1)
-        b_dmin = tl.where(b_low == 0xFFFFFFFF, float("inf"),
-                          (b_low + 1).to(tl.float32, bitcast=True))
     return b_a, b_b, b_c, b_dmin
 
 

@@ -20,7 +20,7 @@ the row again (mostly from L2). Iterations, all starting from c = 1 (the top ent
   d = c + u and S = {d > 0}. From c = 1 it decreases monotonically to c*; it is exact and
   stops when no entry of S leaves at the new c (min_S d > step), which certifies that S is
   the support. Per entry and pass: add, max, 2 adds, and the count and min d taken on
-  the bit patterns of d_+ (`_pass_sums`).
+  the bit patterns of d_+ (`support.support_count_and_min`).
 - α = 1.5 (entmax15): on S the equation Σ_S (d + δ)² = 1 is a quadratic; its root is
   exact when no entry of S leaves (same certificate). Otherwise c moves by a Newton step
   on φ(c) = (Σ d_+²)^{1/2} − 1, which is convex and increasing, so the step never crosses
@@ -69,6 +69,7 @@ import triton.language as tl
 from .. import common
 from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SOFTMAX, ALPHA_SPARSEMAX
 from .signature import DTYPE_KEYS, TENSOR, kernel_signature
+from .support import support_count_and_min
 
 __all__ = [
     "aot_configs",
@@ -199,21 +200,13 @@ def _pass_sums(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND: tl.constexpr):
     sparsemax: a = d_+, b = |S|, q2 unused; entmax15: a = d_+, b = |S|, q2 = Σd_+²;
     general: a = Σp, b = Σd_+^(e−1) (φ's slope), q2 unused; α = 1 rows a = Σexp(u)."""
     if (ALPHA_KIND == ALPHA_SPARSEMAX) | (ALPHA_KIND == ALPHA_ENTMAX15):
-        # The count and min d from the bit patterns of d_+, not the predicate d > 0 (which
-        # LLVM packs into bit masks and unpacks per use): d_+ >= 0 orders like its bits;
-        # minus one, d_+ = 0 becomes -1, whose sign bit counts it and whose unsigned value
-        # is the largest (as in the attention forward's `_moments`).
         b_a = tl.maximum(c_hi[:, None] + b_v, 0.0)
-        b_bits = b_a.to(tl.int32, bitcast=True) - 1
         s_a = tl.sum(b_a, axis=1)
-        s_b = (tl.sum(b_bits >> 31, axis=1) + b_a.shape[1]).to(tl.float32)
+        s_b, d_min = support_count_and_min(b_a)
         if ALPHA_KIND == ALPHA_ENTMAX15:
             s_q2 = tl.sum(b_a * b_a, axis=1)
         else:
             s_q2 = s_a
-        low = tl.min(b_bits.to(tl.uint32, bitcast=True), axis=1)
-        d_min = tl.where(low == 0xFFFFFFFF, float("inf"),
-                         (low + 1).to(tl.float32, bitcast=True))
     else:
         # d = (c_hi + v) + c_lo: for entries near the support's edge c_hi + v is exact
         # (Sterbenz), so d keeps its relative precision down to d ≈ 0.
