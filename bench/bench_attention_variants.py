@@ -32,21 +32,20 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 _CAP = "(n_pass < MAX_TAU_PASSES_C)"
 _MAX_FLAG = "    tl.store(p_flags + start_n // BLOCK_N, tl.max(m_near.to(tl.int8), 0))\n"
-_REFLAG = "        reflag = n_pass == 1\n"
+_REFLAG = "p_tiles, n_listed, inv_am1, False, True, BLOCK_M,"
 _OUTPUT_FLAG = "    tl.store(p_flags + start_n // BLOCK_N, b_alive.to(tl.int8))\n"
 
-_LATER_T1 = "b_t0, b_t0, m_rows, p_flags,"
-_LATER_TWO = "p_tiles, n_listed, reflag, inv_am1, False, BLOCK_M,"
-_LATER_SUMS = "        b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)\n"
+_LATER_PASS = ("b_t0, b_t0, m_rows, p_flags,\n"
+               "            p_tiles, n_listed, inv_am1, False, False, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC,\n"
+               "            MASK_KIND, ALPHA_KIND)\n")
 _SUPPORT = "        b_count, b_dmin = support_count_and_min(b_g)\n"
 # The passes after the first evaluate a second trial point just above the first; its sums
 # feed the result through a comparison that never holds, so that nothing is optimised away
 # and the thresholds (and so the pass count) stay those of the kernel.
 _EXTRA_POINT = [
-    (_LATER_T1, "b_t0, b_t0 + 1e-3, m_rows, p_flags,"),
-    (_LATER_TWO, "p_tiles, n_listed, reflag, inv_am1, True, BLOCK_M,"),
-    (_LATER_SUMS, "        b_a0 += tl.where(b_a1 + b_b1 + b_c1 + b_n1 == -1.2345, 1e-30, 0.0)\n"
-                  + _LATER_SUMS),
+    (_LATER_PASS, _LATER_PASS.replace("b_t0, b_t0,", "b_t0, b_t0 + 1e-3,")
+     .replace("inv_am1, False, False,", "inv_am1, True, False,")
+     + "        b_a0 += tl.where(b_a1 + b_b1 + b_c1 + b_n1 == -1.2345, 1e-30, 0.0)\n"),
 ]
 
 # name: [(anchor, replacement)]. A cap of 1 folds the pass loop away, which triton 3.6
@@ -56,7 +55,7 @@ VARIANTS = {
     "cap2": [(_CAP, "(n_pass < 2)")],
     "cap3": [(_CAP, "(n_pass < 3)")],
     "cap4": [(_CAP, "(n_pass < 4)")],
-    "no_reflag": [(_REFLAG, "        reflag = n_pass < 0\n")],
+    "no_reflag": [(_REFLAG, "p_tiles, n_listed, inv_am1, False, False, BLOCK_M,")],
     "no_output_flags": [(_OUTPUT_FLAG, "")],
     # every tile flagged without the reduction: on random scores, where every tile holds
     # weight anyway, the difference to "kernel" is what the max pass's flags cost
@@ -82,8 +81,9 @@ def variant_kernel(name, directory):
     with open(attention_fwd.__file__) as f:
         source = f.read()
     for anchor, replacement in VARIANTS[name]:
-        if anchor not in source:
-            raise ValueError(f"variant {name}: {anchor.strip()!r} is no longer in attention_fwd.py")
+        if source.count(anchor) != 1:
+            raise ValueError(f"variant {name}: {anchor.strip()!r} is not in attention_fwd.py "
+                             "exactly once")
         source = source.replace(anchor, replacement)
     if not VARIANTS[name]:
         return attention_fwd.entmax_attn_fwd_kernel

@@ -173,11 +173,11 @@ def _moments(b_g, inv_am1, ALPHA_KIND: tl.constexpr):
 def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                     start_n, q_len, k_len, head_e, scale, b_shift, is_causal,
                     b_t0, b_t1, m_rows, p_flags, inv_am1,
-                    b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, reflag,
-                    TWO: tl.constexpr, BLOCK_N: tl.constexpr,
+                    b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
+                    TWO: tl.constexpr, REFLAG: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr,
                     ALPHA_KIND: tl.constexpr, BOUNDARY: tl.constexpr):
-    """Adds one key tile to the sums at threshold t0 (and t1 when TWO) and, when reflag,
+    """Adds one key tile to the sums at threshold t0 (and t1 when TWO) and, when REFLAG,
     rewrites its flag: does any row have a score above t0? t0 is a lower bound of tau that
     only rises, so a tile with none has none above any later pass's t0 either."""
     b_u = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
@@ -188,7 +188,7 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
     b_b0 += b_b
     b_c0 += b_c
     b_n0 = tl.minimum(b_n0, b_n)
-    if reflag:
+    if REFLAG:
         # rows without a threshold (masked, NaN, past the end) must not keep tiles alive
         b_alive = tl.max(tl.where(m_rows, b_b, 0.0), 0)
         tl.store(p_flags + start_n // BLOCK_N, (b_alive > 0).to(tl.int8))
@@ -204,14 +204,14 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
 @triton.jit
 def _threshold_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                     n_full, q_len, k_len, kv_end, head_e, scale, b_shift, is_causal,
-                    b_t0, b_t1, m_rows, p_flags, p_tiles, n_listed, reflag, inv_am1,
-                    TWO: tl.constexpr, BLOCK_M: tl.constexpr,
+                    b_t0, b_t1, m_rows, p_flags, p_tiles, n_listed, inv_am1,
+                    TWO: tl.constexpr, REFLAG: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
                     MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr):
     """One pass over the flagged tiles: the `_moments` sums at t0 (and t1). The full tiles
     (those before n_full, `full_tiles_end`) through their list (p_tiles[0:n_listed],
     `listed_tiles`: a pipelined loop), the few that cross a mask's edge through their
-    flags. reflag: rewrite the flags at t0."""
+    flags. REFLAG: rewrite the flags at t0."""
     b_zero = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_inf = tl.full([BLOCK_M], float("inf"), dtype=tl.float32)
     b_a0, b_b0, b_c0, b_n0 = b_zero, b_zero, b_zero, b_inf
@@ -221,15 +221,15 @@ def _threshold_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
         b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_tile(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_n,
             q_len, k_len, head_e, scale, b_shift, is_causal, b_t0, b_t1, m_rows,
-            p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, reflag,
-            TWO, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, False)
+            p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
+            TWO, REFLAG, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, False)
     for start_n in range(n_full, kv_end, BLOCK_N):
         if tl.load(p_flags + start_n // BLOCK_N) != 0:
             b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_tile(
                 b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                 start_n, q_len, k_len, head_e, scale, b_shift, is_causal, b_t0, b_t1, m_rows,
-                p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, reflag,
-                TWO, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, True)
+                p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
+                TWO, REFLAG, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, True)
     return b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1
 
 
@@ -322,8 +322,8 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
     b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_pass(
         b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full, q_len,
         k_len, kv_end, head_e, scale, b_mz, is_causal, _threshold_in_z(b_lo, inv_am1, ALPHA_KIND),
-        _threshold_in_z(b_mid, inv_am1, ALPHA_KIND), m_rows, p_flags, p_tiles, n_listed, False,
-        inv_am1, True, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
+        _threshold_in_z(b_mid, inv_am1, ALPHA_KIND), m_rows, p_flags, p_tiles, n_listed,
+        inv_am1, True, False, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
     b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
     b_a1, b_b1, b_c1, b_n1 = _sums_in_u(b_a1, b_b1, b_c1, b_n1, am1, inv_am1, ALPHA_KIND)
     b_lo, b_hi, b_tau, m_done = _update_threshold(b_lo, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi,
@@ -331,25 +331,35 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
     b_lo, b_hi, b_tau, m_done = _update_threshold(b_mid, b_a1, b_b1, b_c1, b_n1, b_lo, b_hi,
                                                   b_tau, m_done, am1, ALPHA_KIND)
     n_pass = 1
-    while (tl.max(tl.where(m_done, 0, 1), 0) > 0) & (n_pass < MAX_TAU_PASSES_C):
-        # Only the second pass rewrites the flags, at the lower bound the first one found:
-        # rewriting them costs a cross-warp reduction per tile (14 % of the forward with
-        # every pass rewriting, on an H100), and the later passes' higher bounds drop few
-        # more tiles (bench/bench_attention_passes.py).
-        reflag = n_pass == 1
+    if tl.max(tl.where(m_done, 0, 1), 0) > 0:
+        # The second pass alone rewrites the flags, at the lower bound the first one found:
+        # a cross-warp reduction per tile (14 % of the forward with every pass rewriting
+        # them, on an H100), and the later passes' higher bounds drop few more tiles. In its
+        # own compile of the pass (REFLAG), so that the later passes' loop carries none of
+        # it (sm_90, bf16, E 64, alpha 1.5: 13.4 -> 12.8 instructions per score).
         b_t0 = _threshold_in_z(b_lo, inv_am1, ALPHA_KIND)
         b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_pass(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
             q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, b_t0, b_t0, m_rows, p_flags,
-            p_tiles, n_listed, reflag, inv_am1, False, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC,
+            p_tiles, n_listed, inv_am1, False, True, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC,
             MASK_KIND, ALPHA_KIND)
         b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
         b_lo, b_hi, b_tau, m_done = _update_threshold(b_lo, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi,
                                                       b_tau, m_done, am1, ALPHA_KIND)
-        if reflag:
-            tl.debug_barrier()
-            n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
-            tl.debug_barrier()
+        tl.debug_barrier()
+        n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
+        tl.debug_barrier()
+        n_pass = 2
+    while (tl.max(tl.where(m_done, 0, 1), 0) > 0) & (n_pass < MAX_TAU_PASSES_C):
+        b_t0 = _threshold_in_z(b_lo, inv_am1, ALPHA_KIND)
+        b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_pass(
+            b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
+            q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, b_t0, b_t0, m_rows, p_flags,
+            p_tiles, n_listed, inv_am1, False, False, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC,
+            MASK_KIND, ALPHA_KIND)
+        b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
+        b_lo, b_hi, b_tau, m_done = _update_threshold(b_lo, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi,
+                                                      b_tau, m_done, am1, ALPHA_KIND)
         n_pass += 1
     # rows still open after MAX_TAU_PASSES: the last lower bound (a Newton step). From here
     # on the tiles' threshold (`_threshold_in_z`), which the statistics store too.
