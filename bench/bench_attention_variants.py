@@ -10,7 +10,7 @@ flag writes (a reduction across the block's warps on every tile) were measured
 in the kernel fails with the variant's name: update the anchor with the kernel.
 
     python bench/bench_attention_variants.py [--length 4096] [--head-dim 64]
-        [--alphas 1.5 2] [--variants kernel cap2 cap3 no_output_flags]
+        [--alphas 1.5 2] [--variants kernel cap2 cap3 no_reflag]
 
 Each variant is a fresh compile (about 20 s each). ``--jobs N`` first compiles every
 (variant, alpha) in up to N processes at once (each runs this script at a short length,
@@ -33,7 +33,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 _CAP = "(n_pass < MAX_TAU_PASSES_C)"
 _MAX_FLAG = "    tl.store(p_flags + start_n // BLOCK_N, tl.max(m_near.to(tl.int8), 0))\n"
 _REFLAG = "p_tiles, n_listed, inv_am1, False, True, BLOCK_M,"
-_OUTPUT_FLAG = "    tl.store(p_flags + start_n // BLOCK_N, b_alive.to(tl.int8))\n"
 
 _LATER_PASS = ("b_t0, b_t0, m_rows, p_flags,\n"
                "            p_tiles, n_listed, inv_am1, False, False, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC,\n"
@@ -56,7 +55,6 @@ VARIANTS = {
     "cap3": [(_CAP, "(n_pass < 3)")],
     "cap4": [(_CAP, "(n_pass < 4)")],
     "no_reflag": [(_REFLAG, "p_tiles, n_listed, inv_am1, False, False, BLOCK_M,")],
-    "no_output_flags": [(_OUTPUT_FLAG, "")],
     # every tile flagged without the reduction: on random scores, where every tile holds
     # weight anyway, the difference to "kernel" is what the max pass's flags cost
     "max_flags_all": [(_MAX_FLAG, "    tl.store(p_flags + start_n // BLOCK_N, 1)\n")],

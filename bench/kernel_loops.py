@@ -14,8 +14,8 @@ that an edit's effect is read in one run:
     python bench/kernel_loops.py entmax_attn_fwd_threshold_bf16_e64_a2_m0_g0 \\
         --variants kernel predicated_moments
 
-Counts are static: a branch inside a loop counts whether a launch takes it or not (dQ's
-alpha-gradient terms, the second threshold pass's reflagging). Compiling needs real
+Counts are static: a run-time branch inside a loop counts whether a launch takes it or
+not. Compiling needs real
 `@triton.jit` functions: run it without TRITON_INTERPRET. Instruction counts are not time (latency, occupancy and the tensor cores overlap differently); a GPU
 decides.
 """

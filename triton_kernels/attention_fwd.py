@@ -23,8 +23,8 @@ scaled, masked scores and u = (alpha - 1)(z - max z), the threshold tau lies in 
    of the flagged tiles (`listed_tiles`, in tiles_ptr's scratch), not over flags tested
    inside the loop, so that Triton pipelines their loads;
 4. the output pass visits the flagged tiles, divides by the row sum of the weights (every
-   output row is an exact convex combination whatever tau's residual error) and rewrites
-   the flags to "holds a non-zero weight" for the backward.
+   output row is an exact convex combination whatever tau's residual error) and, when
+   gradients are needed, rewrites the flags to "holds a non-zero weight" for the backward.
 
 PHASE splits the passes between two launches (`forward_phases`): 1-3 (PHASE_THRESHOLD,
 which leaves the raw row maximum and tau in the statistics) and 4 (PHASE_OUTPUT), so that
@@ -376,8 +376,8 @@ def _output_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, st
                  BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr,
                  ALPHA_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                  NEED_GRAD: tl.constexpr, BOUNDARY: tl.constexpr):
-    """Adds one key tile to the output sums and rewrites its flag to "holds a non-zero
-    weight". The tiles the last threshold pass kept hold weight almost always: the products
+    """Adds one key tile to the output sums and, when gradients are needed, rewrites its
+    flag to "holds a non-zero weight". The tiles the last threshold pass kept hold weight almost always: the products
     run unconditionally, which keeps the loop pipelined."""
     b_u = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                       start_n, q_len, k_len, head_e, scale, b_mz, is_causal,
@@ -386,8 +386,12 @@ def _output_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, st
     b_p = weights(b_g, inv_am1, ALPHA_KIND)
     b_prow = tl.sum(b_p, 1)
     b_sum += b_prow
-    b_alive = tl.max(tl.where(m_rows, b_prow, 0.0), 0) > 0
-    tl.store(p_flags + start_n // BLOCK_N, b_alive.to(tl.int8))
+    if NEED_GRAD >= GRAD_INPUTS:
+        # for the backward alone; a forward without gradients leaves the threshold passes'
+        # flags, which also cover every tile with weight (the reduction over the block's
+        # warps was 3.5 % of that forward: docs/gpu.md, third session)
+        b_alive = tl.max(tl.where(m_rows, b_prow, 0.0), 0) > 0
+        tl.store(p_flags + start_n // BLOCK_N, b_alive.to(tl.int8))
     o_n = start_n + tl.arange(0, BLOCK_N)
     o_ev = tl.arange(0, BLOCK_EV)
     b_v = tl.load(p_v + o_n[:, None] * stride_vl + o_ev[None, :],
