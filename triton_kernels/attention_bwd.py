@@ -57,7 +57,7 @@ def _dq_tile(b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, st
              BOUNDARY: tl.constexpr):
     """Adds one key tile to dQ and to sum_j g_j h_j."""
     o_n = start_n + tl.arange(0, BLOCK_N)
-    b_k = held_rows(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E, BLOCK_EC)  # [BN, BE]
+    b_k = held_rows(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E, BLOCK_EC, BOUNDARY)  # [BN, BE]
     if BLOCK_EC >= BLOCK_E:
         b_kt = tl.trans(b_k)  # one load of k for the scores and for dQ
     else:
@@ -66,7 +66,7 @@ def _dq_tile(b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, st
                          stride_mk, o_m, start_n, q_len, k_len, head_e, scale, b_mz,
                          is_causal, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
     b_gap, b_p, b_s = _row_weights(b_u, b_tau, b_l, am1, inv_am1, ALPHA_KIND)
-    b_vt = held_cols(p_v, stride_vl, o_n, k_len, head_ev, BLOCK_EV, BLOCK_EC)
+    b_vt = held_cols(p_v, stride_vl, o_n, k_len, head_ev, BLOCK_EV, BLOCK_EC, BOUNDARY)
     b_g = dot_rows(b_do, b_vt, p_do, stride_ol, o_m, q_len, p_v, stride_vl, o_n, k_len,
                    head_ev, BLOCK_EV, BLOCK_EC)  # dL/dp [BM, BN]
     if HAS_DROPOUT:
@@ -75,7 +75,7 @@ def _dq_tile(b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, st
     b_dz = b_s * (b_g - b_delta[:, None])
     if BLOCK_EC < BLOCK_E:
         # loaded only now, so that it is not live during the chunked products
-        b_k = load_rows(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E)
+        b_k = load_rows(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E, BOUNDARY)
     b_dq += dot(b_dz.to(b_k.dtype), b_k)
     if NEED_DALPHA:
         # h = -p log p with log p = log(d) / (alpha - 1) - log l
@@ -151,7 +151,7 @@ def entmax_attn_bwd_dq_kernel(
     if BLOCK_EC < BLOCK_EV:
         # chunked products reload dO: the full block need not stay live through the loop
         b_do = 0.0
-    b_q = held_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, BLOCK_EC)
+    b_q = held_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, BLOCK_EC, True)
     b_mz = tl.load(p_stats + STAT_MAX_C * stride_stat, mask=m_m, other=0.0)
     b_tau = tl.load(p_stats + STAT_TAU_C * stride_stat, mask=m_m, other=0.0)
     b_l = tl.load(p_stats + STAT_SUM_C * stride_stat, mask=m_m, other=0.0)
@@ -213,8 +213,8 @@ def _dkdv_tile(b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do,
     statistics), so their weights and gradients are zero."""
     o_m = start_m + tl.arange(0, BLOCK_M)
     m_m = o_m < q_len
-    b_q = held_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, BLOCK_EC)
-    b_do = held_rows(p_do, stride_ol, o_m, q_len, head_ev, BLOCK_EV, BLOCK_EC)
+    b_q = held_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, BLOCK_EC, True)
+    b_do = held_rows(p_do, stride_ol, o_m, q_len, head_ev, BLOCK_EV, BLOCK_EC, True)
     b_mz = tl.load(p_stats + o_m + STAT_MAX_C * stride_stat, mask=m_m, other=0.0)
     b_tau = tl.load(p_stats + o_m + STAT_TAU_C * stride_stat, mask=m_m, other=0.0)
     b_l = tl.load(p_stats + o_m + STAT_SUM_C * stride_stat, mask=m_m, other=0.0)
@@ -234,9 +234,9 @@ def _dkdv_tile(b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do,
     b_dz = b_s * (b_g - b_delta[:, None])
     if BLOCK_EC < BLOCK_E:
         # loaded only now, so that they are not live during the chunked products
-        b_q = load_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E)
+        b_q = load_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, True)
     if BLOCK_EC < BLOCK_EV:
-        b_do = load_rows(p_do, stride_ol, o_m, q_len, head_ev, BLOCK_EV)
+        b_do = load_rows(p_do, stride_ol, o_m, q_len, head_ev, BLOCK_EV, True)
     b_dv += dot(tl.trans(b_p.to(b_do.dtype)), b_do)
     b_dk += dot(tl.trans(b_dz.to(b_q.dtype)), b_q)
     return b_dk, b_dv
@@ -278,8 +278,8 @@ def entmax_attn_bwd_dkdv_kernel(
     v_off = i_b * stride_vb + i_hk * stride_vh + k_start * stride_vl
     p_k = k_ptr + k_off
     p_v = v_ptr + v_off
-    b_kt = held_cols(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E, BLOCK_EC)  # [BE, BN]
-    b_vt = held_cols(p_v, stride_vl, o_n, k_len, head_ev, BLOCK_EV, BLOCK_EC)  # [BEV, BN]
+    b_kt = held_cols(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E, BLOCK_EC, True)  # [BE, BN]
+    b_vt = held_cols(p_v, stride_vl, o_n, k_len, head_ev, BLOCK_EV, BLOCK_EC, True)  # [BEV, BN]
     seed = tl.load(seed_ptr)
 
     m_begin = 0

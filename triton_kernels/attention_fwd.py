@@ -82,7 +82,7 @@ def _score_tile(b_q, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base, stri
                 BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr):
     """`shifted_scores` of the key tile at start_n, loading the key block."""
     o_n = start_n + tl.arange(0, BLOCK_N)
-    b_kt = held_cols(p_k_base, stride_kl, o_n, k_len, head_e, BLOCK_E, BLOCK_EC)
+    b_kt = held_cols(p_k_base, stride_kl, o_n, k_len, head_e, BLOCK_E, BLOCK_EC, BOUNDARY)
     return shifted_scores(b_q, b_kt, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base,
                           stride_mq, stride_mk, o_m, start_n, q_len, k_len, head_e, scale,
                           b_shift, is_causal, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
@@ -394,8 +394,10 @@ def _output_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, st
         tl.store(p_flags + start_n // BLOCK_N, b_alive.to(tl.int8))
     o_n = start_n + tl.arange(0, BLOCK_N)
     o_ev = tl.arange(0, BLOCK_EV)
-    b_v = tl.load(p_v + o_n[:, None] * stride_vl + o_ev[None, :],
-                  mask=(o_n[:, None] < k_len) & (o_ev[None, :] < head_ev), other=0.0)  # [BN, BEV]
+    m_v = o_ev[None, :] < head_ev
+    if BOUNDARY:
+        m_v = m_v & (o_n[:, None] < k_len)
+    b_v = tl.load(p_v + o_n[:, None] * stride_vl + o_ev[None, :], mask=m_v, other=0.0)  # [BN, BEV]
     b_drop = dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
                            BLOCK_M, BLOCK_N, HAS_DROPOUT)
     if HAS_DROPOUT:
@@ -454,7 +456,7 @@ def entmax_attn_fwd_kernel(
     p_tiles = tiles_ptr + (pid_bh.to(tl.int64) * n_qblocks + pid_m) * n_kblocks
     p_stats = stats_ptr + i_b * stride_sb + i_h * stride_sh + q_start + o_m
 
-    b_q = held_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, BLOCK_EC)  # [BM, BE]
+    b_q = held_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, BLOCK_EC, True)  # [BM, BE]
     alpha = tl.load(alpha_ptr + i_h).to(tl.float32)
     am1 = alpha - 1.0
     inv_am1 = 1.0 / am1
