@@ -40,7 +40,9 @@ def _row_weights(b_u, b_thr, b_l, am1, inv_am1, ALPHA_KIND: tl.constexpr):
     """The `gap` g of the shifted scores u to the stored threshold, the normalised weights
     p and the sensitivities s = p^(2-alpha). [BM, BN]"""
     b_g = gap(b_u, b_thr, inv_am1, ALPHA_KIND)
-    b_p = weights(b_g, inv_am1, ALPHA_KIND) / b_l[:, None]
+    # one reciprocal per row: a division per score compiles to div.full.f32, whose range
+    # fix-ups made it three multiplies (sm_90 SASS of the dK/dV loop)
+    b_p = weights(b_g, inv_am1, ALPHA_KIND) * (1.0 / b_l)[:, None]
     # s = (base^e / l)^(2 - alpha) = base^(e - 1) * l^(alpha - 2)
     b_s = sensitivity(b_g, inv_am1, ALPHA_KIND) * tl.exp2((am1 - 1.0) * tl.log2(b_l))[:, None]
     return b_g, b_p, b_s
