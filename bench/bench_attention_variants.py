@@ -32,19 +32,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 _CAP = "(n_pass < MAX_TAU_PASSES_C)"
 _MAX_FLAG = "    tl.store(p_flags + start_n // BLOCK_N, tl.max(m_near.to(tl.int8), 0))\n"
-_REFLAG = "p_tiles, n_listed, inv_am1, False, True, BLOCK_M,"
+_REFLAG = "n_listed, am1, inv_am1, b_lo, b_hi, b_tau, m_done, True, BLOCK_M,"
 
-_LATER_PASS = ("b_t0, b_t0, m_rows, p_flags,\n"
-               "            p_tiles, n_listed, inv_am1, False, False, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC,\n"
-               "            MASK_KIND, ALPHA_KIND)\n")
+_ONE_POINT = ("b_t0, b_t0, m_rows, p_flags, p_tiles,\n"
+              "        n_listed, inv_am1, False, REFLAG, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND,\n"
+              "        ALPHA_KIND)\n")
 _SUPPORT = "        b_count, b_dmin = support_count_and_min(b_g)\n"
 # The passes after the first evaluate a second trial point just above the first; its sums
 # feed the result through a comparison that never holds, so that nothing is optimised away
 # and the thresholds (and so the pass count) stay those of the kernel.
 _EXTRA_POINT = [
-    (_LATER_PASS, _LATER_PASS.replace("b_t0, b_t0,", "b_t0, b_t0 + 1e-3,")
-     .replace("inv_am1, False, False,", "inv_am1, True, False,")
-     + "        b_a0 += tl.where(b_a1 + b_b1 + b_c1 + b_n1 == -1.2345, 1e-30, 0.0)\n"),
+    (_ONE_POINT, _ONE_POINT.replace("b_t0, b_t0,", "b_t0, b_t0 + 1e-3,")
+     .replace("inv_am1, False, REFLAG,", "inv_am1, True, REFLAG,")
+     + "    b_a0 += tl.where(b_a1 + b_b1 + b_c1 + b_n1 == -1.2345, 1e-30, 0.0)\n"),
 ]
 
 # name: [(anchor, replacement)]. A cap of 1 folds the pass loop away, which triton 3.6
@@ -54,7 +54,7 @@ VARIANTS = {
     "cap2": [(_CAP, "(n_pass < 2)")],
     "cap3": [(_CAP, "(n_pass < 3)")],
     "cap4": [(_CAP, "(n_pass < 4)")],
-    "no_reflag": [(_REFLAG, "p_tiles, n_listed, inv_am1, False, False, BLOCK_M,")],
+    "no_reflag": [(_REFLAG, "n_listed, am1, inv_am1, b_lo, b_hi, b_tau, m_done, False, BLOCK_M,")],
     # every tile flagged without the reduction: on random scores, where every tile holds
     # weight anyway, the difference to "kernel" is what the max pass's flags cost
     "max_flags_all": [(_MAX_FLAG, "    tl.store(p_flags + start_n // BLOCK_N, 1)\n")],

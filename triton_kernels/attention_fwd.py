@@ -300,6 +300,26 @@ def _update_threshold(b_t, b_a, b_b, b_c, b_dmin, b_lo, b_hi, b_tau, m_done, am1
 
 
 @triton.jit
+def _one_point_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
+                    n_full, q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows,
+                    p_flags, p_tiles, n_listed, am1, inv_am1, b_lo, b_hi, b_tau, m_done,
+                    REFLAG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr,
+                    ALPHA_KIND: tl.constexpr):
+    """A threshold pass at every row's lower bound and the bracket's update from it:
+    (lo, hi, tau, done), as `_update_threshold`."""
+    b_t0 = _threshold_in_z(b_lo, inv_am1, ALPHA_KIND)
+    b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_pass(
+        b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full, q_len,
+        k_len, kv_end, head_e, scale, b_mz, is_causal, b_t0, b_t0, m_rows, p_flags, p_tiles,
+        n_listed, inv_am1, False, REFLAG, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND,
+        ALPHA_KIND)
+    b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
+    return _update_threshold(b_lo, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi, b_tau, m_done, am1,
+                             ALPHA_KIND)
+
+
+@triton.jit
 def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                     n_full, q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows,
                     p_flags, p_tiles, am1, inv_am1, BLOCK_M: tl.constexpr,
@@ -336,30 +356,22 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
         # a cross-warp reduction per tile (14 % of the forward with every pass rewriting
         # them, on an H100), and the later passes' higher bounds drop few more tiles. In its
         # own compile of the pass (REFLAG), so that the later passes' loop carries none of
-        # it (sm_90, bf16, E 64, alpha 1.5: 13.4 -> 12.8 instructions per score).
-        b_t0 = _threshold_in_z(b_lo, inv_am1, ALPHA_KIND)
-        b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_pass(
+        # it (sm_90, bf16, E 64, alpha 1.5: 13.4 -> 12.5 instructions per score).
+        b_lo, b_hi, b_tau, m_done = _one_point_pass(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
-            q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, b_t0, b_t0, m_rows, p_flags,
-            p_tiles, n_listed, inv_am1, False, True, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC,
-            MASK_KIND, ALPHA_KIND)
-        b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
-        b_lo, b_hi, b_tau, m_done = _update_threshold(b_lo, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi,
-                                                      b_tau, m_done, am1, ALPHA_KIND)
+            q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows, p_flags, p_tiles,
+            n_listed, am1, inv_am1, b_lo, b_hi, b_tau, m_done, True, BLOCK_M, BLOCK_N, BLOCK_E,
+            BLOCK_EC, MASK_KIND, ALPHA_KIND)
         tl.debug_barrier()
         n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
         tl.debug_barrier()
         n_pass = 2
     while (tl.max(tl.where(m_done, 0, 1), 0) > 0) & (n_pass < MAX_TAU_PASSES_C):
-        b_t0 = _threshold_in_z(b_lo, inv_am1, ALPHA_KIND)
-        b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_pass(
+        b_lo, b_hi, b_tau, m_done = _one_point_pass(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
-            q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, b_t0, b_t0, m_rows, p_flags,
-            p_tiles, n_listed, inv_am1, False, False, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC,
-            MASK_KIND, ALPHA_KIND)
-        b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
-        b_lo, b_hi, b_tau, m_done = _update_threshold(b_lo, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi,
-                                                      b_tau, m_done, am1, ALPHA_KIND)
+            q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows, p_flags, p_tiles,
+            n_listed, am1, inv_am1, b_lo, b_hi, b_tau, m_done, False, BLOCK_M, BLOCK_N, BLOCK_E,
+            BLOCK_EC, MASK_KIND, ALPHA_KIND)
         n_pass += 1
     # rows still open after MAX_TAU_PASSES: the last lower bound (a Newton step). From here
     # on the tiles' threshold (`_threshold_in_z`), which the statistics store too.
