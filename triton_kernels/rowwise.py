@@ -14,13 +14,14 @@ Forward (`entmax_rowwise_fwd_kernel`): a program takes ROWS rows. Rows of at mos
 RESIDENT_MAX_COLS entries are read from memory once and kept in registers while c is found
 ("resident"); every iteration is a pass over the on-chip row, a few operations per entry.
 Longer rows are swept in chunks of BLOCK (one row per program) and every iteration reads
-the row again (mostly from L2). Iterations, all starting from c = 1 (the top entry alone):
+the row again (mostly from L2), summing the chunks' terms entry by entry and reducing them
+across the warps once per iteration (`_pass_terms`, `_sum_terms`). Iterations, all starting from c = 1 (the top entry alone):
 
 - α = 2 (sparsemax): Michelot's exact support update ``c ← c − (Σ_S d − 1)/|S|`` with
   d = c + u and S = {d > 0}. From c = 1 it decreases monotonically to c*; it is exact and
   stops when no entry of S leaves at the new c (min_S d > step), which certifies that S is
   the support. Per entry and pass: add, max, 2 adds, and the count and min d taken on
-  the bit patterns of d_+ (`support.support_count_and_min`).
+  the bit patterns of d_+ (`support.support_bits`).
 - α = 1.5 (entmax15): on S the equation Σ_S (d + δ)² = 1 is a quadratic; its root is
   exact when no entry of S leaves (same certificate). Otherwise c moves by a Newton step
   on φ(c) = (Σ d_+²)^{1/2} − 1, which is convex and increasing, so the step never crosses
@@ -69,7 +70,7 @@ import triton.language as tl
 from .. import common
 from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SOFTMAX, ALPHA_SPARSEMAX
 from .signature import DTYPE_KEYS, TENSOR, kernel_signature
-from .support import support_count_and_min
+from .support import count_and_smallest, support_bits
 
 __all__ = [
     "aot_configs",
@@ -194,19 +195,20 @@ def _scaled(b_x, shift, t):
 
 
 @triton.jit
-def _pass_sums(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND: tl.constexpr):
-    """One evaluation at c per row: (Σa, Σb, Σq2, min d over the support).  [ROWS] each
+def _pass_terms(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND: tl.constexpr):
+    """One evaluation at c per entry: the four terms whose row sums (a minimum for the last)
+    `_sum_terms` turns into `_pass_sums`'s.  [ROWS, BLOCK] each
 
-    sparsemax: a = d_+, b = |S|, q2 unused; entmax15: a = d_+, b = |S|, q2 = Σd_+²;
-    general: a = Σp, b = Σd_+^(e−1) (φ's slope), q2 unused; α = 1 rows a = Σexp(u)."""
+    sparsemax, entmax15: d_+, the zero count and min key of `support.support_bits`, and
+    d_+² (entmax15; d_+ again for sparsemax); general: p (exp(u) on α = 1 rows),
+    d_+^(e−1), p again, and d on the support (+inf off it)."""
     if (ALPHA_KIND == ALPHA_SPARSEMAX) | (ALPHA_KIND == ALPHA_ENTMAX15):
         b_a = tl.maximum(c_hi[:, None] + b_v, 0.0)
-        s_a = tl.sum(b_a, axis=1)
-        s_b, d_min = support_count_and_min(b_a)
+        b_neg, b_low = support_bits(b_a)
         if ALPHA_KIND == ALPHA_ENTMAX15:
-            s_q2 = tl.sum(b_a * b_a, axis=1)
+            b_q2 = b_a * b_a
         else:
-            s_q2 = s_a
+            b_q2 = b_a
     else:
         # d = (c_hi + v) + c_lo: for entries near the support's edge c_hi + v is exact
         # (Sterbenz), so d keeps its relative precision down to d ≈ 0.
@@ -219,11 +221,50 @@ def _pass_sums(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND: tl.constexpr):
         b_q = tl.exp2(b_arg)
         b_b = tl.where(b_pos, b_q, 0.0)
         b_a = tl.where(is_soft, b_q, b_b * tl.where(b_pos, b_d, 0.0))
-        s_a = tl.sum(b_a, axis=1)
+        b_neg = b_b
+        b_q2 = b_a
+        b_low = tl.where(b_pos, b_d, float("inf"))
+    return b_a, b_neg, b_q2, b_low
+
+
+@triton.jit
+def _no_terms(ROWS: tl.constexpr, BLOCK: tl.constexpr, ALPHA_KIND: tl.constexpr):
+    """`_pass_terms` of no entry: the start of a sum over chunks."""
+    b_zero = tl.zeros([ROWS, BLOCK], tl.float32)
+    if (ALPHA_KIND == ALPHA_SPARSEMAX) | (ALPHA_KIND == ALPHA_ENTMAX15):
+        b_b = tl.zeros([ROWS, BLOCK], tl.int32)
+        b_low = tl.full([ROWS, BLOCK], 0xFFFFFFFF, tl.uint32)
+    else:
+        b_b = b_zero
+        b_low = tl.full([ROWS, BLOCK], float("inf"), tl.float32)
+    return b_zero, b_b, b_zero, b_low
+
+
+@triton.jit
+def _sum_terms(b_a, b_b, b_q2, b_low, n, ALPHA_KIND: tl.constexpr):
+    """(Σa, Σb, Σq2, min d over the support) per row of `_pass_terms` (summed over chunks
+    of n entries in all): sparsemax: a = d_+, b = |S|, q2 unused; entmax15: a = d_+,
+    b = |S|, q2 = Σd_+²; general: a = Σp, b = Σd_+^(e−1) (φ's slope), q2 unused; α = 1
+    rows a = Σexp(u).  [ROWS] each"""
+    s_a = tl.sum(b_a, axis=1)
+    if (ALPHA_KIND == ALPHA_SPARSEMAX) | (ALPHA_KIND == ALPHA_ENTMAX15):
+        s_b, d_min = count_and_smallest(tl.sum(b_b, axis=1), tl.min(b_low, axis=1), n)
+        if ALPHA_KIND == ALPHA_ENTMAX15:
+            s_q2 = tl.sum(b_q2, axis=1)
+        else:
+            s_q2 = s_a
+    else:
         s_b = tl.sum(b_b, axis=1)
         s_q2 = s_a
-        d_min = tl.min(tl.where(b_pos, b_d, float("inf")), axis=1)
+        d_min = tl.min(b_low, axis=1)
     return s_a, s_b, s_q2, d_min
+
+
+@triton.jit
+def _pass_sums(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND: tl.constexpr):
+    """One evaluation at c per row of a resident block: `_sum_terms` of `_pass_terms`."""
+    b_a, b_b, b_q2, b_low = _pass_terms(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND)
+    return _sum_terms(b_a, b_b, b_q2, b_low, b_v.shape[1], ALPHA_KIND)
 
 
 @triton.jit
@@ -344,18 +385,21 @@ def entmax_rowwise_fwd_kernel(
             if RESIDENT:
                 s_a, s_b, s_q2, d_min = _pass_sums(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND)
             else:
-                s_a = tl.zeros([ROWS], tl.float32)
-                s_b = tl.zeros([ROWS], tl.float32)
-                s_q2 = tl.zeros([ROWS], tl.float32)
-                d_min = tl.full([ROWS], float("inf"), tl.float32)
+                # the chunks' terms summed entry by entry, reduced across the row's warps
+                # once per pass rather than once per chunk (each reduction crosses the warps
+                # through shared memory with barriers)
+                b_a, b_b, b_q2, b_low = _no_terms(ROWS, BLOCK, ALPHA_KIND)
                 for start in range(0, n_cols, BLOCK):
                     m_tile = m_row[:, None] & (start + o_col[None, :] < n_cols)
                     b_xc = tl.load(p_x + start, mask=m_tile, other=float("-inf")).to(tl.float32)
-                    c_a, c_b, c_q2, c_min = _pass_sums(_scaled(b_xc, shift, t), c_hi, c_lo, t, e, near_one, ALPHA_KIND)
-                    s_a += c_a
-                    s_b += c_b
-                    s_q2 += c_q2
-                    d_min = tl.minimum(d_min, c_min)
+                    c_a, c_b, c_q2, c_low = _pass_terms(_scaled(b_xc, shift, t), c_hi, c_lo, t, e,
+                                                        near_one, ALPHA_KIND)
+                    b_a += c_a
+                    b_b += c_b
+                    b_q2 += c_q2
+                    b_low = tl.minimum(b_low, c_low)
+                s_a, s_b, s_q2, d_min = _sum_terms(b_a, b_b, b_q2, b_low,
+                                                   tl.cdiv(n_cols, BLOCK) * BLOCK, ALPHA_KIND)
             passes += 1
             at_cap = passes >= max_passes
             if ALPHA_KIND == ALPHA_GENERAL:
