@@ -492,7 +492,7 @@ def _jacobian_weight(b_p, t, ALPHA_KIND: tl.constexpr):
 
 @triton.jit
 def _bwd_sums(b_p, b_g, t, ALPHA_KIND: tl.constexpr, NEED_DALPHA: tl.constexpr):
-    """Σs, Σsg and, for dα, Σgp, Σgp·log p, Σp·log p, Σp·r, Σgp·r (r: see below).  [ROWS]"""
+    """Σs, Σsg and, for dα, `_dalpha_sums`.  [ROWS]"""
     b_s = _jacobian_weight(b_p, t, ALPHA_KIND)
     s_sum = tl.sum(b_s, axis=1)
     sg_sum = tl.sum(b_s * b_g, axis=1)
@@ -503,23 +503,30 @@ def _bwd_sums(b_p, b_g, t, ALPHA_KIND: tl.constexpr, NEED_DALPHA: tl.constexpr):
     pr = zero
     gpr = zero
     if NEED_DALPHA:
-        t_safe = tl.where(t == 0.0, 1.0, t)[:, None]
-        b_logp = tl.log(tl.where(b_p > 0, b_p, 1.0))
-        # r = (e^y − 1 − y)/t² with y = −t·log p, i.e. s = p(1 − t·log p + t²·r);
-        # a series for small y, where the direct form cancels.
-        b_y = -t[:, None] * b_logp
-        b_series = 1.0 / 362880.0  # 1/9!, the y^7 coefficient
-        for k in tl.static_range(7):
-            b_series = b_series * b_y + 1.0 / _FACT[6 - k]
-        b_r = tl.where(tl.abs(b_y) < 0.5, b_logp * b_logp * b_series,
-                       (tl.exp(b_y) - 1.0 - b_y) / (t_safe * t_safe))
-        b_gp = b_g * b_p
-        gp = tl.sum(b_gp, axis=1)
-        gpl = tl.sum(b_gp * b_logp, axis=1)
-        pl = tl.sum(b_p * b_logp, axis=1)
-        pr = tl.sum(b_p * b_r, axis=1)
-        gpr = tl.sum(b_gp * b_r, axis=1)
+        gp, gpl, pl, pr, gpr = _dalpha_sums(b_p, b_g, t)
     return s_sum, sg_sum, gp, gpl, pl, pr, gpr
+
+
+@triton.jit
+def _dalpha_sums(b_p, b_g, t):
+    """Σgp, Σgp·log p, Σp·log p, Σp·r, Σgp·r (r: see below), the sums dα needs.  [ROWS]"""
+    t_safe = tl.where(t == 0.0, 1.0, t)[:, None]
+    b_logp = tl.log(tl.where(b_p > 0, b_p, 1.0))
+    # r = (e^y − 1 − y)/t² with y = −t·log p, i.e. s = p(1 − t·log p + t²·r);
+    # a series for small y, where the direct form cancels.
+    b_y = -t[:, None] * b_logp
+    b_series = 1.0 / 362880.0  # 1/9!, the y^7 coefficient
+    for k in tl.static_range(7):
+        b_series = b_series * b_y + 1.0 / _FACT[6 - k]
+    b_r = tl.where(tl.abs(b_y) < 0.5, b_logp * b_logp * b_series,
+                   (tl.exp(b_y) - 1.0 - b_y) / (t_safe * t_safe))
+    b_gp = b_g * b_p
+    gp = tl.sum(b_gp, axis=1)
+    gpl = tl.sum(b_gp * b_logp, axis=1)
+    pl = tl.sum(b_p * b_logp, axis=1)
+    pr = tl.sum(b_p * b_r, axis=1)
+    gpr = tl.sum(b_gp * b_r, axis=1)
+    return gp, gpl, pl, pr, gpr
 
 
 @triton.jit
@@ -543,8 +550,11 @@ def entmax_rowwise_bwd_kernel(
         b_g = tl.load(p_g, mask=m_tile, other=0.0).to(tl.float32)
         s_sum, sg_sum, gp, gpl, pl, pr, gpr = _bwd_sums(b_p, b_g, t, ALPHA_KIND, NEED_DALPHA)
     else:
-        s_sum = tl.zeros([ROWS], tl.float32)
-        sg_sum = tl.zeros([ROWS], tl.float32)
+        # Σs and Σsg summed entry by entry over the chunks and reduced across the warps
+        # once, as the forward's passes (`_pass_terms`); the dα sums, only on request,
+        # chunk by chunk (five more per-entry accumulators would not fit the registers)
+        b_s_sum = tl.zeros([ROWS, BLOCK], tl.float32)
+        b_sg_sum = tl.zeros([ROWS, BLOCK], tl.float32)
         gp = tl.zeros([ROWS], tl.float32)
         gpl = tl.zeros([ROWS], tl.float32)
         pl = tl.zeros([ROWS], tl.float32)
@@ -554,14 +564,18 @@ def entmax_rowwise_bwd_kernel(
             m_tile = m_row[:, None] & (start + o_col[None, :] < n_cols)
             b_pc = tl.load(p_p + start, mask=m_tile, other=0.0).to(tl.float32)
             b_gc = tl.load(p_g + start, mask=m_tile, other=0.0).to(tl.float32)
-            c_s, c_sg, c_gp, c_gpl, c_pl, c_pr, c_gpr = _bwd_sums(b_pc, b_gc, t, ALPHA_KIND, NEED_DALPHA)
-            s_sum += c_s
-            sg_sum += c_sg
-            gp += c_gp
-            gpl += c_gpl
-            pl += c_pl
-            pr += c_pr
-            gpr += c_gpr
+            b_s = _jacobian_weight(b_pc, t, ALPHA_KIND)
+            b_s_sum += b_s
+            b_sg_sum += b_s * b_gc
+            if NEED_DALPHA:
+                c_gp, c_gpl, c_pl, c_pr, c_gpr = _dalpha_sums(b_pc, b_gc, t)
+                gp += c_gp
+                gpl += c_gpl
+                pl += c_pl
+                pr += c_pr
+                gpr += c_gpr
+        s_sum = tl.sum(b_s_sum, axis=1)
+        sg_sum = tl.sum(b_sg_sum, axis=1)
     # Σ g p̃ with the escort p̃ = s / Σs; an empty support gives 0.
     s_safe = tl.where(s_sum > 0, s_sum, 1.0)
     g_escort = tl.where(s_sum > 0, sg_sum / s_safe, 0.0)
