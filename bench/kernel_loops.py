@@ -15,9 +15,9 @@ that an edit's effect is read in one run:
         --variants kernel predicated_moments
 
 Counts are static: a run-time branch inside a loop counts whether a launch takes it or
-not. Compiling needs real
-`@triton.jit` functions: run it without TRITON_INTERPRET. Instruction counts are not time (latency, occupancy and the tensor cores overlap differently); a GPU
-decides.
+not. Compiling needs real `@triton.jit` functions: run it without TRITON_INTERPRET.
+Instruction counts are not time (latency, occupancy and the tensor cores overlap
+differently); a GPU decides.
 """
 from __future__ import annotations
 

@@ -389,8 +389,8 @@ def _output_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, st
                  ALPHA_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                  NEED_GRAD: tl.constexpr, BOUNDARY: tl.constexpr):
     """Adds one key tile to the output sums and, when gradients are needed, rewrites its
-    flag to "holds a non-zero weight". The tiles the last threshold pass kept hold weight almost always: the products
-    run unconditionally, which keeps the loop pipelined."""
+    flag to "holds a non-zero weight". The tiles the last threshold pass kept hold weight
+    almost always: the products run unconditionally, which keeps the loop pipelined."""
     b_u = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                       start_n, q_len, k_len, head_e, scale, b_mz, is_causal,
                       BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)

@@ -15,7 +15,8 @@ RESIDENT_MAX_COLS entries are read from memory once and kept in registers while 
 ("resident"); every iteration is a pass over the on-chip row, a few operations per entry.
 Longer rows are swept in chunks of BLOCK (one row per program) and every iteration reads
 the row again (mostly from L2), summing the chunks' terms entry by entry and reducing them
-across the warps once per iteration (`_pass_terms`, `_sum_terms`). Iterations, all starting from c = 1 (the top entry alone):
+across the warps once per iteration (`_pass_terms`, `_sum_terms`). Iterations, all
+starting from c = 1 (the top entry alone):
 
 - α = 2 (sparsemax): Michelot's exact support update ``c ← c − (Σ_S d − 1)/|S|`` with
   d = c + u and S = {d > 0}. From c = 1 it decreases monotonically to c*; it is exact and
@@ -204,7 +205,7 @@ def _pass_terms(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND: tl.constexpr):
     d_+^(e−1), p again, and d on the support (+inf off it)."""
     if (ALPHA_KIND == ALPHA_SPARSEMAX) | (ALPHA_KIND == ALPHA_ENTMAX15):
         b_a = tl.maximum(c_hi[:, None] + b_v, 0.0)
-        b_neg, b_low = support_bits(b_a)
+        b_b, b_low = support_bits(b_a)
         if ALPHA_KIND == ALPHA_ENTMAX15:
             b_q2 = b_a * b_a
         else:
@@ -221,10 +222,9 @@ def _pass_terms(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND: tl.constexpr):
         b_q = tl.exp2(b_arg)
         b_b = tl.where(b_pos, b_q, 0.0)
         b_a = tl.where(is_soft, b_q, b_b * tl.where(b_pos, b_d, 0.0))
-        b_neg = b_b
         b_q2 = b_a
         b_low = tl.where(b_pos, b_d, float("inf"))
-    return b_a, b_neg, b_q2, b_low
+    return b_a, b_b, b_q2, b_low
 
 
 @triton.jit
