@@ -677,7 +677,25 @@ void backward(int kind, int grouped, const T* g, const T* p, const T* y, T* dz, 
   run_grid(plan, [&params] { backward_kernel<T>(params); });
 }
 
+// block_tv_prox alone: one block of `threads` on a row of m entries.
+template <typename T>
+void tv_prox_block(const T* in, T* out, int m, double lambda, int threads) {
+  Carver count{nullptr, 0};
+  carve_reductions<T>(count);
+  const LaunchPlan plan{threads, true, 0, count.size(), 1, 0};
+  std::vector<uint8_t> restart(m, 0xff);
+  entmax_fast::structured::TvScan<T, int> carried;
+  run_grid(plan, [&] {
+    Carver shared{dynamic_shared_memory(), 0};
+    const Reductions<T> slots = carve_reductions<T>(shared);
+    block_tv_prox(in, out, restart.data(), &carried, m, static_cast<T>(lambda), slots);
+  });
+}
+
 extern "C" {
+void tv_prox_block_f64(const double* in, double* out, int m, double lambda, int threads) {
+  tv_prox_block<double>(in, out, m, lambda, threads);
+}
 void forward_f32(int k, int pr, const float* x, const int64_t* l, float* p, float* y, int64_t r, int64_t n,
                  double reg, int64_t limit, int sms) { forward<float>(k, pr, x, l, p, y, r, n, reg, limit, sms); }
 void forward_f64(int k, int pr, const double* x, const int64_t* l, double* p, double* y, int64_t r, int64_t n,
@@ -795,6 +813,33 @@ def test_emulated_cuda_long_row_path(emulated_cuda, kind, reg, dtype, atol, rtol
     assert emulated_plan(emulated_cuda, False, kind, n, dtype)["in_shared"]
     X, lengths = ragged_scores(5, n, dtype, generator_seed=7, scale=0.1 if kind == "oscar" else 3.0)
     check_emulated_against_reference(emulated_cuda, kind, X, reg, lengths, atol, rtol, shared_limit=limit, sm_count=1)
+
+
+@pytest.mark.parametrize("lam", [0.03, 0.3, 3.0, 30.0])
+@pytest.mark.parametrize("threads", [32, 64])
+@pytest.mark.parametrize("m", [1, 2, 17, 100, 513, 1000, 2500])
+def test_emulated_cuda_tv_scan_in_chunks(emulated_cuda, lam, threads, m):
+    # block_tv_prox: each thread scans a chunk of the row and the scans are joined where they
+    # meet. On randn rows lam 0.03-0.3 ends in one round; at lam 3 segments outgrow the
+    # 16-entry chunks, chunks fail to meet and later rounds run with longer chunks; lam 30
+    # fuses most of the row (the rounds' worst case). Rows longer than 16 entries per thread
+    # (2500 on 32 or 64 threads; 64k rows on 1024 in the kernels) get longer chunks at once.
+    import ctypes
+
+    x = torch.randn(m, dtype=torch.float64, generator=torch.Generator().manual_seed(m + threads))
+    out = torch.full_like(x, 12345.0)
+    emulated_cuda.tv_prox_block_f64(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(out.data_ptr()), m,
+                                    ctypes.c_double(lam), threads)
+    torch.testing.assert_close(out, prox("fused", "reference", x.unsqueeze(0), lam)[0], atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", EMULATION_TOLS)
+@pytest.mark.parametrize("lam", [0.3, 3.0])
+def test_emulated_cuda_fusedmax_in_chunks(emulated_cuda, lam, dtype, atol, rtol):
+    # The chunked scan inside the forward kernel (64 threads at 1000 entries), in one round
+    # (lam 0.3) and in several (lam 3), on ragged rows, then the backward's groups.
+    X, lengths = ragged_scores(4, 1000, dtype, generator_seed=3, scale=1.0)
+    check_emulated_against_reference(emulated_cuda, "fused", X, lam, lengths, atol, rtol)
 
 
 def test_emulated_cuda_launch_plan(emulated_cuda):

@@ -102,70 +102,109 @@ ENTMAX_FAST_HD double work_regularisation(Prox kind, double reg, int exponent, i
   return scaled < cap ? scaled : cap;
 }
 
-// Condat (2013), "A direct algorithm for 1-D total variation denoising", in place: every
-// read is at an index >= k0 and every write at an index < k0, so input and output can share
-// the buffer. Each segment is written with one value, which the backward relies on (it finds
+// Condat (2013), "A direct algorithm for 1-D total variation denoising", as a resumable
+// state machine. The scan keeps the bounds vmin/vmax of the open segment [k0, k]; every read
+// is at an index >= k0 and every write at an index < k0, so input and output may share the
+// buffer. Each segment is written with one value, which the backward relies on (it finds
 // the groups by exact equality).
+//
+// A jump in the main loop restarts the scan at k0 from a state that depends only on k0, the
+// jump's sign and the input from k0 on (k = kplus = kminus = k0, the bounds from in[k0], umin
+// = lambda, umax = -lambda). Two scans that restart at the same position with the same sign
+// therefore compute the same operations from there on; the CUDA forward runs one scan per
+// chunk of the row from an arbitrary start and joins them where they meet (block_tv_prox in
+// csrc/cuda/structured.cu). The restarts of the row-end loop are not of this kind.
+enum class TvRestart : uint8_t { kNone = 0, kNegative = 1, kPositive = 2 };
+enum class TvStop { kPaused, kRestarted, kDone };
+
 template <typename T, typename Index>
-ENTMAX_FAST_HD void tv1d_prox_inplace(T* w, Index width, T lambda) {
-  if (width <= 1 || lambda == T(0)) return;
-  Index k = 0, k0 = 0, kplus = 0, kminus = 0;
-  T umin = lambda, umax = -lambda;
-  T vmin = w[0] - lambda, vmax = w[0] + lambda;
-  const T twolambda = T(2) * lambda;
-  const T minlambda = -lambda;
-  for (;;) {
-    while (k == width - 1) {  // right boundary
-      if (umin < T(0)) {      // vmin too high: negative jump
-        do w[k0++] = vmin; while (k0 <= kminus);
-        k = kminus = k0;
-        vmin = w[k0];
-        umin = lambda;
-        umax = vmin + umin - vmax;
-      } else if (umax > T(0)) {  // vmax too low: positive jump
-        do w[k0++] = vmax; while (k0 <= kplus);
-        k = kplus = k0;
-        vmax = w[k0];
-        umax = minlambda;
-        umin = vmax + umax - vmin;
-      } else {
-        vmin += umin / T(k - k0 + 1);
-        do w[k0++] = vmin; while (k0 <= k);
-        return;
+struct TvScan {
+  Index k, k0, kplus, kminus;
+  T umin, umax, vmin, vmax;
+
+  // The scan of the row that begins at `at` (the whole row's scan when at = 0).
+  ENTMAX_FAST_HD void start(const T* in, Index at, T lambda) {
+    k = k0 = kplus = kminus = at;
+    umin = lambda;
+    umax = -lambda;
+    vmin = in[at] - lambda;
+    vmax = in[at] + lambda;
+  }
+
+  // Scans on until the next step would read in[stop] with stop < width (kPaused: resume
+  // with a larger stop), until on_restart(k0, sign) returns true after a main-loop jump
+  // (kRestarted: out is written below k0), or to the row's end (kDone: out[0, width) is
+  // written from the start position on).
+  template <typename OnRestart>
+  ENTMAX_FAST_HD TvStop run(const T* in, T* out, Index stop, Index width, T lambda, OnRestart&& on_restart) {
+    const T twolambda = T(2) * lambda;
+    const T minlambda = -lambda;
+    for (;;) {
+      if (k == stop - 1) {
+        if (stop < width) return TvStop::kPaused;
+        if (umin < T(0)) {  // vmin too high: negative jump
+          do out[k0++] = vmin; while (k0 <= kminus);
+          k = kminus = k0;
+          vmin = in[k0];
+          umin = lambda;
+          umax = vmin + umin - vmax;
+        } else if (umax > T(0)) {  // vmax too low: positive jump
+          do out[k0++] = vmax; while (k0 <= kplus);
+          k = kplus = k0;
+          vmax = in[k0];
+          umax = minlambda;
+          umin = vmax + umax - vmin;
+        } else {
+          vmin += umin / T(k - k0 + 1);
+          do out[k0++] = vmin; while (k0 <= k);
+          return TvStop::kDone;
+        }
+        continue;
       }
-    }
-    umin += w[k + 1] - vmin;
-    if (umin < minlambda) {  // negative jump
-      do w[k0++] = vmin; while (k0 <= kminus);
-      k = kplus = kminus = k0;
-      vmin = w[k0];
-      vmax = vmin + twolambda;
-      umin = lambda;
-      umax = minlambda;
-    } else {
-      umax += w[k + 1] - vmax;
-      if (umax > lambda) {  // positive jump
-        do w[k0++] = vmax; while (k0 <= kplus);
+      umin += in[k + 1] - vmin;
+      if (umin < minlambda) {  // negative jump
+        do out[k0++] = vmin; while (k0 <= kminus);
         k = kplus = kminus = k0;
-        vmax = w[k0];
+        vmin = in[k0];
+        vmax = vmin + twolambda;
+        umin = lambda;
+        umax = minlambda;
+        if (on_restart(k0, TvRestart::kNegative)) return TvStop::kRestarted;
+        continue;
+      }
+      umax += in[k + 1] - vmax;
+      if (umax > lambda) {  // positive jump
+        do out[k0++] = vmax; while (k0 <= kplus);
+        k = kplus = kminus = k0;
+        vmax = in[k0];
         vmin = vmax - twolambda;
         umin = lambda;
         umax = minlambda;
-      } else {  // no jump: extend the segment
-        k++;
-        if (umin >= lambda) {
-          kminus = k;
-          vmin += (umin - lambda) / T(kminus - k0 + 1);
-          umin = lambda;
-        }
-        if (umax <= minlambda) {
-          kplus = k;
-          vmax += (umax + lambda) / T(kplus - k0 + 1);
-          umax = minlambda;
-        }
+        if (on_restart(k0, TvRestart::kPositive)) return TvStop::kRestarted;
+        continue;
+      }
+      k++;  // no jump: extend the segment
+      if (umin >= lambda) {
+        kminus = k;
+        vmin += (umin - lambda) / T(kminus - k0 + 1);
+        umin = lambda;
+      }
+      if (umax <= minlambda) {
+        kplus = k;
+        vmax += (umax + lambda) / T(kplus - k0 + 1);
+        umax = minlambda;
       }
     }
   }
+};
+
+// The whole row's scan on one thread, in place.
+template <typename T, typename Index>
+ENTMAX_FAST_HD void tv1d_prox_inplace(T* w, Index width, T lambda) {
+  if (width <= 1 || lambda == T(0)) return;
+  TvScan<T, Index> scan;
+  scan.start(w, Index(0), lambda);
+  scan.run(w, w, width, width, lambda, [](Index, TvRestart) { return false; });
 }
 
 // Keys whose unsigned ascending order is the decreasing order of |v| (non-negative IEEE

@@ -9,13 +9,13 @@
 //   forward: a coalesced load that packs the valid entries (ballot compaction); the scaling
 //   pass, the OSCAR sort (bitonic network on (|v| key, index)), the restoring of order and
 //   signs, the projection's max and Michelot passes (block reductions) and the stores run on
-//   every thread; Condat's scan and PAV, which are sequential, run on one thread over shared
-//   memory.
+//   every thread; so does Condat's scan, in chunks whose scans are joined where they meet
+//   (block_tv_prox); PAV, which is sequential, runs on one thread over shared memory.
 //   backward: the support's mean of g (block reduction); the groups (TV: runs of equal y over
 //   the valid entries; OSCAR: equal |y| != 0, after the same bitonic sort) are averaged by a
 //   block-wide segmented scan.
 // Where a row's arrays fit in 48 KiB of shared memory they live there (fp32: TV forward up to
-// ~6k entries, OSCAR forward ~1.7k, backward ~2k / ~1.5k); longer rows keep them in a global
+// ~3.6k entries, OSCAR forward ~1.7k, backward ~2k / ~1.5k); longer rows keep them in a global
 // scratch, one slice per block, with a grid of at most 2 blocks per SM looping over the rows.
 //
 // Differences from the CPU operators, both to avoid a host sync: lengths are clamped to
@@ -41,6 +41,7 @@ using structured::Prox;
 
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr size_t kSharedLimit = 48 * 1024;  // dynamic shared memory without an opt-in
+constexpr int kTvMinChunk = 16;  // shorter chunks spend most of their steps meeting the next
 
 #ifdef ENTMAX_FAST_HOST_EMULATION
 unsigned char* dynamic_shared_memory();  // the harness's per-block buffer
@@ -103,8 +104,11 @@ __host__ __device__ Reductions<T> carve_reductions(Carver& c) {
 template <typename T>
 struct ForwardRow {
   using Key = typename structured::AbsKey<T>::type;
-  T* values;  // the packed valid entries, then the prox and the projection input in place
+  T* values;  // the packed valid entries (OSCAR: then the prox and the projection input in place)
   int* position;
+  T* prox;  // TV only: the prox, then the projection input in place
+  uint8_t* restart;
+  structured::TvScan<T, int>* carried;
   Key* keys;  // OSCAR only: the sort, padded to a power of two
   int* order;
   T* magnitude;
@@ -118,6 +122,11 @@ __host__ __device__ ForwardRow<T> carve_forward_row(Carver& c, Prox kind, int n)
   ForwardRow<T> row{};
   row.values = c.take<T>(n);
   row.position = c.take<int>(n);
+  if (kind == Prox::kTV) {
+    row.prox = c.take<T>(n);
+    row.restart = c.take<uint8_t>(n);
+    row.carried = c.take<structured::TvScan<T, int>>(1);
+  }
   if (kind == Prox::kOSCAR) {
     row.keys = c.take<Key>(next_pow2(n));
     row.order = c.take<int>(next_pow2(n));
@@ -202,6 +211,12 @@ struct MaxOp {
   template <typename U>
   __device__ U operator()(U a, U b) const {
     return a > b ? a : b;
+  }
+};
+struct MinOp {
+  template <typename U>
+  __device__ U operator()(U a, U b) const {
+    return a < b ? a : b;
   }
 };
 struct SumOp {
@@ -333,6 +348,79 @@ __device__ void segment_means(int count, IsStart is_start, Value value, int* gro
   __syncthreads();
 }
 
+// prox_TV of in[0, m) into out, by every thread of the block: Condat's scan, which is
+// sequential, split into chunks that the threads scan at once (docs/maths.md, "prox_TV on
+// a GPU"). A round gives thread c the chunk [begin, end) and scans it from a fresh
+// start at begin (thread 0 from the scan carried over from the last round, the row's own
+// scan), recording where it restarted after a jump and with which sign (restart[]). Then
+// thread c scans on into chunk c+1 until it restarts where thread c+1 restarted, with the
+// same sign: from there the two scans perform the same operations, so by induction from
+// thread 0 every scan is the row's own once it has met its predecessor's, and the later
+// writes (thread c below the meeting point, over thread c+1's) leave the row's result. A
+// thread that crosses chunk c+1 without meeting makes the first such thread's scan, as it
+// stood at its chunk's end, the next round's carried scan, with chunks twice as long.
+// Rows with short segments finish in one round of about chunk + a few steps per thread
+// (lam 0.1 on randn rows, the benchmark's case); a row fused into one segment takes about
+// twice the steps of the sequential scan, in rounds. The result is the sequential scan's,
+// bit for bit.
+template <typename T>
+__device__ void block_tv_prox(const T* in, T* out, uint8_t* restart, structured::TvScan<T, int>* carried, int m,
+                              T lambda, const Reductions<T>& slots) {
+  using structured::TvRestart;
+  using structured::TvStop;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int threads = static_cast<int>(blockDim.x);
+  if (m <= 1 || lambda == T(0)) {
+    for (int i = tid; i < m; i += threads) out[i] = in[i];
+    __syncthreads();
+    return;
+  }
+  structured::TvScan<T, int> scan;
+  int round_begin = 0;
+  int chunk = max(kTvMinChunk, (m + threads - 1) / threads);
+  bool carry = false;
+  for (;;) {
+    const int left = m - round_begin;
+    // The rest spread over at most every thread, in odd chunks (threads at the same offset
+    // in theirs then read distinct shared-memory banks); counted again, so that every thread
+    // below `lanes` has a non-empty chunk.
+    const int spread = min(threads, (left + chunk - 1) / chunk);
+    chunk = ((left + spread - 1) / spread) | 1;
+    const int lanes = (left + chunk - 1) / chunk;
+    const bool active = tid < lanes;
+    const int begin = active ? round_begin + tid * chunk : m;
+    const int end = min(m, begin + chunk);
+    structured::TvScan<T, int> at_chunk_end;
+    if (active) {
+      for (int i = begin; i < end; ++i) restart[i] = uint8_t(TvRestart::kNone);
+      if (tid == 0 && carry) {
+        scan = *carried;
+      } else {
+        scan.start(in, begin, lambda);
+      }
+      scan.run(in, out, end, m, lambda, [&](int k0, TvRestart sign) {
+        restart[k0] = uint8_t(sign);
+        return false;
+      });
+      at_chunk_end = scan;
+    }
+    __syncthreads();
+    int failed = threads, unused = 0;
+    if (active && tid + 1 < lanes) {
+      const TvStop stop = scan.run(in, out, min(m, end + chunk), m, lambda,
+                                   [&](int k0, TvRestart sign) { return k0 >= end && restart[k0] == uint8_t(sign); });
+      if (stop == TvStop::kPaused) failed = tid;
+    }
+    block_allreduce(failed, unused, MinOp{}, MaxOp{}, slots.i, slots.j);
+    if (failed == threads) return;
+    if (tid == failed) *carried = at_chunk_end;
+    __syncthreads();
+    round_begin += (failed + 1) * chunk;
+    chunk *= 2;
+    carry = true;
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // Kernels.
 
@@ -415,9 +503,9 @@ __device__ __forceinline__ void forward_rows(const ForwardParams<T>& params) {
     const T work_reg = static_cast<T>(structured::work_regularisation(params.kind, params.reg, transform.exponent, m));
     for (int i = tid; i < m; i += threads) row.values[i] = transform.to_work(row.values[i]);
     __syncthreads();
+    T* const result = params.kind == Prox::kTV ? row.prox : row.values;
     if (params.kind == Prox::kTV) {
-      if (tid == 0) structured::tv1d_prox_inplace<T, int>(row.values, m, work_reg);
-      __syncthreads();
+      block_tv_prox(row.values, row.prox, row.restart, row.carried, m, work_reg, slots);
     } else if (work_reg > T(0) && m > 1) {
       const int padded = next_pow2(m);
       for (int i = tid; i < padded; i += threads) {
@@ -438,12 +526,12 @@ __device__ __forceinline__ void forward_rows(const ForwardParams<T>& params) {
     }
 
     T work_max = -inf, unused = T(0);
-    for (int i = tid; i < m; i += threads) work_max = max_of(work_max, row.values[i]);
+    for (int i = tid; i < m; i += threads) work_max = max_of(work_max, result[i]);
     block_allreduce(work_max, unused, MaxOp{}, MaxOp{}, slots.a, slots.b);
     for (int i = tid; i < m; i += threads) {
-      const T w = row.values[i];
+      const T w = result[i];
       y[row.position[i]] = transform.to_prox_output(w);
-      row.values[i] = transform.to_projection_input(w, work_max);
+      result[i] = transform.to_projection_input(w, work_max);
     }
     if (!p) continue;
     __syncthreads();
@@ -451,8 +539,8 @@ __device__ __forceinline__ void forward_rows(const ForwardParams<T>& params) {
       T local_sum = T(0);
       int local_count = 0;
       for (int i = tid; i < m; i += threads) {
-        if (row.values[i] > threshold) {
-          local_sum += row.values[i];
+        if (result[i] > threshold) {
+          local_sum += result[i];
           ++local_count;
         }
       }
@@ -460,7 +548,7 @@ __device__ __forceinline__ void forward_rows(const ForwardParams<T>& params) {
       sum = local_sum;
       count = local_count;
     });
-    for (int i = tid; i < m; i += threads) p[row.position[i]] = max_of(row.values[i] - tau, T(0));
+    for (int i = tid; i < m; i += threads) p[row.position[i]] = max_of(result[i] - tau, T(0));
   }
 }
 
