@@ -692,7 +692,27 @@ void tv_prox_block(const T* in, T* out, int m, double lambda, int threads) {
   });
 }
 
+// block_oscar_pav alone: one block of `threads` on m magnitudes sorted decreasingly.
+template <typename T>
+void oscar_pav_block(T* magnitude, int m, double beta, int threads) {
+  Carver count{nullptr, 0};
+  carve_reductions<T>(count);
+  const LaunchPlan plan{threads, true, 0, count.size(), 1, 0};
+  std::vector<T> sum(m);
+  std::vector<int> len(m), first(m);
+  std::vector<uint8_t> is_start(m);
+  const entmax_fast::structured::PavBlocks<T, int> blocks{sum.data(), len.data(), first.data(), is_start.data()};
+  run_grid(plan, [&] {
+    Carver shared{dynamic_shared_memory(), 0};
+    const Reductions<T> slots = carve_reductions<T>(shared);
+    block_oscar_pav(magnitude, m, static_cast<T>(beta), blocks, slots.i);
+  });
+}
+
 extern "C" {
+void oscar_pav_block_f64(double* magnitude, int m, double beta, int threads) {
+  oscar_pav_block<double>(magnitude, m, beta, threads);
+}
 void tv_prox_block_f64(const double* in, double* out, int m, double lambda, int threads) {
   tv_prox_block<double>(in, out, m, lambda, threads);
 }
@@ -831,6 +851,23 @@ def test_emulated_cuda_tv_scan_in_chunks(emulated_cuda, lam, threads, m):
     emulated_cuda.tv_prox_block_f64(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(out.data_ptr()), m,
                                     ctypes.c_double(lam), threads)
     torch.testing.assert_close(out, prox("fused", "reference", x.unsqueeze(0), lam)[0], atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("beta", [1e-4, 1e-3, 1e-2, 0.1])
+@pytest.mark.parametrize("threads", [32, 128])
+@pytest.mark.parametrize("m", [1, 2, 9, 100, 1000, 3000])
+def test_emulated_cuda_oscar_pav_in_chunks(emulated_cuda, beta, threads, m):
+    # block_oscar_pav: chunks pooled on their own, then joined in a tree (25 chunks of 4 at
+    # m = 100 on 32 threads: a tree that is not a power of two). Against the reference prox,
+    # whose magnitudes keep the order of |x|: from few pooled blocks (beta 1e-4) to rows
+    # pooled and clipped to 0 entirely (beta 0.1 beyond a few hundred entries).
+    import ctypes
+
+    x = torch.randn(m, dtype=torch.float64, generator=torch.Generator().manual_seed(m + threads))
+    magnitude = x.abs().sort(descending=True).values.contiguous()
+    emulated_cuda.oscar_pav_block_f64(ctypes.c_void_p(magnitude.data_ptr()), m, ctypes.c_double(beta), threads)
+    expected = prox("oscar", "reference", x.unsqueeze(0), beta)[0].abs().sort(descending=True).values
+    torch.testing.assert_close(magnitude, expected, atol=1e-12, rtol=1e-12)
 
 
 @pytest.mark.parametrize("dtype,atol,rtol", EMULATION_TOLS)

@@ -233,29 +233,70 @@ struct AbsKey<double> {
   using type = uint64_t;
 };
 
-// OSCAR prox magnitudes: magnitude[0..m) holds |v| sorted decreasingly and is replaced by
-// the prox's |y| at the same ranks: subtract w_r = beta (m-1-r), non-increasing isotonic
-// regression by pool-adjacent-violators, clip at 0. Blocks with equal means are pooled too,
-// so distinct groups have distinct |y|. block_sum/block_len: scratch of m entries each.
+// Pool-adjacent-violators for a non-increasing fit, with the blocks kept at their ranks: a
+// block of ranks [s, s + len[s]) has its sum at sum[s], first[] of its last rank is s (the
+// way back to the previous block), is_start[s] is set. Pooling in any order gives the same
+// blocks up to rounding, so a range's blocks can be pooled on their own and the ranges
+// joined afterwards (the CUDA forward does so in parallel, block_oscar_pav). Blocks with
+// equal means are pooled too, so neighbouring blocks have distinct levels.
 template <typename T, typename Index>
-ENTMAX_FAST_HD void oscar_pav_inplace(T* magnitude, Index m, T beta, T* block_sum, Index* block_len) {
-  Index blocks = 0;
-  for (Index r = 0; r < m; ++r) {
-    block_sum[blocks] = magnitude[r] - beta * T(m - 1 - r);
-    block_len[blocks] = 1;
-    ++blocks;
-    while (blocks > 1 &&
-           block_sum[blocks - 2] / T(block_len[blocks - 2]) <= block_sum[blocks - 1] / T(block_len[blocks - 1])) {
-      block_sum[blocks - 2] += block_sum[blocks - 1];
-      block_len[blocks - 2] += block_len[blocks - 1];
-      --blocks;
-    }
+struct PavBlocks {
+  T* sum;
+  Index* len;
+  Index* first;
+  uint8_t* is_start;
+
+  ENTMAX_FAST_HD bool violates(Index left, Index right) const {
+    return sum[left] / T(len[left]) <= sum[right] / T(len[right]);
   }
-  Index r = 0;
-  for (Index b = 0; b < blocks; ++b) {
-    const T mean = block_sum[b] / T(block_len[b]);
-    const T clipped = mean > T(0) ? mean : T(0);
-    for (Index c = 0; c < block_len[b]; ++c) magnitude[r++] = clipped;
+  // The block at `right` joins its left neighbour at `left`; returns the pooled block's start.
+  ENTMAX_FAST_HD Index pool(Index left, Index right) const {
+    sum[left] += sum[right];
+    len[left] += len[right];
+    first[left + len[left] - 1] = left;
+    is_start[right] = 0;
+    return left;
+  }
+  // Pools the block at s with its left neighbours, no further left than `floor`.
+  ENTMAX_FAST_HD Index settle_left(Index s, Index floor) const {
+    while (s > floor && violates(first[s - 1], s)) s = pool(first[s - 1], s);
+    return s;
+  }
+  // Appends rank r with value v as a block of its own, pooled with the blocks of [floor, r).
+  ENTMAX_FAST_HD void append(Index r, T v, Index floor) const {
+    sum[r] = v;
+    len[r] = 1;
+    first[r] = r;
+    is_start[r] = 1;
+    settle_left(r, floor);
+  }
+  // Joins the pooled ranges [floor, boundary) and [boundary, end).
+  ENTMAX_FAST_HD void join(Index floor, Index boundary, Index end) const {
+    Index s = first[boundary - 1];
+    for (Index next = boundary; next < end && violates(s, next); next = s + len[s]) s = settle_left(pool(s, next), floor);
+  }
+  // The OSCAR magnitude of the block at s: its mean clipped at 0.
+  ENTMAX_FAST_HD T level(Index s) const {
+    const T mean = sum[s] / T(len[s]);
+    return mean > T(0) ? mean : T(0);
+  }
+};
+
+// OSCAR's PAV input at rank r of m: |v|_(r) - w_r, w_r = beta (m-1-r).
+template <typename T, typename Index>
+ENTMAX_FAST_HD T oscar_pav_value(T magnitude, Index r, Index m, T beta) {
+  return magnitude - beta * T(m - 1 - r);
+}
+
+// OSCAR prox magnitudes on one thread: magnitude[0..m) holds |v| sorted decreasingly and is
+// replaced by the prox's |y| at the same ranks (non-increasing isotonic regression of
+// oscar_pav_value, clipped at 0). blocks: scratch of m entries per array.
+template <typename T, typename Index>
+ENTMAX_FAST_HD void oscar_pav_inplace(T* magnitude, Index m, T beta, const PavBlocks<T, Index>& blocks) {
+  for (Index r = 0; r < m; ++r) blocks.append(r, oscar_pav_value(magnitude[r], r, m, beta), Index(0));
+  for (Index s = 0; s < m; s += blocks.len[s]) {
+    const T level = blocks.level(s);
+    for (Index r = s; r < s + blocks.len[s]; ++r) magnitude[r] = level;
   }
 }
 

@@ -9,13 +9,13 @@
 //   forward: a coalesced load that packs the valid entries (ballot compaction); the scaling
 //   pass, the OSCAR sort (bitonic network on (|v| key, index)), the restoring of order and
 //   signs, the projection's max and Michelot passes (block reductions) and the stores run on
-//   every thread; so does Condat's scan, in chunks whose scans are joined where they meet
-//   (block_tv_prox); PAV, which is sequential, runs on one thread over shared memory.
+//   every thread; so do Condat's scan, in chunks whose scans are joined where they meet
+//   (block_tv_prox), and PAV, in chunks whose blocks are joined in a tree (block_oscar_pav).
 //   backward: the support's mean of g (block reduction); the groups (TV: runs of equal y over
 //   the valid entries; OSCAR: equal |y| != 0, after the same bitonic sort) are averaged by a
 //   block-wide segmented scan.
 // Where a row's arrays fit in 48 KiB of shared memory they live there (fp32: TV forward up to
-// ~3.6k entries, OSCAR forward ~1.7k, backward ~2k / ~1.5k); longer rows keep them in a global
+// ~3.7k entries, OSCAR forward ~1.3k, backward ~2.4k / ~1.6k); longer rows keep them in a global
 // scratch, one slice per block, with a grid of at most 2 blocks per SM looping over the rows.
 //
 // Differences from the CPU operators, both to avoid a host sync: lengths are clamped to
@@ -112,8 +112,7 @@ struct ForwardRow {
   Key* keys;  // OSCAR only: the sort, padded to a power of two
   int* order;
   T* magnitude;
-  T* block_sum;
-  int* block_len;
+  structured::PavBlocks<T, int> blocks;
 };
 
 template <typename T>
@@ -131,8 +130,10 @@ __host__ __device__ ForwardRow<T> carve_forward_row(Carver& c, Prox kind, int n)
     row.keys = c.take<Key>(next_pow2(n));
     row.order = c.take<int>(next_pow2(n));
     row.magnitude = c.take<T>(n);
-    row.block_sum = c.take<T>(n);
-    row.block_len = c.take<int>(n);
+    row.blocks.sum = c.take<T>(n);
+    row.blocks.len = c.take<int>(n);
+    row.blocks.first = c.take<int>(n);
+    row.blocks.is_start = c.take<uint8_t>(n);
   }
   return row;
 }
@@ -421,6 +422,59 @@ __device__ void block_tv_prox(const T* in, T* out, uint8_t* restart, structured:
   }
 }
 
+// The largest value among the earlier threads' (identity for thread 0).
+__device__ int block_exclusive_max(int value, int identity, int* slots) {
+  const int lane = lane_id();
+  int inclusive = value;
+  for (int delta = 1; delta < 32; delta <<= 1) {
+    const int earlier = __shfl_up_sync(kFullMask, inclusive, delta);
+    if (lane >= delta) inclusive = max(inclusive, earlier);
+  }
+  int exclusive = __shfl_up_sync(kFullMask, inclusive, 1);
+  if (lane == 0) exclusive = identity;
+  if (lane == 31) slots[warp_id()] = inclusive;
+  __syncthreads();
+  for (int w = 0; w < warp_id(); ++w) exclusive = max(exclusive, slots[w]);
+  __syncthreads();
+  return exclusive;
+}
+
+// OSCAR prox magnitudes (structured::oscar_pav_inplace's result) by every thread of the
+// block: each thread pools the ranks of its chunk, then neighbouring ranges are joined in a
+// tree (log2 of the threads levels, each join pooling the blocks near its boundary), then
+// every rank takes its block's level, its block found by a scan over the block starts.
+// Pooling in another order than the one-thread PAV's rounds the block sums differently.
+template <typename T>
+__device__ void block_oscar_pav(T* magnitude, int m, T beta, const structured::PavBlocks<T, int>& blocks,
+                                int* slots) {
+  const int tid = static_cast<int>(threadIdx.x);
+  const int threads = static_cast<int>(blockDim.x);
+  const int chunk = (m + threads - 1) / threads;
+  const int lanes = (m + chunk - 1) / chunk;
+  const int begin = tid < lanes ? tid * chunk : m;
+  const int end = min(m, begin + chunk);
+  for (int r = begin; r < end; ++r) blocks.append(r, structured::oscar_pav_value(magnitude[r], r, m, beta), begin);
+  __syncthreads();
+  for (int width = 1; width < lanes; width <<= 1) {
+    if (tid % (2 * width) == 0 && tid + width < lanes)
+      blocks.join(begin, (tid + width) * chunk, min(m, (tid + 2 * width) * chunk));
+    __syncthreads();
+  }
+  int last_start = -1;
+  for (int r = begin; r < end; ++r)
+    if (blocks.is_start[r]) last_start = r;
+  int start = block_exclusive_max(last_start, -1, slots);
+  T level = start >= 0 ? blocks.level(start) : T(0);
+  for (int r = begin; r < end; ++r) {
+    if (blocks.is_start[r]) {
+      start = r;
+      level = blocks.level(r);
+    }
+    magnitude[r] = level;
+  }
+  __syncthreads();
+}
+
 // ---------------------------------------------------------------------------------------
 // Kernels.
 
@@ -516,8 +570,7 @@ __device__ __forceinline__ void forward_rows(const ForwardParams<T>& params) {
       bitonic_sort(row.keys, row.order, padded);
       for (int rank = tid; rank < m; rank += threads) row.magnitude[rank] = abs_of(row.values[row.order[rank]]);
       __syncthreads();
-      if (tid == 0) structured::oscar_pav_inplace<T, int>(row.magnitude, m, work_reg, row.block_sum, row.block_len);
-      __syncthreads();
+      block_oscar_pav(row.magnitude, m, work_reg, row.blocks, slots.i);
       for (int rank = tid; rank < m; rank += threads) {
         const int i = row.order[rank];
         row.values[i] = structured::with_sign_of(row.values[i], row.magnitude[rank]);
