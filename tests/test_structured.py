@@ -879,6 +879,21 @@ def test_emulated_cuda_fusedmax_in_chunks(emulated_cuda, lam, dtype, atol, rtol)
     check_emulated_against_reference(emulated_cuda, "fused", X, lam, lengths, atol, rtol)
 
 
+@pytest.mark.parametrize("dtype,atol,rtol", EMULATION_TOLS)
+@pytest.mark.parametrize("kind,reg", [("fused", 0.3), ("oscar", 0.01)])
+def test_emulated_cuda_rows_valid_on_a_prefix(emulated_cuda, kind, reg, dtype, atol, rtol):
+    # Rows whose valid entries are a prefix (trailing -inf as in causal attention, lengths,
+    # both, none) are used where they lie, without packing (pack_members); a row with one
+    # interior mask is packed. The backward packs OSCAR's non-zero entries either way.
+    n = 200
+    X = torch.randn(6, n, dtype=torch.float64, generator=torch.Generator().manual_seed(5)).to(dtype)
+    for i, valid in enumerate((200, 170, 1, 0, 120)):
+        X[i, valid:] = float("-inf")
+    X[5, 77] = float("-inf")
+    lengths = torch.tensor([200, 150, 200, 200, 90, 200])
+    check_emulated_against_reference(emulated_cuda, kind, X, reg, lengths, atol, rtol)
+
+
 def test_emulated_cuda_launch_plan(emulated_cuda):
     # A warp per row for short rows, larger blocks as rows grow, 1024 threads at 64k; row
     # arrays in shared memory at the benchmark's lengths, in global scratch at 64k.

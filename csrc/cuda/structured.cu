@@ -6,7 +6,8 @@
 //
 // One block per row, its size chosen by the row length (a single warp up to 512 entries for
 // the TV forward, up to 256 otherwise; 1024 threads from 16k / 8k entries on):
-//   forward: a coalesced load that packs the valid entries (ballot compaction); the scaling
+//   forward: a coalesced load of the valid entries (packed by ballots only where they are not
+//   a prefix of the row, pack_members); the scaling
 //   pass, the OSCAR sort (bitonic network on (|v| key, index)), the restoring of order and
 //   signs, the projection's max and Michelot passes (block reductions) and the stores run on
 //   every thread; so do Condat's scan, in chunks whose scans are joined where they meet
@@ -268,6 +269,29 @@ __device__ int block_rank(bool flag, int* slots, int& total) {
   return before + in_warp;
 }
 
+// Packs the members among positions [0, n) in order: place(j, slot) for the member at j and
+// its slot, returns their count. The caller's first pass placed every member where it is
+// (slot j) and found the first position that is not one and the last that is (block-wide):
+// where the members are a prefix of the row (no masks, trailing masks, lengths: attention
+// rows, causal or not), that placement stands and this costs nothing; otherwise the members
+// are packed tile by tile, each tile with two barriers.
+template <typename IsMember, typename Place>
+__device__ int pack_members(int n, int first_outside, int last_member, IsMember is_member, Place place, int* slots) {
+  if (last_member < first_outside) return last_member + 1;
+  const int threads = static_cast<int>(blockDim.x);
+  int count = 0;
+  for (int base = 0; base < n; base += threads) {
+    const int j = base + static_cast<int>(threadIdx.x);
+    const bool member = j < n && is_member(j);
+    int tile_count;
+    const int rank = block_rank(member, slots, tile_count);
+    if (member) place(j, count + rank);
+    count += tile_count;
+  }
+  __syncthreads();
+  return count;
+}
+
 // Sorts (keys, order) by (key, order) ascending: a bitonic network over size (a power of
 // two) entries. The index breaks ties, so padding (index >= the real count, key of |v| = 0)
 // sorts after every real entry and the order is deterministic.
@@ -523,27 +547,25 @@ __device__ __forceinline__ void forward_rows(const ForwardParams<T>& params) {
     int64_t length = params.lengths ? params.lengths[r] : n;
     length = length < 0 ? 0 : (length > n ? n : length);
 
-    // Coalesced load; the valid entries are packed in order.
-    int m = 0;
+    // Coalesced load, the valid entries placed where they are (see pack_members).
     T max_value = -inf, max_abs = T(0);  // max_abs = inf flags NaN / +inf
-    for (int base = 0; base < n; base += threads) {
-      const int j = base + tid;
-      const T v = j < n ? x[j] : T(0);
-      const bool valid = j < length && !structured::is_masked(v);
-      int tile_count;
-      const int rank = block_rank(valid, slots.i, tile_count);
-      if (valid) {
-        row.values[m + rank] = v;
-        row.position[m + rank] = j;
+    int first_invalid = n, last_valid = -1;
+    for (int j = tid; j < n; j += threads) {
+      const T v = x[j];
+      if (j < length && !structured::is_masked(v)) {
+        row.values[j] = v;
+        row.position[j] = j;
+        last_valid = j;
         max_value = max_of(max_value, v);
         max_abs = structured::poisons_row(v) ? inf : max_of(max_abs, abs_of(v));
-      } else if (j < n) {
+      } else {
+        first_invalid = min(first_invalid, j);
         y[j] = -inf;
         if (p) p[j] = T(0);
       }
-      m += tile_count;
     }
     block_allreduce(max_value, max_abs, MaxOp{}, MaxOp{}, slots.a, slots.b);
+    block_allreduce(first_invalid, last_valid, MinOp{}, MaxOp{}, slots.i, slots.j);
     if (max_abs == inf) {
       const T nan = static_cast<T>(NAN);
       for (int j = tid; j < n; j += threads) {
@@ -552,6 +574,14 @@ __device__ __forceinline__ void forward_rows(const ForwardParams<T>& params) {
       }
       continue;
     }
+
+    const int m = pack_members(
+        n, first_invalid, last_valid, [&](int j) { return j < length && !structured::is_masked(x[j]); },
+        [&](int j, int slot) {
+          row.values[slot] = x[j];
+          row.position[slot] = j;
+        },
+        slots.i);
 
     const auto transform = structured::make_row_transform(params.kind, max_value, max_abs);
     const T work_reg = static_cast<T>(structured::work_regularisation(params.kind, params.reg, transform.exponent, m));
@@ -671,24 +701,25 @@ __device__ __forceinline__ void backward_rows(const BackwardParams<T>& params) {
       continue;
     }
 
-    // Pack the group members: valid entries (TV), valid entries with y != 0 (OSCAR).
-    int count = 0;
-    for (int base = 0; base < n; base += threads) {
-      const int j = base + tid;
-      const T yj = j < n ? y[j] : T(0);
-      const bool member = j < n && !structured::is_masked(yj) && (tv || yj != T(0));
-      int tile_count;
-      const int rank = block_rank(member, slots.i, tile_count);
-      if (member) {
-        row.y[count + rank] = yj;
-        row.u[count + rank] = p[j] > T(0) ? g[j] - g_mean : T(0);
-        row.position[count + rank] = j;
-      } else if (j < n) {
+    // The group members: valid entries (TV), valid entries with y != 0 (OSCAR).
+    const auto is_member = [&](T yj) { return !structured::is_masked(yj) && (tv || yj != T(0)); };
+    const auto place = [&](int j, int slot) {
+      row.y[slot] = y[j];
+      row.u[slot] = p[j] > T(0) ? g[j] - g_mean : T(0);
+      row.position[slot] = j;
+    };
+    int first_outside = n, last_member = -1;
+    for (int j = tid; j < n; j += threads) {
+      if (is_member(y[j])) {
+        place(j, j);
+        last_member = j;
+      } else {
+        first_outside = min(first_outside, j);
         dz[j] = T(0);
       }
-      count += tile_count;
     }
-    __syncthreads();
+    block_allreduce(first_outside, last_member, MinOp{}, MaxOp{}, slots.i, slots.j);
+    const int count = pack_members(n, first_outside, last_member, [&](int j) { return is_member(y[j]); }, place, slots.i);
     if (tv) {
       segment_means<T>(
           count, [&](int i) { return i == 0 || row.y[i] != row.y[i - 1]; }, [&](int i) { return row.u[i]; },
