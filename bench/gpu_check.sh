@@ -25,8 +25,9 @@
 #   rowwise    the row-wise mappings (bench/bench_rowwise_gpu.py);
 #   sweep      the row-wise tile table's neighbours (bench_rowwise_gpu.py --sweep) at
 #              SWEEP_LENGTHS (default "1024 4096");
-#   structured fusedmax/oscarmax, when the extension is built for CUDA
-#              (bench/bench_structured.py).
+#   structured fusedmax/oscarmax, when the extension is built for CUDA: the CUDA ops
+#              against the float64 reference (tests/test_structured.py -k cuda_ops),
+#              then bench/bench_structured.py.
 # STEPS picks and orders them (default: tests train attention rowwise structured). The exit
 # status is the number of failed steps.
 #
@@ -123,6 +124,8 @@ for name in ${STEPS:-tests train attention rowwise structured}; do
              --sweep-lengths ${SWEEP_LENGTHS:-1024 4096} ;;
     structured)
       if has_cuda_extension; then
+        step structured-tests "${STRUCTURED_LIMIT:-120}" python -m pytest -q -p no:cacheprovider \
+          tests/test_structured.py -k "cuda_ops"
         step structured "${STRUCTURED_LIMIT:-120}" python bench/bench_structured.py
       else
         echo "=== structured: skipped (entmax_fast._C has no CUDA kernels here)"
