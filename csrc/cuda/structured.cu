@@ -102,6 +102,35 @@ __host__ __device__ Reductions<T> carve_reductions(Carver& c) {
   return r;
 }
 
+// An entry of the OSCAR sort: the key of |v| (structured::descending_abs_key) and the entry's
+// index, ordered by (key, index). fp32 packs both into one 64-bit word, so that a
+// compare-exchange of the bitonic network loads, compares and stores one word per side.
+template <typename T>
+struct SortEntry;
+
+template <>
+struct SortEntry<float> {
+  uint64_t bits;
+  __host__ __device__ static SortEntry make(uint32_t key, int index) {
+    return SortEntry{(uint64_t(key) << 32) | uint32_t(index)};
+  }
+  __host__ __device__ bool after(const SortEntry& other) const { return bits > other.bits; }
+  __host__ __device__ uint32_t key() const { return uint32_t(bits >> 32); }
+  __host__ __device__ int index() const { return int(uint32_t(bits)); }
+};
+
+template <>
+struct SortEntry<double> {
+  uint64_t key_bits;
+  int position;
+  __host__ __device__ static SortEntry make(uint64_t key, int index) { return SortEntry{key, index}; }
+  __host__ __device__ bool after(const SortEntry& other) const {
+    return key_bits > other.key_bits || (key_bits == other.key_bits && position > other.position);
+  }
+  __host__ __device__ uint64_t key() const { return key_bits; }
+  __host__ __device__ int index() const { return position; }
+};
+
 template <typename T>
 struct ForwardRow {
   using Key = typename structured::AbsKey<T>::type;
@@ -110,15 +139,13 @@ struct ForwardRow {
   T* prox;  // TV only: the prox, then the projection input in place
   uint8_t* restart;
   structured::TvScan<T, int>* carried;
-  Key* keys;  // OSCAR only: the sort, padded to a power of two
-  int* order;
+  SortEntry<T>* sorted;  // OSCAR only: the sort, padded to a power of two
   T* magnitude;
   structured::PavBlocks<T, int> blocks;
 };
 
 template <typename T>
 __host__ __device__ ForwardRow<T> carve_forward_row(Carver& c, Prox kind, int n) {
-  using Key = typename ForwardRow<T>::Key;
   ForwardRow<T> row{};
   row.values = c.take<T>(n);
   row.position = c.take<int>(n);
@@ -128,8 +155,7 @@ __host__ __device__ ForwardRow<T> carve_forward_row(Carver& c, Prox kind, int n)
     row.carried = c.take<structured::TvScan<T, int>>(1);
   }
   if (kind == Prox::kOSCAR) {
-    row.keys = c.take<Key>(next_pow2(n));
-    row.order = c.take<int>(next_pow2(n));
+    row.sorted = c.take<SortEntry<T>>(next_pow2(n));
     row.magnitude = c.take<T>(n);
     row.blocks.sum = c.take<T>(n);
     row.blocks.len = c.take<int>(n);
@@ -147,13 +173,11 @@ struct BackwardRow {
   int* position;
   int* group;  // group index of each member (in sorted order for OSCAR)
   T* group_mean;
-  Key* keys;  // OSCAR only
-  int* order;
+  SortEntry<T>* sorted;  // OSCAR only
 };
 
 template <typename T>
 __host__ __device__ BackwardRow<T> carve_backward_row(Carver& c, Prox kind, bool grouped, int n) {
-  using Key = typename BackwardRow<T>::Key;
   BackwardRow<T> row{};
   if (!grouped) return row;
   row.y = c.take<T>(n);
@@ -162,8 +186,7 @@ __host__ __device__ BackwardRow<T> carve_backward_row(Carver& c, Prox kind, bool
   row.group = c.take<int>(n);
   row.group_mean = c.take<T>(n);
   if (kind == Prox::kOSCAR) {
-    row.keys = c.take<Key>(next_pow2(n));
-    row.order = c.take<int>(next_pow2(n));
+    row.sorted = c.take<SortEntry<T>>(next_pow2(n));
   }
   return row;
 }
@@ -292,27 +315,23 @@ __device__ int pack_members(int n, int first_outside, int last_member, IsMember 
   return count;
 }
 
-// Sorts (keys, order) by (key, order) ascending: a bitonic network over size (a power of
-// two) entries. The index breaks ties, so padding (index >= the real count, key of |v| = 0)
+// Sorts entries by (key, index) ascending: a bitonic network over size (a power of two)
+// entries. The index breaks ties, so padding (index >= the real count, key of |v| = 0)
 // sorts after every real entry and the order is deterministic. A warp handles the pairs
 // i of 32 consecutive indices, whose entries, at a distance j <= 32, lie in the 64 entries
 // from 2 (i & ~31) on: such a stage touches no other warp's entries, and between two of
 // them a warp barrier does instead of a block barrier (40 of the 55 at 1024 entries).
-template <typename Key>
-__device__ void bitonic_sort(Key* keys, int* order, int size) {
+template <typename Entry>
+__device__ void bitonic_sort(Entry* entries, int size) {
   for (int k = 2; k <= size; k <<= 1) {
     for (int j = k >> 1; j > 0; j >>= 1) {
       for (int i = static_cast<int>(threadIdx.x); i < size / 2; i += static_cast<int>(blockDim.x)) {
         const int lo = ((i & ~(j - 1)) << 1) | (i & (j - 1));
         const int hi = lo + j;
-        const Key key_lo = keys[lo], key_hi = keys[hi];
-        const int index_lo = order[lo], index_hi = order[hi];
-        const bool greater = key_lo > key_hi || (key_lo == key_hi && index_lo > index_hi);
-        if (greater == ((lo & k) == 0)) {
-          keys[lo] = key_hi;
-          keys[hi] = key_lo;
-          order[lo] = index_hi;
-          order[hi] = index_lo;
+        const Entry entry_lo = entries[lo], entry_hi = entries[hi];
+        if (entry_lo.after(entry_hi) == ((lo & k) == 0)) {
+          entries[lo] = entry_hi;
+          entries[hi] = entry_lo;
         }
       }
       const int next_j = j > 1 ? j >> 1 : k;  // the next stage's distance
@@ -602,16 +621,15 @@ __device__ __forceinline__ void forward_rows(const ForwardParams<T>& params) {
     } else if (work_reg > T(0) && m > 1) {
       const int padded = next_pow2(m);
       for (int i = tid; i < padded; i += threads) {
-        row.keys[i] = i < m ? structured::descending_abs_key(row.values[i]) : ~Key(0);
-        row.order[i] = i;
+        row.sorted[i] = SortEntry<T>::make(i < m ? structured::descending_abs_key(row.values[i]) : ~Key(0), i);
       }
       __syncthreads();
-      bitonic_sort(row.keys, row.order, padded);
-      for (int rank = tid; rank < m; rank += threads) row.magnitude[rank] = abs_of(row.values[row.order[rank]]);
+      bitonic_sort(row.sorted, padded);
+      for (int rank = tid; rank < m; rank += threads) row.magnitude[rank] = abs_of(row.values[row.sorted[rank].index()]);
       __syncthreads();
       block_oscar_pav(row.magnitude, m, work_reg, row.blocks, slots.i);
       for (int rank = tid; rank < m; rank += threads) {
-        const int i = row.order[rank];
+        const int i = row.sorted[rank].index();
         row.values[i] = structured::with_sign_of(row.values[i], row.magnitude[rank]);
       }
       __syncthreads();
@@ -738,20 +756,19 @@ __device__ __forceinline__ void backward_rows(const BackwardParams<T>& params) {
     }
     const int padded = next_pow2(count);
     for (int i = tid; i < padded; i += threads) {
-      row.keys[i] = i < count ? structured::descending_abs_key(row.y[i]) : ~Key(0);
-      row.order[i] = i;
+      row.sorted[i] = SortEntry<T>::make(i < count ? structured::descending_abs_key(row.y[i]) : ~Key(0), i);
     }
     __syncthreads();
-    bitonic_sort(row.keys, row.order, padded);
+    bitonic_sort(row.sorted, padded);
     segment_means<T>(
-        count, [&](int rank) { return rank == 0 || row.keys[rank] != row.keys[rank - 1]; },
+        count, [&](int rank) { return rank == 0 || row.sorted[rank].key() != row.sorted[rank - 1].key(); },
         [&](int rank) {
-          const int i = row.order[rank];
+          const int i = row.sorted[rank].index();
           return row.y[i] > T(0) ? row.u[i] : -row.u[i];
         },
         row.group, row.group_mean, slots);
     for (int rank = tid; rank < count; rank += threads) {
-      const int i = row.order[rank];
+      const int i = row.sorted[rank].index();
       const T mean = row.group_mean[row.group[rank]];
       dz[row.position[i]] = row.y[i] > T(0) ? mean : -mean;
     }
