@@ -309,19 +309,22 @@ ENTMAX_FAST_HD T with_sign_of(T original, T magnitude) {
 // Sparsemax threshold of d (max d = 0) by Michelot's algorithm: start at tau = -1 (every
 // entry of the support lies above it), then tau = (sum_{d > tau} d - 1) / count until the set
 // stops shrinking; tau only increases, so the support is never lost. reduce_above(tau, sum,
-// count) sets the sum and count of the entries > tau; a reduction that drops the entries
-// <= tau from its candidates (tau never decreases) is allowed.
+// count, smallest) sets the sum, count and smallest of the entries > tau; a reduction that
+// drops the entries <= tau from its candidates (tau never decreases) is allowed. When the
+// smallest entry of the set lies above the new tau, the next pass would find the same set
+// and return this tau: it is returned without that pass.
 template <typename T, typename Index, typename ReduceAbove>
 ENTMAX_FAST_HD T sparsemax_threshold(ReduceAbove&& reduce_above) {
   T tau = T(-1);
   Index previous = -1;
   for (;;) {
-    T sum = T(0);
+    T sum = T(0), smallest = T(0);
     Index count = 0;
-    reduce_above(tau, sum, count);
+    reduce_above(tau, sum, count, smallest);
     if (count == previous || count == 0) return tau;
     previous = count;
     tau = (sum - T(1)) / T(count);
+    if (smallest > tau) return tau;
   }
 }
 

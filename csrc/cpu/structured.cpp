@@ -131,13 +131,15 @@ template <typename T>
 T sparsemax_threshold(const T* d, int64_t m, std::vector<T>& candidates) {
   candidates.assign(d, d + m);
   int64_t count = m;
-  return structured::sparsemax_threshold<T, int64_t>([&](T tau, T& sum, int64_t& kept) {
+  return structured::sparsemax_threshold<T, int64_t>([&](T tau, T& sum, int64_t& kept, T& smallest) {
     T* c = candidates.data();
     kept = 0;
     sum = T(0);
+    smallest = structured::positive_infinity<T>();
     for (int64_t i = 0; i < count; ++i) {
       if (c[i] > tau) {
         sum += c[i];
+        smallest = std::min(smallest, c[i]);
         c[kept++] = c[i];
       }
     }

@@ -65,6 +65,11 @@ __host__ __device__ inline T max_of(T a, T b) {
 }
 
 template <typename T>
+__host__ __device__ inline T min_of(T a, T b) {
+  return a < b ? a : b;
+}
+
+template <typename T>
 __host__ __device__ inline T abs_of(T v) {
   return v < T(0) ? -v : v;
 }
@@ -251,25 +256,42 @@ struct SumOp {
   }
 };
 
+// The halves of a block reduction: a warp's value to its slot, and the slots combined.
+template <typename U, typename Op>
+__device__ void reduce_warp_to_slot(U& value, Op op, U* slots) {
+  for (int offset = 16; offset > 0; offset >>= 1) value = op(value, __shfl_xor_sync(kFullMask, value, offset));
+  if (lane_id() == 0) slots[warp_id()] = value;
+}
+
+template <typename U, typename Op>
+__device__ U combine_slots(Op op, const U* slots) {
+  U value = slots[0];
+  for (int w = 1; w < warp_count(); ++w) value = op(value, slots[w]);
+  return value;
+}
+
 // Both values reduced over the block and returned to every thread, in a fixed order
 // (deterministic results).
 template <typename A, typename B, typename OpA, typename OpB>
 __device__ void block_allreduce(A& a, B& b, OpA op_a, OpB op_b, A* slots_a, B* slots_b) {
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    a = op_a(a, __shfl_xor_sync(kFullMask, a, offset));
-    b = op_b(b, __shfl_xor_sync(kFullMask, b, offset));
-  }
-  if (lane_id() == 0) {
-    slots_a[warp_id()] = a;
-    slots_b[warp_id()] = b;
-  }
+  reduce_warp_to_slot(a, op_a, slots_a);
+  reduce_warp_to_slot(b, op_b, slots_b);
   __syncthreads();
-  a = slots_a[0];
-  b = slots_b[0];
-  for (int w = 1; w < warp_count(); ++w) {
-    a = op_a(a, slots_a[w]);
-    b = op_b(b, slots_b[w]);
-  }
+  a = combine_slots(op_a, slots_a);
+  b = combine_slots(op_b, slots_b);
+  __syncthreads();
+}
+
+// Three values at the price of one reduction's barriers.
+template <typename A, typename B, typename C, typename OpA, typename OpB, typename OpC>
+__device__ void block_allreduce(A& a, B& b, C& c, OpA op_a, OpB op_b, OpC op_c, A* slots_a, B* slots_b, C* slots_c) {
+  reduce_warp_to_slot(a, op_a, slots_a);
+  reduce_warp_to_slot(b, op_b, slots_b);
+  reduce_warp_to_slot(c, op_c, slots_c);
+  __syncthreads();
+  a = combine_slots(op_a, slots_a);
+  b = combine_slots(op_b, slots_b);
+  c = combine_slots(op_c, slots_c);
   __syncthreads();
 }
 
@@ -592,8 +614,17 @@ __device__ __forceinline__ void forward_rows(const ForwardParams<T>& params) {
         if (p) p[j] = T(0);
       }
     }
-    block_allreduce(max_value, max_abs, MaxOp{}, MaxOp{}, slots.a, slots.b);
-    block_allreduce(first_invalid, last_valid, MinOp{}, MaxOp{}, slots.i, slots.j);
+    // the four reductions behind one pair of barriers
+    reduce_warp_to_slot(max_value, MaxOp{}, slots.a);
+    reduce_warp_to_slot(max_abs, MaxOp{}, slots.b);
+    reduce_warp_to_slot(first_invalid, MinOp{}, slots.i);
+    reduce_warp_to_slot(last_valid, MaxOp{}, slots.j);
+    __syncthreads();
+    max_value = combine_slots(MaxOp{}, slots.a);
+    max_abs = combine_slots(MaxOp{}, slots.b);
+    first_invalid = combine_slots(MinOp{}, slots.i);
+    last_valid = combine_slots(MaxOp{}, slots.j);
+    __syncthreads();
     if (max_abs == inf) {
       const T nan = static_cast<T>(NAN);
       for (int j = tid; j < n; j += threads) {
@@ -645,18 +676,20 @@ __device__ __forceinline__ void forward_rows(const ForwardParams<T>& params) {
     }
     if (!p) continue;
     __syncthreads();
-    const T tau = structured::sparsemax_threshold<T, int>([&](T threshold, T& sum, int& count) {
-      T local_sum = T(0);
+    const T tau = structured::sparsemax_threshold<T, int>([&](T threshold, T& sum, int& count, T& smallest) {
+      T local_sum = T(0), local_smallest = inf;
       int local_count = 0;
       for (int i = tid; i < m; i += threads) {
         if (result[i] > threshold) {
           local_sum += result[i];
           ++local_count;
+          local_smallest = min_of(local_smallest, result[i]);
         }
       }
-      block_allreduce(local_sum, local_count, SumOp{}, SumOp{}, slots.a, slots.i);
+      block_allreduce(local_sum, local_count, local_smallest, SumOp{}, SumOp{}, MinOp{}, slots.a, slots.i, slots.b);
       sum = local_sum;
       count = local_count;
+      smallest = local_smallest;
     });
     for (int i = tid; i < m; i += threads) p[row.position[i]] = max_of(result[i] - tau, T(0));
   }
