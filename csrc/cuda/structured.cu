@@ -740,7 +740,7 @@ __device__ __forceinline__ void backward_rows(const BackwardParams<T>& params) {
     T* dz = params.dz + r * n;
 
     T g_sum = T(0);
-    int support = 0, poisoned = 0, unused = 0;
+    int support = 0, poisoned = 0;
     for (int j = tid; j < n; j += threads) {
       const T pj = p[j];
       poisoned |= pj != pj;
@@ -749,8 +749,7 @@ __device__ __forceinline__ void backward_rows(const BackwardParams<T>& params) {
         ++support;
       }
     }
-    block_allreduce(g_sum, support, SumOp{}, SumOp{}, slots.a, slots.i);
-    block_allreduce(poisoned, unused, MaxOp{}, MaxOp{}, slots.i, slots.j);
+    block_allreduce(g_sum, support, poisoned, SumOp{}, SumOp{}, MaxOp{}, slots.a, slots.i, slots.j);
     if (poisoned) {  // the forward's NaN row: NaN gradient, as softmax
       for (int j = tid; j < n; j += threads) dz[j] = static_cast<T>(NAN);
       continue;
