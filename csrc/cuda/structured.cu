@@ -138,7 +138,6 @@ struct SortEntry<double> {
 
 template <typename T>
 struct ForwardRow {
-  using Key = typename structured::AbsKey<T>::type;
   T* values;  // the packed valid entries (OSCAR: then the prox and the projection input in place)
   int* position;
   T* prox;  // TV only: the prox, then the projection input in place
@@ -172,7 +171,6 @@ __host__ __device__ ForwardRow<T> carve_forward_row(Carver& c, Prox kind, int n)
 
 template <typename T>
 struct BackwardRow {
-  using Key = typename structured::AbsKey<T>::type;
   T* y;  // the packed group members: y, J_sparsemax g, position
   T* u;
   int* position;
@@ -365,6 +363,18 @@ __device__ void bitonic_sort(Entry* entries, int size) {
     }
   }
   __syncthreads();
+}
+
+// sorted[0, count) = the indices of values[0, count) by decreasing |v| (ties by index), with
+// their keys; the sort runs over the next power of two, padded with keys that sort last.
+template <typename T>
+__device__ void block_sort_by_magnitude(const T* values, int count, SortEntry<T>* sorted) {
+  using Key = typename structured::AbsKey<T>::type;
+  const int padded = next_pow2(count);
+  for (int i = static_cast<int>(threadIdx.x); i < padded; i += static_cast<int>(blockDim.x))
+    sorted[i] = SortEntry<T>::make(i < count ? structured::descending_abs_key(values[i]) : ~Key(0), i);
+  __syncthreads();
+  bitonic_sort(sorted, padded);
 }
 
 // Segments of a sequence: starts counted, sum and length since the last start. Combining
@@ -580,7 +590,6 @@ __device__ __forceinline__ unsigned char* row_arrays(const Carver& shared, unsig
 
 template <typename T, bool kRowsInShared>
 __device__ __forceinline__ void forward_rows(const ForwardParams<T>& params) {
-  using Key = typename ForwardRow<T>::Key;
   const T inf = structured::positive_infinity<T>();
   const int n = params.n;
   const int tid = static_cast<int>(threadIdx.x);
@@ -650,12 +659,7 @@ __device__ __forceinline__ void forward_rows(const ForwardParams<T>& params) {
     if (params.kind == Prox::kTV) {
       block_tv_prox(row.values, row.prox, row.restart, row.carried, m, work_reg, slots);
     } else if (work_reg > T(0) && m > 1) {
-      const int padded = next_pow2(m);
-      for (int i = tid; i < padded; i += threads) {
-        row.sorted[i] = SortEntry<T>::make(i < m ? structured::descending_abs_key(row.values[i]) : ~Key(0), i);
-      }
-      __syncthreads();
-      bitonic_sort(row.sorted, padded);
+      block_sort_by_magnitude(row.values, m, row.sorted);
       for (int rank = tid; rank < m; rank += threads) row.magnitude[rank] = abs_of(row.values[row.sorted[rank].index()]);
       __syncthreads();
       block_oscar_pav(row.magnitude, m, work_reg, row.blocks, slots.i);
@@ -723,7 +727,6 @@ struct BackwardParams {
 // on the support S; J_prox averages over the prox's groups (signed for OSCAR).
 template <typename T, bool kRowsInShared>
 __device__ __forceinline__ void backward_rows(const BackwardParams<T>& params) {
-  using Key = typename BackwardRow<T>::Key;
   const int n = params.n;
   const int tid = static_cast<int>(threadIdx.x);
   const int threads = static_cast<int>(blockDim.x);
@@ -786,12 +789,7 @@ __device__ __forceinline__ void backward_rows(const BackwardParams<T>& params) {
       for (int i = tid; i < count; i += threads) dz[row.position[i]] = row.group_mean[row.group[i]];
       continue;
     }
-    const int padded = next_pow2(count);
-    for (int i = tid; i < padded; i += threads) {
-      row.sorted[i] = SortEntry<T>::make(i < count ? structured::descending_abs_key(row.y[i]) : ~Key(0), i);
-    }
-    __syncthreads();
-    bitonic_sort(row.sorted, padded);
+    block_sort_by_magnitude(row.y, count, row.sorted);
     segment_means<T>(
         count, [&](int rank) { return rank == 0 || row.sorted[rank].key() != row.sorted[rank - 1].key(); },
         [&](int rank) {
