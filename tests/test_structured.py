@@ -501,19 +501,24 @@ def test_cuda_ops_match_float64_reference(kind, reg, n, dtype, atol):
     rows = 3 if n == 70000 else 6
     # oscarmax: scores shrunk so that beta (n - i) leaves a support on the long rows.
     X, lengths = ragged_scores(rows, n, dtype, generator_seed=n, scale=3.0 if kind == "fused" else 3.0 / max(1, n // 100))
+    check_cuda_against_reference(kind, X, reg, lengths, atol)
+    y = prox(kind, "cpp", X.cuda(), reg, lengths.cuda())
+    torch.testing.assert_close(y.double().cpu(), prox(kind, "reference", X.double(), reg, lengths=lengths),
+                               atol=atol, rtol=10 * atol)
+
+
+def check_cuda_against_reference(kind, X, reg, lengths, atol):
+    """The CUDA op's weights and gradient against the float64 reference's."""
     grad = torch.randn(X.shape, dtype=torch.float64)
     X_cuda = X.cuda().requires_grad_()
     p = mapping(kind, "cpp")(X_cuda, reg, lengths=lengths.cuda())
     assert S.last_backend("fusedmax" if kind == "fused" else "oscarmax")[0] == "cpp"
+    p.backward(grad.to(X.dtype).cuda())
     X_ref = X.double().requires_grad_()
     p_ref = mapping(kind, "reference")(X_ref, reg, lengths=lengths)
-    torch.testing.assert_close(p.double().cpu(), p_ref.detach(), atol=atol, rtol=0)
-    p.backward(grad.to(dtype).cuda())
     p_ref.backward(grad)
+    torch.testing.assert_close(p.double().cpu(), p_ref.detach(), atol=atol, rtol=0)
     torch.testing.assert_close(X_cuda.grad.double().cpu(), X_ref.grad, atol=20 * atol, rtol=0)
-    y = prox(kind, "cpp", X.cuda(), reg, lengths.cuda())
-    torch.testing.assert_close(y.double().cpu(), prox(kind, "reference", X.double(), reg, lengths=lengths),
-                               atol=atol, rtol=10 * atol)
 
 
 def prefix_rows(dtype, n: int = 200):
@@ -533,15 +538,7 @@ def prefix_rows(dtype, n: int = 200):
 @pytest.mark.parametrize("kind,reg", [("fused", 0.3), ("oscar", 0.01)])
 def test_cuda_ops_rows_valid_on_a_prefix(kind, reg, dtype, atol):
     X, lengths = prefix_rows(dtype)
-    grad = torch.randn(X.shape, dtype=torch.float64)
-    X_cuda = X.cuda().requires_grad_()
-    p = mapping(kind, "cpp")(X_cuda, reg, lengths=lengths.cuda())
-    p.backward(grad.to(dtype).cuda())
-    X_ref = X.double().requires_grad_()
-    p_ref = mapping(kind, "reference")(X_ref, reg, lengths=lengths)
-    p_ref.backward(grad)
-    torch.testing.assert_close(p.double().cpu(), p_ref.detach(), atol=atol, rtol=0)
-    torch.testing.assert_close(X_cuda.grad.double().cpu(), X_ref.grad, atol=20 * atol, rtol=0)
+    check_cuda_against_reference(kind, X, reg, lengths, atol)
 
 
 @needs_cuda_ops
@@ -707,34 +704,35 @@ void backward(int kind, int grouped, const T* g, const T* p, const T* y, T* dz, 
   run_grid(plan, [&params] { backward_kernel<T>(params); });
 }
 
-// block_tv_prox alone: one block of `threads` on a row of m entries.
-template <typename T>
-void tv_prox_block(const T* in, T* out, int m, double lambda, int threads) {
+// One block of `threads` running body(slots), its reduction slots in shared memory.
+template <typename T, typename Body>
+void run_block(int threads, Body body) {
   Carver count{nullptr, 0};
   carve_reductions<T>(count);
-  const LaunchPlan plan{threads, true, 0, count.size(), 1, 0};
+  run_grid(LaunchPlan{threads, true, 0, count.size(), 1, 0}, [&] {
+    Carver shared{dynamic_shared_memory(), 0};
+    body(carve_reductions<T>(shared));
+  });
+}
+
+// block_tv_prox alone, on a row of m entries.
+template <typename T>
+void tv_prox_block(const T* in, T* out, int m, double lambda, int threads) {
   std::vector<uint8_t> restart(m, 0xff);
   entmax_fast::structured::TvScan<T, int> carried;
-  run_grid(plan, [&] {
-    Carver shared{dynamic_shared_memory(), 0};
-    const Reductions<T> slots = carve_reductions<T>(shared);
+  run_block<T>(threads, [&](const Reductions<T>& slots) {
     block_tv_prox(in, out, restart.data(), &carried, m, static_cast<T>(lambda), slots);
   });
 }
 
-// block_oscar_pav alone: one block of `threads` on m magnitudes sorted decreasingly.
+// block_oscar_pav alone, on m magnitudes sorted decreasingly.
 template <typename T>
 void oscar_pav_block(T* magnitude, int m, double beta, int threads) {
-  Carver count{nullptr, 0};
-  carve_reductions<T>(count);
-  const LaunchPlan plan{threads, true, 0, count.size(), 1, 0};
   std::vector<T> sum(m);
   std::vector<int> len(m), first(m);
   std::vector<uint8_t> is_start(m);
   const entmax_fast::structured::PavBlocks<T, int> blocks{sum.data(), len.data(), first.data(), is_start.data()};
-  run_grid(plan, [&] {
-    Carver shared{dynamic_shared_memory(), 0};
-    const Reductions<T> slots = carve_reductions<T>(shared);
+  run_block<T>(threads, [&](const Reductions<T>& slots) {
     block_oscar_pav(magnitude, m, static_cast<T>(beta), blocks, slots.i);
   });
 }
