@@ -27,7 +27,8 @@
 #              SWEEP_LENGTHS (default "1024 4096");
 #   structured fusedmax/oscarmax, when the extension is built for CUDA: the CUDA ops
 #              against the float64 reference (tests/test_structured.py -k cuda_ops),
-#              then bench/bench_structured.py.
+#              then the GPU table of bench/bench_structured.py (--gpu-only: its CPU table is
+#              the CPU's figure, timed where the project is built without a GPU).
 # STEPS picks and orders them (default: tests train attention rowwise structured). The exit
 # status is the number of failed steps.
 #
@@ -126,7 +127,7 @@ for name in ${STEPS:-tests train attention rowwise structured}; do
       if has_cuda_extension; then
         step structured-tests "${STRUCTURED_LIMIT:-120}" python -m pytest -q -p no:cacheprovider \
           tests/test_structured.py -k "cuda_ops"
-        step structured "${STRUCTURED_LIMIT:-120}" python bench/bench_structured.py
+        step structured "${STRUCTURED_LIMIT:-120}" python bench/bench_structured.py --gpu-only
       else
         echo "=== structured: skipped (entmax_fast._C has no CUDA kernels here)"
       fi ;;
