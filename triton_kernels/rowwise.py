@@ -622,9 +622,10 @@ def tile_config(n_cols: int) -> dict:
     table keeps the first call free of tuning runs, keeps the configuration deterministic
     (identical results run to run), and lets the AOT check (triton_kernels/aot.py) compile
     exactly the configurations that can run. The rule: one row per program and at most 16
-    fp32 entries per thread (one warp per 256 entries up to 1024, 4 warps up to 2048 and,
-    for a stack-free compile, at 4096 (32 per thread), 16 beyond) and resident rows up to RESIDENT_MAX_COLS; longer rows are
-    swept in CHUNK_BLOCK chunks by 4 warps. `bench/bench_rowwise_gpu.py --sweep` times the
+    fp32 entries per thread (one warp per 256 entries up to 512, 2 warps at 1024, measured
+    on a GPU; 4 warps up to 2048 and, for a stack-free compile, at 4096 (32 per thread),
+    16 beyond) and resident rows up to RESIDENT_MAX_COLS; longer rows are swept in
+    CHUNK_BLOCK chunks by 4 warps. `bench/bench_rowwise_gpu.py --sweep` times the
     neighbours of each entry on a GPU.
     """
     if n_cols > RESIDENT_MAX_COLS:
@@ -633,11 +634,15 @@ def tile_config(n_cols: int) -> dict:
     # ConstexprFunction: microseconds per host call).
     block = max(16, 1 << (max(n_cols, 1) - 1).bit_length())
     if block <= 1024:
-        # One row per program, one warp per 256 entries: each row carries ~15 scalars
-        # through the loop (threshold and bracket pairs, sums, flags), replicated over the
-        # threads that hold it; 4+ rows per program spilled (AOT: up to 312 bytes of
-        # stack), and 2 rows left an 8-byte stack frame on sm_90 for blocks of 128–512.
-        return {"ROWS": 1, "BLOCK": block, "RESIDENT": True, "num_warps": max(1, block // 256)}
+        # One row per program, one warp per 256 entries up to 512 and two warps at 1024:
+        # each row carries ~15 scalars through the loop (threshold and bracket pairs, sums,
+        # flags), replicated over the threads that hold it; 4+ rows per program spilled
+        # (AOT: up to 312 bytes of stack), and 2 rows left an 8-byte stack frame on sm_90
+        # for blocks of 128–512. At 1024 the table's 4 warps spent a pass on cross-warp
+        # reductions: on an H100 (docs/gpu.md, seventh session) 16384×1024 fp32 forwards
+        # took 0.0582 ms at 2 warps, 0.0596 at 1, 0.0755 at 4 (α 1.5), and 0.282 / 0.326 /
+        # 0.310 ms at α 1.3.
+        return {"ROWS": 1, "BLOCK": block, "RESIDENT": True, "num_warps": max(1, min(block // 256, 2))}
     if block <= 2048:
         return {"ROWS": 1, "BLOCK": block, "RESIDENT": True, "num_warps": 4}
     # 4096 by 8 warps left an 8-byte stack frame in the entmax15 forward on sm_80, by 16
