@@ -69,11 +69,27 @@ def cuda_median_ms(fn, repeat: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def kernel_ms(fn, repeat: int) -> float:
+    """GPU time of fn's kernels per call in ms (torch.profiler), without the host's: at
+    1024x512 a call's wall time is its Python layers' (docs/gpu.md, seventh session)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeat):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages())
+    return total_us / 1e3 / repeat
+
+
 def gpu_table(repeat: int) -> None:
     print(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; CPU threads {torch.get_num_threads()}")
     mappings = (("fusedmax", lambda x: S.fusedmax(x, 0.1)), ("oscarmax", lambda x: S.oscarmax(x, 1e-3)))
     print(f"{'op, shape (fp32)':<28} {'CUDA fwd':>9} {'CUDA f+b':>9} {'CPU fwd':>9} {'softmax':>9} "
-          f"{'fwd/softmax':>11} {'CPU/CUDA':>9} {'f+b/fwd':>8}")
+          f"{'fwd/softmax':>11} {'CPU/CUDA':>9} {'f+b/fwd':>8} {'kernels fwd':>11} {'kernels f+b':>11} "
+          f"{'f+b/fwd':>8}")
     for rows, n in ((1024, 512), (65536, 1024)):
         torch.manual_seed(0)
         X = torch.randn(rows, n, device="cuda")
@@ -87,10 +103,14 @@ def gpu_table(repeat: int) -> None:
             if rows * n <= 1024 * 512:  # the CPU op at 65536x1024 takes seconds; the issue leaves it out
                 X_cpu = X.cpu()
                 cpu_ms = median_ms(lambda: fn(X_cpu), max(3, repeat // 4))[0]
+            kernel_fwd = kernel_ms(lambda: fn(X), repeat)
+            kernel_both = kernel_ms(fwd_bwd(fn, X, grad), repeat)
             print(f"{name + f' {rows}x{n}':<28} {forward_ms:9.3f} {both_ms:9.3f} {cpu_ms:9.3f} {softmax_ms:9.4f} "
-                  f"{forward_ms / softmax_ms:11.1f} {cpu_ms / forward_ms:9.1f} {both_ms / forward_ms:8.2f}")
+                  f"{forward_ms / softmax_ms:11.1f} {cpu_ms / forward_ms:9.1f} {both_ms / forward_ms:8.2f} "
+                  f"{kernel_fwd:11.3f} {kernel_both:11.3f} {kernel_both / kernel_fwd:8.2f}")
     print("targets: fwd/softmax at 65536x1024 <= 10 (fusedmax), <= 30 (oscarmax); CPU/CUDA at 1024x512 >= 10; "
-          "f+b/fwd <= 2")
+          "f+b/fwd <= 2. CUDA fwd / f+b: events around a call (the host's time where it is longer); "
+          "kernels: the profiler's kernel time per call")
 
 
 def main():

@@ -87,6 +87,10 @@ def _structured(name: str, X, reg, reg_name: str, dim: int, lengths):
     # where the check would need a host sync: they clamp lengths to [0, n]. NaN or +inf scores
     # are not an error on any backend: their rows get NaN weights (torch.softmax's rule).
     _reference.check_mapping_args(name, X, reg, reg_name, dim, lengths, check_values=False)
+    if X.dim() == 2 and dim % 2 == 1 and X.dtype == compute_dtype(X.dtype):
+        # Rows already: each view below would be one more autograd node, and on a GPU a
+        # small call's time is the host's (docs/gpu.md, seventh session).
+        return StructuredFunction.apply(X.contiguous(), float(reg), lengths, name)
     moved = X.movedim(dim, -1)
     rows = moved.reshape(-1, moved.shape[-1]).to(compute_dtype(X.dtype)).contiguous()
     row_lengths = None if lengths is None else lengths.reshape(-1)
