@@ -82,10 +82,14 @@ def forward_phases(block_e, dtype_key, mask_kind=common.MASK_NONE):
     the threshold launch capped at 128 registers (96: 3.17), training step 4.99 / 5.07 /
     4.94; alpha 2: 2.96 / 2.93 / 2.73 and 4.80 / 4.83 / 4.71. Over the grid the forward
     gained 5-9 % on random scores (E 128 at L 16384: 2 % slower) and 19-24 % on local ones,
-    a training step 0-4 %. Masked, fp32 and E 256 forwards are not timed split: they stay
-    fused.
+    a training step 0-4 %. A forward that reads an attn_mask (seventh session, the causal
+    mask as a bool tensor, α 1.5, E 64): 8.54 ms fused at 8 warps (the table until then),
+    6.02 fused at 4 warps and 3 stages, 4.81 split so (training step 11.11 / 8.53 / 7.11),
+    though split at 4 warps the threshold launch spills (sm_90, bf16: 16 bytes with a bool
+    mask, 104 with a float one; the output launch none). Masked at E 128, fp32
+    and E 256 forwards are not timed split: they stay fused.
     """
-    if dtype_key != "fp32" and block_e <= 128 and mask_kind == common.MASK_NONE:
+    if dtype_key != "fp32" and (block_e <= 64 or (block_e <= 128 and mask_kind == common.MASK_NONE)):
         return (PHASE_THRESHOLD, PHASE_OUTPUT)
     return (PHASE_FUSED,)
 
@@ -142,12 +146,12 @@ def launch_config(kernel, block_e, dtype_key, mask_kind=common.MASK_NONE):
     lists). Backward, 4 warps and 2 stages, its tile loops pipelined (`listed_tiles`):
     training step 5.27 ms at E 64 (1 stage 5.41, 3 stages 5.27, 8 warps 7.0), 8.12 at E
     128 (1 stage 8.09).
-    Not timed yet: a forward that reads an attn_mask (8 warps, one launch: chosen when the
-    AOT check compiled it with a variable stride_mk, where 4 warps left a 1.8 KB stack
-    frame on sm_90; compiled as it runs (`mask_specialisation`), bf16/fp16 E 64-128 leave
-    0-280 bytes at 8 warps fused, 24-440 in a 4-warp threshold launch capped at 128 and up
-    to 536 in a 4-warp output launch with gradients: `tune_attention.py --mask bool`
-    decides), and E 256 (8 warps everywhere; 2 stages
+    A forward that reads an attn_mask, E 64: 4 warps and 3 stages as without one, split
+    (`forward_phases`, measured). Not timed yet: a masked forward at E 128 (8 warps, one
+    launch: chosen when the AOT check compiled it with a variable stride_mk, where 4 warps
+    left a 1.8 KB stack frame on sm_90; compiled as it runs (`mask_specialisation`),
+    bf16/fp16 E 128 leaves 0-280 bytes at 8 warps fused, more split at 4 warps:
+    `tune_attention.py --mask bool --head-dims 128` decides), and E 256 (8 warps everywhere; 2 stages
     where they add no stack on sm_90, the forward and dQ; dK/dV keeps 1, its 2-stage
     buffers reach A100's shared-memory limit). fp32: 2 stages (dK/dV above E 64 keeps 1:
     2 add 40-70 bytes of stack there, none elsewhere).
@@ -159,7 +163,7 @@ def launch_config(kernel, block_e, dtype_key, mask_kind=common.MASK_NONE):
     if block_e <= 128:
         if kernel != "fwd":
             return 4, 2
-        if mask_kind == common.MASK_NONE:
+        if mask_kind == common.MASK_NONE or block_e <= 64:
             return 4, 3
         return 8, 2
     return 8, (1 if kernel == "dkdv" else 2)
