@@ -14,9 +14,11 @@
 #   profile    per-kernel time of a training step and the compiled kernels' resources
 #              (bench/profile_attention_gpu.py);
 #   tune       a small sweep of the attention tile table (bench/tune_attention.py);
-#   masked     the masked forward's launch (8 warps fused, the table's choice, against 4
-#              warps and 3 stages fused or split with the threshold launch capped at 128),
+#   masked     the masked forward's launch: 8 warps and 2 stages against 4 warps and 3,
+#              fused or split with the threshold launch capped at 128 (the table: split at
+#              4 warps up to E 64, fused at 8 above),
 #              the causal mask passed as a bool attn_mask (tune_attention.py --mask bool);
+#              MASKED_ARGS replaces "--head-dims 64";
 #   variants   what each part of a forward pass costs (bench/bench_attention_variants.py:
 #              edited copies of the forward kernel compiled in 8 processes, then timed
 #              alone); VARIANTS_ARGS picks them (e.g. "--variants kernel cap2 cap3");
@@ -114,7 +116,7 @@ for name in ${STEPS:-tests train attention rowwise structured}; do
     profile) step profile "${PROFILE_LIMIT:-120}" python bench/profile_attention_gpu.py --causal ;;
     tune) step tune "${TUNE_LIMIT:-300}" python bench/tune_attention.py --causal ${TUNE_ARGS:-} ;;
     masked) step masked "${MASKED_LIMIT:-400}" python bench/tune_attention.py --causal --mask bool \
-             --head-dims 64 --tiles 64x64 --fwd-launch 8x2 4x3 --bwd-launch 4x2 \
+             ${MASKED_ARGS:---head-dims 64} --tiles 64x64 --fwd-launch 8x2 4x3 --bwd-launch 4x2 \
              --phases fused split --threshold-caps 128 ;;
     variants) step variants "${VARIANTS_LIMIT:-300}" python bench/bench_attention_variants.py \
              --jobs 8 ${VARIANTS_ARGS:---variants kernel predicated_moments cap2 cap3 cap3_no_dmin} ;;
