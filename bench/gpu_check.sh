@@ -136,5 +136,9 @@ for name in ${STEPS:-tests train attention rowwise structured}; do
     *) echo "=== $name: unknown step"; failed=$((failed + 1)) ;;
   esac
 done
-echo "gpu_check: $failed step(s) failed; outputs in $OUT_DIR"
+# every log and table in one file, for a machine that hands back few files
+for file in "$OUT_DIR"/device.txt "$OUT_DIR"/*.log "$OUT_DIR"/*.md; do
+  [ -f "$file" ] && [ "$file" != "$OUT_DIR/summary.txt" ] && { echo "##### $(basename "$file")"; tail -c 20000 "$file"; }
+done > "$OUT_DIR/summary.txt"
+echo "gpu_check: $failed step(s) failed; outputs in $OUT_DIR (all logs in summary.txt)"
 exit "$failed"
