@@ -29,6 +29,7 @@ import time
 import torch
 
 import entmax_fast.structured as S
+from common import kernel_times
 from entmax_fast.reference import structured as R
 
 
@@ -70,18 +71,9 @@ def cuda_median_ms(fn, repeat: int, warmup: int = 3) -> float:
 
 
 def kernel_ms(fn, repeat: int) -> float:
-    """GPU time of fn's kernels per call in ms (torch.profiler), without the host's: at
-    1024x512 a call's wall time is its Python layers' (docs/gpu.md, seventh session)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(repeat):
-            fn()
-        torch.cuda.synchronize()
-    total_us = sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages())
-    return total_us / 1e3 / repeat
+    """GPU time of fn's kernels per call in ms, without the host's: at 1024x512 a call's
+    wall time is its Python layers' (docs/gpu.md, seventh session)."""
+    return sum(kernel_times(fn, repeat).values())
 
 
 def gpu_table(repeat: int) -> None:

@@ -26,6 +26,27 @@ def time_call(fn, repeats: int = 5, warmup: int = 1, min_time: float = 0.0) -> f
     return times[len(times) // 2]
 
 
+def kernel_times(step, repeats: int = 3) -> dict:
+    """{kernel name: mean ms per call} of ``step()``'s GPU kernels over ``repeats`` profiled
+    calls (torch.profiler): the device's time, without the host's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            step()
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", None)
+        if device_us is None:
+            device_us = event.cuda_time_total
+        if device_us > 0:
+            times[event.key] = device_us / 1000 / repeats
+    return times
+
+
 def _status_bytes(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:

@@ -16,25 +16,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-
-def _kernel_times(step, repeats=3):
-    """{kernel name: mean ms per step} over `repeats` profiled steps."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(repeats):
-            step()
-        torch.cuda.synchronize()
-    times = {}
-    for event in prof.key_averages():
-        device_us = getattr(event, "device_time_total", None)
-        if device_us is None:
-            device_us = event.cuda_time_total
-        if device_us > 0:
-            times[event.key] = device_us / 1000 / repeats
-    return times
+from common import kernel_times  # noqa: E402
 
 
 def _print_times(label, times, top=8):
@@ -86,10 +68,10 @@ def main(argv=None):
             attend().backward(grad_out)
         return step
 
-    _print_times("sdpa", _kernel_times(step_of(
+    _print_times("sdpa", kernel_times(step_of(
         lambda: F.scaled_dot_product_attention(q, k, v, is_causal=args.causal))))
     for alpha in args.alphas:
-        _print_times(f"entmax_fast alpha={alpha}", _kernel_times(step_of(
+        _print_times(f"entmax_fast alpha={alpha}", kernel_times(step_of(
             lambda alpha=alpha: entmax_fast.entmax_attention(q, k, v, is_causal=args.causal,
                                                              alpha=alpha))))
     print("compiled attention kernels:")
