@@ -32,7 +32,8 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 _INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
-_BACKWARD = re.compile(r"BRA\s+0x([0-9a-f]+)")
+# "BRA 0x10" or, for a branch that also tests a uniform predicate, "BRA P2, 0x10"
+_BACKWARD = re.compile(r"BRA\s+(?:!?U?P\w+,\s*)?0x([0-9a-f]+)")
 
 
 def sass_loops(sass: str, min_instructions: int) -> list[dict]:
