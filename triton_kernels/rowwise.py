@@ -71,7 +71,7 @@ import triton.language as tl
 from .. import common
 from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SOFTMAX, ALPHA_SPARSEMAX
 from .signature import DTYPE_KEYS, TENSOR, kernel_signature
-from .support import count_and_smallest, support_bits
+from .support import count_and_smallest, log2_approx, support_bits
 
 __all__ = [
     "aot_configs",
@@ -161,7 +161,7 @@ def _log2_base(b_v, b_d, b_pos, c_hi, c_lo, near_one):
     precision, and e·log d is accurate to a few ulp of itself. The other entries keep
     log2(d) (their p ≤ (1 ± 1/8)^e, where e·3e−8·p stays below 2e−7), as do all rows
     with |t| ≥ 1/4 (e ≤ 4: d's rounding gives ≤ 1.2e−7 relative in p)."""
-    b_lg = tl.log2(tl.where(b_pos, b_d, 1.0))
+    b_lg = log2_approx(tl.where(b_pos, b_d, 1.0))
     if near_one:
         b_w = (b_v + (c_hi - 1.0)[:, None]) + c_lo[:, None]
         b_lg = tl.where(tl.abs(b_w) < 0.125, _log1p_small(b_w) * _LOG2E, b_lg)
@@ -485,7 +485,7 @@ def _jacobian_weight(b_p, t, ALPHA_KIND: tl.constexpr):
     elif ALPHA_KIND == ALPHA_SOFTMAX:
         b_s = tl.where(b_pos, b_p, 0.0)
     else:
-        b_s = tl.where(b_pos, tl.exp2((1.0 - t[:, None]) * tl.log2(tl.where(b_pos, b_p, 1.0))), 0.0)
+        b_s = tl.where(b_pos, tl.exp2((1.0 - t[:, None]) * log2_approx(tl.where(b_pos, b_p, 1.0))), 0.0)
     # NaN in p (rows of NaN scores) stays NaN in dx.
     return tl.where(b_p != b_p, b_p, b_s)
 
