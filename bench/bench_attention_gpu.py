@@ -4,7 +4,8 @@ For each (L, E, causal) of the grid (bf16, H = 16, B·L = 16384 tokens; and L = 
 B = 1), times with `triton.testing.do_bench` (median ms) the forward without autograd and a
 training step (forward + backward) of:
 - softmax attention (`scaled_dot_product_attention`, the baseline of every ratio),
-- entmax_fast at α = 1.5 and α = 2,
+- entmax_fast at α = 1.5 and α = 2, and a learned α (a per-head tensor at 1.5 that the
+  training step differentiates: the kernels' general kind),
 - AdaSplash at α = 1.5 with its default arguments, when the package is importable
   (--baseline-budget bounds the time spent on it: it autotunes and compiles per shape),
 - FlashAttention (softmax), when importable;
@@ -54,12 +55,17 @@ def _methods() -> dict:
     """name -> callable(q, k, v, causal) in (B, H, L, E) layout."""
     import entmax_fast
 
+    # learned alpha: one per head, a leaf that the training step differentiates (the
+    # general kind of the kernels, with d(alpha))
+    learned_alpha = torch.full((HEADS,), 1.5, device="cuda", requires_grad=True)
     methods = {
         "sdpa": lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c),
         "entmax_fast a=1.5": lambda q, k, v, c: entmax_fast.entmax_attention(
             q, k, v, is_causal=c, alpha=1.5),
         "entmax_fast a=2": lambda q, k, v, c: entmax_fast.entmax_attention(
             q, k, v, is_causal=c, alpha=2.0),
+        "entmax_fast a=learned 1.5": lambda q, k, v, c: entmax_fast.entmax_attention(
+            q, k, v, is_causal=c, alpha=learned_alpha),
     }
     try:
         import adasplash

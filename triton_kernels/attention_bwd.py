@@ -82,7 +82,7 @@ def _dq_tile(b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, st
     if NEED_DALPHA:
         # h = -p log p with log p = log(d) / (alpha - 1) - log l
         # (off the support p = 0 and the log of the base is 0)
-        b_logp = (log2_base(b_gap, ALPHA_KIND) * inv_am1
+        b_logp = (log2_base(b_gap, inv_am1, ALPHA_KIND) * inv_am1
                   - tl.log2(b_l)[:, None]) * 0.6931471805599453
         b_gh -= tl.sum(b_p * b_logp * b_g, 1)
     return b_dq, b_gh

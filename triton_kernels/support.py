@@ -1,5 +1,5 @@
 """Row reductions over the support of a thresholded tile, shared by the row-wise and the
-attention kernels, and the approximate log2 of the row-wise general-alpha passes."""
+attention kernels, and the approximate log2 of their general-alpha passes."""
 import os
 
 import triton
@@ -19,8 +19,9 @@ else:
         instruction, absolute error about 2^-22), not libdevice's log2f (a polynomial: the
         general-alpha row-wise pass loop held 83 instructions per entry with it, 57 with
         this; sm_90). p = d^e then carries a relative error of about e·2^-22·ln 2, below
-        1e-6 for e <= 4; rows nearer alpha = 1 take log1p where d is near 1
-        (`rowwise._log2_base`), and elsewhere p <= (7/8)^e keeps the error below 5e-7."""
+        1e-6 for e <= 4. Nearer alpha = 1, row-wise rows take log1p where d is near 1
+        (`rowwise._log2_base`; elsewhere p <= (7/8)^e keeps the error below 5e-7), and
+        attention heads keep the accurate log (`attention_common.log2_base`)."""
         return libdevice.fast_log2f(x)
 
 
