@@ -37,7 +37,9 @@ MODULE_TIMEOUT_S = 1800.0
 _FIELDS = ("REG", "SHARED", "LOCAL", "STACK")
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Whether TRITON_INTERPRET asks triton to run kernels in its interpreter (read before
+    triton is imported, as triton reads it)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() not in ("", "0", "false", "off")
 
 
@@ -170,7 +172,7 @@ def compile_all(archs=ARCHS, modules=KERNEL_MODULES, on_event=None, sample=False
 
     `on_event(row)` is called before each compile (row with "compiling": True) and after.
     """
-    if _interpreting():
+    if interpreting():
         raise RuntimeError("compile_all cannot run with TRITON_INTERPRET set; use check()")
     rows = []
     for module_name in modules:

@@ -1,11 +1,11 @@
 """Row reductions over the support of a thresholded tile, shared by the row-wise and the
 attention kernels, and the approximate log2 of their general-alpha passes."""
-import os
-
 import triton
 import triton.language as tl
 
-if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("", "0", "false", "off"):
+from .aot import interpreting
+
+if interpreting():
     @triton.jit
     def log2_approx(x):
         """log2 of fp32 x > 0. The interpreter runs no PTX: numpy's log2 here."""
