@@ -64,7 +64,7 @@ def _moments(d, alpha):
 
 
 def _update(t, sums, lo, hi, tau, done, alpha):
-    """float32 twin of attention_fwd._update_threshold."""
+    """float32 twin of attention_fwd._update_threshold; returns (lo, hi, tau, done, tight)."""
     a, b, c, dmin = sums
     f = a - 1.0
     left = f >= 0
@@ -98,7 +98,22 @@ def _update(t, sums, lo, hi, tau, done, alpha):
     new = exact & ~done
     tau = torch.where(new, root, tau)
     lo_next = torch.where(new, root, torch.where(done, lo, lo_next))
-    return lo_next, torch.where(done, hi, hi_next), tau, done | exact
+    tight = left & real & (hi_next < hi) if alpha == 1.5 else torch.zeros_like(left)
+    return lo_next, torch.where(done, hi, hi_next), tau, done | exact, tight
+
+
+def _trial_point(lo, hi, done, tight):
+    """float32 twin of attention_fwd._trial_point."""
+    return torch.where(tight & ~done, torch.maximum(lo, hi - 0.3 * (hi - lo)), lo)
+
+
+def _pass(t, u, lo, hi, tau, done, tight, alpha):
+    """One threshold pass at t and the update from it; tight as the kernel carries it
+    (hi keeps its tightness while no pass moves it)."""
+    hi_before = hi
+    lo, hi, tau, done, tight_t = _update(t, _moments((u - t[:, None]).clamp(min=0), alpha),
+                                         lo, hi, tau, done, alpha)
+    return lo, hi, tau, done, tight_t | (tight & (hi_before == hi))
 
 
 def emulate_block(u, alpha):
@@ -113,11 +128,10 @@ def emulate_block(u, alpha):
     hi = torch.zeros(rows)
     tau = lo.clone()
     done = torch.zeros(rows, dtype=torch.bool)
+    tight = torch.zeros(rows, dtype=torch.bool)
     mid = 0.5 * (lo + hi)
-    s0 = _moments((u - lo[:, None]).clamp(min=0), alpha)
-    s1 = _moments((u - mid[:, None]).clamp(min=0), alpha)
-    lo, hi, tau, done = _update(lo, s0, lo, hi, tau, done, alpha)
-    lo, hi, tau, done = _update(mid, s1, lo, hi, tau, done, alpha)
+    lo, hi, tau, done, tight = _pass(lo, u, lo, hi, tau, done, tight, alpha)
+    lo, hi, tau, done, tight = _pass(mid, u, lo, hi, tau, done, tight, alpha)
     passes, visited = 1, []
     n_tiles = -(-u.shape[1] // BLOCK_N)
     padded = torch.nn.functional.pad(u, (0, n_tiles * BLOCK_N - u.shape[1]), value=-float("inf"))
@@ -127,9 +141,12 @@ def emulate_block(u, alpha):
     while not bool(done.all()) and passes < attention_common.MAX_TAU_PASSES:
         visited.append(float(flagged.any(0).float().mean()))
         if passes == 1:
+            # the pass that rewrites the flags evaluates at lo, a lower bound
             flagged = tile_max > lo[:, None]
-        lo, hi, tau, done = _update(lo, _moments((u - lo[:, None]).clamp(min=0), alpha),
-                                    lo, hi, tau, done, alpha)
+            t = lo
+        else:
+            t = _trial_point(lo, hi, done, tight)
+        lo, hi, tau, done, tight = _pass(t, u, lo, hi, tau, done, tight, alpha)
         passes += 1
     tau = torch.where(done, tau, lo)
     return tau, passes, first_visited, (sum(visited) / len(visited) if visited else 0.0)

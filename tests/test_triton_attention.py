@@ -661,3 +661,36 @@ def test_forward_variants_still_edit_the_kernel(tmp_path):
         kernel = variants.variant_kernel(name, str(tmp_path))
         assert type(kernel) is type(attention_fwd.entmax_attn_fwd_kernel), name
         assert (kernel is attention_fwd.entmax_attn_fwd_kernel) == (not edits), name
+
+
+def test_trial_points_below_the_upper_bound_stay_exact():
+    """alpha 1.5 on long rows of random scores: blocks need three or more threshold passes,
+    and the passes after the second evaluate rows near their closed-form upper bound
+    (`_trial_point`), which may lie right of tau. The float32 emulation of the passes
+    (bench/bench_attention_passes.py) confirms that these scores take that path; the
+    kernel's forward and gradients must match float64."""
+    import importlib.util
+    import os
+
+    lq, lk, e = 64, 1024, 16
+    q = torch.randn(1, 2, lq, e) * 2.0
+    k, v = torch.randn(1, 2, lk, e), torch.randn(1, 2, lk, e)
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "bench_attention_passes.py")
+    spec = importlib.util.spec_from_file_location("bench_attention_passes", path)
+    passes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(passes)
+    y = 0.5 * (q[0, 0] @ k[0, 0].T).cpu() * 0.25
+    u = y - y.amax(-1, keepdim=True)
+    moved = []
+    trial_point = passes._trial_point
+    passes._trial_point = lambda lo, hi, done, tight: moved.append(bool((tight & ~done).any())) \
+        or trial_point(lo, hi, done, tight)
+    assert passes.emulate_block(u, 1.5)[1] >= 3 and any(moved)
+
+    grad_out = torch.randn(1, 2, lq, e)
+    out, grads = _grads(lambda *t: _triton_attention(*t, alpha=1.5), [q, k, v], grad_out)
+    _, ref_grads = _grads(lambda *t: reference_attention(*t, alpha=1.5),
+                          [t.double() for t in (q, k, v)], grad_out)
+    assert _err(out, oracle_attention(q, k, v, alpha=1.5)) <= 1e-5
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert _err(got, want) <= 1e-4, name
