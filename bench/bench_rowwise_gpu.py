@@ -183,6 +183,12 @@ def sweep(lengths=(128, 512, 1024, 2048, 4096, 8192, 32768)):
         x = torch.randn(n_rows, n_cols, device="cuda")
         base = tile_config(n_cols)
         candidates = [base]
+        if not base["RESIDENT"]:
+            # a chunked row is read from memory on every pass (128 MB a pass at 1024×32768
+            # fp32, more than L2 holds); resident on 16 or 32 warps it is read once
+            block = 1 << (n_cols - 1).bit_length()
+            candidates += [{"ROWS": 1, "BLOCK": block, "RESIDENT": True, "num_warps": warps}
+                           for warps in (16, 32)]
         for rows_factor, warps_factor in ((0.5, 1), (2, 1), (1, 0.25), (1, 0.5), (1, 2)):
             cand = dict(base, ROWS=int(base["ROWS"] * rows_factor), num_warps=int(base["num_warps"] * warps_factor))
             if cand["ROWS"] >= 1 and 1 <= cand["num_warps"] <= 32 and (cand["RESIDENT"] or cand["ROWS"] == 1):
