@@ -102,18 +102,31 @@ def _update(t, sums, lo, hi, tau, done, alpha):
     return lo_next, torch.where(done, hi, hi_next), tau, done | exact, tight
 
 
-def _trial_point(lo, hi, done, tight):
+def _model_root(t, sums, alpha):
+    """float32 twin of attention_fwd._model_root."""
+    a, b = sums[0], sums[1]
+    if alpha in (1.5, 2.0):
+        return t
+    fit = (b > 0) & (a > 0)
+    a_safe = torch.where(fit, a, torch.ones_like(a))
+    shrink = 1.0 - torch.exp2(-(alpha - 1.0) * torch.log2(a_safe))
+    return torch.where(fit, t + a_safe / torch.where(fit, b, torch.ones_like(b)) * shrink, t)
+
+
+def _trial_point(lo, hi, done, tight, guess, alpha):
     """float32 twin of attention_fwd._trial_point."""
+    if alpha not in (1.5, 2.0):
+        return torch.where(done, lo, torch.minimum(torch.maximum(guess, lo), hi))
     return torch.where(tight & ~done, torch.maximum(lo, hi - 0.3 * (hi - lo)), lo)
 
 
 def _pass(t, u, lo, hi, tau, done, tight, alpha):
     """One threshold pass at t and the update from it; tight as the kernel carries it
-    (hi keeps its tightness while no pass moves it)."""
+    (hi keeps its tightness while no pass moves it); and the pass's `_model_root`."""
     hi_before = hi
-    lo, hi, tau, done, tight_t = _update(t, _moments((u - t[:, None]).clamp(min=0), alpha),
-                                         lo, hi, tau, done, alpha)
-    return lo, hi, tau, done, tight_t | (tight & (hi_before == hi))
+    sums = _moments((u - t[:, None]).clamp(min=0), alpha)
+    lo, hi, tau, done, tight_t = _update(t, sums, lo, hi, tau, done, alpha)
+    return lo, hi, tau, done, tight_t | (tight & (hi_before == hi)), _model_root(t, sums, alpha)
 
 
 def emulate_block(u, alpha):
@@ -130,8 +143,10 @@ def emulate_block(u, alpha):
     done = torch.zeros(rows, dtype=torch.bool)
     tight = torch.zeros(rows, dtype=torch.bool)
     mid = 0.5 * (lo + hi)
-    lo, hi, tau, done, tight = _pass(lo, u, lo, hi, tau, done, tight, alpha)
-    lo, hi, tau, done, tight = _pass(mid, u, lo, hi, tau, done, tight, alpha)
+    a_mid = _moments((u - mid[:, None]).clamp(min=0), alpha)[0]
+    lo, hi, tau, done, tight, guess_lo = _pass(lo, u, lo, hi, tau, done, tight, alpha)
+    lo, hi, tau, done, tight, guess_mid = _pass(mid, u, lo, hi, tau, done, tight, alpha)
+    guess = torch.where(a_mid >= 1.0, guess_mid, guess_lo)
     passes, visited = 1, []
     n_tiles = -(-u.shape[1] // BLOCK_N)
     padded = torch.nn.functional.pad(u, (0, n_tiles * BLOCK_N - u.shape[1]), value=-float("inf"))
@@ -145,8 +160,8 @@ def emulate_block(u, alpha):
             flagged = tile_max > lo[:, None]
             t = lo
         else:
-            t = _trial_point(lo, hi, done, tight)
-        lo, hi, tau, done, tight = _pass(t, u, lo, hi, tau, done, tight, alpha)
+            t = _trial_point(lo, hi, done, tight, guess, alpha)
+        lo, hi, tau, done, tight, guess = _pass(t, u, lo, hi, tau, done, tight, alpha)
         passes += 1
     tau = torch.where(done, tau, lo)
     return tau, passes, first_visited, (sum(visited) / len(visited) if visited else 0.0)

@@ -57,8 +57,8 @@ VARIANTS = {
     "no_reflag": [(_REFLAG, "n_listed, am1, inv_am1, b_lo, b_lo, b_hi, b_tau, m_done, False, BLOCK_M,")],
     # every later pass at the lower bound, as before `_trial_point`: what the trial point
     # near alpha 1.5's tight upper bound saves
-    "lower_bound_trials": [("_trial_point(b_lo, b_hi, m_done, m_tight), b_lo, b_hi,",
-                            "b_lo, b_lo, b_hi,")],
+    "lower_bound_trials": [("_trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND),",
+                            "b_lo,")],
     # every tile flagged without the reduction: on random scores, where every tile holds
     # weight anyway, the difference to "kernel" is what the max pass's flags cost
     "max_flags_all": [(_MAX_FLAG, "    tl.store(p_flags + start_n // BLOCK_N, 1)\n")],

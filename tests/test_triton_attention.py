@@ -663,10 +663,12 @@ def test_forward_variants_still_edit_the_kernel(tmp_path):
         assert (kernel is attention_fwd.entmax_attn_fwd_kernel) == (not edits), name
 
 
-def test_trial_points_below_the_upper_bound_stay_exact():
-    """alpha 1.5 on long rows of random scores: blocks need three or more threshold passes,
-    and the passes after the second evaluate rows near their closed-form upper bound
-    (`_trial_point`), which may lie right of tau. The float32 emulation of the passes
+@pytest.mark.parametrize("alpha", [1.5, 1.25])
+def test_trial_points_inside_the_bracket_stay_exact(alpha):
+    """Long rows of random scores: blocks need three or more threshold passes, and the
+    passes after the second evaluate rows inside the bracket rather than at its lower end
+    (`_trial_point`: alpha 1.5 near its closed-form upper bound, general alpha at its
+    model's root), points that may lie right of tau. The float32 emulation of the passes
     (bench/bench_attention_passes.py) confirms that these scores take that path; the
     kernel's forward and gradients must match float64."""
     import importlib.util
@@ -679,19 +681,24 @@ def test_trial_points_below_the_upper_bound_stay_exact():
     spec = importlib.util.spec_from_file_location("bench_attention_passes", path)
     passes = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(passes)
-    y = 0.5 * (q[0, 0] @ k[0, 0].T).cpu() * 0.25
+    y = (alpha - 1.0) * (q[0, 0] @ k[0, 0].T).cpu() * 0.25
     u = y - y.amax(-1, keepdim=True)
     moved = []
     trial_point = passes._trial_point
-    passes._trial_point = lambda lo, hi, done, tight: moved.append(bool((tight & ~done).any())) \
-        or trial_point(lo, hi, done, tight)
+
+    def recording_trial_point(lo, hi, done, *rest):
+        t = trial_point(lo, hi, done, *rest)
+        moved.append(bool((t != lo).any()))
+        return t
+
+    passes._trial_point = recording_trial_point
     with torch.device("cpu"):  # the emulation runs on the CPU whatever DEVICE is
-        assert passes.emulate_block(u, 1.5)[1] >= 3 and any(moved)
+        assert passes.emulate_block(u, alpha)[1] >= 3 and any(moved)
 
     grad_out = torch.randn(1, 2, lq, e)
-    out, grads = _grads(lambda *t: _triton_attention(*t, alpha=1.5), [q, k, v], grad_out)
-    _, ref_grads = _grads(lambda *t: reference_attention(*t, alpha=1.5),
+    out, grads = _grads(lambda *t: _triton_attention(*t, alpha=alpha), [q, k, v], grad_out)
+    _, ref_grads = _grads(lambda *t: reference_attention(*t, alpha=alpha),
                           [t.double() for t in (q, k, v)], grad_out)
-    assert _err(out, oracle_attention(q, k, v, alpha=1.5)) <= 1e-5
+    assert _err(out, oracle_attention(q, k, v, alpha=alpha)) <= 1e-5
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert _err(got, want) <= 1e-4, name

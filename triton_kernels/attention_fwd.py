@@ -14,7 +14,9 @@ scaled, masked scores and u = (alpha - 1)(z - max z), the threshold tau lies in 
    closed-form root on the support at t, which *is* tau when no score lies between t and
    that root (checked against the smallest positive d: an exact certificate). Passes
    repeat until every row of the block is exact or its Newton step is below TAU_STEP_TOL
-   (at most MAX_TAU_PASSES); bench/bench_attention_passes.py counts them;
+   (at most MAX_TAU_PASSES); from the third on, alpha 1.5's rows are evaluated just below
+   their closed-form upper bound (`_trial_point`); bench/bench_attention_passes.py counts
+   them;
 3. the threshold passes visit only the flagged tiles, so on local attention every pass
    after the maximum touches only the tiles near each query. The second threshold pass
    rewrites the flags to the tiles holding a score above its t (the lower bound of tau
@@ -305,7 +307,24 @@ def _update_threshold(b_t, b_a, b_b, b_c, b_dmin, b_lo, b_hi, b_tau, m_done, am1
 
 
 @triton.jit
-def _trial_point(b_lo, b_hi, m_done, m_tight):
+def _model_root(b_t, b_a, b_b, am1, ALPHA_KIND: tl.constexpr):
+    """General alpha: the root of the model C (m - s)^e - 1 of f(t + s), fitted to the
+    `_moments` sums at t (f = a - 1, f' = -e b: m = a / b, C = a / m^e), i.e.
+    t + m (1 - a^(-1/e)). Far from tau it steps much further than Newton's tangent, which
+    ignores the curvature of d^e; it is a guess, not a bound (`_trial_point` clips it into
+    the bracket). Other kinds: t."""
+    if ALPHA_KIND == ALPHA_GENERAL:
+        m_fit = (b_b > 0) & (b_a > 0)
+        b_a_safe = tl.where(m_fit, b_a, 1.0)
+        b_shrink = 1.0 - tl.exp2(-am1 * tl.log2(b_a_safe))
+        b_guess = tl.where(m_fit, b_t + b_a_safe / tl.where(m_fit, b_b, 1.0) * b_shrink, b_t)
+    else:
+        b_guess = b_t
+    return b_guess
+
+
+@triton.jit
+def _trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND: tl.constexpr):
     """Where a later pass evaluates each row: inside the bracket, near hi where hi is tight
     (`_update_threshold`), at lo otherwise. Newton's lower bounds reach tau from the left
     and certify only once no score lies between them and tau, while alpha 1.5's closed-form
@@ -313,9 +332,17 @@ def _trial_point(b_lo, b_hi, m_done, m_tight):
     below it lands left of tau and past those scores more often, and one right of tau still
     lowers hi to it and raises lo to its closed-form root. The float32 emulation of the
     passes (bench/bench_attention_passes.py) counts 4.25 -> 3.75 passes per block of 64 rows
-    at L 4096 on random scores, 3.62 -> 3.12 on local ones. Rows that are done stay at tau."""
-    m_move = m_tight & ~m_done
-    return tl.where(m_move, tl.maximum(b_lo, b_hi - 0.3 * (b_hi - b_lo)), b_lo)
+    at L 4096 on random scores, 3.62 -> 3.12 on local ones. General alpha has no such
+    bound: its rows go to the `_model_root` of the last pass, clipped into [lo, hi] (left of
+    tau Newton's next lower bound starts nearer it, right of tau it is a tight upper bound):
+    8 -> 6 passes at alpha 1.25, 10 -> 5 at 1.1, 6.2 -> 6.0 at 1.5 in the emulation. Rows
+    that are done stay at tau."""
+    if ALPHA_KIND == ALPHA_GENERAL:
+        b_trial = tl.where(m_done, b_lo, tl.minimum(tl.maximum(b_guess, b_lo), b_hi))
+    else:
+        m_move = m_tight & ~m_done
+        b_trial = tl.where(m_move, tl.maximum(b_lo, b_hi - 0.3 * (b_hi - b_lo)), b_lo)
+    return b_trial
 
 
 @triton.jit
@@ -326,8 +353,8 @@ def _one_point_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
                     BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr,
                     ALPHA_KIND: tl.constexpr):
     """A threshold pass at every row's trial point t in [lo, hi] and the bracket's update
-    from it: (lo, hi, tau, done, tight), as `_update_threshold`. REFLAG needs t = lo, a lower
-    bound of tau."""
+    from it: (lo, hi, tau, done, tight), as `_update_threshold`, and the `_model_root` of its
+    sums. REFLAG needs t = lo, a lower bound of tau."""
     b_t0 = _threshold_in_z(b_t, inv_am1, ALPHA_KIND)
     b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_pass(
         b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full, q_len,
@@ -335,8 +362,9 @@ def _one_point_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
         n_listed, inv_am1, False, REFLAG, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND,
         ALPHA_KIND)
     b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
-    return _update_threshold(b_t, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi, b_tau, m_done, am1,
-                             ALPHA_KIND)
+    b_lo, b_hi, b_tau, m_done, m_tight = _update_threshold(
+        b_t, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi, b_tau, m_done, am1, ALPHA_KIND)
+    return b_lo, b_hi, b_tau, m_done, m_tight, _model_root(b_t, b_a0, b_b0, am1, ALPHA_KIND)
 
 
 @triton.jit
@@ -372,6 +400,9 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
     b_lo, b_hi, b_tau, m_done, m_tight_mid = _update_threshold(
         b_mid, b_a1, b_b1, b_c1, b_n1, b_lo, b_hi, b_tau, m_done, am1, ALPHA_KIND)
     m_tight = m_tight_mid | (m_tight & (b_hi_before == b_hi))
+    # general alpha's model, fitted at the nearer of the first pass's two points left of tau
+    b_guess = tl.where(b_a1 >= 1.0, _model_root(b_mid, b_a1, b_b1, am1, ALPHA_KIND),
+                       _model_root(tl.zeros_like(b_mid), b_a0, b_b0, am1, ALPHA_KIND))
     n_pass = 1
     if tl.max(tl.where(m_done, 0, 1), 0) > 0:
         # The second pass alone rewrites the flags, at the lower bound the first one found:
@@ -380,7 +411,7 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
         # own compile of the pass (REFLAG), so that the later passes' loop carries none of
         # it (sm_90, bf16, E 64, alpha 1.5: 13.4 -> 12.5 instructions per score).
         b_hi_before = b_hi
-        b_lo, b_hi, b_tau, m_done, m_tight_lo = _one_point_pass(
+        b_lo, b_hi, b_tau, m_done, m_tight_lo, b_guess = _one_point_pass(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
             q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows, p_flags, p_tiles,
             n_listed, am1, inv_am1, b_lo, b_lo, b_hi, b_tau, m_done, True, BLOCK_M, BLOCK_N,
@@ -392,11 +423,12 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
         n_pass = 2
     while (tl.max(tl.where(m_done, 0, 1), 0) > 0) & (n_pass < MAX_TAU_PASSES_C):
         b_hi_before = b_hi
-        b_lo, b_hi, b_tau, m_done, m_tight_t = _one_point_pass(
+        b_lo, b_hi, b_tau, m_done, m_tight_t, b_guess = _one_point_pass(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
             q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows, p_flags, p_tiles,
-            n_listed, am1, inv_am1, _trial_point(b_lo, b_hi, m_done, m_tight), b_lo, b_hi,
-            b_tau, m_done, False, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
+            n_listed, am1, inv_am1, _trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND),
+            b_lo, b_hi, b_tau, m_done, False, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND,
+            ALPHA_KIND)
         m_tight = m_tight_t | (m_tight & (b_hi_before == b_hi))
         n_pass += 1
     # rows still open after MAX_TAU_PASSES: the last lower bound (a Newton step). From here
