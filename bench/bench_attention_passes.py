@@ -63,7 +63,7 @@ def _moments(d, alpha):
     return a, b, c, dmin
 
 
-def _update(t, sums, lo, hi, tau, done, alpha):
+def _update(t, sums, lo, hi, tau, done, tight, alpha):
     """float32 twin of attention_fwd._update_threshold; returns (lo, hi, tau, done, tight)."""
     a, b, c, dmin = sums
     f = a - 1.0
@@ -98,8 +98,12 @@ def _update(t, sums, lo, hi, tau, done, alpha):
     new = exact & ~done
     tau = torch.where(new, root, tau)
     lo_next = torch.where(new, root, torch.where(done, lo, lo_next))
-    tight = left & real & (hi_next < hi) if alpha == 1.5 else torch.zeros_like(left)
-    return lo_next, torch.where(done, hi, hi_next), tau, done | exact, tight
+    hi_out = torch.where(done, hi, hi_next)
+    if alpha == 1.5:
+        tight = (left & real & (hi_next < hi)) | (tight & (hi_out == hi))
+    else:
+        tight = torch.zeros_like(left)
+    return lo_next, hi_out, tau, done | exact, tight
 
 
 def _model_root(t, sums, alpha):
@@ -120,13 +124,14 @@ def _trial_point(lo, hi, done, tight, guess, alpha):
     return torch.where(tight & ~done, torch.maximum(lo, hi - 0.3 * (hi - lo)), lo)
 
 
-def _pass(t, u, lo, hi, tau, done, tight, alpha):
-    """One threshold pass at t and the update from it; tight as the kernel carries it
-    (hi keeps its tightness while no pass moves it); and the pass's `_model_root`."""
-    hi_before = hi
-    sums = _moments((u - t[:, None]).clamp(min=0), alpha)
-    lo, hi, tau, done, tight_t = _update(t, sums, lo, hi, tau, done, alpha)
-    return lo, hi, tau, done, tight_t | (tight & (hi_before == hi)), _model_root(t, sums, alpha)
+def _pass(t, sums, lo, hi, tau, done, tight, alpha):
+    """The update from a threshold pass's sums at t, and the pass's `_model_root`."""
+    return (*_update(t, sums, lo, hi, tau, done, tight, alpha), _model_root(t, sums, alpha))
+
+
+def _sums_at(u, t, alpha):
+    """`_moments` of the shifted rows u at every row's trial point t."""
+    return _moments((u - t[:, None]).clamp(min=0), alpha)
 
 
 def emulate_block(u, alpha):
@@ -143,10 +148,10 @@ def emulate_block(u, alpha):
     done = torch.zeros(rows, dtype=torch.bool)
     tight = torch.zeros(rows, dtype=torch.bool)
     mid = 0.5 * (lo + hi)
-    a_mid = _moments((u - mid[:, None]).clamp(min=0), alpha)[0]
-    lo, hi, tau, done, tight, guess_lo = _pass(lo, u, lo, hi, tau, done, tight, alpha)
-    lo, hi, tau, done, tight, guess_mid = _pass(mid, u, lo, hi, tau, done, tight, alpha)
-    guess = torch.where(a_mid >= 1.0, guess_mid, guess_lo)
+    s0, s1 = _sums_at(u, lo, alpha), _sums_at(u, mid, alpha)
+    lo, hi, tau, done, tight, guess_lo = _pass(lo, s0, lo, hi, tau, done, tight, alpha)
+    lo, hi, tau, done, tight, guess_mid = _pass(mid, s1, lo, hi, tau, done, tight, alpha)
+    guess = torch.where(s1[0] >= 1.0, guess_mid, guess_lo)
     passes, visited = 1, []
     n_tiles = -(-u.shape[1] // BLOCK_N)
     padded = torch.nn.functional.pad(u, (0, n_tiles * BLOCK_N - u.shape[1]), value=-float("inf"))
@@ -161,7 +166,8 @@ def emulate_block(u, alpha):
             t = lo
         else:
             t = _trial_point(lo, hi, done, tight, guess, alpha)
-        lo, hi, tau, done, tight, guess = _pass(t, u, lo, hi, tau, done, tight, alpha)
+        lo, hi, tau, done, tight, guess = _pass(t, _sums_at(u, t, alpha), lo, hi, tau, done,
+                                                tight, alpha)
         passes += 1
     tau = torch.where(done, tau, lo)
     return tau, passes, first_visited, (sum(visited) / len(visited) if visited else 0.0)

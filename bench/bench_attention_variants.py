@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 _CAP = "(n_pass < MAX_TAU_PASSES_C)"
 _MAX_FLAG = "    tl.store(p_flags + start_n // BLOCK_N, tl.max(m_near.to(tl.int8), 0))\n"
-_REFLAG = "n_listed, am1, inv_am1, b_lo, b_lo, b_hi, b_tau, m_done, True, BLOCK_M,"
+_REFLAG = "n_listed, am1, inv_am1, b_lo, b_lo, b_hi, b_tau, m_done, m_tight, True, BLOCK_M,"
 
 _ONE_POINT = ("b_t0, b_t0, m_rows, p_flags, p_tiles,\n"
               "        n_listed, inv_am1, False, REFLAG, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND,\n"
@@ -54,7 +54,7 @@ VARIANTS = {
     "cap2": [(_CAP, "(n_pass < 2)")],
     "cap3": [(_CAP, "(n_pass < 3)")],
     "cap4": [(_CAP, "(n_pass < 4)")],
-    "no_reflag": [(_REFLAG, "n_listed, am1, inv_am1, b_lo, b_lo, b_hi, b_tau, m_done, False, BLOCK_M,")],
+    "no_reflag": [(_REFLAG, "n_listed, am1, inv_am1, b_lo, b_lo, b_hi, b_tau, m_done, m_tight, False, BLOCK_M,")],
     # every later pass at the lower bound, as before `_trial_point`: what the trial point
     # near alpha 1.5's tight upper bound saves
     "lower_bound_trials": [("_trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND),",

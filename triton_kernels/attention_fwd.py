@@ -250,7 +250,7 @@ def _sums_in_u(b_a, b_b, b_c, b_dmin, am1, inv_am1, ALPHA_KIND: tl.constexpr):
 
 
 @triton.jit
-def _update_threshold(b_t, b_a, b_b, b_c, b_dmin, b_lo, b_hi, b_tau, m_done, am1,
+def _update_threshold(b_t, b_a, b_b, b_c, b_dmin, b_lo, b_hi, b_tau, m_done, m_tight, am1,
                       ALPHA_KIND: tl.constexpr):
     """Tighter bracket [lo, hi] of tau from the `_moments` sums at t, and tau where it is
     now known. f(tau) = sum [u - tau]_+^e - 1 is convex and decreasing, so a Newton step
@@ -258,8 +258,9 @@ def _update_threshold(b_t, b_a, b_b, b_c, b_dmin, b_lo, b_hi, b_tau, m_done, am1
     at t (alpha 2: linear, alpha 1.5: quadratic) is tau itself when no score lies between
     t and it (all positive d above the step); otherwise it bounds tau from below (alpha 2,
     or t right of the root) or from above (alpha 1.5, t left of the root). Rows in m_done
-    keep their tau. Returns (lo, hi, tau, done, tight): tight where hi is now the closed-form
-    root of a point left of tau (alpha 1.5), an upper bound that lies close above tau."""
+    keep their tau. Returns (lo, hi, tau, done, tight): tight where hi is the closed-form root
+    of a point left of tau (alpha 1.5), an upper bound that lies close above tau: set by
+    this update, or kept from m_tight while hi does not move."""
     b_f = b_a - 1.0
     m_left = b_f >= 0
     b_bs = tl.where(b_b > 0, b_b, 1.0)
@@ -299,11 +300,12 @@ def _update_threshold(b_t, b_a, b_b, b_c, b_dmin, b_lo, b_hi, b_tau, m_done, am1
     b_tau = tl.where(m_new, b_root, b_tau)
     # a row that is done is evaluated at its tau from now on: tight tile flags
     b_lo_next = tl.where(m_new, b_root, tl.where(m_done, b_lo, b_lo_next))
+    b_hi_out = tl.where(m_done, b_hi, b_hi_next)
     if ALPHA_KIND == ALPHA_ENTMAX15:
-        m_tight = m_left & m_real & (b_hi_next < b_hi)
+        m_tight = (m_left & m_real & (b_hi_next < b_hi)) | (m_tight & (b_hi_out == b_hi))
     else:
         m_tight = tl.zeros_like(m_left)
-    return b_lo_next, tl.where(m_done, b_hi, b_hi_next), b_tau, m_done | m_exact, m_tight
+    return b_lo_next, b_hi_out, b_tau, m_done | m_exact, m_tight
 
 
 @triton.jit
@@ -349,7 +351,7 @@ def _trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND: tl.constexpr)
 def _one_point_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                     n_full, q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows,
                     p_flags, p_tiles, n_listed, am1, inv_am1, b_t, b_lo, b_hi, b_tau, m_done,
-                    REFLAG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    m_tight, REFLAG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr,
                     ALPHA_KIND: tl.constexpr):
     """A threshold pass at every row's trial point t in [lo, hi] and the bracket's update
@@ -363,7 +365,7 @@ def _one_point_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
         ALPHA_KIND)
     b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
     b_lo, b_hi, b_tau, m_done, m_tight = _update_threshold(
-        b_t, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi, b_tau, m_done, am1, ALPHA_KIND)
+        b_t, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi, b_tau, m_done, m_tight, am1, ALPHA_KIND)
     return b_lo, b_hi, b_tau, m_done, m_tight, _model_root(b_t, b_a0, b_b0, am1, ALPHA_KIND)
 
 
@@ -395,11 +397,10 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
     b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
     b_a1, b_b1, b_c1, b_n1 = _sums_in_u(b_a1, b_b1, b_c1, b_n1, am1, inv_am1, ALPHA_KIND)
     b_lo, b_hi, b_tau, m_done, m_tight = _update_threshold(
-        b_lo, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi, b_tau, m_done, am1, ALPHA_KIND)
-    b_hi_before = b_hi
-    b_lo, b_hi, b_tau, m_done, m_tight_mid = _update_threshold(
-        b_mid, b_a1, b_b1, b_c1, b_n1, b_lo, b_hi, b_tau, m_done, am1, ALPHA_KIND)
-    m_tight = m_tight_mid | (m_tight & (b_hi_before == b_hi))
+        b_lo, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi, b_tau, m_done, tl.zeros_like(m_done), am1,
+        ALPHA_KIND)
+    b_lo, b_hi, b_tau, m_done, m_tight = _update_threshold(
+        b_mid, b_a1, b_b1, b_c1, b_n1, b_lo, b_hi, b_tau, m_done, m_tight, am1, ALPHA_KIND)
     # general alpha's model, fitted at the nearer of the first pass's two points left of tau
     b_guess = tl.where(b_a1 >= 1.0, _model_root(b_mid, b_a1, b_b1, am1, ALPHA_KIND),
                        _model_root(tl.zeros_like(b_mid), b_a0, b_b0, am1, ALPHA_KIND))
@@ -410,26 +411,22 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
         # them, on an H100), and the later passes' higher bounds drop few more tiles. In its
         # own compile of the pass (REFLAG), so that the later passes' loop carries none of
         # it (sm_90, bf16, E 64, alpha 1.5: 13.4 -> 12.5 instructions per score).
-        b_hi_before = b_hi
-        b_lo, b_hi, b_tau, m_done, m_tight_lo, b_guess = _one_point_pass(
+        b_lo, b_hi, b_tau, m_done, m_tight, b_guess = _one_point_pass(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
             q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows, p_flags, p_tiles,
-            n_listed, am1, inv_am1, b_lo, b_lo, b_hi, b_tau, m_done, True, BLOCK_M, BLOCK_N,
-            BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
-        m_tight = m_tight_lo | (m_tight & (b_hi_before == b_hi))
+            n_listed, am1, inv_am1, b_lo, b_lo, b_hi, b_tau, m_done, m_tight, True, BLOCK_M,
+            BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
         tl.debug_barrier()
         n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
         tl.debug_barrier()
         n_pass = 2
     while (tl.max(tl.where(m_done, 0, 1), 0) > 0) & (n_pass < MAX_TAU_PASSES_C):
-        b_hi_before = b_hi
-        b_lo, b_hi, b_tau, m_done, m_tight_t, b_guess = _one_point_pass(
+        b_lo, b_hi, b_tau, m_done, m_tight, b_guess = _one_point_pass(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
             q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows, p_flags, p_tiles,
             n_listed, am1, inv_am1, _trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND),
-            b_lo, b_hi, b_tau, m_done, False, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND,
-            ALPHA_KIND)
-        m_tight = m_tight_t | (m_tight & (b_hi_before == b_hi))
+            b_lo, b_hi, b_tau, m_done, m_tight, False, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC,
+            MASK_KIND, ALPHA_KIND)
         n_pass += 1
     # rows still open after MAX_TAU_PASSES: the last lower bound (a Newton step). From here
     # on the tiles' threshold (`_threshold_in_z`), which the statistics store too.
