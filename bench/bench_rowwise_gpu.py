@@ -167,36 +167,60 @@ def _write(rows, out_dir):
         f.write("\n".join(lines) + "\n")
 
 
-def sweep(lengths=(128, 512, 1024, 2048, 4096, 8192, 32768)):
-    """Forward ms of each `tile_config` entry at 16384×1024-sized problems and its neighbours
-    (rows per program ×½, ×2; warps ×¼, ×½, ×2), fp32, for α = 1.5 and 1.3. Warps ×¼: at
-    1024 entries one warp per row needs no barrier in a pass's reductions, and its sm_90
-    SASS holds 11.5 instructions per entry and pass (entmax15) against 24.6 at the table's 4
-    warps (`bench/kernel_loops.py`, docs/gpu.md, fourth session)."""
+SWEEP_LENGTHS = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+SWEEP_ALPHAS = (1.5, 2.0, 1.3)
+
+
+def _sweep_candidates(n_cols: int, base: dict) -> list[dict]:
+    """The table's entry `base` first, then its neighbours (rows per program ×½, ×2; warps
+    ×¼, ×½, ×2) and, where the α kinds' tables differ (rows longer than the shortest
+    resident limit), each kind's choice: resident on 16 warps up to the longest resident
+    row, chunked on 4 and 8 warps. Warps ×¼: at 1024 entries one warp per row needs no
+    barrier in a pass's reductions, and its sm_90 SASS holds 11.5 instructions per entry
+    and pass (entmax15) against 24.6 at the table's 4 warps (`bench/kernel_loops.py`,
+    docs/gpu.md, fourth session). Resident tiles hold at most as many entries per thread
+    as the table's largest."""
+    from entmax_fast.triton_kernels.rowwise import CHUNK_BLOCK, RESIDENT_MAX_COLS, tile_config
+
+    def per_thread(cfg):
+        return cfg["ROWS"] * cfg["BLOCK"] // (32 * cfg["num_warps"])
+
+    most_per_thread = max(per_thread(tile_config(limit, kind)) for kind, limit in RESIDENT_MAX_COLS.items())
+    candidates = [base]
+    if n_cols > min(RESIDENT_MAX_COLS.values()):
+        if n_cols <= max(RESIDENT_MAX_COLS.values()):
+            block = 1 << (n_cols - 1).bit_length()
+            candidates.append({"ROWS": 1, "BLOCK": block, "RESIDENT": True, "num_warps": 16})
+        candidates += [{"ROWS": 1, "BLOCK": CHUNK_BLOCK, "RESIDENT": False, "num_warps": warps} for warps in (4, 8)]
+    for rows_factor, warps_factor in ((0.5, 1), (2, 1), (1, 0.25), (1, 0.5), (1, 2)):
+        cand = dict(base, ROWS=int(base["ROWS"] * rows_factor), num_warps=int(base["num_warps"] * warps_factor))
+        if cand["ROWS"] >= 1 and 1 <= cand["num_warps"] <= 32 and (cand["RESIDENT"] or cand["ROWS"] == 1):
+            candidates.append(cand)
+    unique = []
+    for cand in candidates:
+        if cand not in unique and (not cand["RESIDENT"] or per_thread(cand) <= most_per_thread):
+            unique.append(cand)
+    return unique
+
+
+def sweep(lengths=SWEEP_LENGTHS, alphas=SWEEP_ALPHAS):
+    """Forward ms of each `tile_config` entry at 16384×1024-sized problems and of its
+    neighbours (`_sweep_candidates`), fp32, for each α (one per α kind: the table keys on
+    it)."""
     import triton
 
+    from entmax_fast import common
     from entmax_fast.backends.triton import rowwise
     from entmax_fast.triton_kernels.rowwise import tile_config
 
     for n_cols in lengths:
         n_rows = max(1, 16384 * 1024 // n_cols)
         x = torch.randn(n_rows, n_cols, device="cuda")
-        base = tile_config(n_cols)
-        candidates = [base]
-        if not base["RESIDENT"]:
-            # a chunked row is read from memory on every pass (128 MB a pass at 1024×32768
-            # fp32, more than L2 holds); resident on 16 or 32 warps it is read once
-            block = 1 << (n_cols - 1).bit_length()
-            candidates += [{"ROWS": 1, "BLOCK": block, "RESIDENT": True, "num_warps": warps}
-                           for warps in (16, 32)]
-        for rows_factor, warps_factor in ((0.5, 1), (2, 1), (1, 0.25), (1, 0.5), (1, 2)):
-            cand = dict(base, ROWS=int(base["ROWS"] * rows_factor), num_warps=int(base["num_warps"] * warps_factor))
-            if cand["ROWS"] >= 1 and 1 <= cand["num_warps"] <= 32 and (cand["RESIDENT"] or cand["ROWS"] == 1):
-                candidates.append(cand)
-        for alpha in (1.5, 1.3):
+        for alpha in alphas:
+            candidates = _sweep_candidates(n_cols, tile_config(n_cols, common.alpha_kind(alpha)))
             for cand in candidates:
                 ms = triton.testing.do_bench(lambda: rowwise._forward(x, alpha, config=cand), return_mode="median")
-                mark = "  (table)" if cand is base else ""
+                mark = "  (table)" if cand is candidates[0] else ""
                 print(f"n={n_cols:>6} alpha={alpha} rows={cand['ROWS']:>3} block={cand['BLOCK']:>5} "
                       f"warps={cand['num_warps']:>2} resident={cand['RESIDENT']}: {ms:.4f} ms{mark}", flush=True)
 
@@ -205,8 +229,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join("bench", "out", "gpu"))
     parser.add_argument("--sweep", action="store_true", help="also time neighbours of each table configuration")
-    parser.add_argument("--sweep-lengths", type=int, nargs="+",
-                        default=[128, 512, 1024, 2048, 4096, 8192, 32768])
+    parser.add_argument("--sweep-lengths", type=int, nargs="+", default=list(SWEEP_LENGTHS))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_rowwise_gpu: needs a CUDA device (none here); nothing measured")

@@ -3,7 +3,7 @@ shared memory (triton_kernels/aot.py, docs/checking.md item 2); spills are print
 diagnostic, not failed (time on a GPU is the measure, docs/gpu.md).
 
 One test per kernel module, so a module that fails or hangs does not hide the others.
-The modules list 297 (row-wise) and 936 + 840 (attention) configurations, so CI compiles
+The modules list 330 (row-wise) and 936 + 840 (attention) configurations, so CI compiles
 a covering sample in which every option value (dtype, head dim, alpha kind, mask kind,
 varlen, dropout, ...) occurs at least once; ENTMAX_FAST_AOT_SAMPLE=pairs covers every pair
 of values, ENTMAX_FAST_AOT_FULL=1 compiles everything.

@@ -34,8 +34,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.i
 
 ALPHAS = [1.0, 1.25, 1.5, 2.0, 3.0]
 LENGTHS = [1, 2, 63, 1000, 5000]
-# Rows longer than RESIDENT_MAX_COLS are swept in chunks; a small chunk puts short rows
-# through that path as well (several chunks, a ragged last one).
+# Rows longer than RESIDENT_MAX_COLS of their α kind are swept in chunks; a small chunk puts
+# short rows through that path as well (several chunks, a ragged last one).
 CHUNKED = {"ROWS": 1, "BLOCK": 64, "RESIDENT": False, "num_warps": 4}
 BF16_ULP = 2.0 ** -8  # one ulp of bf16 values in [0.5, 1)
 # (dtype, atol on p, atol on the sum of p). fp32: the threshold is found to |Σp − 1| ≤ 1e-6
@@ -121,12 +121,26 @@ def test_several_rows_per_program(alpha):
 
 @pytest.mark.parametrize("alpha", [1.5, 1.3])
 def test_rows_longer_than_resident(alpha):
-    n = kernels.RESIDENT_MAX_COLS + 77
-    assert not kernels.tile_config(n)["RESIDENT"]
+    kind = common.alpha_kind(alpha)
+    n = kernels.RESIDENT_MAX_COLS[kind] + 77
+    assert not kernels.tile_config(n, kind)["RESIDENT"]
     x = torch.randn(2, n, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     x[1, ::5] = -math.inf
     p = rowwise.entmax_forward(x, alpha)
     _check_forward(p, x, alpha, 2e-6, 2e-6)
+
+
+@pytest.mark.parametrize("alpha", [1.5, 2.0])
+@pytest.mark.parametrize("n", [9000, 20000])
+def test_long_resident_rows_of_closed_forms(n, alpha):
+    """Sparsemax and entmax15 keep rows of up to 32768 entries resident on 16 warps (the
+    general kind chunks them): forward and backward of that tile against float64."""
+    _, num_warps, tile = rowwise._launch_config(n, common.alpha_kind(alpha))
+    assert tile["RESIDENT"] and num_warps == 16
+    x = _rows(n, torch.float32, seed=14)
+    _check_forward(rowwise.entmax_forward(x, alpha), x, alpha, 2e-6, 2e-6)
+    p, g = _backward_case(n, alpha, seed=15)
+    _check_backward(p, g, alpha, 2e-5)
 
 
 @pytest.mark.parametrize("dtype, atol, sum_atol", FWD_TOLS)
@@ -427,20 +441,48 @@ def test_backward_matches_finite_differences():
         torch.testing.assert_close(dx.double().cpu(), fd, atol=1e-4, rtol=0)
 
 
-def test_config_table():
-    """Every length gets a tile that holds the row (resident) or a chunked sweep, with
-    at most 32 fp32 entries per thread; every configuration is in the AOT list."""
+KINDS = [common.ALPHA_GENERAL, common.ALPHA_SOFTMAX, common.ALPHA_ENTMAX15, common.ALPHA_SPARSEMAX]
+CLOSED_FORM_KINDS = [common.ALPHA_ENTMAX15, common.ALPHA_SPARSEMAX]
+TABLE_LENGTHS = [1, 2, 15, 16, 17, 100, 1024, 1025, 2048, 5000, 8192, 8193, 16384, 16385, 32768, 32769, 10 ** 6]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_config_table(kind):
+    """Every length gets a tile that holds the row (resident) or a chunked sweep, with at
+    most 32 fp32 entries per thread (64 for the closed forms' rows above 8192); every
+    configuration is in the AOT list of its kind, under the kernel's α kind."""
     listed = {(c["constexprs"]["ROWS"], c["constexprs"]["BLOCK"], c["constexprs"]["RESIDENT"], c["num_warps"])
-              for c in kernels.aot_configs()}
-    for n in [1, 2, 15, 16, 17, 100, 1024, 1025, 2048, 5000, kernels.RESIDENT_MAX_COLS,
-              kernels.RESIDENT_MAX_COLS + 1, 10 ** 6]:
-        cfg = kernels.tile_config(n)
+              for c in kernels.aot_configs() if c["constexprs"]["ALPHA_KIND"] == kind}
+    for n in TABLE_LENGTHS:
+        cfg = kernels.tile_config(n, kind)
         assert (cfg["ROWS"], cfg["BLOCK"], cfg["RESIDENT"], cfg["num_warps"]) in listed
         if cfg["RESIDENT"]:
             assert cfg["BLOCK"] >= n and cfg["BLOCK"] < max(32, 2 * n)
-            assert cfg["ROWS"] * cfg["BLOCK"] // (32 * cfg["num_warps"]) <= 32
+            per_thread = cfg["ROWS"] * cfg["BLOCK"] // (32 * cfg["num_warps"])
+            assert per_thread <= (64 if kind in CLOSED_FORM_KINDS and n > 8192 else 32)
         else:
-            assert n > kernels.RESIDENT_MAX_COLS
+            assert n > kernels.RESIDENT_MAX_COLS[kind]
+
+
+def test_config_table_by_kind():
+    """Up to 8192 entries every kind takes one configuration. Above, sparsemax and entmax15
+    rows stay resident on 16 warps up to 32768 entries and are chunked by 4 warps beyond;
+    general-kind rows are chunked by 4 warps up to WIDE_CHUNK_COLS and by 8 beyond, softmax
+    rows by 4 (docs/gpu.md, eighth and ninth sessions: the H200 sweeps at 16384 and 32768)."""
+    for n in range(1, 8193):
+        assert all(kernels.tile_config(n, kind) == kernels.tile_config(n, common.ALPHA_GENERAL) for kind in KINDS)
+    chunked = {"ROWS": 1, "BLOCK": kernels.CHUNK_BLOCK, "RESIDENT": False}
+    for n in (8193, 16384, 32768):
+        for kind in CLOSED_FORM_KINDS:
+            assert kernels.tile_config(n, kind) == {"ROWS": 1, "BLOCK": 1 << (n - 1).bit_length(), "RESIDENT": True,
+                                                    "num_warps": 16}
+        assert kernels.tile_config(n, common.ALPHA_GENERAL) == dict(
+            chunked, num_warps=8 if n > kernels.WIDE_CHUNK_COLS else 4)
+        assert kernels.tile_config(n, common.ALPHA_SOFTMAX) == dict(chunked, num_warps=4)
+    for kind in CLOSED_FORM_KINDS:
+        assert kernels.tile_config(32769, kind) == dict(chunked, num_warps=4)
+    assert kernels.tile_config(16384, common.ALPHA_GENERAL)["num_warps"] == 4
+    assert kernels.tile_config(16385, common.ALPHA_GENERAL)["num_warps"] == 8
 
 
 def test_bad_tuning_arguments_are_named():
@@ -491,17 +533,43 @@ def test_shared_alpha_tensor_is_left_as_filled():
     torch.testing.assert_close(rowwise.entmax_forward(x, 1.3), p, atol=0, rtol=0)
 
 
-def test_launch_config_is_the_tile_table_read_only():
-    for n in [1, 2, 15, 16, 17, 100, 1024, 1025, 2048, 5000, kernels.RESIDENT_MAX_COLS,
-              kernels.RESIDENT_MAX_COLS + 1, 10 ** 6]:
-        cfg = dict(kernels.tile_config(n))
-        rows, num_warps, tile = rowwise._launch_config(n)
+@pytest.mark.parametrize("kind", KINDS)
+def test_launch_config_is_the_tile_table_read_only(kind):
+    for n in TABLE_LENGTHS:
+        cfg = dict(kernels.tile_config(n, kind))
+        rows, num_warps, tile = rowwise._launch_config(n, kind)
         assert rows == cfg["ROWS"] and num_warps == cfg.pop("num_warps") and dict(tile) == cfg
         with pytest.raises(TypeError):
             tile["BLOCK"] = 1
     # The block is the next power of two, as triton.next_power_of_2 gives it.
     for n in range(1, 4097):
-        assert kernels.tile_config(n)["BLOCK"] == max(16, triton.next_power_of_2(n))
+        assert kernels.tile_config(n, kind)["BLOCK"] == max(16, triton.next_power_of_2(n))
+
+
+@pytest.mark.parametrize("alpha", [2.0, 1.5, 1.3, 1.0, "per-row"])
+def test_backward_launches_the_forward_tiling(monkeypatch, alpha):
+    """The backward of a row takes the configuration its forward took (same length, same α
+    kind), at lengths where the kinds' tables differ."""
+    launches = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(
+                (self.kernel, grid, kwargs["num_warps"], {k: kwargs[k] for k in ("ROWS", "BLOCK", "RESIDENT")}))
+
+    monkeypatch.setattr(rowwise, "entmax_rowwise_fwd_kernel", Recorder("fwd"))
+    monkeypatch.setattr(rowwise, "entmax_rowwise_bwd_kernel", Recorder("bwd"))
+    if alpha == "per-row":
+        alpha = torch.full((2,), 1.5, device=DEVICE)
+    for n in (100, 16384, 32768, 40000):
+        x = torch.randn(2, n, device=DEVICE)
+        rowwise._forward(x, alpha)
+        rowwise.entmax_backward(x, x, alpha, isinstance(alpha, torch.Tensor))
+        (fwd, *forward), (bwd, *backward) = launches[-2:]
+        assert (fwd, bwd) == ("fwd", "bwd") and forward == backward
 
 
 @pytest.mark.parametrize("n_rows", [1, 2, 3, 4, 5, 8, 9, 1000])

@@ -11,12 +11,13 @@ the row-wise mappings"):
 holds to 1e-7 relative. The root lies in ``c ∈ [min(1, n^{−t}), max(1, n^{−t})]``.
 
 Forward (`entmax_rowwise_fwd_kernel`): a program takes ROWS rows. Rows of at most
-RESIDENT_MAX_COLS entries are read from memory once and kept in registers while c is found
-("resident"); every iteration is a pass over the on-chip row, a few operations per entry.
-Longer rows are swept in chunks of BLOCK (one row per program) and every iteration reads
-the row again (mostly from L2), summing the chunks' terms entry by entry and reducing them
-across the warps once per iteration (`_pass_terms`, `_sum_terms`). Iterations, all
-starting from c = 1 (the top entry alone):
+RESIDENT_MAX_COLS[α kind] entries (32768 for sparsemax and entmax15, 8192 for the other
+kinds) are read from memory once and kept in registers while c is found ("resident");
+every iteration is a pass over the on-chip row, a few operations per entry. Longer rows
+are swept in chunks of BLOCK (one row per program) and every iteration reads the row again
+(mostly from L2), summing the chunks' terms entry by entry and reducing them across the
+warps once per iteration (`_pass_terms`, `_sum_terms`). Iterations, all starting from
+c = 1 (the top entry alone):
 
 - α = 2 (sparsemax): Michelot's exact support update ``c ← c − (Σ_S d − 1)/|S|`` with
   d = c + u and S = {d > 0}. From c = 1 it decreases monotonically to c*; it is exact and
@@ -56,8 +57,12 @@ Backward (`entmax_rowwise_bwd_kernel`, docs/maths.md, "Backward"): resident rows
 once; dα (when asked, "Gradient of alpha") from the same sums, in a regrouped form that
 stays accurate as α → 1.
 
-Configurations (rows per program, block, warps) come from `tile_config`, a table keyed
-on the row length: see its docstring for why a table and not triton.autotune.
+Configurations (rows per program, block, resident or chunked, warps) come from
+`tile_config`, a table keyed on the row length and the α kind: the kind decides how long a
+row stays resident, since a pass of the closed forms costs a few operations per entry and
+one of the general α a log2 and an exp2 more (see its docstring for the measurements, and
+for why a table and not triton.autotune). Forward and backward of one row length and kind
+run the same configuration.
 
 The launchers (allocation, grid, the α argument) are host code of the Triton backend,
 ``entmax_fast/backends/triton/rowwise.py``; this module holds what they launch and what
@@ -79,20 +84,36 @@ __all__ = [
     "entmax_rowwise_fwd_kernel",
     "entmax_rowwise_bwd_kernel",
     "RESIDENT_MAX_COLS",
+    "CHUNK_BLOCK",
+    "WIDE_CHUNK_COLS",
 ]
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 # 2!, 3!, …, 8!: Horner coefficients of the series Σ_k y^k / (k+2)! used by the backward
 _FACT = tl.constexpr((2.0, 6.0, 24.0, 120.0, 720.0, 5040.0, 40320.0))
 
-# Longest row kept in registers: 8192 entries over 16 warps are 16 fp32 per thread. At 16384
-# (32 per thread, the 128-register cap of 16 warps) the general-α forward and the dα
-# backward spill (AOT: 160 and 472 bytes of stack on sm_90).
-RESIDENT_MAX_COLS = 8192
-# Chunk of the swept rows, by 4 warps (16 per thread): pass 1 keeps four accumulators per
-# entry (max, finite count, NaN/+inf count, softmax sum); 4096 by 8 warps took 149
-# registers, 2048 by 8 warps a stack frame in the fp16/bf16 general-α forward (AOT).
+# Longest row kept in registers, per α kind (`tile_config` gives the reasons and figures).
+# 8192 entries over 16 warps are 16 fp32 per thread; at 16384 (32 per thread, the
+# 128-register cap of 16 warps) the general-α forward and the dα backward spill (AOT: 160
+# and 472 bytes of stack on sm_90). The closed forms stay resident up to 32768 (64 per
+# thread) although they spill there (AOT, fp32, sm_90: 296 bytes of stack in the entmax15
+# forward, 64 in sparsemax's, 72 and 88 in their backwards; none at 16384): a spill is
+# thread-local memory cached in L1, while a chunked row is read again on every pass.
+RESIDENT_MAX_COLS = {
+    common.ALPHA_SPARSEMAX: 32768,
+    common.ALPHA_ENTMAX15: 32768,
+    common.ALPHA_SOFTMAX: 8192,
+    common.ALPHA_GENERAL: 8192,
+}
+# Chunk of the swept rows (16 fp32 per thread by 4 warps, 8 by 8): pass 1 keeps four
+# accumulators per entry (max, finite count, NaN/+inf count, softmax sum); 4096 by 8 warps
+# took 149 registers (AOT).
 CHUNK_BLOCK = 2048
+# Chunked rows are swept by 4 warps, and the general kind's longer than WIDE_CHUNK_COLS by
+# 8, whose passes cost the most per entry (`tile_config`). By 8 warps its forward compiles
+# without a stack frame; its fp32 backward leaves 8 bytes (AOT: sm_90 without dα, sm_80
+# with it).
+WIDE_CHUNK_COLS = 16384
 DEFAULT_TOL = 1e-6
 DEFAULT_MAX_PASSES = 40
 
@@ -614,8 +635,9 @@ def entmax_rowwise_bwd_kernel(
 
 # ----------------------------------------------------------------------------- tile table
 
-def tile_config(n_cols: int) -> dict:
-    """(ROWS, BLOCK, RESIDENT, num_warps) for rows of n_cols entries, forward and backward.
+def tile_config(n_cols: int, alpha_kind: int) -> dict:
+    """(ROWS, BLOCK, RESIDENT, num_warps) for rows of n_cols entries of one α kind
+    (``entmax_fast.common.ALPHA_*``), forward and backward.
 
     A table, not triton.autotune: the kernels are bound by memory for every shape the rule
     below produces, so what matters is a rule that keeps each thread's share of the tile
@@ -625,12 +647,38 @@ def tile_config(n_cols: int) -> dict:
     exactly the configurations that can run. The rule: one row per program and at most 16
     fp32 entries per thread (one warp per 256 entries up to 512, 2 warps at 1024, measured
     on a GPU; 4 warps up to 2048 and, for a stack-free compile, at 4096 (32 per thread),
-    16 beyond) and resident rows up to RESIDENT_MAX_COLS; longer rows are swept in
-    CHUNK_BLOCK chunks by 4 warps. `bench/bench_rowwise_gpu.py --sweep` times the
-    neighbours of each entry on a GPU.
+    16 beyond) and resident rows up to RESIDENT_MAX_COLS[alpha_kind]; longer rows are swept
+    in CHUNK_BLOCK chunks by 4 warps, the general kind's beyond WIDE_CHUNK_COLS by 8. Up to
+    8192 entries every kind takes the same configuration.
+
+    The α kind sets the resident limit and the chunked warps because a pass costs different
+    work per entry. The eighth session's sweep (H200, docs/gpu.md; forward of 512 fp32 rows
+    of 32768 entries, ms):
+
+        α 1.5 (entmax15):        chunked 4 warps 0.166, resident 16 warps 0.106,
+                                 resident 32 warps 0.116, chunked 8 warps 0.159;
+        α 1.3 (general kind):    chunked 4 warps 0.233, resident 16 warps 0.645,
+                                 resident 32 warps 0.601, chunked 8 warps 0.186.
+
+    A chunked row is read again on every pass (64 MB a pass there, more than the H200's L2
+    holds); a resident one once. The closed forms' pass is a few operations per entry, so
+    resident on 16 warps wins although it spills at 32768 (AOT, sm_90: 296 bytes of stack
+    in the entmax15 forward, 64 in sparsemax's; none at 16384). The ninth session timed
+    the candidates at 16384 and 32768 in fp32 and bf16, forward and backward (H200,
+    docs/gpu.md): resident beats chunked on forward + backward for both closed forms at
+    both lengths and dtypes (sparsemax's fp32 forward 3.3× at 32768), although entmax15's
+    bf16 forward alone is 4-20 % slower resident. The general kind's pass (a log2 and an
+    exp2 per entry, the threshold as an fp32 pair) spills 872 bytes of stack resident on
+    16 warps and ran 2.8× slower than chunked, so it stays chunked above 8192; on 8 warps
+    above 16384 (forward + backward 0.275 against 0.335 ms at 32768 fp32), on 4 at 16384,
+    where 8 warps were 9 % slower. Softmax (one pass, no iteration) was not timed and
+    keeps the table it had. Forward and backward share the entry (the launchers key both
+    on length and kind). `bench/bench_rowwise_gpu.py --sweep` times the neighbours of each
+    entry on a GPU.
     """
-    if n_cols > RESIDENT_MAX_COLS:
-        return {"ROWS": 1, "BLOCK": CHUNK_BLOCK, "RESIDENT": False, "num_warps": 4}
+    if n_cols > RESIDENT_MAX_COLS[alpha_kind]:
+        wide = alpha_kind == common.ALPHA_GENERAL and n_cols > WIDE_CHUNK_COLS
+        return {"ROWS": 1, "BLOCK": CHUNK_BLOCK, "RESIDENT": False, "num_warps": 8 if wide else 4}
     # The next power of two >= n_cols, in plain integers (triton.next_power_of_2 is a
     # ConstexprFunction: microseconds per host call).
     block = max(16, 1 << (max(n_cols, 1) - 1).bit_length())
@@ -651,12 +699,16 @@ def tile_config(n_cols: int) -> dict:
     return {"ROWS": 1, "BLOCK": block, "RESIDENT": True, "num_warps": 4 if block <= 4096 else 16}
 
 
-def _config_blocks() -> list[int]:
-    """Every n_cols class `tile_config` distinguishes (one representative length each)."""
+def _config_blocks(alpha_kind: int) -> list[int]:
+    """Every n_cols class `tile_config` distinguishes for one α kind (one representative
+    length each)."""
     lengths = [16]
-    while lengths[-1] < RESIDENT_MAX_COLS:
+    while lengths[-1] < RESIDENT_MAX_COLS[alpha_kind]:
         lengths.append(lengths[-1] * 2)
-    return lengths + [RESIDENT_MAX_COLS + 1]
+    lengths.append(RESIDENT_MAX_COLS[alpha_kind] + 1)
+    if alpha_kind == common.ALPHA_GENERAL:
+        lengths.append(WIDE_CHUNK_COLS + 1)
+    return lengths
 
 
 # ----------------------------------------------------------------------------- AOT contract
@@ -677,8 +729,8 @@ def aot_configs() -> list[dict]:
     for dtype_key in DTYPE_KEYS.values():
         for alpha_kind in (common.ALPHA_GENERAL, common.ALPHA_SOFTMAX, common.ALPHA_ENTMAX15,
                            common.ALPHA_SPARSEMAX):
-            for n_cols in _config_blocks():
-                cfg = tile_config(n_cols)
+            for n_cols in _config_blocks(alpha_kind):
+                cfg = tile_config(n_cols, alpha_kind)
                 shape = {k: cfg[k] for k in ("ROWS", "BLOCK", "RESIDENT")}
                 tag = f"r{cfg['ROWS']}_b{cfg['BLOCK']}_{'res' if cfg['RESIDENT'] else 'chunk'}"
                 configs.append({

@@ -53,11 +53,11 @@ def _alpha_args(alpha, device):
 
 
 @functools.lru_cache(maxsize=None)
-def _launch_config(n_cols: int) -> tuple[int, int, types.MappingProxyType]:
-    """(ROWS, num_warps, the kernels' tile constexprs) of `tile_config`, once per length:
-    the table is fixed, and building it again each call is host time a small call's kernel
-    does not have. Read-only, as every call shares it."""
-    return _split_config(tile_config(n_cols))
+def _launch_config(n_cols: int, alpha_kind: int) -> tuple[int, int, types.MappingProxyType]:
+    """(ROWS, num_warps, the kernels' tile constexprs) of `tile_config`, once per length and
+    α kind: the table is fixed, and building it again each call is host time a small call's
+    kernel does not have. Read-only, as every call shares it."""
+    return _split_config(tile_config(n_cols, alpha_kind))
 
 
 def _split_config(config: dict) -> tuple[int, int, types.MappingProxyType]:
@@ -88,7 +88,7 @@ def _forward(x: torch.Tensor, alpha, tol: float = DEFAULT_TOL, max_passes: int =
     passes = torch.empty((n_rows,), dtype=torch.int32, device=x.device)
     if n_rows == 0 or n_cols == 0:
         return p, c.fill_(0.0), passes.fill_(0)
-    rows_per_program, num_warps, tile = _split_config(config) if config else _launch_config(n_cols)
+    rows_per_program, num_warps, tile = _split_config(config) if config else _launch_config(n_cols, kind)
     # Plain integer arithmetic: triton.cdiv is a ConstexprFunction, microseconds per call on the host.
     entmax_rowwise_fwd_kernel[((n_rows + rows_per_program - 1) // rows_per_program,)](
         x, p, c, passes, alpha_t, n_rows, n_cols, x.stride(0), p.stride(0), alpha_stride,
@@ -141,7 +141,7 @@ def entmax_backward(p: torch.Tensor, grad: torch.Tensor, alpha, need_alpha_grad:
     dalpha = torch.zeros((n_rows,), dtype=torch.float32, device=p.device) if need_alpha_grad else None
     if n_rows == 0 or n_cols == 0:
         return dx, dalpha
-    rows_per_program, num_warps, tile = _split_config(config) if config else _launch_config(n_cols)
+    rows_per_program, num_warps, tile = _split_config(config) if config else _launch_config(n_cols, kind)
     entmax_rowwise_bwd_kernel[((n_rows + rows_per_program - 1) // rows_per_program,)](
         p, grad, dx, dalpha if need_alpha_grad else alpha_t, alpha_t,
         n_rows, n_cols, p.stride(0), grad.stride(0), dx.stride(0), alpha_stride,
