@@ -59,6 +59,22 @@ VARIANTS = {
     # near alpha 1.5's tight upper bound saves
     "lower_bound_trials": [("_trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND),",
                             "b_lo,")],
+    # general alpha as before its upper bound (`_update_threshold`): no sum of base^(e-2),
+    # no bound, rows done once the Newton step is below the tolerance
+    "no_general_upper_bound": [
+        ("""        b_pw2 = tl.where(b_g > -1.0,
+                         tl.exp2((inv_am1 - 2.0) * log2_base(b_g, inv_am1, ALPHA_KIND)), 0.0)
+        b_pw = b_pw2 + b_pw2 * b_w
+        b_b = tl.sum(b_pw, 1)
+        b_a = b_b + tl.sum(b_pw * b_w, 1)
+        b_c = tl.sum(b_pw2, 1)
+""", """        b_pw = sensitivity(b_g, inv_am1, ALPHA_KIND)
+        b_b = tl.sum(b_pw, 1)
+        b_a = b_b + tl.sum(b_pw * b_w, 1)
+        b_c = b_b
+"""),
+        ("tl.where(m_left, tl.where(m_bound, b_t + b_reach, b_hi), b_t)",
+         "tl.where(m_left, b_hi, b_t)")],
     # every tile flagged without the reduction: on random scores, where every tile holds
     # weight anyway, the difference to "kernel" is what the max pass's flags cost
     "max_flags_all": [(_MAX_FLAG, "    tl.store(p_flags + start_n // BLOCK_N, 1)\n")],
@@ -101,15 +117,19 @@ def variant_kernel(name, directory):
     return module.entmax_attn_fwd_kernel
 
 
-def time_variant(kernel, length, head_dim, alpha, causal=True, heads=16, tokens=16384):
+def time_variant(kernel, length, head_dim, alpha, causal=True, heads=16, tokens=16384,
+                 alpha_tensor=False):
     """Median ms of the forward without gradients (bf16) with `kernel` launched in place of
-    the forward kernel."""
+    the forward kernel. alpha_tensor: alpha as a per-head tensor (a learned alpha's kind,
+    the general one, whatever its value)."""
     import entmax_fast
     from entmax_fast.triton_kernels import attention_fwd
     from triton.testing import do_bench
 
     shape = (max(1, tokens // length), heads, length, head_dim)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    if alpha_tensor:
+        alpha = torch.full((heads,), alpha, device="cuda")
     saved = attention_fwd.entmax_attn_fwd_kernel
     attention_fwd.entmax_attn_fwd_kernel = kernel
     try:
@@ -127,6 +147,7 @@ def compile_all(args, length=1024):
     commands = [[sys.executable, os.path.abspath(__file__), "--length", str(length),
                  "--head-dim", str(args.head_dim), "--alphas", str(alpha), "--variants", name]
                 + (["--not-causal"] if args.not_causal else [])
+                + (["--alpha-tensor"] if args.alpha_tensor else [])
                 for alpha in args.alphas for name in args.variants]
     started = []
     for command in commands:
@@ -145,6 +166,8 @@ def main(argv=None):
     parser.add_argument("--alphas", type=float, nargs="+", default=[1.5, 2.0])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--not-causal", action="store_true")
+    parser.add_argument("--alpha-tensor", action="store_true",
+                        help="alpha as a per-head tensor: the general kind at every value")
     parser.add_argument("--jobs", type=int, default=0,
                         help="compile the variants in this many processes first (0: no)")
     args = parser.parse_args(argv)
@@ -160,9 +183,10 @@ def main(argv=None):
         for alpha in args.alphas:
             base = None
             for name, kernel in kernels.items():
-                ms = time_variant(kernel, args.length, args.head_dim, alpha, not args.not_causal)
+                ms = time_variant(kernel, args.length, args.head_dim, alpha, not args.not_causal,
+                                  alpha_tensor=args.alpha_tensor)
                 base = ms if base is None else base
-                print(f"alpha={alpha} {name:16s} {ms:8.3f} ms ({ms / base:5.2f}x the first)",
+                print(f"alpha={alpha}{' (tensor)' if args.alpha_tensor else ''} {name:22s} {ms:8.3f} ms ({ms / base:5.2f}x the first)",
                       flush=True)
     return 0
 

@@ -663,6 +663,44 @@ def test_forward_variants_still_edit_the_kernel(tmp_path):
         assert (kernel is attention_fwd.entmax_attn_fwd_kernel) == (not edits), name
 
 
+def _passes_emulation():
+    """bench/bench_attention_passes.py: the float32 twin of the forward's threshold passes
+    (`_update` is `_update_threshold` written with torch ops)."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "bench_attention_passes.py")
+    spec = importlib.util.spec_from_file_location("bench_attention_passes", path)
+    passes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(passes)
+    return passes
+
+
+@pytest.mark.parametrize("alpha", [1.1, 1.25, 1.501, 1.75, 1.95, 1.999])
+def test_general_alpha_upper_bound_holds_and_closes(alpha):
+    """General alpha's update from a point t left of tau (`_update_threshold`, docs/attention.md,
+    "An upper bound for general alpha"), in float64 against the oracle's tau: the parabola's
+    root bounds tau from above and Newton's step from below, at any distance; 1e-4 left of
+    tau the bracket is already narrower than the tolerance for most rows, a pass before the
+    step is."""
+    passes = _passes_emulation()
+    with torch.device("cpu"):
+        y = (alpha - 1.0) * torch.randn(256, 300, dtype=torch.float64)
+        u = y - y.amax(-1, keepdim=True)
+        tau = passes.exact_tau(u, alpha)
+        rows = u.shape[0]
+        for distance in (0.3, 1e-2, 1e-4):
+            t = (tau - distance).clamp(min=-1.0)
+            lo, hi = torch.full((rows,), -1.0, dtype=torch.float64), torch.zeros(rows, dtype=torch.float64)
+            no = torch.zeros(rows, dtype=torch.bool)
+            lo, hi = passes._update(t, passes._sums_at(u, t, alpha), lo, hi, lo.clone(), no, no,
+                                    alpha)[:2]
+            assert bool((lo <= tau + 1e-12).all()) and bool((hi >= tau - 1e-12).all()), distance
+        # a score just right of t (d^(e-2) huge for e < 2) can leave a row without a bound
+        assert float((hi < 0).float().mean()) >= 0.9
+        assert float((hi - lo).median()) <= 1e-6 < distance
+
+
 @pytest.mark.parametrize("alpha", [1.5, 1.25])
 def test_trial_points_inside_the_bracket_stay_exact(alpha):
     """Long rows of random scores: blocks need three or more threshold passes, and the
@@ -671,16 +709,10 @@ def test_trial_points_inside_the_bracket_stay_exact(alpha):
     model's root), points that may lie right of tau. The float32 emulation of the passes
     (bench/bench_attention_passes.py) confirms that these scores take that path; the
     kernel's forward and gradients must match float64."""
-    import importlib.util
-    import os
-
     lq, lk, e = 64, 1024, 16
     q = torch.randn(1, 2, lq, e) * 2.0
     k, v = torch.randn(1, 2, lk, e), torch.randn(1, 2, lk, e)
-    path = os.path.join(os.path.dirname(__file__), "..", "bench", "bench_attention_passes.py")
-    spec = importlib.util.spec_from_file_location("bench_attention_passes", path)
-    passes = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(passes)
+    passes = _passes_emulation()
     y = (alpha - 1.0) * (q[0, 0] @ k[0, 0].T).cpu() * 0.25
     u = y - y.amax(-1, keepdim=True)
     moved = []
