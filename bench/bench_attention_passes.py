@@ -79,7 +79,8 @@ def _update(t, sums, lo, hi, tau, done, tight, alpha):
         real = disc >= 0
         root = t + (b - disc.clamp(min=0).sqrt()) / torch.where(c > 0, c, torch.ones_like(c))
         step = f / (2.0 * bs)
-        exact = left & real & (root - t <= dmin)
+        gap = (root - t - dmin).clamp(min=0)
+        exact = left & real & (c * gap * gap <= 2.0 * attention_common.TAU_STEP_TOL * (b - c * (root - t)))
         new_lo = torch.where(left, t + step, torch.maximum(root, t + step))
         new_hi = torch.where(left, torch.where(real, root, hi), t)
     else:

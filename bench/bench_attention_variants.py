@@ -75,6 +75,11 @@ VARIANTS = {
 """),
         ("tl.where(m_left, tl.where(m_bound, b_t + b_reach, b_hi), b_t)",
          "tl.where(m_left, b_hi, b_t)")],
+    # alpha 1.5's roots certified only when no score lies between t and them, as before
+    # the near-exact certificate (`_update_threshold`)
+    "exact_certificate_only": [
+        ("b_c * b_gap * b_gap <= 2.0 * TAU_STEP_TOL_C * (b_b - b_c * (b_root - b_t)))",
+         "b_gap <= 0.0)")],
     # every tile flagged without the reduction: on random scores, where every tile holds
     # weight anyway, the difference to "kernel" is what the max pass's flags cost
     "max_flags_all": [(_MAX_FLAG, "    tl.store(p_flags + start_n // BLOCK_N, 1)\n")],

@@ -701,6 +701,36 @@ def test_general_alpha_upper_bound_holds_and_closes(alpha):
         assert float((hi - lo).median()) <= 1e-6 < distance
 
 
+def test_alpha_15_root_with_a_score_just_below_it_is_certified():
+    """alpha 1.5: a score of the support at t sits just below the closed-form root, so the
+    exact certificate (no score between t and the root) fails by a hair while the root is
+    tau to 1e-12; `_update_threshold` takes it (docs/attention.md, "Certificates"), in
+    float64 against the oracle, while a score far below the root is still refused."""
+    passes = _passes_emulation()
+    with torch.device("cpu"):
+        # a few scores near the top and the rest out of reach: no other score near tau
+        u = torch.full((8, 200), -3.0, dtype=torch.float64)
+        u[:, :4] = -torch.rand(8, 4, dtype=torch.float64) * 0.2
+        u[:, 0] = 0.0
+        u[:, 1] = -3.0   # the planted score's place
+        tau = passes.exact_tau(u, 1.5)
+        rows = u.shape[0]
+        no = torch.zeros(rows, dtype=torch.bool)
+        for below, certified in ((1e-9, True), (3e-2, False)):
+            near = u.clone()
+            near[:, 1] = tau - below   # weight 0 at tau: tau stays the oracle's
+            t = tau - 0.05
+            sums = passes._sums_at(near, t, 1.5)
+            assert bool((sums[3] < near[:, 1] - t + 1e-12).all())   # it is in the support at t
+            lo, hi, got, done = passes._update(t, sums, torch.full((rows,), -1.0, dtype=torch.float64),
+                                               torch.zeros(rows, dtype=torch.float64),
+                                               torch.full((rows,), -1.0, dtype=torch.float64),
+                                               no, no, 1.5)[:4]
+            assert bool(done.all()) == certified, below
+            if certified:
+                assert float((got - tau).abs().max()) <= 1e-6
+
+
 @pytest.mark.parametrize("alpha", [1.5, 1.25])
 def test_trial_points_inside_the_bracket_stay_exact(alpha):
     """Long rows of random scores: blocks need three or more threshold passes, and the

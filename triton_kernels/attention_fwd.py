@@ -281,7 +281,13 @@ def _update_threshold(b_t, b_a, b_b, b_c, b_dmin, b_lo, b_hi, b_tau, m_done, m_t
         m_real = b_disc >= 0
         b_root = b_t + (b_b - tl.sqrt(tl.maximum(b_disc, 0.0))) / tl.where(b_c > 0, b_c, 1.0)
         b_step = b_f / (2.0 * b_bs)
-        m_exact = m_left & m_real & (b_root - b_t <= b_dmin)
+        # The root is tau when no score of the support at t lies below it. Scores there lie
+        # within gap of it, so they lower f at the root by at most c gap^2, and f falls at
+        # least 2 (b - c (root - t)) per unit left of the root: the root is exact to that
+        # ratio (docs/attention.md, "Certificates"), which gap = 0 makes 0.
+        b_gap = tl.maximum(b_root - b_t - b_dmin, 0.0)
+        m_exact = m_left & m_real & (
+            b_c * b_gap * b_gap <= 2.0 * TAU_STEP_TOL_C * (b_b - b_c * (b_root - b_t)))
         b_new_lo = tl.where(m_left, b_t + b_step, tl.maximum(b_root, b_t + b_step))
         b_new_hi = tl.where(m_left, tl.where(m_real, b_root, b_hi), b_t)
     else:
