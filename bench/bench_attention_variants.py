@@ -59,22 +59,6 @@ VARIANTS = {
     # near alpha 1.5's tight upper bound saves
     "lower_bound_trials": [("_trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND),",
                             "b_lo,")],
-    # general alpha as before its upper bound (`_update_threshold`): no sum of base^(e-2),
-    # no bound, rows done once the Newton step is below the tolerance
-    "no_general_upper_bound": [
-        ("""        b_pw2 = tl.where(b_g > -1.0,
-                         tl.exp2((inv_am1 - 2.0) * log2_base(b_g, inv_am1, ALPHA_KIND)), 0.0)
-        b_pw = b_pw2 + b_pw2 * b_w
-        b_b = tl.sum(b_pw, 1)
-        b_a = b_b + tl.sum(b_pw * b_w, 1)
-        b_c = tl.sum(b_pw2, 1)
-""", """        b_pw = sensitivity(b_g, inv_am1, ALPHA_KIND)
-        b_b = tl.sum(b_pw, 1)
-        b_a = b_b + tl.sum(b_pw * b_w, 1)
-        b_c = b_b
-"""),
-        ("tl.where(m_left, tl.where(m_bound, b_t + b_reach, b_hi), b_t)",
-         "tl.where(m_left, b_hi, b_t)")],
     # alpha 1.5's roots certified only when no score lies between t and them, as before
     # the near-exact certificate (`_update_threshold`)
     "exact_certificate_only": [

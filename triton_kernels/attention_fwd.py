@@ -149,21 +149,15 @@ def _moments(b_g, inv_am1, ALPHA_KIND: tl.constexpr):
 
         alpha = 2:    a = sum d      b = #{d > 0}     c = b        (d in z units)
         alpha = 1.5:  a = sum d^2    b = sum d        c = #{d > 0}
-        general:      a = sum base^e  b = sum base^(e-1)  c = sum base^(e-2)
-                                                        (base = 1 + w, u units)
+        general:      a = sum base^e  b = sum base^(e-1)  c = b    (base = 1 + w, u units)
 
     and dmin the smallest positive d (the exactness certificate of alpha 2 and 1.5; general
-    alpha returns b there, unused). f(t) = a - 1 in u units (`_sums_in_u`); general alpha's
-    c bounds f's curvature (`_update_threshold`). Its powers come from one exp2 of
-    (e - 2) log2(base) and two products, so c costs a product and a sum per score."""
+    alpha returns b there, unused). f(t) = a - 1 in u units (`_sums_in_u`)."""
     if ALPHA_KIND == ALPHA_GENERAL:
-        b_w = tl.where(b_g > -1.0, b_g, 0.0)
-        b_pw2 = tl.where(b_g > -1.0,
-                         tl.exp2((inv_am1 - 2.0) * log2_base(b_g, inv_am1, ALPHA_KIND)), 0.0)
-        b_pw = b_pw2 + b_pw2 * b_w
+        b_pw = sensitivity(b_g, inv_am1, ALPHA_KIND)
         b_b = tl.sum(b_pw, 1)
-        b_a = b_b + tl.sum(b_pw * b_w, 1)
-        b_c = tl.sum(b_pw2, 1)
+        b_a = b_b + tl.sum(b_pw * tl.where(b_g > -1.0, b_g, 0.0), 1)
+        b_c = b_b
         b_dmin = b_b
     else:
         b_count, b_dmin = support_count_and_min(b_g)
@@ -296,19 +290,7 @@ def _update_threshold(b_t, b_a, b_b, b_c, b_dmin, b_lo, b_hi, b_tau, m_done, m_t
         m_exact = m_left & (b_step <= TAU_STEP_TOL_C)
         # for alpha near 1, d^(e-1) underflows right of the root: no slope, no bound
         b_new_lo = tl.where(b_b > 0, b_root, b_lo)
-        # An upper bound from a point left of tau: f(t + s) <= f - e b s + kappa c s^2 / 2
-        # for every s >= 0, with kappa = e max(e - 1, 1) (docs/attention.md, "An upper bound
-        # for general alpha"), so the smaller root of that parabola lies at or above tau.
-        # Its distance to Newton's lower bound shrinks with the step's square: the bracket
-        # closes (the narrow rule below) a pass before the step itself drops below the
-        # tolerance.
-        b_e = 1.0 / am1
-        b_kappa = b_e * tl.maximum(b_e - 1.0, 1.0)
-        b_slope = b_e * b_b
-        b_disc = b_slope * b_slope - 2.0 * b_kappa * b_f * b_c
-        m_bound = m_left & (b_b > 0) & (b_disc >= 0)
-        b_reach = 2.0 * b_f / (b_slope + tl.sqrt(tl.maximum(b_disc, 0.0)))
-        b_new_hi = tl.where(m_left, tl.where(m_bound, b_t + b_reach, b_hi), b_t)
+        b_new_hi = tl.where(m_left, b_hi, b_t)
     # a Newton step this small leaves an error of its square: done for every kind
     m_small = m_left & (b_step <= TAU_STEP_TOL_C)
     b_root = tl.where(m_exact, b_root, b_t + b_step)
