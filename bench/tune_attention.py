@@ -6,6 +6,7 @@ they lose. Needs a CUDA device.
     python bench/tune_attention.py [--dtype bf16] [--head-dims 64 128] [--length 4096]
         [--tiles 64x64 128x64] [--fwd-launch 4x3 8x2] [--bwd-launch 8x2] [--forward-only]
         [--phases fused split] [--threshold-caps 0 128] [--mask none bool additive]
+        [--alpha 1.5] [--alpha-tensor]
 
 --phases: the forward as one launch or as the threshold and output launches
 (`attention_common.forward_phases`); --threshold-caps: maxnreg of the threshold launch
@@ -63,7 +64,7 @@ def _causal_mask(kind, length, dtype):
 
 
 def measure(dtype, head_dim, length, causal, tile_shape, fwd_launch, bwd_launch, alpha=1.5,
-            forward_only=False, phases="fused", threshold_cap=0, mask="none"):
+            forward_only=False, phases="fused", threshold_cap=0, mask="none", alpha_tensor=False):
     import entmax_fast
     from entmax_fast.triton_kernels import attention_common as tiles
 
@@ -73,6 +74,9 @@ def measure(dtype, head_dim, length, causal, tile_shape, fwd_launch, bwd_launch,
     grad_out = torch.randn(shape, device="cuda", dtype=dtype)
     attn_mask = _causal_mask(mask, length, dtype) if causal else None
     is_causal = causal and attn_mask is None
+    if alpha_tensor:
+        # a learned alpha: one per head, differentiated in the training step (the general kind)
+        alpha = torch.full((16,), alpha, device="cuda", requires_grad=not forward_only)
     saved = tiles.block_sizes, tiles.launch_config, tiles.forward_phases, tiles.register_cap
     tiles.block_sizes = lambda block_e, dtype_key, dropout=False: tile_shape
     tiles.launch_config = lambda kernel, *_: fwd_launch if kernel.startswith("fwd") else bwd_launch
@@ -88,8 +92,9 @@ def measure(dtype, head_dim, length, causal, tile_shape, fwd_launch, bwd_launch,
                 return t_fwd, float("nan")
 
             def step():
-                for t in (q, k, v):
-                    t.grad = None
+                for t in (q, k, v, alpha):
+                    if isinstance(t, torch.Tensor):
+                        t.grad = None
                 entmax_fast.entmax_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                                              alpha=alpha).backward(grad_out)
 
@@ -116,6 +121,8 @@ def main(argv=None):
     parser.add_argument("--phases", nargs="+", default=["fused"], choices=["fused", "split"])
     parser.add_argument("--threshold-caps", type=int, nargs="+", default=[0],
                         help="maxnreg of the split forward's threshold launch (0: none)")
+    parser.add_argument("--alpha-tensor", action="store_true",
+                        help="alpha as a per-head tensor (a learned alpha: the general kind)")
     parser.add_argument("--mask", default="none", choices=["none", "bool", "additive"],
                         help="with --causal: the causal mask as an attn_mask of this kind")
     args = parser.parse_args(argv)
@@ -126,7 +133,7 @@ def main(argv=None):
         print("tune_attention: needs a CUDA device (none here); nothing measured")
         return 0
     print(f"{torch.cuda.get_device_name()}, {args.dtype}, L={args.length}, causal={args.causal}, "
-          f"alpha={args.alpha}, mask={args.mask}")
+          f"alpha={args.alpha}{' (per-head tensor)' if args.alpha_tensor else ''}, mask={args.mask}")
     for head_dim in args.head_dims:
         rows = []
         for tiles, fwd_launch, bwd_launch, (phases, cap) in itertools.product(
@@ -135,7 +142,7 @@ def main(argv=None):
             try:
                 t_fwd, t_step = measure(DTYPES[args.dtype], head_dim, args.length, args.causal,
                                         tiles, fwd_launch, bwd_launch, args.alpha,
-                                        args.forward_only, phases, cap, args.mask)
+                                        args.forward_only, phases, cap, args.mask, args.alpha_tensor)
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: skip the config
                 print(f"E={head_dim} {tiles} fwd{fwd_launch} {label} bwd{bwd_launch}: "
                       f"{type(exc).__name__}: {str(exc)[:120]}")
