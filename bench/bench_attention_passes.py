@@ -141,7 +141,7 @@ def emulate_block(u, alpha):
     per later pass / tiles). The first two passes visit the tiles the max pass flagged: a
     score within the bracket's width of its row's maximum (the kernel compares with the
     running maximum, nearest tiles first; here the final one). The second pass rewrites the
-    flags at its threshold, and the passes after it visit those."""
+    flags at the lower bound lo, and the passes after it visit those."""
     rows = u.shape[0]
     lo = torch.full((rows,), -1.0)
     hi = torch.zeros(rows)
@@ -162,9 +162,10 @@ def emulate_block(u, alpha):
     while not bool(done.all()) and passes < attention_common.MAX_TAU_PASSES:
         visited.append(float(flagged.any(0).float().mean()))
         if passes == 1:
-            # the pass that rewrites the flags evaluates at lo, a lower bound
+            # the pass that rewrites the flags does so at lo, a lower bound; alpha 2 and
+            # 1.5 evaluate there too, general alpha at its trial point
             flagged = tile_max > lo[:, None]
-            t = lo
+            t = lo if alpha in (1.5, 2.0) else _trial_point(lo, hi, done, tight, guess, alpha)
         else:
             t = _trial_point(lo, hi, done, tight, guess, alpha)
         lo, hi, tau, done, tight, guess = _pass(t, _sums_at(u, t, alpha), lo, hi, tau, done,

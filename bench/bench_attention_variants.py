@@ -32,11 +32,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 _CAP = "(n_pass < MAX_TAU_PASSES_C)"
 _MAX_FLAG = "    tl.store(p_flags + start_n // BLOCK_N, tl.max(m_near.to(tl.int8), 0))\n"
-_REFLAG = "n_listed, am1, inv_am1, b_lo, b_lo, b_hi, b_tau, m_done, m_tight, True, BLOCK_M,"
+_REFLAG = "n_listed, am1, inv_am1, b_t2, b_lo, b_hi, b_tau, m_done, m_tight, True, BLOCK_M,"
 
-_ONE_POINT = ("b_t0, b_t0, m_rows, p_flags, p_tiles,\n"
-              "        n_listed, inv_am1, False, REFLAG, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND,\n"
-              "        ALPHA_KIND)\n")
+_ONE_POINT = ("b_t0, b_t0,\n"
+              "        _threshold_in_z(b_lo, inv_am1, ALPHA_KIND), m_rows, p_flags, p_tiles, n_listed,\n"
+              "        inv_am1, False, REFLAG, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)\n")
 _SUPPORT = "        b_count, b_dmin = support_count_and_min(b_g)\n"
 # The passes after the first evaluate a second trial point just above the first; its sums
 # feed the result through a comparison that never holds, so that nothing is optimised away
@@ -54,11 +54,15 @@ VARIANTS = {
     "cap2": [(_CAP, "(n_pass < 2)")],
     "cap3": [(_CAP, "(n_pass < 3)")],
     "cap4": [(_CAP, "(n_pass < 4)")],
-    "no_reflag": [(_REFLAG, "n_listed, am1, inv_am1, b_lo, b_lo, b_hi, b_tau, m_done, m_tight, False, BLOCK_M,")],
+    "no_reflag": [(_REFLAG, "n_listed, am1, inv_am1, b_t2, b_lo, b_hi, b_tau, m_done, m_tight, False, BLOCK_M,")],
     # every later pass at the lower bound, as before `_trial_point`: what the trial point
     # near alpha 1.5's tight upper bound saves
     "lower_bound_trials": [("_trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND),",
                             "b_lo,")],
+    # general alpha's second pass (the one that rewrites the flags) at the lower bound, as
+    # alpha 2 and 1.5 keep it: what its trial point there saves
+    "reflag_at_lower_bound": [
+        ("b_t2 = _trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND)", "b_t2 = b_lo")],
     # alpha 1.5's roots certified only when no score lies between t and them, as before
     # the near-exact certificate (`_update_threshold`)
     "exact_certificate_only": [

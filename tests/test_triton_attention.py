@@ -597,22 +597,24 @@ def test_large_score_offsets(alpha, offset):
     assert _err(out, expected) <= 1e-5
 
 
-def test_local_scores_skip_tiles_exactly():
+@pytest.mark.parametrize("alpha", [1.5, 1.25])
+def test_local_scores_skip_tiles_exactly(alpha):
     """Scores peaked near the diagonal: the threshold passes after the first and the output
-    pass skip most key tiles, and forward and gradients stay exact."""
+    pass skip most key tiles, and forward and gradients stay exact (general alpha: its
+    flags come from the tiles' row maxima, its sums from a trial point)."""
     lq = lk = 257
     q, k, v = _inputs(1, 2, 2, lq, lk, 16, torch.float32)
     position = torch.arange(lq, dtype=torch.float32)
     bias = -(position[:, None] - position[None, :]).abs() / 2.0   # [Lq, Lk]
     grad_out = torch.randn(1, 2, lq, 16)
-    out, grads = _grads(lambda *t: _triton_attention(*t, attn_mask=bias, alpha=1.5),
+    out, grads = _grads(lambda *t: _triton_attention(*t, attn_mask=bias, alpha=alpha),
                         [q, k, v], grad_out)
     _, (_, _, flags, _) = tri.attention_forward(
-        q, k, v, bias, 1.5, scale=0.25, is_causal=False, dropout_p=0.0, enable_gqa=False,
+        q, k, v, bias, alpha, scale=0.25, is_causal=False, dropout_p=0.0, enable_gqa=False,
         need_grad=common.GRAD_NONE)
     assert 0 < flags.float().mean() < 0.5
-    expected = oracle_attention(q, k, v, attn_mask=bias)
-    _, ref_grads = _grads(lambda *t: reference_attention(*t, attn_mask=bias.double()),
+    expected = oracle_attention(q, k, v, attn_mask=bias, alpha=alpha)
+    _, ref_grads = _grads(lambda *t: reference_attention(*t, attn_mask=bias.double(), alpha=alpha),
                           [t.double() for t in (q, k, v)], grad_out)
     assert _err(out, expected) <= 1e-5
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):

@@ -19,8 +19,9 @@ scaled, masked scores and u = (alpha - 1)(z - max z), the threshold tau lies in 
    them;
 3. the threshold passes visit only the flagged tiles, so on local attention every pass
    after the maximum touches only the tiles near each query. The second threshold pass
-   rewrites the flags to the tiles holding a score above its t (the lower bound of tau
-   the first found; tau only rises, so no later pass needs the others); the other passes
+   rewrites the flags to the tiles holding a score above the lower bound of tau the first
+   found (tau only rises, so no later pass needs the others; alpha 2 and 1.5 evaluate that
+   pass there, general alpha at its trial point); the other passes
    leave them (a flag costs a cross-warp reduction per tile). The passes loop over a list
    of the flagged tiles (`listed_tiles`, in tiles_ptr's scratch), not over flags tested
    inside the loop, so that Triton pipelines their loads;
@@ -174,14 +175,17 @@ def _moments(b_g, inv_am1, ALPHA_KIND: tl.constexpr):
 @triton.jit
 def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                     start_n, q_len, k_len, head_e, scale, b_shift, is_causal,
-                    b_t0, b_t1, m_rows, p_flags, inv_am1,
+                    b_t0, b_t1, b_flag_thr, m_rows, p_flags, inv_am1,
                     b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
                     TWO: tl.constexpr, REFLAG: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr,
                     ALPHA_KIND: tl.constexpr, BOUNDARY: tl.constexpr):
     """Adds one key tile to the sums at threshold t0 (and t1 when TWO) and, when REFLAG,
-    rewrites its flag: does any row have a score above t0? t0 is a lower bound of tau that
-    only rises, so a tile with none has none above any later pass's t0 either."""
+    rewrites its flag: does any row have a score above b_flag_thr (lo, a lower bound of tau
+    that only rises, so a tile with none has none above any later pass's threshold either)?
+    Alpha 2 and 1.5 reflag at t0 = lo and read the answer off its sums; general alpha's t0
+    is its trial point, and the flag takes the row maxima of the tile (monotone rounding:
+    the gap of the maximum is the maximum of the gaps)."""
     b_u = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                       start_n, q_len, k_len, head_e, scale, b_shift, is_causal,
                       BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
@@ -192,7 +196,12 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
     b_n0 = tl.minimum(b_n0, b_n)
     if REFLAG:
         # rows without a threshold (masked, NaN, past the end) must not keep tiles alive
-        b_alive = tl.max(tl.where(m_rows, b_b, 0.0), 0)
+        if ALPHA_KIND == ALPHA_GENERAL:
+            b_top = tl.max(gap(tl.expand_dims(tl.max(b_u, 1), 1), b_flag_thr, inv_am1,
+                               ALPHA_KIND), 1)
+            b_alive = tl.max(tl.where(m_rows & (b_top > -1.0), 1.0, 0.0), 0)
+        else:
+            b_alive = tl.max(tl.where(m_rows, b_b, 0.0), 0)
         tl.store(p_flags + start_n // BLOCK_N, (b_alive > 0).to(tl.int8))
     if TWO:
         b_a, b_b, b_c, b_n = _moments(gap(b_u, b_t1, inv_am1, ALPHA_KIND), inv_am1, ALPHA_KIND)
@@ -206,14 +215,14 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
 @triton.jit
 def _threshold_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                     n_full, q_len, k_len, kv_end, head_e, scale, b_shift, is_causal,
-                    b_t0, b_t1, m_rows, p_flags, p_tiles, n_listed, inv_am1,
+                    b_t0, b_t1, b_flag_thr, m_rows, p_flags, p_tiles, n_listed, inv_am1,
                     TWO: tl.constexpr, REFLAG: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
                     MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr):
     """One pass over the flagged tiles: the `_moments` sums at t0 (and t1). The full tiles
     (those before n_full, `full_tiles_end`) through their list (p_tiles[0:n_listed],
     `listed_tiles`: a pipelined loop), the few that cross a mask's edge through their
-    flags. REFLAG: rewrite the flags at t0."""
+    flags. REFLAG: rewrite the flags at b_flag_thr."""
     b_zero = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_inf = tl.full([BLOCK_M], float("inf"), dtype=tl.float32)
     b_a0, b_b0, b_c0, b_n0 = b_zero, b_zero, b_zero, b_inf
@@ -222,15 +231,15 @@ def _threshold_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
         start_n = tl.load(p_tiles + i) * BLOCK_N
         b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_tile(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_n,
-            q_len, k_len, head_e, scale, b_shift, is_causal, b_t0, b_t1, m_rows,
+            q_len, k_len, head_e, scale, b_shift, is_causal, b_t0, b_t1, b_flag_thr, m_rows,
             p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
             TWO, REFLAG, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, False)
     for start_n in range(n_full, kv_end, BLOCK_N):
         if tl.load(p_flags + start_n // BLOCK_N) != 0:
             b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_tile(
                 b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                start_n, q_len, k_len, head_e, scale, b_shift, is_causal, b_t0, b_t1, m_rows,
-                p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
+                start_n, q_len, k_len, head_e, scale, b_shift, is_causal, b_t0, b_t1, b_flag_thr,
+                m_rows, p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
                 TWO, REFLAG, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, True)
     return b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1
 
@@ -362,13 +371,14 @@ def _one_point_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
                     ALPHA_KIND: tl.constexpr):
     """A threshold pass at every row's trial point t in [lo, hi] and the bracket's update
     from it: (lo, hi, tau, done, tight), as `_update_threshold`, and the `_model_root` of its
-    sums. REFLAG needs t = lo, a lower bound of tau."""
+    sums. REFLAG rewrites the tile flags at lo, a lower bound of tau (alpha 2 and 1.5 need
+    t = lo for it)."""
     b_t0 = _threshold_in_z(b_t, inv_am1, ALPHA_KIND)
     b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_pass(
         b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full, q_len,
-        k_len, kv_end, head_e, scale, b_mz, is_causal, b_t0, b_t0, m_rows, p_flags, p_tiles,
-        n_listed, inv_am1, False, REFLAG, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND,
-        ALPHA_KIND)
+        k_len, kv_end, head_e, scale, b_mz, is_causal, b_t0, b_t0,
+        _threshold_in_z(b_lo, inv_am1, ALPHA_KIND), m_rows, p_flags, p_tiles, n_listed,
+        inv_am1, False, REFLAG, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
     b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
     b_lo, b_hi, b_tau, m_done, m_tight = _update_threshold(
         b_t, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi, b_tau, m_done, m_tight, am1, ALPHA_KIND)
@@ -398,7 +408,8 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
     b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_pass(
         b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full, q_len,
         k_len, kv_end, head_e, scale, b_mz, is_causal, _threshold_in_z(b_lo, inv_am1, ALPHA_KIND),
-        _threshold_in_z(b_mid, inv_am1, ALPHA_KIND), m_rows, p_flags, p_tiles, n_listed,
+        _threshold_in_z(b_mid, inv_am1, ALPHA_KIND), _threshold_in_z(b_lo, inv_am1, ALPHA_KIND),
+        m_rows, p_flags, p_tiles, n_listed,
         inv_am1, True, False, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
     b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
     b_a1, b_b1, b_c1, b_n1 = _sums_in_u(b_a1, b_b1, b_c1, b_n1, am1, inv_am1, ALPHA_KIND)
@@ -417,10 +428,18 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
         # them, on an H100), and the later passes' higher bounds drop few more tiles. In its
         # own compile of the pass (REFLAG), so that the later passes' loop carries none of
         # it (sm_90, bf16, E 64, alpha 1.5: 13.4 -> 12.5 instructions per score).
+        # General alpha evaluates this pass at its trial point already, and flags from the
+        # tiles' row maxima (`_threshold_tile`): a pass fewer per block in the float32
+        # emulation (6 -> 5 at alpha 1.25, L 4096). Alpha 2 and 1.5 gain none there and
+        # keep reading the flags off the sums at lo.
+        if ALPHA_KIND == ALPHA_GENERAL:
+            b_t2 = _trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND)
+        else:
+            b_t2 = b_lo
         b_lo, b_hi, b_tau, m_done, m_tight, b_guess = _one_point_pass(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
             q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows, p_flags, p_tiles,
-            n_listed, am1, inv_am1, b_lo, b_lo, b_hi, b_tau, m_done, m_tight, True, BLOCK_M,
+            n_listed, am1, inv_am1, b_t2, b_lo, b_hi, b_tau, m_done, m_tight, True, BLOCK_M,
             BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
         tl.debug_barrier()
         n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
