@@ -21,8 +21,8 @@ scaled, masked scores and u = (alpha - 1)(z - max z), the threshold tau lies in 
    after the maximum touches only the tiles near each query. The second threshold pass
    rewrites the flags to the tiles holding a score above the lower bound of tau the first
    found (tau only rises, so no later pass needs the others; alpha 2 and 1.5 evaluate that
-   pass there, general alpha at its trial point); the other passes
-   leave them (a flag costs a cross-warp reduction per tile). The passes loop over a list
+   pass there, general alpha at its trial point); the other passes leave them (a flag
+   costs a cross-warp reduction per tile). The passes loop over a list
    of the flagged tiles (`listed_tiles`, in tiles_ptr's scratch), not over flags tested
    inside the loop, so that Triton pipelines their loads;
 4. the output pass visits the flagged tiles, divides by the row sum of the weights (every
