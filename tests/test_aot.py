@@ -53,6 +53,16 @@ def test_module_compiles(module_name):
     assert not found, "\n".join(found)
 
 
+@pytest.mark.parametrize("module_name", aot.KERNEL_MODULES)
+def test_configuration_names_are_unique(module_name):
+    """A name is a configuration's key (`check(names=...)`, bench/kernel_loops.py) and its
+    tokens are what the covering sample covers: two configurations may not share one."""
+    if not (ROOT / "triton_kernels" / f"{module_name}.py").exists():
+        pytest.skip(f"triton_kernels/{module_name}.py does not exist yet")
+    names = [cfg["name"] for cfg in aot._import_kernel_module(module_name).aot_configs()]
+    assert len(names) == len(set(names))
+
+
 def test_problems_flags_errors_and_shared_memory_and_spills_apart():
     base = {"module": "m", "kernel": "k", "config": "c", "arch": "sm_80", "error": None,
             "REG": 32, "SHARED": 0, "LOCAL": 0, "STACK": 0}

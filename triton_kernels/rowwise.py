@@ -732,7 +732,9 @@ def aot_configs() -> list[dict]:
             for n_cols in _config_blocks(alpha_kind):
                 cfg = tile_config(n_cols, alpha_kind)
                 shape = {k: cfg[k] for k in ("ROWS", "BLOCK", "RESIDENT")}
-                tag = f"r{cfg['ROWS']}_b{cfg['BLOCK']}_{'res' if cfg['RESIDENT'] else 'chunk'}"
+                # the warps too: the general kind chunks rows on 4 warps and longer ones on 8
+                tag = (f"r{cfg['ROWS']}_b{cfg['BLOCK']}_{'res' if cfg['RESIDENT'] else 'chunk'}"
+                       f"_w{cfg['num_warps']}")
                 configs.append({
                     "name": f"fwd_{dtype_key}_k{alpha_kind}_{tag}",
                     "fn": entmax_rowwise_fwd_kernel,
