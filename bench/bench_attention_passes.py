@@ -165,9 +165,8 @@ def emulate_block(u, alpha):
             # the pass that rewrites the flags does so at lo, a lower bound; alpha 2 and
             # 1.5 evaluate there too, general alpha at its trial point
             flagged = tile_max > lo[:, None]
-            t = lo if alpha in (1.5, 2.0) else _trial_point(lo, hi, done, tight, guess, alpha)
-        else:
-            t = _trial_point(lo, hi, done, tight, guess, alpha)
+        closed_form_reflag = passes == 1 and alpha in (1.5, 2.0)
+        t = lo if closed_form_reflag else _trial_point(lo, hi, done, tight, guess, alpha)
         lo, hi, tau, done, tight, guess = _pass(t, _sums_at(u, t, alpha), lo, hi, tau, done,
                                                 tight, alpha)
         passes += 1

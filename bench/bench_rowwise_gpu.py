@@ -92,7 +92,12 @@ def _max_error(fn, x, alpha) -> float:
     return float((p - ref).abs().max())
 
 
-def _time_pair(fn, x, grad):
+def _times(fn, x, grad):
+    """Median ms of the forward, of the forward replayed from a CUDA graph, and of a
+    training step. The graph's is the GPU's time alone: where a kernel takes less time than
+    the host needs to issue a call through the Python layers, `do_bench` times the host
+    (the eighth session's 16384×1024 forwards moved by 2× between runs, softmax's did not);
+    NaN when the call cannot be captured."""
     import triton
 
     def forward():
@@ -105,26 +110,14 @@ def _time_pair(fn, x, grad):
         fn(x_grad).backward(grad)
         x_grad.grad = None
 
-    return (triton.testing.do_bench(forward, return_mode="median"),
-            triton.testing.do_bench(training_step, return_mode="median"))
-
-
-def _graph_forward_ms(fn, x) -> float:
-    """Median ms of the forward replayed from a CUDA graph: the GPU's time alone. Where a
-    kernel takes less time than the host needs to issue a call through the Python layers,
-    `do_bench` times the host (the eighth session's 16384×1024 forwards moved by 2× between
-    runs, softmax's did not); NaN when the call cannot be captured."""
-    import triton
-
-    def forward():
-        with torch.no_grad():
-            fn(x)
-
+    fwd_ms = triton.testing.do_bench(forward, return_mode="median")
+    step_ms = triton.testing.do_bench(training_step, return_mode="median")
     try:
-        return triton.testing.do_bench_cudagraph(forward, return_mode="median")
+        graph_ms = triton.testing.do_bench_cudagraph(forward, return_mode="median")
     except Exception as exc:  # noqa: BLE001 - an uncapturable baseline is a cell of the table
         print(f"graph capture failed: {type(exc).__name__}")
-        return float("nan")
+        graph_ms = float("nan")
+    return fwd_ms, graph_ms, step_ms
 
 
 def run(out_dir: str) -> list[dict]:
@@ -139,8 +132,7 @@ def run(out_dir: str) -> list[dict]:
             for name, (fn, ours, alpha) in _methods(n_rows, x.device).items():
                 entry = {"shape": f"{n_rows}x{n_cols}", "dtype": str(dtype).replace("torch.", ""), "method": name}
                 try:
-                    fwd_ms, step_ms = _time_pair(fn, x, grad)
-                    graph_ms = _graph_forward_ms(fn, x)
+                    fwd_ms, graph_ms, step_ms = _times(fn, x, grad)
                     error = _max_error(fn, x, alpha) if ours else float("nan")
                 except Exception as exc:  # noqa: BLE001 - a failing baseline is a cell of the table
                     print(f"{name} {entry['shape']} {entry['dtype']}: {type(exc).__name__}: "
