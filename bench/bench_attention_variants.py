@@ -31,19 +31,24 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 _CAP = "(n_pass < MAX_TAU_PASSES_C)"
+# the passes over captured scores (general alpha, `attention_common.candidate_slots`) share
+# the cap
+_CAP_CAPTURED = "(MAX_TAU_PASSES_C > n_pass)"
 _MAX_FLAG = "    tl.store(p_flags + start_n // BLOCK_N, tl.max(m_near.to(tl.int8), 0))\n"
-_REFLAG = "n_listed, am1, inv_am1, b_t2, b_lo, b_hi, b_tau, m_done, m_tight, True, BLOCK_M,"
+_REFLAG = ("n_listed, am1, inv_am1, b_t2, b_lo, b_hi, b_tau, m_done, m_tight, p_cand, True,\n"
+           "            CANDIDATES,")
 
 _ONE_POINT = ("b_t0, b_t0,\n"
               "        _threshold_in_z(b_lo, inv_am1, ALPHA_KIND), m_rows, p_flags, p_tiles, n_listed,\n"
-              "        inv_am1, False, REFLAG, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)\n")
+              "        inv_am1, p_cand, False, REFLAG, CANDIDATES, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC,\n"
+              "        MASK_KIND, ALPHA_KIND)\n")
 _SUPPORT = "        b_count, b_dmin = support_count_and_min(b_g)\n"
 # The passes after the first evaluate a second trial point just above the first; its sums
 # feed the result through a comparison that never holds, so that nothing is optimised away
 # and the thresholds (and so the pass count) stay those of the kernel.
 _EXTRA_POINT = [
     (_ONE_POINT, _ONE_POINT.replace("b_t0, b_t0,", "b_t0, b_t0 + 1e-3,")
-     .replace("inv_am1, False, REFLAG,", "inv_am1, True, REFLAG,")
+     .replace("inv_am1, p_cand, False, REFLAG,", "inv_am1, p_cand, True, REFLAG,")
      + "    b_a0 += tl.where(b_a1 + b_b1 + b_c1 + b_n1 == -1.2345, 1e-30, 0.0)\n"),
 ]
 
@@ -51,10 +56,11 @@ _EXTRA_POINT = [
 # fails to compile: the smallest cap is 2.
 VARIANTS = {
     "kernel": [],
-    "cap2": [(_CAP, "(n_pass < 2)")],
-    "cap3": [(_CAP, "(n_pass < 3)")],
-    "cap4": [(_CAP, "(n_pass < 4)")],
-    "no_reflag": [(_REFLAG, "n_listed, am1, inv_am1, b_t2, b_lo, b_hi, b_tau, m_done, m_tight, False, BLOCK_M,")],
+    "cap2": [(_CAP, "(n_pass < 2)"), (_CAP_CAPTURED, "(2 > n_pass)")],
+    "cap3": [(_CAP, "(n_pass < 3)"), (_CAP_CAPTURED, "(3 > n_pass)")],
+    "cap4": [(_CAP, "(n_pass < 4)"), (_CAP_CAPTURED, "(4 > n_pass)")],
+    # (nothing captured either: the passes over captured scores would see none)
+    "no_reflag": [(_REFLAG, _REFLAG.replace("True", "False").replace("CANDIDATES,", "0,"))],
     # every later pass at the lower bound, as before `_trial_point`: what the trial point
     # near alpha 1.5's tight upper bound saves
     "lower_bound_trials": [("_trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND),",
@@ -74,9 +80,13 @@ VARIANTS = {
     # at a fixed pass count: what a second trial point per later pass costs (against cap3),
     # and what the exactness certificate's min reduction costs (no row is then certified,
     # every block runs to the cap)
-    "cap3_extra_point": [(_CAP, "(n_pass < 3)")] + _EXTRA_POINT,
-    "cap3_no_dmin": [(_CAP, "(n_pass < 3)"),
+    "cap3_extra_point": [(_CAP, "(n_pass < 3)"), (_CAP_CAPTURED, "(3 > n_pass)")] + _EXTRA_POINT,
+    "cap3_no_dmin": [(_CAP, "(n_pass < 3)"), (_CAP_CAPTURED, "(3 > n_pass)"),
                      (_SUPPORT, _SUPPORT + "        b_dmin = b_count * 0.0\n")],
+    # the capture of the scores above lo in the second pass (`candidate_slots`) for every
+    # alpha kind, or for none: what it saves (or costs) per kind
+    "capture_closed_forms": [],
+    "no_capture": [],
     # the count and the certificate from the predicate `d > 0`, as the kernel had them
     # (LLVM packs those predicates into bit masks): what `support_count_and_min` saves
     "predicated_moments": [
@@ -110,21 +120,27 @@ def variant_kernel(name, directory):
     return module.entmax_attn_fwd_kernel
 
 
+# variants that change the launcher's capture slots (attention_common.candidate_slots)
+# rather than the kernel's source
+SLOTS = {"capture_closed_forms": lambda alpha_kind: 128, "no_capture": lambda alpha_kind: 0}
+
+
 def time_variant(kernel, length, head_dim, alpha, causal=True, heads=16, tokens=16384,
-                 alpha_tensor=False):
+                 alpha_tensor=False, slots=None):
     """Median ms of the forward without gradients (bf16) with `kernel` launched in place of
     the forward kernel. alpha_tensor: alpha as a per-head tensor (a learned alpha's kind,
     the general one, whatever its value)."""
     import entmax_fast
-    from entmax_fast.triton_kernels import attention_fwd
+    from entmax_fast.triton_kernels import attention_common, attention_fwd
     from triton.testing import do_bench
 
     shape = (max(1, tokens // length), heads, length, head_dim)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     if alpha_tensor:
         alpha = torch.full((heads,), alpha, device="cuda")
-    saved = attention_fwd.entmax_attn_fwd_kernel
+    saved, saved_slots = attention_fwd.entmax_attn_fwd_kernel, attention_common.candidate_slots
     attention_fwd.entmax_attn_fwd_kernel = kernel
+    attention_common.candidate_slots = slots or saved_slots
     try:
         with entmax_fast.use_backend("triton"), torch.no_grad():
             return do_bench(lambda: entmax_fast.entmax_attention(q, k, v, is_causal=causal,
@@ -132,6 +148,7 @@ def time_variant(kernel, length, head_dim, alpha, causal=True, heads=16, tokens=
                             warmup=5, rep=60)
     finally:
         attention_fwd.entmax_attn_fwd_kernel = saved
+        attention_common.candidate_slots = saved_slots
 
 
 def compile_all(args, length=1024):
@@ -177,7 +194,7 @@ def main(argv=None):
             base = None
             for name, kernel in kernels.items():
                 ms = time_variant(kernel, args.length, args.head_dim, alpha, not args.not_causal,
-                                  alpha_tensor=args.alpha_tensor)
+                                  alpha_tensor=args.alpha_tensor, slots=SLOTS.get(name))
                 base = ms if base is None else base
                 print(f"alpha={alpha}{' (tensor)' if args.alpha_tensor else ''} {name:22s} {ms:8.3f} ms ({ms / base:5.2f}x the first)",
                       flush=True)

@@ -159,3 +159,15 @@ def test_kernel_loops_reads_loops_from_backward_branches():
     # a backward branch that also tests a predicate (the general-alpha pass loop's form)
     predicated = sass.replace("@P3 BRA 0x10", "@P1 BRA P2, 0x10")
     assert [(loop["start"], loop["end"]) for loop in kernel_loops.sass_loops(predicated, 2)] == [(0x10, 0x60)]
+
+
+def test_every_attention_variant_applies_to_the_kernel_source(tmp_path):
+    """bench/bench_attention_variants.py edits attention_fwd.py's source by anchors: each
+    must still be there exactly once, or the GPU call that times the variants fails."""
+    path = Path(__file__).resolve().parent.parent / "bench" / "bench_attention_variants.py"
+    spec = importlib.util.spec_from_file_location("bench_attention_variants", path)
+    variants = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(variants)
+    for name in variants.VARIANTS:
+        assert callable(variants.variant_kernel(name, str(tmp_path))), name
+    assert set(variants.SLOTS) <= set(variants.VARIANTS)

@@ -621,6 +621,56 @@ def test_local_scores_skip_tiles_exactly(alpha):
         assert _err(got, want) <= 1e-4, name
 
 
+def test_captured_scores_are_each_rows_largest_and_hold_its_support(monkeypatch):
+    """General alpha: the second threshold pass captures every score above the lower bound
+    of tau (attention_common.candidate_slots); every row's fit here, so the later passes ran
+    over them alone, and the forward stays exact."""
+    lq, alpha = 150, 1.45
+    q, k, v = _inputs(1, 2, 2, lq, lq, 16, torch.float32)
+    slots = attention_common.candidate_slots(common.ALPHA_GENERAL)
+    assert slots > 0
+    scratch = {}
+
+    def recorded(geo, n_slots, device):
+        scratch["rows"] = torch.full((geo.batch * geo.n_heads * geo.n_qblocks * geo.block_m,
+                                      n_slots), float("nan"), device=device)
+        return scratch["rows"]
+
+    monkeypatch.setattr(tri._Geometry, "candidate_scratch", recorded)
+    out, (stats, _, _, _) = tri.attention_forward(
+        q, k, v, None, alpha, scale=0.25, is_causal=True, dropout_p=0.0, enable_gqa=False,
+        need_grad=common.GRAD_NONE)
+    assert _err(out, oracle_attention(q, k, v, is_causal=True, alpha=alpha)) <= 1e-5
+    z = (q[0].double() @ k[0].double().transpose(-1, -2)) * 0.25
+    z = z.masked_fill(torch.ones(lq, lq, dtype=torch.bool).triu(1), float("-inf"))
+    u = z - z.amax(-1, keepdim=True)                                   # [H, Lq, Lk]
+    tau = stats[attention_common.STAT_TAU, 0].double()                  # [H, Lq], z units
+    captured = scratch["rows"].reshape(2, -1, slots)[:, :lq]            # [H, Lq, slots]
+    count = (~captured.isnan()).sum(-1)
+    assert int(count.max()) <= slots
+    support = (u > tau[..., None] + 1e-6).sum(-1)
+    assert bool((count >= support).all())
+    largest = u.sort(-1, descending=True).values[..., :slots]
+    got = captured.double().nan_to_num(float("-inf")).sort(-1, descending=True).values
+    kept = torch.arange(slots) < count[..., None]
+    assert float((got - largest).abs()[kept].max()) <= 1e-5
+
+
+def test_rows_past_their_capture_slots_take_the_passes_over_the_tiles(monkeypatch):
+    """A row holding more scores above the lower bound than the capture has slots sends its
+    block through the passes over the tiles: forward and gradients stay exact."""
+    monkeypatch.setattr(attention_common, "candidate_slots", lambda alpha_kind: 2)
+    q, k, v = _inputs(1, 2, 2, 90, 90, 16, torch.float32)
+    grad_out = torch.randn(1, 2, 90, 16)
+    out, grads = _grads(lambda *t: _triton_attention(*t, is_causal=True, alpha=1.3),
+                        [q, k, v], grad_out)
+    _, ref_grads = _grads(lambda *t: reference_attention(*t, is_causal=True, alpha=1.3),
+                          [t.double() for t in (q, k, v)], grad_out)
+    assert _err(out, oracle_attention(q, k, v, is_causal=True, alpha=1.3)) <= 1e-5
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert _err(got, want) <= 1e-4, name
+
+
 @pytest.mark.parametrize("alpha", [2.0, 1.5, 1.7])
 def test_evenly_spread_scores(alpha):
     """Scores spread evenly over the range the support can reach (many near the threshold):

@@ -26,6 +26,32 @@ MAX_TAU_PASSES = 24
 TAU_STEP_TOL_C = tl.constexpr(TAU_STEP_TOL)
 MAX_TAU_PASSES_C = tl.constexpr(MAX_TAU_PASSES)
 
+# Slots per query row for the scores above the lower bound of tau that the second threshold
+# pass captures (attention_fwd._find_threshold), by alpha kind (`candidate_slots`).
+CANDIDATE_SLOTS = 128
+CANDIDATE_CHUNK = 64
+CANDIDATE_CHUNK_C = tl.constexpr(CANDIDATE_CHUNK)
+
+
+def candidate_slots(alpha_kind):
+    """CANDIDATES of the forward for `alpha_kind`: the slots per query row for the scores the
+    second threshold pass captures, 0 for no capture. When every open row of a block fits,
+    the later passes run over the captured scores alone (attention_fwd._find_threshold).
+
+    After the first pass, rows of N(0, 1) scores hold tens of scores above the lower bound
+    at alpha 1.5 (the float32 emulation, bench/bench_attention_passes.py: at most 78 per
+    block of 64 rows at L 4096, 103 at L 16384, as the general kind), hundreds at alpha
+    1.25 or on flatter scores (those blocks keep the passes over the tiles). The capture
+    costs the second pass about 15-24 instructions per score (sm_90, bf16, E 64: 13.0 ->
+    27.7 at alpha 1.5; the general kind's loop 64 -> 88 with both log2 branches), about what
+    one later pass costs (12 at alpha 1.5 and 2, 19 general). So it can only pay where
+    several passes follow the second: the general kind (a learned alpha), 5 passes per block
+    at L 4096 on random scores against 3.75 at alpha 1.5 (docs/gpu.md). Alpha 2 and 1.5 do
+    not capture until a GPU times them both ways (bench/bench_attention_variants.py
+    `capture_closed_forms`). 128 slots take 512 bytes of scratch per query row for the
+    duration of the forward call."""
+    return CANDIDATE_SLOTS if alpha_kind == ALPHA_GENERAL else 0
+
 # Row statistics stored per query row, stacked along the first dimension of `stats`.
 STAT_MAX, STAT_TAU, STAT_SUM, STAT_ENTROPY = 0, 1, 2, 3
 NUM_STATS = 4
@@ -460,7 +486,8 @@ MASK_KINDS = (common.MASK_NONE, common.MASK_BOOL, common.MASK_ADDITIVE)
 POINTER_TYPES = {"q_ptr": TENSOR, "k_ptr": TENSOR, "v_ptr": TENSOR, "o_ptr": TENSOR,
                  "do_ptr": TENSOR, "dq_ptr": TENSOR, "dk_ptr": TENSOR, "dv_ptr": TENSOR,
                  "dvec_ptr": "*fp32", "stats_ptr": "*fp32", "rows_ptr": "*fp32",
-                 "flags_ptr": "*i8", "tiles_ptr": "*i32", "alpha_ptr": "*fp32", "seed_ptr": "*i64",
+                 "flags_ptr": "*i8", "tiles_ptr": "*i32", "cand_ptr": "*fp32",
+                 "alpha_ptr": "*fp32", "seed_ptr": "*i64",
                  "cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}
 FLOAT_PARAMETERS = ("scale", "dropout_p")
 

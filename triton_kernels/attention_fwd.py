@@ -16,7 +16,9 @@ scaled, masked scores and u = (alpha - 1)(z - max z), the threshold tau lies in 
    repeat until every row of the block is exact or its Newton step is below TAU_STEP_TOL
    (at most MAX_TAU_PASSES); from the third on, alpha 1.5's rows are evaluated just below
    their closed-form upper bound (`_trial_point`); bench/bench_attention_passes.py counts
-   them;
+   them. General alpha's second pass also captures every row's scores above lo, and when
+   they fit its slots the later passes run over those alone (`_candidate_pass`,
+   docs/attention.md, "Captured scores");
 3. the threshold passes visit only the flagged tiles, so on local attention every pass
    after the maximum touches only the tiles near each query. The second threshold pass
    rewrites the flags to the tiles holding a score above the lower bound of tau the first
@@ -49,15 +51,16 @@ import triton
 import triton.language as tl
 
 from .. import common
-from .attention_common import (MAX_TAU_PASSES_C, PHASE_OUTPUT_C, PHASE_THRESHOLD_C,
-                               STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C, STAT_TAU_C, TAU_STEP_TOL_C,
-                               attention_signature, block_sizes, chunk_width, config_space,
-                               config_suffix, dot, dropout_scale, forward_launches,
-                               full_tiles_end, gap, held_cols, held_rows, listed_tiles,
-                               log2_base, mask_specialisation, query_block, sensitivity,
-                               sequence_bounds, shifted_scores, weights)
+from .attention_common import (CANDIDATE_CHUNK_C, MAX_TAU_PASSES_C, PHASE_OUTPUT_C,
+                               PHASE_THRESHOLD_C, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C,
+                               STAT_TAU_C, TAU_STEP_TOL_C, attention_signature, block_sizes,
+                               candidate_slots, chunk_width, config_space, config_suffix, dot,
+                               dropout_scale, forward_launches, full_tiles_end, gap, held_cols,
+                               held_rows, listed_tiles, log2_base, mask_specialisation,
+                               query_block, sensitivity, sequence_bounds, shifted_scores,
+                               weights)
 from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX, GRAD_ALPHA, GRAD_INPUTS
-from .support import support_count_and_min
+from .support import store_above, support_count_and_min
 
 
 @triton.jit
@@ -176,16 +179,19 @@ def _moments(b_g, inv_am1, ALPHA_KIND: tl.constexpr):
 def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                     start_n, q_len, k_len, head_e, scale, b_shift, is_causal,
                     b_t0, b_t1, b_flag_thr, m_rows, p_flags, inv_am1,
-                    b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
-                    TWO: tl.constexpr, REFLAG: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr,
-                    ALPHA_KIND: tl.constexpr, BOUNDARY: tl.constexpr):
+                    b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, p_cand, b_ncand,
+                    TWO: tl.constexpr, REFLAG: tl.constexpr, CANDIDATES: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
+                    MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr, BOUNDARY: tl.constexpr):
     """Adds one key tile to the sums at threshold t0 (and t1 when TWO) and, when REFLAG,
     rewrites its flag: does any row have a score above b_flag_thr (lo, a lower bound of tau
     that only rises, so a tile with none has none above any later pass's threshold either)?
     Alpha 2 and 1.5 reflag at t0 = lo and read the answer off its sums; general alpha's t0
     is its trial point, and the flag takes the row maxima of the tile (monotone rounding:
-    the gap of the maximum is the maximum of the gaps)."""
+    the gap of the maximum is the maximum of the gaps). REFLAG with CANDIDATES > 0 also
+    captures the scores above b_flag_thr: each row's next ones go to its slots
+    b_ncand[row] + (their rank in the tile) of p_cand (CANDIDATES per row), and b_ncand
+    counts them all (`_candidate_pass`)."""
     b_u = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                       start_n, q_len, k_len, head_e, scale, b_shift, is_causal,
                       BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
@@ -203,45 +209,72 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
         else:
             b_alive = tl.max(tl.where(m_rows, b_b, 0.0), 0)
         tl.store(p_flags + start_n // BLOCK_N, (b_alive > 0).to(tl.int8))
+        if CANDIDATES > 0:
+            # lo only rises, so a score at or below it adds nothing at any later trial
+            # point: the later passes' sums over the captured scores are theirs over all
+            if ALPHA_KIND == ALPHA_GENERAL:
+                b_key = gap(b_u, b_flag_thr, inv_am1, ALPHA_KIND)
+                key_min = -1.0
+            else:
+                b_key = b_u - b_flag_thr[:, None]
+                key_min = 0.0
+            m_cand = b_key > key_min
+            # each score's rank among its row's captured ones in the tile, a prefix count,
+            # as a product with a triangular matrix of ones: exact, on the tensor cores, and
+            # in the scores' own layout. Its slot is formed in fp32 (exact below 2^23) as
+            # 2^23 + slot (`store_above`); a row past its last slot keeps overwriting that
+            # one (never read: its block takes the passes over the tiles).
+            o_n = tl.arange(0, BLOCK_N)
+            b_before = tl.where(o_n[:, None] < o_n[None, :], 1.0, 0.0).to(tl.float16)
+            b_rank = tl.dot(m_cand.to(tl.float16), b_before)
+            o_slot = tl.arange(0, b_u.shape[0]) * CANDIDATES
+            b_first = (o_slot + b_ncand).to(tl.float32) + 8388608.0
+            b_last = (o_slot + (CANDIDATES - 1)).to(tl.float32) + 8388608.0
+            store_above(p_cand, tl.minimum(b_rank + b_first[:, None], b_last[:, None]), b_u,
+                        b_key, key_min)
+            b_ncand += tl.sum(m_cand.to(tl.int32), 1)
     if TWO:
         b_a, b_b, b_c, b_n = _moments(gap(b_u, b_t1, inv_am1, ALPHA_KIND), inv_am1, ALPHA_KIND)
         b_a1 += b_a
         b_b1 += b_b
         b_c1 += b_c
         b_n1 = tl.minimum(b_n1, b_n)
-    return b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1
+    return b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, b_ncand
 
 
 @triton.jit
 def _threshold_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                     n_full, q_len, k_len, kv_end, head_e, scale, b_shift, is_causal,
                     b_t0, b_t1, b_flag_thr, m_rows, p_flags, p_tiles, n_listed, inv_am1,
-                    TWO: tl.constexpr, REFLAG: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
-                    MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr):
+                    p_cand, TWO: tl.constexpr, REFLAG: tl.constexpr, CANDIDATES: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+                    BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr):
     """One pass over the flagged tiles: the `_moments` sums at t0 (and t1). The full tiles
     (those before n_full, `full_tiles_end`) through their list (p_tiles[0:n_listed],
     `listed_tiles`: a pipelined loop), the few that cross a mask's edge through their
-    flags. REFLAG: rewrite the flags at b_flag_thr."""
+    flags. REFLAG: rewrite the flags at b_flag_thr and, with CANDIDATES > 0, capture the
+    scores above it; the last value returned is each row's count of them."""
     b_zero = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_inf = tl.full([BLOCK_M], float("inf"), dtype=tl.float32)
     b_a0, b_b0, b_c0, b_n0 = b_zero, b_zero, b_zero, b_inf
     b_a1, b_b1, b_c1, b_n1 = b_zero, b_zero, b_zero, b_inf
+    b_ncand = tl.zeros([BLOCK_M], dtype=tl.int32)
     for i in range(n_listed):
         start_n = tl.load(p_tiles + i) * BLOCK_N
-        b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_tile(
+        b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, b_ncand = _threshold_tile(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_n,
             q_len, k_len, head_e, scale, b_shift, is_causal, b_t0, b_t1, b_flag_thr, m_rows,
-            p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
-            TWO, REFLAG, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, False)
+            p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, p_cand, b_ncand,
+            TWO, REFLAG, CANDIDATES, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, False)
     for start_n in range(n_full, kv_end, BLOCK_N):
         if tl.load(p_flags + start_n // BLOCK_N) != 0:
-            b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_tile(
+            b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, b_ncand = _threshold_tile(
                 b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                 start_n, q_len, k_len, head_e, scale, b_shift, is_causal, b_t0, b_t1, b_flag_thr,
                 m_rows, p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
-                TWO, REFLAG, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, True)
-    return b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1
+                p_cand, b_ncand, TWO, REFLAG, CANDIDATES, BLOCK_N, BLOCK_E, BLOCK_EC,
+                MASK_KIND, ALPHA_KIND, True)
+    return b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, b_ncand
 
 
 @triton.jit
@@ -363,37 +396,78 @@ def _trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND: tl.constexpr)
 
 
 @triton.jit
+def _update_from_sums(b_t, b_a, b_b, b_c, b_dmin, b_lo, b_hi, b_tau, m_done, m_tight, am1,
+                      inv_am1, ALPHA_KIND: tl.constexpr):
+    """`_update_threshold` from a pass's `_moments` sums at t (z units), and the
+    `_model_root` of those sums: (lo, hi, tau, done, tight, guess)."""
+    b_a, b_b, b_c, b_dmin = _sums_in_u(b_a, b_b, b_c, b_dmin, am1, inv_am1, ALPHA_KIND)
+    b_lo, b_hi, b_tau, m_done, m_tight = _update_threshold(
+        b_t, b_a, b_b, b_c, b_dmin, b_lo, b_hi, b_tau, m_done, m_tight, am1, ALPHA_KIND)
+    return b_lo, b_hi, b_tau, m_done, m_tight, _model_root(b_t, b_a, b_b, am1, ALPHA_KIND)
+
+
+@triton.jit
 def _one_point_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                     n_full, q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows,
                     p_flags, p_tiles, n_listed, am1, inv_am1, b_t, b_lo, b_hi, b_tau, m_done,
-                    m_tight, REFLAG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr,
-                    ALPHA_KIND: tl.constexpr):
+                    m_tight, p_cand, REFLAG: tl.constexpr, CANDIDATES: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+                    BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr):
     """A threshold pass at every row's trial point t in [lo, hi] and the bracket's update
-    from it: (lo, hi, tau, done, tight), as `_update_threshold`, and the `_model_root` of its
-    sums. REFLAG rewrites the tile flags at lo, a lower bound of tau (alpha 2 and 1.5 need
-    t = lo for it)."""
+    from it: (lo, hi, tau, done, tight, guess), as `_update_from_sums`, and each row's count
+    of captured scores. REFLAG rewrites the tile flags at lo, a lower bound of tau (alpha 2
+    and 1.5 need t = lo for it), and with CANDIDATES > 0 captures the scores above lo."""
     b_t0 = _threshold_in_z(b_t, inv_am1, ALPHA_KIND)
-    b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_pass(
+    b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, b_ncand = _threshold_pass(
         b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full, q_len,
         k_len, kv_end, head_e, scale, b_mz, is_causal, b_t0, b_t0,
         _threshold_in_z(b_lo, inv_am1, ALPHA_KIND), m_rows, p_flags, p_tiles, n_listed,
-        inv_am1, False, REFLAG, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
-    b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
-    b_lo, b_hi, b_tau, m_done, m_tight = _update_threshold(
-        b_t, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi, b_tau, m_done, m_tight, am1, ALPHA_KIND)
-    return b_lo, b_hi, b_tau, m_done, m_tight, _model_root(b_t, b_a0, b_b0, am1, ALPHA_KIND)
+        inv_am1, p_cand, False, REFLAG, CANDIDATES, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC,
+        MASK_KIND, ALPHA_KIND)
+    b_lo, b_hi, b_tau, m_done, m_tight, b_guess = _update_from_sums(
+        b_t, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi, b_tau, m_done, m_tight, am1, inv_am1,
+        ALPHA_KIND)
+    return b_lo, b_hi, b_tau, m_done, m_tight, b_guess, b_ncand
+
+
+@triton.jit
+def _candidate_pass(p_cand, b_ncand, n_cand, am1, inv_am1, b_t, b_lo, b_hi, b_tau, m_done,
+                    m_tight, BLOCK_M: tl.constexpr, CANDIDATES: tl.constexpr,
+                    CHUNK: tl.constexpr, ALPHA_KIND: tl.constexpr):
+    """`_one_point_pass` over the captured scores alone (b_ncand[row] of them in
+    p_cand[row], at most n_cand in any row): the same sums, without a score product."""
+    b_t0 = _threshold_in_z(b_t, inv_am1, ALPHA_KIND)
+    b_a = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_b = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_c = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_dmin = tl.full([BLOCK_M], float("inf"), dtype=tl.float32)
+    for start in range(0, n_cand, CHUNK):
+        o_c = start + tl.arange(0, CHUNK)
+        b_u = tl.load(p_cand + tl.arange(0, BLOCK_M)[:, None] * CANDIDATES + o_c[None, :],
+                      mask=o_c[None, :] < b_ncand[:, None], other=float("-inf"))
+        b_ai, b_bi, b_ci, b_ni = _moments(gap(b_u, b_t0, inv_am1, ALPHA_KIND), inv_am1,
+                                          ALPHA_KIND)
+        b_a += b_ai
+        b_b += b_bi
+        b_c += b_ci
+        b_dmin = tl.minimum(b_dmin, b_ni)
+    return _update_from_sums(b_t, b_a, b_b, b_c, b_dmin, b_lo, b_hi, b_tau, m_done, m_tight,
+                             am1, inv_am1, ALPHA_KIND)
 
 
 @triton.jit
 def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                     n_full, q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows,
-                    p_flags, p_tiles, am1, inv_am1, BLOCK_M: tl.constexpr,
+                    p_flags, p_tiles, p_cand, am1, inv_am1, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
-                    MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr):
+                    MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr,
+                    CANDIDATES: tl.constexpr):
     """Passes 2 and on: the tiles' threshold (`_threshold_in_z`) of every row, [BM], and the
     number of listed tiles (p_tiles) the output pass visits, from the flags the max pass
-    left (which the second threshold pass rewrites)."""
+    left (which the second threshold pass rewrites). With CANDIDATES > 0 the second pass
+    also captures every row's scores above lo into p_cand[row] (CANDIDATES slots each), and
+    when every open row's fit, the later passes run over those alone
+    (`_candidate_pass`)."""
     # threshold passes; the bracket holds c = tau + 1 in [0, 1), u = (alpha-1)(z - max z)
     # units: near alpha = 1 the threshold sits close to -1 and c keeps its digits
     b_lo = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -405,12 +479,12 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
     tl.debug_barrier()
     n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
     tl.debug_barrier()
-    b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1 = _threshold_pass(
+    b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, b_ncand = _threshold_pass(
         b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full, q_len,
         k_len, kv_end, head_e, scale, b_mz, is_causal, _threshold_in_z(b_lo, inv_am1, ALPHA_KIND),
         _threshold_in_z(b_mid, inv_am1, ALPHA_KIND), _threshold_in_z(b_lo, inv_am1, ALPHA_KIND),
-        m_rows, p_flags, p_tiles, n_listed,
-        inv_am1, True, False, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
+        m_rows, p_flags, p_tiles, n_listed, inv_am1, p_cand, True, False, CANDIDATES,
+        BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
     b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
     b_a1, b_b1, b_c1, b_n1 = _sums_in_u(b_a1, b_b1, b_c1, b_n1, am1, inv_am1, ALPHA_KIND)
     b_lo, b_hi, b_tau, m_done, m_tight = _update_threshold(
@@ -422,6 +496,8 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
     b_guess = tl.where(b_a1 >= 1.0, _model_root(b_mid, b_a1, b_b1, am1, ALPHA_KIND),
                        _model_root(tl.zeros_like(b_mid), b_a0, b_b0, am1, ALPHA_KIND))
     n_pass = 1
+    # the most scores any open row captured; past CANDIDATES when nothing was captured
+    n_cand = n_full * 0 + (CANDIDATES + 1)
     if tl.max(tl.where(m_done, 0, 1), 0) > 0:
         # The second pass alone rewrites the flags, at the lower bound the first one found:
         # a cross-warp reduction per tile (14 % of the forward with every pass rewriting
@@ -436,22 +512,37 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
             b_t2 = _trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND)
         else:
             b_t2 = b_lo
-        b_lo, b_hi, b_tau, m_done, m_tight, b_guess = _one_point_pass(
+        b_lo, b_hi, b_tau, m_done, m_tight, b_guess, b_ncand = _one_point_pass(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
             q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows, p_flags, p_tiles,
-            n_listed, am1, inv_am1, b_t2, b_lo, b_hi, b_tau, m_done, m_tight, True, BLOCK_M,
-            BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
+            n_listed, am1, inv_am1, b_t2, b_lo, b_hi, b_tau, m_done, m_tight, p_cand, True,
+            CANDIDATES, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
+        # (the barrier also orders the captured scores' stores before their loads)
         tl.debug_barrier()
         n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
         tl.debug_barrier()
         n_pass = 2
+        n_cand = tl.max(tl.where(m_done, 0, b_ncand), 0)
+    if CANDIDATES > 0:
+        # Every score a later pass can count was captured: the passes run on chip, a few
+        # operations per captured score (tens per row after the first pass on random
+        # scores, `bench/bench_attention_passes.py`) instead of a score product and those
+        # operations per score of the row. A row that captured more than CANDIDATES sends
+        # its block through the passes over the tiles below.
+        if n_cand <= CANDIDATES:
+            while (tl.max(tl.where(m_done, 0, 1), 0) > 0) & (MAX_TAU_PASSES_C > n_pass):
+                b_t = _trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND)
+                b_lo, b_hi, b_tau, m_done, m_tight, b_guess = _candidate_pass(
+                    p_cand, b_ncand, n_cand, am1, inv_am1, b_t, b_lo, b_hi, b_tau, m_done,
+                    m_tight, BLOCK_M, CANDIDATES, CANDIDATE_CHUNK_C, ALPHA_KIND)
+                n_pass += 1
     while (tl.max(tl.where(m_done, 0, 1), 0) > 0) & (n_pass < MAX_TAU_PASSES_C):
-        b_lo, b_hi, b_tau, m_done, m_tight, b_guess = _one_point_pass(
+        b_lo, b_hi, b_tau, m_done, m_tight, b_guess, b_ncand = _one_point_pass(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
             q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows, p_flags, p_tiles,
             n_listed, am1, inv_am1, _trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND),
-            b_lo, b_hi, b_tau, m_done, m_tight, False, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC,
-            MASK_KIND, ALPHA_KIND)
+            b_lo, b_hi, b_tau, m_done, m_tight, p_cand, False, CANDIDATES, BLOCK_M, BLOCK_N,
+            BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
         n_pass += 1
     # rows still open after MAX_TAU_PASSES: the last lower bound (a Newton step). From here
     # on the tiles' threshold (`_threshold_in_z`), which the statistics store too.
@@ -511,8 +602,8 @@ def _output_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, st
 
 @triton.jit
 def entmax_attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, dvec_ptr, stats_ptr, flags_ptr, tiles_ptr, mask_ptr, alpha_ptr,
-    seed_ptr, cu_q_ptr, cu_k_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, dvec_ptr, stats_ptr, flags_ptr, tiles_ptr, cand_ptr, mask_ptr,
+    alpha_ptr, seed_ptr, cu_q_ptr, cu_k_ptr,
     stride_qb, stride_qh, stride_ql,
     stride_kb, stride_kh, stride_kl,
     stride_vb, stride_vh, stride_vl,
@@ -524,7 +615,7 @@ def entmax_attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    NEED_GRAD: tl.constexpr, PHASE: tl.constexpr,
+    NEED_GRAD: tl.constexpr, PHASE: tl.constexpr, CANDIDATES: tl.constexpr,
 ):
     pid_m = query_block(tl.program_id(0), n_qblocks, is_causal)
     pid_bh = tl.program_id(1)
@@ -547,6 +638,8 @@ def entmax_attn_fwd_kernel(
     p_flags = flags_ptr + (pid_bh.to(tl.int64) * n_qblocks + pid_m) * n_kblocks
     p_tiles = tiles_ptr + (pid_bh.to(tl.int64) * n_qblocks + pid_m) * n_kblocks
     p_stats = stats_ptr + i_b * stride_sb + i_h * stride_sh + q_start + o_m
+    # each row's slots for the scores the threshold passes capture
+    p_cand = cand_ptr + (pid_bh.to(tl.int64) * n_qblocks + pid_m) * BLOCK_M * CANDIDATES
 
     b_q = held_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, BLOCK_EC, True)  # [BM, BE]
     alpha = tl.load(alpha_ptr + i_h).to(tl.float32)
@@ -578,7 +671,8 @@ def entmax_attn_fwd_kernel(
         b_tau, n_listed = _find_threshold(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
             q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows, p_flags, p_tiles,
-            am1, inv_am1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
+            p_cand, am1, inv_am1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND,
+            CANDIDATES)
         if PHASE == PHASE_THRESHOLD_C:
             tl.store(p_stats + STAT_MAX_C * stride_stat, b_m, mask=m_m)
             tl.store(p_stats + STAT_TAU_C * stride_stat, b_tau, mask=m_m)
@@ -651,6 +745,7 @@ def aot_configs():
                           "ALPHA_KIND": alpha_kind, "MASK_KIND": mask_kind,
                           "IS_VARLEN": int(varlen), "HAS_DROPOUT": int(dropout),
                           "NEED_GRAD": launch.need_grad, "PHASE": launch.phase,
+                          "CANDIDATES": candidate_slots(alpha_kind),
                           **mask_specialisation(mask_kind)}
             suffix = config_suffix(dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout)
             configs.append({

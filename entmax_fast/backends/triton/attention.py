@@ -75,6 +75,12 @@ class _Geometry:
         return torch.empty(self.batch * self.n_heads * self.n_qblocks * self.n_kblocks,
                            dtype=torch.int32, device=device)
 
+    def candidate_scratch(self, slots, device):
+        """Scratch of the forward's captured scores (attention_fwd._find_threshold): `slots`
+        fp32 per row of every query block (attention_common.candidate_slots)."""
+        return torch.empty(max(1, self.batch * self.n_heads * self.n_qblocks * self.block_m * slots),
+                           dtype=torch.float32, device=device)
+
     def out_shape(self, q, head_dim):
         if self.varlen:
             return (q.shape[0], self.n_heads, head_dim)
@@ -139,11 +145,13 @@ def _launch_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is_c
         return out.zero_(), stats, dvec.zero_(), flags
     grid = (geo.n_qblocks, geo.batch * geo.n_heads)
     tiles = geo.tile_lists(q.device)
+    slots = attention_common.candidate_slots(alpha_kind)
+    candidates = geo.candidate_scratch(slots, q.device)
     for launch in attention_common.forward_launches(geo.block_e, geo.dtype_key, mask_kind,
                                                     int(need_grad)):
         options = {} if launch.maxnreg is None else {"maxnreg": launch.maxnreg}
         attention_fwd.entmax_attn_fwd_kernel[grid](
-            q, k, v, out, dvec, stats, flags, tiles, mask, alpha, seed,
+            q, k, v, out, dvec, stats, flags, tiles, candidates, mask, alpha, seed,
             cu_q if geo.varlen else cu_dummy, cu_k if geo.varlen else cu_dummy,
             *geo.q_strides, *geo.k_strides, *geo.v_strides, *geo.token_strides(out),
             *mask_strides, *geo.stats_strides(stats),
@@ -153,7 +161,8 @@ def _launch_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is_c
             BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e,
             BLOCK_EV=geo.block_ev, BLOCK_EC=geo.block_ec["fwd"], ALPHA_KIND=alpha_kind,
             MASK_KIND=mask_kind, IS_VARLEN=geo.varlen, HAS_DROPOUT=dropout_p > 0.0,
-            NEED_GRAD=launch.need_grad, PHASE=launch.phase, num_warps=launch.num_warps,
+            NEED_GRAD=launch.need_grad, PHASE=launch.phase,
+            CANDIDATES=slots, num_warps=launch.num_warps,
             num_stages=launch.num_stages, **options,
         )
     return out, stats, dvec, flags
