@@ -43,6 +43,8 @@ PV_COST = 5.0          # one p.v entry
 OPS_PER_EVAL = {2.0: 6.0, 1.5: 8.0, "general": 14.0}   # d, the sums, the certificate
 MAX_PASS_OPS = 2.0     # scale + running max
 OUTPUT_OPS = 6.0       # d, p, sums, s
+CAPTURE_OPS = 12.0     # the second pass's capture of the scores above lo (sm_90 SASS: +15-24
+                       # instructions per score against 12-19 for a later pass)
 SOFTMAX_UNITS = QK_COST + PV_COST + 7.0
 BLOCK_M, BLOCK_N = 64, 64
 
@@ -138,10 +140,12 @@ def _sums_at(u, t, alpha):
 def emulate_block(u, alpha):
     """Threshold passes of one block of rows u [R, n] (shifted: max 0, -inf masked).
     Returns (tau [R], passes, tiles the first threshold pass visits / tiles, tiles visited
-    per later pass / tiles). The first two passes visit the tiles the max pass flagged: a
-    score within the bracket's width of its row's maximum (the kernel compares with the
-    running maximum, nearest tiles first; here the final one). The second pass rewrites the
-    flags at the lower bound lo, and the passes after it visit those."""
+    per later pass / tiles, passes of those that ran over captured scores). The first two
+    passes visit the tiles the max pass flagged: a score within the bracket's width of its
+    row's maximum (the kernel compares with the running maximum, nearest tiles first; here
+    the final one). The second pass rewrites the flags at the lower bound lo, and the passes
+    after it visit those; where alpha's kind captures (`attention_common.candidate_slots`)
+    and every open row's scores above that lo fit the slots, they run over those alone."""
     rows = u.shape[0]
     lo = torch.full((rows,), -1.0)
     hi = torch.zeros(rows)
@@ -159,19 +163,30 @@ def emulate_block(u, alpha):
     tile_max = padded.reshape(rows, n_tiles, BLOCK_N).amax(-1)  # [R, tiles]
     first_visited = float((tile_max > -1.0).any(0).float().mean())
     flagged = tile_max > -1.0
+    slots = attention_common.candidate_slots(_alpha_kind(alpha))
+    fits, captured = False, 0
     while not bool(done.all()) and passes < attention_common.MAX_TAU_PASSES:
-        visited.append(float(flagged.any(0).float().mean()))
+        if fits:
+            captured += 1
+        else:
+            visited.append(float(flagged.any(0).float().mean()))
         if passes == 1:
             # the pass that rewrites the flags does so at lo, a lower bound; alpha 2 and
             # 1.5 evaluate there too, general alpha at its trial point
             flagged = tile_max > lo[:, None]
+            open_count = torch.where(done, 0, (u > lo[:, None]).sum(-1))
+            fits = slots > 0 and int(open_count.max()) <= slots
         closed_form_reflag = passes == 1 and alpha in (1.5, 2.0)
         t = lo if closed_form_reflag else _trial_point(lo, hi, done, tight, guess, alpha)
         lo, hi, tau, done, tight, guess = _pass(t, _sums_at(u, t, alpha), lo, hi, tau, done,
                                                 tight, alpha)
         passes += 1
     tau = torch.where(done, tau, lo)
-    return tau, passes, first_visited, (sum(visited) / len(visited) if visited else 0.0)
+    return tau, passes, first_visited, (sum(visited) / len(visited) if visited else 0.0), captured
+
+
+def _alpha_kind(alpha):
+    return {2.0: common.ALPHA_SPARSEMAX, 1.5: common.ALPHA_ENTMAX15}.get(alpha, common.ALPHA_GENERAL)
 
 
 def exact_tau(u, alpha):
@@ -196,13 +211,14 @@ def table(alphas, lengths, blocks, sigma):
     for alpha in alphas:
         for n in lengths:
             for kind in ("random", "local"):
-                passes, errors, firsts, visits = [], [], [], []
+                passes, errors, firsts, visits, captures = [], [], [], [], []
                 for _ in range(blocks):
                     z = scores(kind, n, sigma, n - BLOCK_M)
                     y = (alpha - 1.0) * z
                     u = (y - y.amax(-1, keepdim=True)).float()
-                    tau, p, first, visit = emulate_block(u, alpha)
+                    tau, p, first, visit, captured = emulate_block(u, alpha)
                     passes.append(p)
+                    captures.append(captured)
                     firsts.append(first)
                     visits.append(visit)
                     errors.append(float((tau.double() - exact_tau(u, alpha)).abs().max()))
@@ -211,10 +227,16 @@ def table(alphas, lengths, blocks, sigma):
                 eval_ops = OPS_PER_EVAL[key]
                 visit = sum(visits) / len(visits)
                 first = sum(firsts) / len(firsts)
-                later = max(0.0, mean_passes - 1)
+                captured = sum(captures) / len(captures)
+                # the passes over captured scores cost next to nothing per score of the row
+                later = max(0.0, mean_passes - 1 - captured)
+                capture = CAPTURE_OPS * visit if attention_common.candidate_slots(
+                    _alpha_kind(alpha)) else 0.0
                 units = (QK_COST + MAX_PASS_OPS) + first * (QK_COST + 2 * eval_ops) \
-                    + later * visit * (QK_COST + eval_ops) + (QK_COST + PV_COST + OUTPUT_OPS)
+                    + later * visit * (QK_COST + eval_ops) + capture \
+                    + (QK_COST + PV_COST + OUTPUT_OPS)
                 rows.append({"alpha": alpha, "n": n, "scores": kind, "passes_mean": mean_passes,
+                             "captured_passes_mean": captured,
                              "passes_max": max(passes), "tau_err_max": max(errors),
                              "first_pass_tiles_visited": first,
                              "later_tiles_visited": visit, "units_per_score": units,
@@ -249,10 +271,11 @@ def main(argv=None):
     torch.manual_seed(0)
     print(f"emulation vs kernel (interpreter), max |tau difference|: {check_against_kernel():.2e}")
     rows = table(args.alphas, args.lengths, args.blocks, args.sigma)
-    print("alpha | n | scores | passes mean | max | max tau err | pass-1 tiles visited | "
+    print("alpha | n | scores | passes mean | of which over captured scores | max | max tau err | pass-1 tiles visited | "
           "later tiles visited | units/score (est.) | x softmax fwd (est.)")
     for r in rows:
         print(f"{r['alpha']:5g} | {r['n']:5d} | {r['scores']:6s} | {r['passes_mean']:5.2f} | "
+              f"{r['captured_passes_mean']:5.2f} | "
               f"{r['passes_max']:3d} | {r['tau_err_max']:.1e} | "
               f"{r['first_pass_tiles_visited']:.2f} | {r['later_tiles_visited']:.2f} | "
               f"{r['units_per_score']:6.1f} | {r['x_softmax_fwd_est']:.1f}")
