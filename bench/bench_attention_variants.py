@@ -31,8 +31,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 _CAP = "(n_pass < MAX_TAU_PASSES_C)"
-# the passes over captured scores (general alpha, `attention_common.candidate_slots`) share
-# the cap
+# the passes over captured scores (`attention_common.candidate_slots`) share the cap
 _CAP_CAPTURED = "(MAX_TAU_PASSES_C > n_pass)"
 _MAX_FLAG = "    tl.store(p_flags + start_n // BLOCK_N, tl.max(m_near.to(tl.int8), 0))\n"
 _REFLAG = ("n_listed, am1, inv_am1, b_t2, b_lo, b_hi, b_tau, m_done, m_tight, p_cand, True,\n"
@@ -83,9 +82,8 @@ VARIANTS = {
     "cap3_extra_point": [(_CAP, "(n_pass < 3)"), (_CAP_CAPTURED, "(3 > n_pass)")] + _EXTRA_POINT,
     "cap3_no_dmin": [(_CAP, "(n_pass < 3)"), (_CAP_CAPTURED, "(3 > n_pass)"),
                      (_SUPPORT, _SUPPORT + "        b_dmin = b_count * 0.0\n")],
-    # the capture of the scores above lo in the second pass (`candidate_slots`) for every
-    # alpha kind, or for none: what it saves (or costs) per kind
-    "capture_closed_forms": [],
+    # no capture of the scores above lo in the second pass (`candidate_slots`): what the
+    # capture saves (or costs) per alpha kind
     "no_capture": [],
     # the count and the certificate from the predicate `d > 0`, as the kernel had them
     # (LLVM packs those predicates into bit masks): what `support_count_and_min` saves
@@ -122,7 +120,7 @@ def variant_kernel(name, directory):
 
 # variants that change the launcher's capture slots (attention_common.candidate_slots)
 # rather than the kernel's source
-SLOTS = {"capture_closed_forms": lambda alpha_kind: 128, "no_capture": lambda alpha_kind: 0}
+SLOTS = {"no_capture": lambda alpha_kind: 0}
 
 
 def time_variant(kernel, length, head_dim, alpha, causal=True, heads=16, tokens=16384,

@@ -39,18 +39,18 @@ def candidate_slots(alpha_kind):
     the later passes run over the captured scores alone (attention_fwd._find_threshold).
 
     After the first pass, rows of N(0, 1) scores hold tens of scores above the lower bound
-    at alpha 1.5 (the float32 emulation, bench/bench_attention_passes.py: at most 78 per
-    block of 64 rows at L 4096, 103 at L 16384, as the general kind), hundreds at alpha
-    1.25 or on flatter scores (those blocks keep the passes over the tiles). The capture
-    costs the second pass about 15-24 instructions per score (sm_90, bf16, E 64: 13.0 ->
-    27.7 at alpha 1.5; the general kind's loop 64 -> 88 with both log2 branches), about what
-    one later pass costs (12 at alpha 1.5 and 2, 19 general). So it can only pay where
-    several passes follow the second: the general kind (a learned alpha), 5 passes per block
-    at L 4096 on random scores against 3.75 at alpha 1.5 (docs/gpu.md). Alpha 2 and 1.5 do
-    not capture until a GPU times them both ways (bench/bench_attention_variants.py
-    `capture_closed_forms`). 128 slots take 512 bytes of scratch per query row for the
-    duration of the forward call."""
-    return CANDIDATE_SLOTS if alpha_kind == ALPHA_GENERAL else 0
+    (the float32 emulation, bench/bench_attention_passes.py: at most 73 per block of 64
+    rows at L 4096 and 98 at L 16384 at alpha 1.5, 22 and 23 at alpha 2, 78 and 103 for the
+    general kind at 1.5), hundreds at alpha 1.25 or on flatter scores (those blocks keep the
+    passes over the tiles). Not timed on a GPU yet (docs/gpu.md, tenth session): the
+    capture costs the second pass 11 instructions per score at alpha 1.5 and 2 and ~24 for
+    the general kind (sm_90, bf16, E 64), where a later pass costs 12, 11 and ~19, and it
+    spares the passes after the second (1.75, 2.1 and 3 per block at L 4096 on random
+    scores): an estimated tenth of alpha 1.5's forward and a third of a learned alpha's per
+    score, nothing on local scores, where fewer passes follow. Every kind captures until a
+    GPU says otherwise (bench/bench_attention_variants.py `no_capture`). 128 slots take 512
+    bytes of scratch per query row for the duration of the forward call."""
+    return CANDIDATE_SLOTS
 
 # Row statistics stored per query row, stacked along the first dimension of `stats`.
 STAT_MAX, STAT_TAU, STAT_SUM, STAT_ENTROPY = 0, 1, 2, 3

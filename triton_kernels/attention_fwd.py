@@ -16,8 +16,8 @@ scaled, masked scores and u = (alpha - 1)(z - max z), the threshold tau lies in 
    repeat until every row of the block is exact or its Newton step is below TAU_STEP_TOL
    (at most MAX_TAU_PASSES); from the third on, alpha 1.5's rows are evaluated just below
    their closed-form upper bound (`_trial_point`); bench/bench_attention_passes.py counts
-   them. General alpha's second pass also captures every row's scores above lo, and when
-   they fit its slots the later passes run over those alone (`_candidate_pass`,
+   them. The second pass also captures every row's scores above lo, and when they fit
+   their slots the later passes run over those alone (`_candidate_pass`,
    docs/attention.md, "Captured scores");
 3. the threshold passes visit only the flagged tiles, so on local attention every pass
    after the maximum touches only the tiles near each query. The second threshold pass
@@ -200,6 +200,7 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
     b_b0 += b_b
     b_c0 += b_c
     b_n0 = tl.minimum(b_n0, b_n)
+    b_tile_count = b_c
     if REFLAG:
         # rows without a threshold (masked, NaN, past the end) must not keep tiles alive
         if ALPHA_KIND == ALPHA_GENERAL:
@@ -215,7 +216,11 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
             if ALPHA_KIND == ALPHA_GENERAL:
                 b_key = gap(b_u, b_flag_thr, inv_am1, ALPHA_KIND)
                 key_min = -1.0
+                b_tile_count = tl.sum((b_key > key_min).to(tl.float32), 1)
             else:
+                # t0 = lo: the count of the sums is the row's captured scores in the tile,
+                # and m_cand then has one use (LLVM keeps a predicate with several in bit
+                # masks, unpacked per use)
                 b_key = b_u - b_flag_thr[:, None]
                 key_min = 0.0
             m_cand = b_key > key_min
@@ -232,7 +237,7 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
             b_last = (o_slot + (CANDIDATES - 1)).to(tl.float32) + 8388608.0
             store_above(p_cand, tl.minimum(b_rank + b_first[:, None], b_last[:, None]), b_u,
                         b_key, key_min)
-            b_ncand += tl.sum(m_cand.to(tl.int32), 1)
+            b_ncand += b_tile_count.to(tl.int32)
     if TWO:
         b_a, b_b, b_c, b_n = _moments(gap(b_u, b_t1, inv_am1, ALPHA_KIND), inv_am1, ALPHA_KIND)
         b_a1 += b_a
