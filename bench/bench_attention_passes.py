@@ -163,7 +163,7 @@ def emulate_block(u, alpha):
     tile_max = padded.reshape(rows, n_tiles, BLOCK_N).amax(-1)  # [R, tiles]
     first_visited = float((tile_max > -1.0).any(0).float().mean())
     flagged = tile_max > -1.0
-    slots = attention_common.candidate_slots(_alpha_kind(alpha))
+    slots = attention_common.candidate_slots(common.alpha_kind(alpha))
     fits, captured = False, 0
     while not bool(done.all()) and passes < attention_common.MAX_TAU_PASSES:
         if fits:
@@ -184,9 +184,6 @@ def emulate_block(u, alpha):
     tau = torch.where(done, tau, lo)
     return tau, passes, first_visited, (sum(visited) / len(visited) if visited else 0.0), captured
 
-
-def _alpha_kind(alpha):
-    return {2.0: common.ALPHA_SPARSEMAX, 1.5: common.ALPHA_ENTMAX15}.get(alpha, common.ALPHA_GENERAL)
 
 
 def exact_tau(u, alpha):
@@ -231,7 +228,7 @@ def table(alphas, lengths, blocks, sigma):
                 # the passes over captured scores cost next to nothing per score of the row
                 later = max(0.0, mean_passes - 1 - captured)
                 capture = CAPTURE_OPS * visit if attention_common.candidate_slots(
-                    _alpha_kind(alpha)) else 0.0
+                    common.alpha_kind(alpha)) else 0.0
                 units = (QK_COST + MAX_PASS_OPS) + first * (QK_COST + 2 * eval_ops) \
                     + later * visit * (QK_COST + eval_ops) + capture \
                     + (QK_COST + PV_COST + OUTPUT_OPS)

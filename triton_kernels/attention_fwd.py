@@ -200,7 +200,6 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
     b_b0 += b_b
     b_c0 += b_c
     b_n0 = tl.minimum(b_n0, b_n)
-    b_tile_count = b_c
     if REFLAG:
         # rows without a threshold (masked, NaN, past the end) must not keep tiles alive
         if ALPHA_KIND == ALPHA_GENERAL:
@@ -216,14 +215,17 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
             if ALPHA_KIND == ALPHA_GENERAL:
                 b_key = gap(b_u, b_flag_thr, inv_am1, ALPHA_KIND)
                 key_min = -1.0
-                b_tile_count = tl.sum((b_key > key_min).to(tl.float32), 1)
+            else:
+                b_key = b_u - b_flag_thr[:, None]
+                key_min = 0.0
+            m_cand = b_key > key_min
+            if ALPHA_KIND == ALPHA_GENERAL:
+                b_tile_count = tl.sum(m_cand.to(tl.float32), 1)
             else:
                 # t0 = lo: the count of the sums is the row's captured scores in the tile,
                 # and m_cand then has one use (LLVM keeps a predicate with several in bit
                 # masks, unpacked per use)
-                b_key = b_u - b_flag_thr[:, None]
-                key_min = 0.0
-            m_cand = b_key > key_min
+                b_tile_count = b_c
             # each score's rank among its row's captured ones in the tile, a prefix count,
             # as a product with a triangular matrix of ones: exact, on the tensor cores, and
             # in the scores' own layout. Its slot is formed in fp32 (exact below 2^23) as
