@@ -229,16 +229,16 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
             # each score's rank among its row's captured ones in the tile, a prefix count,
             # as a product with a triangular matrix of ones: exact, on the tensor cores, and
             # in the scores' own layout. Its slot is formed in fp32 (exact below 2^23) as
-            # 2^23 + slot (`store_above`); a row past its last slot keeps overwriting that
-            # one (never read: its block takes the passes over the tiles).
+            # 2^23 + slot (`store_above`); the scores of a row past its last slot are
+            # counted, not stored (its block takes the passes over the tiles).
             o_n = tl.arange(0, BLOCK_N)
             b_before = tl.where(o_n[:, None] < o_n[None, :], 1.0, 0.0).to(tl.float16)
             b_rank = tl.dot(m_cand.to(tl.float16), b_before)
             o_slot = tl.arange(0, b_u.shape[0]) * CANDIDATES
             b_first = (o_slot + b_ncand).to(tl.float32) + 8388608.0
             b_last = (o_slot + (CANDIDATES - 1)).to(tl.float32) + 8388608.0
-            store_above(p_cand, tl.minimum(b_rank + b_first[:, None], b_last[:, None]), b_u,
-                        b_key, key_min)
+            store_above(p_cand, b_rank + b_first[:, None], b_last[:, None], b_u, b_key,
+                        key_min)
             b_ncand += b_tile_count.to(tl.int32)
     if TWO:
         b_a, b_b, b_c, b_n = _moments(gap(b_u, b_t1, inv_am1, ALPHA_KIND), inv_am1, ALPHA_KIND)
