@@ -137,6 +137,15 @@ def _sums_at(u, t, alpha):
     return _moments((u - t[:, None]).clamp(min=0), alpha)
 
 
+def capture_slots(alpha):
+    """The forward's capture slots at alpha: its kind's, none for a general-kind alpha
+    below `attention_common.CAPTURE_MIN_ALPHA`."""
+    kind = common.alpha_kind(alpha)
+    if kind == common.ALPHA_GENERAL and alpha < attention_common.CAPTURE_MIN_ALPHA:
+        return 0
+    return attention_common.candidate_slots(kind)
+
+
 def emulate_block(u, alpha):
     """Threshold passes of one block of rows u [R, n] (shifted: max 0, -inf masked).
     Returns (tau [R], passes, tiles the first threshold pass visits / tiles, tiles visited
@@ -163,7 +172,7 @@ def emulate_block(u, alpha):
     tile_max = padded.reshape(rows, n_tiles, BLOCK_N).amax(-1)  # [R, tiles]
     first_visited = float((tile_max > -1.0).any(0).float().mean())
     flagged = tile_max > -1.0
-    slots = attention_common.candidate_slots(common.alpha_kind(alpha))
+    slots = capture_slots(alpha)
     fits, captured = False, 0
     while not bool(done.all()) and passes < attention_common.MAX_TAU_PASSES:
         if fits:
@@ -227,8 +236,7 @@ def table(alphas, lengths, blocks, sigma):
                 captured = sum(captures) / len(captures)
                 # the passes over captured scores cost next to nothing per score of the row
                 later = max(0.0, mean_passes - 1 - captured)
-                capture = CAPTURE_OPS * visit if attention_common.candidate_slots(
-                    common.alpha_kind(alpha)) else 0.0
+                capture = CAPTURE_OPS * visit if capture_slots(alpha) else 0.0
                 units = (QK_COST + MAX_PASS_OPS) + first * (QK_COST + 2 * eval_ops) \
                     + later * visit * (QK_COST + eval_ops) + capture \
                     + (QK_COST + PV_COST + OUTPUT_OPS)

@@ -622,11 +622,14 @@ def test_local_scores_skip_tiles_exactly(alpha):
 
 
 def test_captured_scores_are_each_rows_largest_and_hold_its_support(monkeypatch):
-    """General alpha: the second threshold pass captures every score above the lower bound
-    of tau (attention_common.candidate_slots); every row's fit here, so the later passes ran
-    over them alone, and the forward stays exact."""
-    lq, alpha = 150, 1.45
-    q, k, v = _inputs(1, 2, 2, lq, lq, 16, torch.float32)
+    """General alpha, one value per head: the second threshold pass of a head at or above
+    attention_common.CAPTURE_MIN_ALPHA captures every score above the lower bound of tau;
+    every row's fit here, so the later passes ran over them alone. A head below it captures
+    nothing. Both stay exact."""
+    lq, heads = 150, 2
+    alpha = torch.tensor([attention_common.CAPTURE_MIN_ALPHA - 0.2,
+                          attention_common.CAPTURE_MIN_ALPHA + 0.1])
+    q, k, v = _inputs(1, heads, heads, lq, lq, 16, torch.float32)
     slots = attention_common.candidate_slots(common.ALPHA_GENERAL)
     assert slots > 0
     scratch = {}
@@ -640,19 +643,23 @@ def test_captured_scores_are_each_rows_largest_and_hold_its_support(monkeypatch)
     out, (stats, _, _, _) = tri.attention_forward(
         q, k, v, None, alpha, scale=0.25, is_causal=True, dropout_p=0.0, enable_gqa=False,
         need_grad=common.GRAD_NONE)
-    assert _err(out, oracle_attention(q, k, v, is_causal=True, alpha=alpha)) <= 1e-5
-    z = (q[0].double() @ k[0].double().transpose(-1, -2)) * 0.25
-    z = z.masked_fill(torch.ones(lq, lq, dtype=torch.bool).triu(1), float("-inf"))
-    u = z - z.amax(-1, keepdim=True)                                   # [H, Lq, Lk]
-    tau = stats[attention_common.STAT_TAU, 0].double()                  # [H, Lq], z units
-    captured = scratch["rows"].reshape(2, -1, slots)[:, :lq]            # [H, Lq, slots]
+    for head in range(heads):
+        want = oracle_attention(q[:, head:head + 1], k[:, head:head + 1], v[:, head:head + 1],
+                                is_causal=True, scale=0.25, alpha=float(alpha[head]))
+        assert _err(out[:, head:head + 1], want) <= 1e-5, head
+    captured = scratch["rows"].reshape(heads, -1, slots)[:, :lq]        # [H, Lq, slots]
     count = (~captured.isnan()).sum(-1)
-    assert int(count.max()) <= slots
-    support = (u > tau[..., None] + 1e-6).sum(-1)
-    assert bool((count >= support).all())
-    largest = u.sort(-1, descending=True).values[..., :slots]
-    got = captured.double().nan_to_num(float("-inf")).sort(-1, descending=True).values
-    kept = torch.arange(slots) < count[..., None]
+    assert int(count[0].max()) == 0
+    z = (q[0, 1].double() @ k[0, 1].double().T) * 0.25
+    z = z.masked_fill(torch.ones(lq, lq, dtype=torch.bool).triu(1), float("-inf"))
+    u = z - z.amax(-1, keepdim=True)                                    # [Lq, Lk]
+    tau = stats[attention_common.STAT_TAU, 0, 1].double()               # [Lq], z units
+    assert int(count[1].max()) <= slots
+    support = (u > tau[:, None] + 1e-6).sum(-1)
+    assert bool((count[1] >= support).all())
+    largest = u.sort(-1, descending=True).values[:, :slots]
+    got = captured[1].double().nan_to_num(float("-inf")).sort(-1, descending=True).values
+    kept = torch.arange(slots) < count[1, :, None]
     assert float((got - largest).abs()[kept].max()) <= 1e-5
 
 
@@ -660,13 +667,14 @@ def test_rows_past_their_capture_slots_take_the_passes_over_the_tiles(monkeypatc
     """A row holding more scores above the lower bound than the capture has slots sends its
     block through the passes over the tiles: forward and gradients stay exact."""
     monkeypatch.setattr(attention_common, "candidate_slots", lambda alpha_kind: 2)
+    alpha = attention_common.CAPTURE_MIN_ALPHA + 0.1
     q, k, v = _inputs(1, 2, 2, 90, 90, 16, torch.float32)
     grad_out = torch.randn(1, 2, 90, 16)
-    out, grads = _grads(lambda *t: _triton_attention(*t, is_causal=True, alpha=1.3),
+    out, grads = _grads(lambda *t: _triton_attention(*t, is_causal=True, alpha=alpha),
                         [q, k, v], grad_out)
-    _, ref_grads = _grads(lambda *t: reference_attention(*t, is_causal=True, alpha=1.3),
+    _, ref_grads = _grads(lambda *t: reference_attention(*t, is_causal=True, alpha=alpha),
                           [t.double() for t in (q, k, v)], grad_out)
-    assert _err(out, oracle_attention(q, k, v, is_causal=True, alpha=1.3)) <= 1e-5
+    assert _err(out, oracle_attention(q, k, v, is_causal=True, alpha=alpha)) <= 1e-5
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert _err(got, want) <= 1e-4, name
 

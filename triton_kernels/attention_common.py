@@ -31,6 +31,13 @@ MAX_TAU_PASSES_C = tl.constexpr(MAX_TAU_PASSES)
 CANDIDATE_SLOTS = 128
 CANDIDATE_CHUNK = 64
 CANDIDATE_CHUNK_C = tl.constexpr(CANDIDATE_CHUNK)
+# The general kind's heads capture from this alpha up. Where the rows do not fit their
+# slots, the capture's second pass costs the general kind more than it ever spares: on an
+# H100 and an H200, L 4096 causal, alpha 1.25 (hundreds of scores per row above lo)
+# forwarded 1.30-1.38x slower with the capture, alpha 1.5 (tens) 1.08-1.09x faster
+# (docs/gpu.md, eleventh session). Between the two, untimed.
+CAPTURE_MIN_ALPHA = 1.5
+CAPTURE_MIN_AM1_C = tl.constexpr(CAPTURE_MIN_ALPHA - 1.0)
 
 
 def candidate_slots(alpha_kind):

@@ -51,9 +51,9 @@ import triton
 import triton.language as tl
 
 from .. import common
-from .attention_common import (CANDIDATE_CHUNK_C, MAX_TAU_PASSES_C, PHASE_OUTPUT_C,
-                               PHASE_THRESHOLD_C, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C,
-                               STAT_TAU_C, TAU_STEP_TOL_C, attention_signature, block_sizes,
+from .attention_common import (CANDIDATE_CHUNK_C, CAPTURE_MIN_AM1_C, MAX_TAU_PASSES_C,
+                               PHASE_OUTPUT_C, PHASE_THRESHOLD_C, STAT_ENTROPY_C, STAT_MAX_C,
+                               STAT_SUM_C, STAT_TAU_C, TAU_STEP_TOL_C, attention_signature, block_sizes,
                                candidate_slots, chunk_width, config_space, config_suffix, dot,
                                dropout_scale, forward_launches, full_tiles_end, gap, held_cols,
                                held_rows, listed_tiles, log2_base, mask_specialisation,
@@ -517,19 +517,35 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
         # keep reading the flags off the sums at lo.
         if ALPHA_KIND == ALPHA_GENERAL:
             b_t2 = _trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND)
+            # a head's alpha is one value: below the capture's least alpha its blocks keep
+            # the second pass without the capture (`attention_common.CAPTURE_MIN_ALPHA`)
+            if (CANDIDATES > 0) & (am1 >= CAPTURE_MIN_AM1_C):
+                b_lo, b_hi, b_tau, m_done, m_tight, b_guess, b_ncand = _one_point_pass(
+                    b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
+                    n_full, q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows,
+                    p_flags, p_tiles, n_listed, am1, inv_am1, b_t2, b_lo, b_hi, b_tau, m_done,
+                    m_tight, p_cand, True, CANDIDATES, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC,
+                    MASK_KIND, ALPHA_KIND)
+                n_cand = tl.max(tl.where(m_done, 0, b_ncand), 0)
+            else:
+                b_lo, b_hi, b_tau, m_done, m_tight, b_guess, b_ncand = _one_point_pass(
+                    b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
+                    n_full, q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows,
+                    p_flags, p_tiles, n_listed, am1, inv_am1, b_t2, b_lo, b_hi, b_tau, m_done,
+                    m_tight, p_cand, True, 0, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND,
+                    ALPHA_KIND)
         else:
-            b_t2 = b_lo
-        b_lo, b_hi, b_tau, m_done, m_tight, b_guess, b_ncand = _one_point_pass(
-            b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
-            q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows, p_flags, p_tiles,
-            n_listed, am1, inv_am1, b_t2, b_lo, b_hi, b_tau, m_done, m_tight, p_cand, True,
-            CANDIDATES, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
+            b_lo, b_hi, b_tau, m_done, m_tight, b_guess, b_ncand = _one_point_pass(
+                b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
+                q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows, p_flags, p_tiles,
+                n_listed, am1, inv_am1, b_lo, b_lo, b_hi, b_tau, m_done, m_tight, p_cand, True,
+                CANDIDATES, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
+            n_cand = tl.max(tl.where(m_done, 0, b_ncand), 0)
         # (the barrier also orders the captured scores' stores before their loads)
         tl.debug_barrier()
         n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
         tl.debug_barrier()
         n_pass = 2
-        n_cand = tl.max(tl.where(m_done, 0, b_ncand), 0)
     if CANDIDATES > 0:
         # Every score a later pass can count was captured: the passes run on chip, a few
         # operations per captured score (tens per row after the first pass on random
