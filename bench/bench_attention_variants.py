@@ -34,8 +34,10 @@ _CAP = "(n_pass < MAX_TAU_PASSES_C)"
 # the passes over captured scores (`attention_common.candidate_slots`) share the cap
 _CAP_CAPTURED = "(MAX_TAU_PASSES_C > n_pass)"
 _MAX_FLAG = "    tl.store(p_flags + start_n // BLOCK_N, tl.max(m_near.to(tl.int8), 0))\n"
-_REFLAG = ("n_listed, am1, inv_am1, b_t2, b_lo, b_hi, b_tau, m_done, m_tight, p_cand, True,\n"
-           "            CANDIDATES,")
+# the second pass's three compiles: general alpha's with and without the capture, and
+# alpha 2's and 1.5's
+_REFLAG = ["m_tight, p_cand, True, CANDIDATES, BLOCK_M,", "m_tight, p_cand, True, 0, BLOCK_M,",
+           "m_tight, p_cand, True,\n                CANDIDATES,"]
 
 _ONE_POINT = ("b_t0, b_t0,\n"
               "        _threshold_in_z(b_lo, inv_am1, ALPHA_KIND), m_rows, p_flags, p_tiles, n_listed,\n"
@@ -59,7 +61,8 @@ VARIANTS = {
     "cap3": [(_CAP, "(n_pass < 3)"), (_CAP_CAPTURED, "(3 > n_pass)")],
     "cap4": [(_CAP, "(n_pass < 4)"), (_CAP_CAPTURED, "(4 > n_pass)")],
     # (nothing captured either: the passes over captured scores would see none)
-    "no_reflag": [(_REFLAG, _REFLAG.replace("True", "False").replace("CANDIDATES,", "0,"))],
+    "no_reflag": [(anchor, anchor.replace("True", "False").replace("CANDIDATES,", "0,"))
+                  for anchor in _REFLAG],
     # every later pass at the lower bound, as before `_trial_point`: what the trial point
     # near alpha 1.5's tight upper bound saves
     "lower_bound_trials": [("_trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND),",
