@@ -88,6 +88,11 @@ VARIANTS = {
     # no capture of the scores above lo in the second pass (`candidate_slots`): what the
     # capture saves (or costs) per alpha kind
     "no_capture": [],
+    # the capture kept, the passes after the second over the tiles all the same: against
+    # `no_capture` what the capture costs the second pass, against `kernel` what the
+    # passes over captured scores save
+    "capture_unused": [("        if n_cand <= CANDIDATES:\n", "        if n_cand < 0:\n")],
+    "cap2_no_capture": [(_CAP, "(n_pass < 2)"), (_CAP_CAPTURED, "(2 > n_pass)")],
     # the count and the certificate from the predicate `d > 0`, as the kernel had them
     # (LLVM packs those predicates into bit masks): what `support_count_and_min` saves
     "predicated_moments": [
@@ -123,7 +128,7 @@ def variant_kernel(name, directory):
 
 # variants that change the launcher's capture slots (attention_common.candidate_slots)
 # rather than the kernel's source
-SLOTS = {"no_capture": lambda alpha_kind: 0}
+SLOTS = {"no_capture": lambda alpha_kind: 0, "cap2_no_capture": lambda alpha_kind: 0}
 
 
 def time_variant(kernel, length, head_dim, alpha, causal=True, heads=16, tokens=16384,

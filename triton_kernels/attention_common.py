@@ -31,11 +31,12 @@ MAX_TAU_PASSES_C = tl.constexpr(MAX_TAU_PASSES)
 CANDIDATE_SLOTS = 128
 CANDIDATE_CHUNK = 64
 CANDIDATE_CHUNK_C = tl.constexpr(CANDIDATE_CHUNK)
-# The general kind's heads capture from this alpha up. Where the rows do not fit their
-# slots, the capture's second pass costs the general kind more than it ever spares: on an
-# H100 and an H200, L 4096 causal, alpha 1.25 (hundreds of scores per row above lo)
-# forwarded 1.30-1.38x slower with the capture, alpha 1.5 (tens) 1.08-1.09x faster
-# (docs/gpu.md, eleventh session). Between the two, untimed.
+# The general kind's heads capture from this alpha up: where the rows do not fit their
+# slots, its capturing second pass costs more than the capture can spare. Timed (bf16, L
+# 4096 E 64 causal; docs/gpu.md, eleventh session): with every head capturing, alpha 1.25
+# (hundreds of scores per row above lo) forwarded 1.30-1.38x slower than without, alpha
+# 1.5 (tens) 1.08-1.10x faster; with this gate alpha 1.25 and 1.4 are 1-2 % slower than
+# without the capture compiled in, alpha 1.5 still 1.10x faster.
 CAPTURE_MIN_ALPHA = 1.5
 CAPTURE_MIN_AM1_C = tl.constexpr(CAPTURE_MIN_ALPHA - 1.0)
 
@@ -49,14 +50,12 @@ def candidate_slots(alpha_kind):
     (the float32 emulation, bench/bench_attention_passes.py: at most 73 per block of 64
     rows at L 4096 and 98 at L 16384 at alpha 1.5, 22 and 23 at alpha 2, 78 and 103 for the
     general kind at 1.5), hundreds at alpha 1.25 or on flatter scores (those blocks keep the
-    passes over the tiles). Not timed on a GPU yet (docs/gpu.md, tenth session): the
-    capture costs the second pass 11 instructions per score at alpha 1.5 and 2 and ~24 for
-    the general kind (sm_90, bf16, E 64), where a later pass costs 12, 11 and ~19, and it
-    spares the passes after the second (1.75, 2.1 and 3 per block at L 4096 on random
-    scores): an estimated tenth of alpha 1.5's forward and a third of a learned alpha's per
-    score, nothing on local scores, where fewer passes follow. Every kind captures until a
-    GPU says otherwise (bench/bench_attention_variants.py `no_capture`). 128 slots take 512
-    bytes of scratch per query row for the duration of the forward call."""
+    passes over the tiles). Timed (docs/gpu.md, eleventh session; L 4096 E 64 causal, bf16
+    forward, `no_capture` of bench/bench_attention_variants.py): 4 % faster at alpha 1.5 on
+    an H100 and an H200, 1-6 % at alpha 2, 9-10 % for a learned alpha at 1.5; the general
+    kind's heads below CAPTURE_MIN_ALPHA do not capture. The estimate had been a tenth and
+    a third. 128 slots take 512 bytes of scratch per query row for the duration of the
+    forward call."""
     return CANDIDATE_SLOTS
 
 # Row statistics stored per query row, stacked along the first dimension of `stats`.
