@@ -25,8 +25,9 @@ from .attention_common import (STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C, STAT_TAU_
                                attention_signature, block_sizes, chunk_width, config_space,
                                config_suffix, dot, dot_rows, dropout_scale, full_tiles_end, gap,
                                held_cols, held_rows, listed_tiles, load_rows, launch_config,
-                               log2_base, mask_specialisation, query_block, sensitivity,
-                               sequence_bounds, shifted_scores, weights)
+                               log2_base, mask_specialisation, query_block, sequence_bounds,
+                               shifted_scores)
+from .kinds import ALPHA_ENTMAX15, ALPHA_SPARSEMAX
 
 # rows of the backward's per-row buffer
 ROW_DELTA, ROW_DALPHA = 0, 1
@@ -38,13 +39,31 @@ ROW_DALPHA_C = tl.constexpr(ROW_DALPHA)
 @triton.jit
 def _row_weights(b_u, b_thr, b_l, am1, inv_am1, ALPHA_KIND: tl.constexpr):
     """The `gap` g of the shifted scores u to the stored threshold, the normalised weights
-    p and the sensitivities s = p^(2-alpha). [BM, BN]"""
-    b_g = gap(b_u, b_thr, inv_am1, ALPHA_KIND)
-    # one reciprocal per row: a division per score compiles to div.full.f32, whose range
-    # fix-ups made it three multiplies (sm_90 SASS of the dK/dV loop)
-    b_p = weights(b_g, inv_am1, ALPHA_KIND) * (1.0 / b_l)[:, None]
-    # s = (base^e / l)^(2 - alpha) = base^(e - 1) * l^(alpha - 2)
-    b_s = sensitivity(b_g, inv_am1, ALPHA_KIND) * tl.exp2((am1 - 1.0) * tl.log2(b_l))[:, None]
+    p and the sensitivities s = p^(2-alpha). [BM, BN]
+
+    The row's weight sum l comes in through a factor per row, not per score: alpha 1.5
+    scales the gap by l^(-1/2), so that p = (g l^(-1/2))^2 and s = g l^(-1/2); alpha 2 by
+    1/l (p = g/l, s = [g > 0]); general alpha adds -log2 l and (alpha - 2) log2 l to the
+    exponents of p = base^e / l and s = base^(e-1) l^(alpha-2). Per score that spares the
+    two multiplies by 1/l and l^(alpha-2), and per row libdevice's log2 and a division,
+    which the dK/dV loop paid on every tile (its rows change with the tile). The g returned
+    is the gap in these units; only general alpha's (unscaled) is read (d(alpha))."""
+    if ALPHA_KIND == ALPHA_ENTMAX15:
+        b_c = tl.math.rsqrt(b_l)
+        b_g = tl.maximum(tl.fma(b_u, b_c[:, None], -(b_thr * b_c)[:, None]), 0.0)
+        b_p = b_g * b_g
+        b_s = b_g
+    elif ALPHA_KIND == ALPHA_SPARSEMAX:
+        b_g = gap(b_u, b_thr, inv_am1, ALPHA_KIND)
+        b_p = b_g * (1.0 / b_l)[:, None]
+        b_s = tl.where(b_g > 0, 1.0, 0.0)
+    else:
+        b_g = gap(b_u, b_thr, inv_am1, ALPHA_KIND)
+        b_log2l = tl.log2(b_l)[:, None]
+        b_lb = log2_base(b_g, inv_am1, ALPHA_KIND)
+        m_support = b_g > -1.0
+        b_p = tl.where(m_support, tl.exp2(inv_am1 * b_lb - b_log2l), 0.0)
+        b_s = tl.where(m_support, tl.exp2((inv_am1 - 1.0) * b_lb + (am1 - 1.0) * b_log2l), 0.0)
     return b_g, b_p, b_s
 
 
