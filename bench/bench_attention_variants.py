@@ -101,29 +101,57 @@ VARIANTS = {
 }
 
 
-def variant_kernel(name, directory):
-    """The forward kernel with `name`'s edits, from a module written under `directory`."""
-    from entmax_fast.triton_kernels import attention_fwd
+# Backward variants (--backward: forward and backward timed, the forward as it is): edits
+# of triton_kernels/attention_bwd.py.
+BACKWARD_VARIANTS = {
+    "kernel": [],
+    # p and s normalised per score, as before the row factors of `_row_weights`
+    "norm_per_score": [
+        ("                               shifted_scores)\n",
+         "                               shifted_scores, sensitivity, weights)\n"),
+        ("    if ALPHA_KIND == ALPHA_ENTMAX15:\n        b_c = tl.math.rsqrt(b_l)\n",
+         "    if ALPHA_KIND == ALPHA_KIND:\n"
+         "        b_g = gap(b_u, b_thr, inv_am1, ALPHA_KIND)\n"
+         "        b_p = weights(b_g, inv_am1, ALPHA_KIND) * (1.0 / b_l)[:, None]\n"
+         "        b_s = sensitivity(b_g, inv_am1, ALPHA_KIND) * tl.exp2((am1 - 1.0) * "
+         "tl.log2(b_l))[:, None]\n"
+         "    elif ALPHA_KIND == ALPHA_ENTMAX15:\n        b_c = tl.math.rsqrt(b_l)\n")],
+}
 
-    with open(attention_fwd.__file__) as f:
+
+def variant_module(name, directory, backward=False):
+    """The forward (or backward) kernel module with `name`'s edits, written under
+    `directory`; the module itself for a variant without edits."""
+    from entmax_fast.triton_kernels import attention_bwd, attention_fwd
+
+    module = attention_bwd if backward else attention_fwd
+    edits = (BACKWARD_VARIANTS if backward else VARIANTS)[name]
+    if not edits:
+        return module
+    with open(module.__file__) as f:
         source = f.read()
-    for anchor, replacement in VARIANTS[name]:
+    file_name = os.path.basename(module.__file__)
+    for anchor, replacement in edits:
         if source.count(anchor) != 1:
-            raise ValueError(f"variant {name}: {anchor.strip()!r} is not in attention_fwd.py "
+            raise ValueError(f"variant {name}: {anchor.strip()!r} is not in {file_name} "
                              "exactly once")
         source = source.replace(anchor, replacement)
-    if not VARIANTS[name]:
-        return attention_fwd.entmax_attn_fwd_kernel
-    path = os.path.join(directory, f"_variant_{name}.py")
+    tag = f"_variant_{'bwd_' if backward else ''}{name}"
+    path = os.path.join(directory, f"{tag}.py")
     with open(path, "w") as f:
         f.write(source)
     # a submodule of the package, so that the kernel's relative imports resolve
-    module_name = f"entmax_fast.triton_kernels._variant_{name}"
+    module_name = f"entmax_fast.triton_kernels.{tag}"
     spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    return module.entmax_attn_fwd_kernel
+    edited = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = edited
+    spec.loader.exec_module(edited)
+    return edited
+
+
+def variant_kernel(name, directory):
+    """The forward kernel with `name`'s edits, from a module written under `directory`."""
+    return variant_module(name, directory).entmax_attn_fwd_kernel
 
 
 # variants that change the launcher's capture slots (attention_common.candidate_slots)
@@ -157,11 +185,42 @@ def time_variant(kernel, length, head_dim, alpha, causal=True, heads=16, tokens=
         attention_common.candidate_slots = saved_slots
 
 
+def time_backward_variant(module, length, head_dim, alpha, causal=True, heads=16,
+                          tokens=16384, alpha_tensor=False):
+    """Median ms of forward and backward (bf16) with the backward kernels of `module`."""
+    import entmax_fast
+    from entmax_fast.triton_kernels import attention_bwd
+    from triton.testing import do_bench
+
+    shape = (max(1, tokens // length), heads, length, head_dim)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    grad_out = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    if alpha_tensor:
+        alpha = torch.full((heads,), alpha, device="cuda", requires_grad=True)
+    names = ("entmax_attn_bwd_dq_kernel", "entmax_attn_bwd_dkdv_kernel")
+    saved = [getattr(attention_bwd, name) for name in names]
+    for name in names:
+        setattr(attention_bwd, name, getattr(module, name))
+
+    def step():
+        with entmax_fast.use_backend("triton"):
+            out = entmax_fast.entmax_attention(q, k, v, is_causal=causal, alpha=alpha)
+        out.backward(grad_out)
+
+    try:
+        return do_bench(step, warmup=5, rep=60, grad_to_none=[q, k, v])
+    finally:
+        for name, kernel in zip(names, saved):
+            setattr(attention_bwd, name, kernel)
+
+
 def compile_all(args, length=1024):
     """Fills Triton's cache with every (variant, alpha) of ``args``: one process each, at
     most ``args.jobs`` at a time; their timings are discarded (they share the GPU)."""
     commands = [[sys.executable, os.path.abspath(__file__), "--length", str(length),
                  "--head-dim", str(args.head_dim), "--alphas", str(alpha), "--variants", name]
+                + (["--backward"] if args.backward else [])
                 + (["--not-causal"] if args.not_causal else [])
                 + (["--alpha-tensor"] if args.alpha_tensor else [])
                 for alpha in args.alphas for name in args.variants]
@@ -180,27 +239,45 @@ def main(argv=None):
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--alphas", type=float, nargs="+", default=[1.5, 2.0])
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=None,
+                        choices=sorted(set(VARIANTS) | set(BACKWARD_VARIANTS)),
+                        help="default: every forward (or, with --backward, backward) variant")
+    parser.add_argument("--backward", action="store_true",
+                        help="time forward and backward with BACKWARD_VARIANTS' backwards")
     parser.add_argument("--not-causal", action="store_true")
     parser.add_argument("--alpha-tensor", action="store_true",
                         help="alpha as a per-head tensor: the general kind at every value")
     parser.add_argument("--jobs", type=int, default=0,
                         help="compile the variants in this many processes first (0: no)")
     args = parser.parse_args(argv)
+    table = BACKWARD_VARIANTS if args.backward else VARIANTS
+    args.variants = args.variants or list(table)
+    unknown = [name for name in args.variants if name not in table]
+    if unknown:
+        parser.error(f"--variants: {unknown} are not {'backward' if args.backward else 'forward'}"
+                     f" variants ({', '.join(table)})")
     if not torch.cuda.is_available():
         print("bench_attention_variants: needs a CUDA device (none here); nothing measured")
         return 0
     if args.jobs > 0:
         compile_all(args)
     print(f"{torch.cuda.get_device_name()}: bf16 L={args.length} E={args.head_dim} "
-          f"causal={not args.not_causal}, forward without gradients, ms")
+          f"causal={not args.not_causal}, "
+          f"{'forward and backward' if args.backward else 'forward without gradients'}, ms")
     with tempfile.TemporaryDirectory() as directory:
-        kernels = {name: variant_kernel(name, directory) for name in args.variants}
+        modules = {name: variant_module(name, directory, args.backward)
+                   for name in args.variants}
         for alpha in args.alphas:
             base = None
-            for name, kernel in kernels.items():
-                ms = time_variant(kernel, args.length, args.head_dim, alpha, not args.not_causal,
-                                  alpha_tensor=args.alpha_tensor, slots=SLOTS.get(name))
+            for name, module in modules.items():
+                if args.backward:
+                    ms = time_backward_variant(module, args.length, args.head_dim, alpha,
+                                               not args.not_causal,
+                                               alpha_tensor=args.alpha_tensor)
+                else:
+                    ms = time_variant(module.entmax_attn_fwd_kernel, args.length,
+                                      args.head_dim, alpha, not args.not_causal,
+                                      alpha_tensor=args.alpha_tensor, slots=SLOTS.get(name))
                 base = ms if base is None else base
                 print(f"alpha={alpha}{' (tensor)' if args.alpha_tensor else ''} {name:22s} {ms:8.3f} ms ({ms / base:5.2f}x the first)",
                       flush=True)

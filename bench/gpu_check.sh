@@ -22,6 +22,8 @@
 #   variants   what each part of a forward pass costs (bench/bench_attention_variants.py:
 #              edited copies of the forward kernel compiled in 8 processes, then timed
 #              alone); VARIANTS_ARGS picks them (e.g. "--variants kernel cap2 cap3");
+#   bwd_variants  the same for the backward (--backward: forward and backward timed, the
+#              backward kernels edited); BWD_VARIANTS_ARGS picks them;
 #   extension  builds the C++/CUDA extension in place (MAX_JOBS, default 16 jobs), so
 #              that the structured step has CUDA kernels to time; not in the default list;
 #   rowwise    the row-wise mappings (bench/bench_rowwise_gpu.py);
@@ -120,6 +122,8 @@ for name in ${STEPS:-tests train attention rowwise structured}; do
              --phases fused split --threshold-caps 128 ;;
     variants) step variants "${VARIANTS_LIMIT:-300}" python bench/bench_attention_variants.py \
              --jobs 8 ${VARIANTS_ARGS:---variants kernel predicated_moments cap2 cap3 cap3_no_dmin} ;;
+    bwd_variants) step bwd_variants "${VARIANTS_LIMIT:-300}" python bench/bench_attention_variants.py \
+             --jobs 8 --backward ${BWD_VARIANTS_ARGS:---variants kernel norm_per_score} ;;
     extension) MAX_JOBS="${MAX_JOBS:-16}" step extension "${EXTENSION_LIMIT:-600}" \
              python setup.py build_ext --inplace ;;
     rowwise) step rowwise "${ROWWISE_LIMIT:-120}" python bench/bench_rowwise_gpu.py --out "$OUT_DIR" ;;

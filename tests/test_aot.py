@@ -162,8 +162,9 @@ def test_kernel_loops_reads_loops_from_backward_branches():
 
 
 def test_every_attention_variant_applies_to_the_kernel_source(tmp_path):
-    """bench/bench_attention_variants.py edits attention_fwd.py's source by anchors: each
-    must still be there exactly once, or the GPU call that times the variants fails."""
+    """bench/bench_attention_variants.py edits attention_fwd.py's (and, for --backward,
+    attention_bwd.py's) source by anchors: each must still be there exactly once, or the
+    GPU call that times the variants fails."""
     path = Path(__file__).resolve().parent.parent / "bench" / "bench_attention_variants.py"
     spec = importlib.util.spec_from_file_location("bench_attention_variants", path)
     variants = importlib.util.module_from_spec(spec)
@@ -171,3 +172,6 @@ def test_every_attention_variant_applies_to_the_kernel_source(tmp_path):
     for name in variants.VARIANTS:
         assert callable(variants.variant_kernel(name, str(tmp_path))), name
     assert set(variants.SLOTS) <= set(variants.VARIANTS)
+    for name in variants.BACKWARD_VARIANTS:
+        module = variants.variant_module(name, str(tmp_path), backward=True)
+        assert callable(module.entmax_attn_bwd_dkdv_kernel), name

@@ -42,12 +42,12 @@ def _row_weights(b_u, b_thr, b_l, am1, inv_am1, ALPHA_KIND: tl.constexpr):
     p and the sensitivities s = p^(2-alpha). [BM, BN]
 
     The row's weight sum l comes in through a factor per row, not per score: alpha 1.5
-    scales the gap by l^(-1/2), so that p = (g l^(-1/2))^2 and s = g l^(-1/2); alpha 2 by
-    1/l (p = g/l, s = [g > 0]); general alpha adds -log2 l and (alpha - 2) log2 l to the
-    exponents of p = base^e / l and s = base^(e-1) l^(alpha-2). Per score that spares the
-    two multiplies by 1/l and l^(alpha-2), and per row libdevice's log2 and a division,
-    which the dK/dV loop paid on every tile (its rows change with the tile). The g returned
-    is the gap in these units; only general alpha's (unscaled) is read (d(alpha))."""
+    scales the gap by l^(-1/2), so that p = (g l^(-1/2))^2 and s = g l^(-1/2); alpha 2's
+    s = [g > 0] needs no l; general alpha adds -log2 l and (alpha - 2) log2 l to the
+    exponents of p = base^e / l and s = base^(e-1) l^(alpha-2). That spares a multiply per
+    score and weight, and libdevice's log2 and a division per row, which the dK/dV loop
+    paid on every tile (its rows change with the tile). The g returned (alpha 1.5's
+    scaled) is read only for general alpha's d(alpha)."""
     if ALPHA_KIND == ALPHA_ENTMAX15:
         b_c = tl.math.rsqrt(b_l)
         b_g = tl.maximum(tl.fma(b_u, b_c[:, None], -(b_thr * b_c)[:, None]), 0.0)
