@@ -176,6 +176,29 @@ def _moments(b_g, inv_am1, ALPHA_KIND: tl.constexpr):
 
 
 @triton.jit
+def _capture(p_cand, b_u, b_key, key_min, m_cand, b_tile_count, b_ncand,
+             CANDIDATES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Stores the scores b_u whose b_key > key_min (m_cand; b_tile_count of them per row)
+    to their row's next slots of p_cand (CANDIDATES per row) in key order: each row's
+    b_ncand[row] + its rank among them in the tile. Returns b_ncand counting them all."""
+    # the rank, a prefix count, as a product with a triangular matrix of ones: exact, on
+    # the tensor cores, and in the scores' own layout. Accumulated in fp16 (counts below
+    # 2^11 are exact), half the registers of fp32: sm_90, bf16, E 64, alpha 1.5, the loop's
+    # spills went 39 -> 6 per tile and the stack 120 -> 48 bytes, for as many instructions.
+    # The slot is formed in fp32 (exact below 2^23) as 2^23 + slot (`store_above`); the
+    # scores of a row past its last slot are counted, not stored (its block takes the
+    # passes over the tiles).
+    o_n = tl.arange(0, BLOCK_N)
+    b_before = tl.where(o_n[:, None] < o_n[None, :], 1.0, 0.0).to(tl.float16)
+    b_rank = tl.dot(m_cand.to(tl.float16), b_before, out_dtype=tl.float16).to(tl.float32)
+    o_slot = tl.arange(0, b_u.shape[0]) * CANDIDATES
+    b_first = (o_slot + b_ncand).to(tl.float32) + 8388608.0
+    b_last = (o_slot + (CANDIDATES - 1)).to(tl.float32) + 8388608.0
+    store_above(p_cand, b_rank + b_first[:, None], b_last[:, None], b_u, b_key, key_min)
+    return b_ncand + b_tile_count.to(tl.int32)
+
+
+@triton.jit
 def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                     start_n, q_len, k_len, head_e, scale, b_shift, is_causal,
                     b_t0, b_t1, b_flag_thr, m_rows, p_flags, inv_am1,
@@ -189,12 +212,22 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
     Alpha 2 and 1.5 reflag at t0 = lo and read the answer off its sums; general alpha's t0
     is its trial point, and the flag takes the row maxima of the tile (monotone rounding:
     the gap of the maximum is the maximum of the gaps). REFLAG with CANDIDATES > 0 also
-    captures the scores above b_flag_thr: each row's next ones go to its slots
-    b_ncand[row] + (their rank in the tile) of p_cand (CANDIDATES per row), and b_ncand
-    counts them all (`_candidate_pass`)."""
+    captures the scores above b_flag_thr (`_capture`; lo only rises, so a score at or
+    below it adds nothing at any later trial point: the later passes' sums over the
+    captured scores are theirs over all, `_candidate_pass`)."""
     b_u = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                       start_n, q_len, k_len, head_e, scale, b_shift, is_causal,
                       BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
+    if REFLAG:
+        if CANDIDATES > 0:
+            if ALPHA_KIND == ALPHA_GENERAL:
+                # before the sums: general alpha's evaluation at its trial point holds many
+                # values per score, through which the key, rank and store need not live
+                b_key = gap(b_u, b_flag_thr, inv_am1, ALPHA_KIND)
+                m_cand = b_key > -1.0
+                b_ncand = _capture(p_cand, b_u, b_key, -1.0, m_cand,
+                                   tl.sum(m_cand.to(tl.float32), 1), b_ncand, CANDIDATES,
+                                   BLOCK_N)
     b_a, b_b, b_c, b_n = _moments(gap(b_u, b_t0, inv_am1, ALPHA_KIND), inv_am1, ALPHA_KIND)
     b_a0 += b_a
     b_b0 += b_b
@@ -210,40 +243,13 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
             b_alive = tl.max(tl.where(m_rows, b_b, 0.0), 0)
         tl.store(p_flags + start_n // BLOCK_N, (b_alive > 0).to(tl.int8))
         if CANDIDATES > 0:
-            # lo only rises, so a score at or below it adds nothing at any later trial
-            # point: the later passes' sums over the captured scores are theirs over all
-            if ALPHA_KIND == ALPHA_GENERAL:
-                b_key = gap(b_u, b_flag_thr, inv_am1, ALPHA_KIND)
-                key_min = -1.0
-            else:
-                b_key = b_u - b_flag_thr[:, None]
-                key_min = 0.0
-            m_cand = b_key > key_min
-            if ALPHA_KIND == ALPHA_GENERAL:
-                b_tile_count = tl.sum(m_cand.to(tl.float32), 1)
-            else:
+            if ALPHA_KIND != ALPHA_GENERAL:
                 # t0 = lo: the count of the sums is the row's captured scores in the tile,
-                # and m_cand then has one use (LLVM keeps a predicate with several in bit
-                # masks, unpacked per use)
-                b_tile_count = b_c
-            # each score's rank among its row's captured ones in the tile, a prefix count,
-            # as a product with a triangular matrix of ones: exact, on the tensor cores, and
-            # in the scores' own layout. Accumulated in fp16 (counts below 2^11 are exact),
-            # half the registers of fp32: sm_90, bf16, E 64, alpha 1.5, the loop's spills
-            # went 39 -> 6 per tile and the stack 120 -> 48 bytes, for as many instructions.
-            # Its slot is formed in fp32 (exact below 2^23) as 2^23 + slot (`store_above`);
-            # the scores of a row past its last slot are counted, not stored (its block
-            # takes the passes over the tiles).
-            o_n = tl.arange(0, BLOCK_N)
-            b_before = tl.where(o_n[:, None] < o_n[None, :], 1.0, 0.0).to(tl.float16)
-            b_rank = tl.dot(m_cand.to(tl.float16), b_before,
-                            out_dtype=tl.float16).to(tl.float32)
-            o_slot = tl.arange(0, b_u.shape[0]) * CANDIDATES
-            b_first = (o_slot + b_ncand).to(tl.float32) + 8388608.0
-            b_last = (o_slot + (CANDIDATES - 1)).to(tl.float32) + 8388608.0
-            store_above(p_cand, b_rank + b_first[:, None], b_last[:, None], b_u, b_key,
-                        key_min)
-            b_ncand += b_tile_count.to(tl.int32)
+                # and the predicate then has one use (LLVM keeps a predicate with several
+                # in bit masks, unpacked per use)
+                b_key = b_u - b_flag_thr[:, None]
+                b_ncand = _capture(p_cand, b_u, b_key, 0.0, b_key > 0.0, b_c, b_ncand,
+                                   CANDIDATES, BLOCK_N)
     if TWO:
         b_a, b_b, b_c, b_n = _moments(gap(b_u, b_t1, inv_am1, ALPHA_KIND), inv_am1, ALPHA_KIND)
         b_a1 += b_a
