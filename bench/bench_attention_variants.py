@@ -93,6 +93,8 @@ VARIANTS = {
     # passes over captured scores save
     "capture_unused": [("        if n_cand <= CANDIDATES:\n", "        if n_cand < 0:\n")],
     "cap2_no_capture": [(_CAP, "(n_pass < 2)"), (_CAP_CAPTURED, "(2 > n_pass)")],
+    # every general-alpha head captures, whatever its alpha (attention_common.CAPTURE_MIN_ALPHA)
+    "no_alpha_gate": [("(am1 >= CAPTURE_MIN_AM1_C)", "(am1 >= 0.0)")],
     # the count and the certificate from the predicate `d > 0`, as the kernel had them
     # (LLVM packs those predicates into bit masks): what `support_count_and_min` saves
     "predicated_moments": [
