@@ -194,7 +194,6 @@ def emulate_block(u, alpha):
     return tau, passes, first_visited, (sum(visited) / len(visited) if visited else 0.0), captured
 
 
-
 def exact_tau(u, alpha):
     """Sort-free float64 tau of shifted rows, from the oracle's weights."""
     p = oracle_entmax(u.double() / (alpha - 1.0), alpha)
@@ -276,8 +275,9 @@ def main(argv=None):
     torch.manual_seed(0)
     print(f"emulation vs kernel (interpreter), max |tau difference|: {check_against_kernel():.2e}")
     rows = table(args.alphas, args.lengths, args.blocks, args.sigma)
-    print("alpha | n | scores | passes mean | of which over captured scores | max | max tau err | pass-1 tiles visited | "
-          "later tiles visited | units/score (est.) | x softmax fwd (est.)")
+    print("alpha | n | scores | passes mean | of which over captured scores | max | "
+          "max tau err | pass-1 tiles visited | later tiles visited | units/score (est.) | "
+          "x softmax fwd (est.)")
     for r in rows:
         print(f"{r['alpha']:5g} | {r['n']:5d} | {r['scores']:6s} | {r['passes_mean']:5.2f} | "
               f"{r['captured_passes_mean']:5.2f} | "

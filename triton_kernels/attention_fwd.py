@@ -53,7 +53,8 @@ import triton.language as tl
 from .. import common
 from .attention_common import (CANDIDATE_CHUNK_C, CAPTURE_MIN_AM1_C, MAX_TAU_PASSES_C,
                                PHASE_OUTPUT_C, PHASE_THRESHOLD_C, STAT_ENTROPY_C, STAT_MAX_C,
-                               STAT_SUM_C, STAT_TAU_C, TAU_STEP_TOL_C, attention_signature, block_sizes,
+                               STAT_SUM_C, STAT_TAU_C, TAU_STEP_TOL_C, attention_signature,
+                               block_sizes,
                                candidate_slots, chunk_width, config_space, config_suffix, dot,
                                dropout_scale, forward_launches, full_tiles_end, gap, held_cols,
                                held_rows, listed_tiles, log2_base, mask_specialisation,

@@ -25,10 +25,8 @@ else:
     def store_above(p_base, b_slot, b_last, b_value, b_key, threshold):
         """Stores fp32 b_value at p_base[slot] where b_key > threshold and b_slot <= b_last;
         b_slot and b_last hold 2^23 + slot in fp32 (slot < 2^23), whose bits are 0x4B000000
-        + slot. A slot past b_last is not stored at all: clamped to the last one instead,
-        a row with hundreds of scores above the threshold (alpha 1.25 on random scores)
-        stored every one of them there (which, timed, was not what made the capture slow
-        at alpha 1.25: attention_common.CAPTURE_MIN_ALPHA).
+        + slot. A slot past b_last is not stored: a row with hundreds of scores above the
+        threshold (alpha 1.25 on random scores) would otherwise write every one of them.
 
         An elementwise operation, so it runs in the layout its operands have, one
         multiply-add for the address and a predicated store per entry. A tl.store with
