@@ -34,8 +34,12 @@ c = 1 (the top entry alone):
   (monotone from c = 1 below c*). For α > 2 φ has kinks where entries enter the support,
   with infinite slope: a step is taken on the support without its smallest entry when that
   entry leaves on the way, steps are kept in a bracket, and the bracket falls back to
-  bisection when two steps did not halve it. Per entry and pass: ~10 ops + log2 + exp2
-  (~12 more near α = 1, see below).
+  bisection when two steps did not halve it. Where every row of a program has
+  1.25 ≤ α ≤ 2 its passes are compiled without the rest ("plain": no softmax or dense
+  rows, no log1p, no minimum of d; `entmax_rowwise_fwd_kernel`): per entry and pass
+  two adds, a log2, a multiply, an exp2, a select, a multiply and two sums (10.4
+  instructions on sm_90 resident, 14.1 swept in chunks, against 27.6 before the split).
+  Other rows take the general pass (~12 more near α = 1, see below).
   c is an unevaluated fp32 pair (hi + lo): for α > 2, p = d^e has an infinite slope at
   d = 0 and a plain fp32 c (steps of 6e-8) moves such an entry's p by ~1e-4. Near α = 1
   (|t| < 1/4) e amplifies the rounding of d ≈ 1 instead (α = 1.0001: 6e-4 relative in p),
@@ -89,6 +93,8 @@ __all__ = [
 ]
 
 _LOG2E = tl.constexpr(1.4426950408889634)
+# v of the general kind's zero-weight entries (`_scaled`)
+_FAR_BELOW = tl.constexpr(-1e30)
 # 2!, 3!, …, 8!: Horner coefficients of the series Σ_k y^k / (k+2)! used by the backward
 _FACT = tl.constexpr((2.0, 6.0, 24.0, 120.0, 720.0, 5040.0, 40320.0))
 
@@ -153,10 +159,12 @@ def _pow_gap(P, t):
     Written as −P·expm1(−t·log P) with log1p / expm1 series near P = 1 and t·log P = 0:
     the direct form loses it to cancellation when t is small (α = 1.0001: P − P^(1−t) is
     1e−4·(P − 1), below fp32's resolution of P once |P − 1| < 1e−3), and Newton stalled
-    into bisection (25–40 passes).  [ROWS]"""
+    into bisection (25–40 passes). Far from P = 1 log P is the hardware's approximation
+    (`log2_approx`): a step there is one of several and the bracket bounds it.  [ROWS]"""
     p_safe = tl.where(P > 0, P, 1.0)
     f = p_safe - 1.0  # exact for P ∈ [1/2, 2]
-    log_p = tl.where(tl.abs(f) < 0.125, _log1p_small(f), tl.log2(p_safe) * 0.6931471805599453)
+    log_p = tl.where(tl.abs(f) < 0.125, _log1p_small(f),
+                     log2_approx(p_safe) * 0.6931471805599453)
     y = -t * log_p
     # expm1(y): Taylor to degree 7 for |y| < 1/8 (truncation ≤ 8^−7/8! ≈ 1e−11 relative)
     b = 1.0 / 5040.0
@@ -171,9 +179,10 @@ def _pow_gap(P, t):
 
 
 @triton.jit
-def _log2_base(b_v, b_d, b_pos, c_hi, c_lo, near_one):
-    """log2 d on the support, with d = c + v = (c_hi + v) + c_lo; 0 outside (log2 of 1;
-    callers select on the support anyway).  [ROWS, BLOCK]
+def _log2_base(b_v, b_d, c_hi, c_lo, near_one):
+    """log2 d, accurate on the support; NaN (d < 0) or −inf (d = 0) outside it, which
+    callers drop with their select on d > 0 (one select after the exp2 instead of one
+    before the log2 as well).  [ROWS, BLOCK]
 
     p = d^e amplifies d's relative error by e = 1/t: d ≈ 1 carries fp32's rounding of
     c_hi + v (3e−8 relative), so at α = 1.0001 p was off by ~6e−4 relative. When some row
@@ -183,7 +192,7 @@ def _log2_base(b_v, b_d, b_pos, c_hi, c_lo, near_one):
     precision, and e·log d is accurate to a few ulp of itself. The other entries keep
     log2(d) (their p ≤ (1 ± 1/8)^e, where e·3e−8·p stays below 2e−7), as do all rows
     with |t| ≥ 1/4 (e ≤ 4: d's rounding gives ≤ 1.2e−7 relative in p)."""
-    b_lg = log2_approx(tl.where(b_pos, b_d, 1.0))
+    b_lg = log2_approx(b_d)
     if near_one:
         b_w = (b_v + (c_hi - 1.0)[:, None]) + c_lo[:, None]
         b_lg = tl.where(tl.abs(b_w) < 0.125, _log1p_small(b_w) * _LOG2E, b_lg)
@@ -211,20 +220,33 @@ def _row_alpha(alpha_ptr, rows, m_row, alpha_stride, ALPHA_KIND: tl.constexpr):
 
 
 @triton.jit
-def _scaled(b_x, shift, t):
-    """v = t·(x − shift) (u itself on α = 1 rows).  [ROWS, BLOCK]"""
+def _scaled(b_x, shift, t, ALPHA_KIND: tl.constexpr, PLAIN: tl.constexpr):
+    """v = t·(x − shift) (u itself on α = 1 rows).  [ROWS, BLOCK]
+
+    General kind: entries of weight zero by the −inf rule (x = −inf, or x − shift
+    overflowing to −inf) get v = −1e30 whatever t's sign, so that d = c + v is finite and
+    negative there: the passes then test the support with d > 0 alone and p = q·d is 0
+    off it without a select (0·∞ would be NaN). No entry with v below −1e30 can be in a
+    support (c ≤ max(1, n^−t) < 2^31). With t > 0 on every row (PLAIN) that is a single
+    maximum, which chunked rows pay on every pass."""
     b_u = b_x - shift[:, None]
-    return tl.where(t[:, None] == 0.0, b_u, t[:, None] * b_u)
+    if PLAIN:
+        b_v = tl.maximum(t[:, None] * b_u, _FAR_BELOW)
+    else:
+        b_v = tl.where(t[:, None] == 0.0, b_u, t[:, None] * b_u)
+        if ALPHA_KIND == ALPHA_GENERAL:
+            b_v = tl.where(b_u > float("-inf"), tl.maximum(b_v, _FAR_BELOW), _FAR_BELOW)
+    return b_v
 
 
 @triton.jit
-def _pass_terms(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND: tl.constexpr):
+def _pass_terms(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND: tl.constexpr, PLAIN: tl.constexpr):
     """One evaluation at c per entry: the four terms whose row sums (a minimum for the last)
     `_sum_terms` turns into `_pass_sums`'s.  [ROWS, BLOCK] each
 
     sparsemax, entmax15: d_+, the zero count and min key of `support.support_bits`, and
     d_+² (entmax15; d_+ again for sparsemax); general: p (exp(u) on α = 1 rows),
-    d_+^(e−1), p again, and d on the support (+inf off it)."""
+    d_+^(e−1), p again, and d on the support (+inf off it; not formed when PLAIN)."""
     if (ALPHA_KIND == ALPHA_SPARSEMAX) | (ALPHA_KIND == ALPHA_ENTMAX15):
         b_a = tl.maximum(c_hi[:, None] + b_v, 0.0)
         b_b, b_low = support_bits(b_a)
@@ -236,16 +258,19 @@ def _pass_terms(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND: tl.constexpr):
         # d = (c_hi + v) + c_lo: for entries near the support's edge c_hi + v is exact
         # (Sterbenz), so d keeps its relative precision down to d ≈ 0.
         b_d = (c_hi[:, None] + b_v) + c_lo[:, None]
-        # −inf entries: d = −inf (t > 0) or +inf (t < 0); both are outside.
-        b_pos = (b_d > 0) & (b_d < float("inf"))
-        is_soft = t[:, None] == 0.0
-        b_lg = _log2_base(b_v, b_d, b_pos, c_hi, c_lo, near_one)
-        b_arg = tl.where(is_soft, b_v * _LOG2E, (e[:, None] - 1.0) * b_lg)
-        b_q = tl.exp2(b_arg)
-        b_b = tl.where(b_pos, b_q, 0.0)
-        b_a = tl.where(is_soft, b_q, b_b * tl.where(b_pos, b_d, 0.0))
+        if PLAIN:
+            # d is finite (`_scaled`): q = 0 and p = q·d = 0 off the support
+            b_b = tl.where(b_d > 0, tl.exp2((e[:, None] - 1.0) * log2_approx(b_d)), 0.0)
+            b_a = b_b * b_d
+            b_low = b_a
+        else:
+            b_lg = _log2_base(b_v, b_d, c_hi, c_lo, near_one)
+            is_soft = t[:, None] == 0.0
+            b_q = tl.exp2(tl.where(is_soft, b_v * _LOG2E, (e[:, None] - 1.0) * b_lg))
+            b_b = tl.where(b_d > 0, b_q, 0.0)
+            b_a = tl.where(is_soft, b_q, b_b * b_d)
+            b_low = tl.where(b_d > 0, b_d, float("inf"))
         b_q2 = b_a
-        b_low = tl.where(b_pos, b_d, float("inf"))
     return b_a, b_b, b_q2, b_low
 
 
@@ -263,11 +288,11 @@ def _no_terms(ROWS: tl.constexpr, BLOCK: tl.constexpr, ALPHA_KIND: tl.constexpr)
 
 
 @triton.jit
-def _sum_terms(b_a, b_b, b_q2, b_low, n, ALPHA_KIND: tl.constexpr):
+def _sum_terms(b_a, b_b, b_q2, b_low, n, ALPHA_KIND: tl.constexpr, PLAIN: tl.constexpr):
     """(Σa, Σb, Σq2, min d over the support) per row of `_pass_terms` (summed over chunks
     of n entries in all): sparsemax: a = d_+, b = |S|, q2 unused; entmax15: a = d_+,
-    b = |S|, q2 = Σd_+²; general: a = Σp, b = Σd_+^(e−1) (φ's slope), q2 unused; α = 1
-    rows a = Σexp(u).  [ROWS] each"""
+    b = |S|, q2 = Σd_+²; general: a = Σp, b = Σd_+^(e−1) (φ's slope), q2 unused, the
+    minimum +inf when PLAIN; α = 1 rows a = Σexp(u).  [ROWS] each"""
     s_a = tl.sum(b_a, axis=1)
     if (ALPHA_KIND == ALPHA_SPARSEMAX) | (ALPHA_KIND == ALPHA_ENTMAX15):
         s_b, d_min = count_and_smallest(tl.sum(b_b, axis=1), tl.min(b_low, axis=1), n)
@@ -278,19 +303,43 @@ def _sum_terms(b_a, b_b, b_q2, b_low, n, ALPHA_KIND: tl.constexpr):
     else:
         s_b = tl.sum(b_b, axis=1)
         s_q2 = s_a
-        d_min = tl.min(b_low, axis=1)
+        if PLAIN:
+            d_min = tl.full(s_a.shape, float("inf"), tl.float32)
+        else:
+            d_min = tl.min(b_low, axis=1)
     return s_a, s_b, s_q2, d_min
 
 
 @triton.jit
-def _pass_sums(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND: tl.constexpr):
+def _pass_sums(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND: tl.constexpr, PLAIN: tl.constexpr):
     """One evaluation at c per row of a resident block: `_sum_terms` of `_pass_terms`."""
-    b_a, b_b, b_q2, b_low = _pass_terms(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND)
-    return _sum_terms(b_a, b_b, b_q2, b_low, b_v.shape[1], ALPHA_KIND)
+    b_a, b_b, b_q2, b_low = _pass_terms(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND, PLAIN)
+    return _sum_terms(b_a, b_b, b_q2, b_low, b_v.shape[1], ALPHA_KIND, PLAIN)
 
 
 @triton.jit
-def _p_at(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND: tl.constexpr):
+def _chunk_sums(p_x, m_row, o_col, n_cols, shift, c_hi, c_lo, t, e, near_one,
+                ROWS: tl.constexpr, BLOCK: tl.constexpr, ALPHA_KIND: tl.constexpr,
+                PLAIN: tl.constexpr):
+    """One evaluation at c per row swept in chunks from memory: the chunks' terms summed
+    entry by entry, reduced across the row's warps once (each reduction crosses the warps
+    through shared memory with barriers)."""
+    b_a, b_b, b_q2, b_low = _no_terms(ROWS, BLOCK, ALPHA_KIND)
+    for start in range(0, n_cols, BLOCK):
+        m_tile = m_row[:, None] & (start + o_col[None, :] < n_cols)
+        b_x = tl.load(p_x + start, mask=m_tile, other=float("-inf")).to(tl.float32)
+        c_a, c_b, c_q2, c_low = _pass_terms(_scaled(b_x, shift, t, ALPHA_KIND, PLAIN), c_hi, c_lo,
+                                            t, e, near_one, ALPHA_KIND, PLAIN)
+        b_a += c_a
+        b_b += c_b
+        b_q2 += c_q2
+        if not PLAIN:
+            b_low = tl.minimum(b_low, c_low)
+    return _sum_terms(b_a, b_b, b_q2, b_low, tl.cdiv(n_cols, BLOCK) * BLOCK, ALPHA_KIND, PLAIN)
+
+
+@triton.jit
+def _p_at(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND: tl.constexpr, PLAIN: tl.constexpr):
     """p (not normalised) at the row's threshold.  [ROWS, BLOCK]"""
     if ALPHA_KIND == ALPHA_SPARSEMAX:
         b_p = tl.maximum(c_hi[:, None] + b_v, 0.0)
@@ -301,12 +350,26 @@ def _p_at(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND: tl.constexpr):
         b_p = tl.exp2(b_v * _LOG2E)
     else:
         b_d = (c_hi[:, None] + b_v) + c_lo[:, None]
-        b_pos = (b_d > 0) & (b_d < float("inf"))
-        is_soft = t[:, None] == 0.0
-        b_lg = _log2_base(b_v, b_d, b_pos, c_hi, c_lo, near_one)
-        b_arg = tl.where(is_soft, b_v * _LOG2E, e[:, None] * b_lg)
-        b_p = tl.where(is_soft | b_pos, tl.exp2(b_arg), 0.0)
+        if PLAIN:
+            b_p = tl.where(b_d > 0, tl.exp2(e[:, None] * log2_approx(b_d)), 0.0)
+        else:
+            is_soft = t[:, None] == 0.0
+            b_lg = _log2_base(b_v, b_d, c_hi, c_lo, near_one)
+            b_p = tl.where(is_soft | (b_d > 0),
+                           tl.exp2(tl.where(is_soft, b_v * _LOG2E, e[:, None] * b_lg)), 0.0)
     return b_p
+
+
+@triton.jit
+def _chunk_store(p_x, p_p, m_row, o_col, n_cols, shift, c_hi, c_lo, t, e, near_one, inv_norm,
+                 BLOCK: tl.constexpr, ALPHA_KIND: tl.constexpr, PLAIN: tl.constexpr):
+    """The output pass of a row swept in chunks: p(c)·inv_norm."""
+    for start in range(0, n_cols, BLOCK):
+        m_tile = m_row[:, None] & (start + o_col[None, :] < n_cols)
+        b_x = tl.load(p_x + start, mask=m_tile, other=float("-inf")).to(tl.float32)
+        b_p = _p_at(_scaled(b_x, shift, t, ALPHA_KIND, PLAIN), c_hi, c_lo, t, e, near_one,
+                    ALPHA_KIND, PLAIN) * inv_norm[:, None]
+        tl.store(p_p + start, b_p.to(p_p.dtype.element_ty), mask=m_tile)
 
 
 @triton.jit
@@ -349,8 +412,18 @@ def entmax_rowwise_fwd_kernel(
     alpha = _row_alpha(alpha_ptr, rows, m_row, alpha_stride, ALPHA_KIND)
     t = alpha - 1.0
     e = 1.0 / tl.where(t == 0.0, 1.0, t)  # unused on α = 1 rows
-    # general α: a row of the program near α = 1 takes the accurate log of d (`_log2_base`)
+    # Uniform flags of the general kind's passes: a row of the program near α = 1 takes the
+    # accurate log of d (`_log2_base`), one above α = 2 the minimum of d over the support
+    # (the step on the support without its smallest entry). Where every row has
+    # 1.25 ≤ α ≤ 2 (``plain``) the passes run without either, and without the selects
+    # of softmax rows (α = 1) and dense ones (α < 1): a compile of their own
+    # (PLAIN), since a branch inside a pass keeps each entry's predicates across it.
     near_one = tl.min(tl.abs(t), axis=0) < 0.25
+    need_low = tl.max(t, axis=0) > 1.0
+    if ALPHA_KIND == ALPHA_GENERAL:
+        plain = (tl.min(t, axis=0) >= 0.25) & ~need_low
+    else:
+        plain = False
 
     # pass 1: max, finite count, NaN/+inf; softmax: the online sum of exp as well.
     if RESIDENT:
@@ -386,7 +459,7 @@ def entmax_rowwise_fwd_kernel(
     norm = tl.full([ROWS], 1.0, tl.float32)  # Σp at the final c
     row_passes = tl.full([ROWS], 1, tl.int32)
     if RESIDENT:
-        b_v = _scaled(b_x, shift, t)
+        b_v = _scaled(b_x, shift, t, ALPHA_KIND, False)
 
     if ALPHA_KIND == ALPHA_SOFTMAX:
         if RESIDENT:
@@ -405,23 +478,21 @@ def entmax_rowwise_fwd_kernel(
         done = (n_fin == 0) | bad | ~m_row
         while (passes < max_passes) & (tl.sum((~done).to(tl.int32), axis=0) > 0):
             if RESIDENT:
-                s_a, s_b, s_q2, d_min = _pass_sums(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND)
+                if plain:
+                    s_a, s_b, s_q2, d_min = _pass_sums(b_v, c_hi, c_lo, t, e, near_one,
+                                                       ALPHA_KIND, True)
+                else:
+                    s_a, s_b, s_q2, d_min = _pass_sums(b_v, c_hi, c_lo, t, e, near_one,
+                                                       ALPHA_KIND, False)
             else:
-                # the chunks' terms summed entry by entry, reduced across the row's warps
-                # once per pass rather than once per chunk (each reduction crosses the warps
-                # through shared memory with barriers)
-                b_a, b_b, b_q2, b_low = _no_terms(ROWS, BLOCK, ALPHA_KIND)
-                for start in range(0, n_cols, BLOCK):
-                    m_tile = m_row[:, None] & (start + o_col[None, :] < n_cols)
-                    b_xc = tl.load(p_x + start, mask=m_tile, other=float("-inf")).to(tl.float32)
-                    c_a, c_b, c_q2, c_low = _pass_terms(_scaled(b_xc, shift, t), c_hi, c_lo, t, e,
-                                                        near_one, ALPHA_KIND)
-                    b_a += c_a
-                    b_b += c_b
-                    b_q2 += c_q2
-                    b_low = tl.minimum(b_low, c_low)
-                s_a, s_b, s_q2, d_min = _sum_terms(b_a, b_b, b_q2, b_low,
-                                                   tl.cdiv(n_cols, BLOCK) * BLOCK, ALPHA_KIND)
+                if plain:
+                    s_a, s_b, s_q2, d_min = _chunk_sums(p_x, m_row, o_col, n_cols, shift, c_hi,
+                                                        c_lo, t, e, near_one, ROWS, BLOCK,
+                                                        ALPHA_KIND, True)
+                else:
+                    s_a, s_b, s_q2, d_min = _chunk_sums(p_x, m_row, o_col, n_cols, shift, c_hi,
+                                                        c_lo, t, e, near_one, ROWS, BLOCK,
+                                                        ALPHA_KIND, False)
             passes += 1
             at_cap = passes >= max_passes
             if ALPHA_KIND == ALPHA_GENERAL:
@@ -437,14 +508,17 @@ def entmax_rowwise_fwd_kernel(
                 width = to_hi - to_lo
                 # Newton on φ: δ = −(P − P^(1−t)) / Σd^(e−1)
                 step = -_pow_gap(s_a, t) / tl.where(s_b > 0, s_b, 1.0)
-                # α > 2 above c*: the entry nearest to leaving dominates Σd^(e−1); the step
-                # on the support without it is the right one when that entry leaves first.
-                p_min = _pow_pos(d_min, e)
-                rest = s_a - p_min
-                rest_slope = s_b - tl.where(d_min < float("inf"), p_min / tl.where(d_min > 0, d_min, 1.0), 0.0)
-                step_leave = -_pow_gap(rest, t) / tl.where(rest_slope > 0, rest_slope, 1.0)
-                leaves = (t > 1.0) & c_above & (rest > 0) & (rest_slope > 0) & (step_leave < -d_min)
-                step = tl.where(leaves, step_leave, step)
+                if need_low:
+                    # α > 2 above c*: the entry nearest to leaving dominates Σd^(e−1); the step
+                    # on the support without it is the right one when that entry leaves first.
+                    p_min = _pow_pos(d_min, e)
+                    rest = s_a - p_min
+                    rest_slope = s_b - tl.where(d_min < float("inf"),
+                                                p_min / tl.where(d_min > 0, d_min, 1.0), 0.0)
+                    step_leave = -_pow_gap(rest, t) / tl.where(rest_slope > 0, rest_slope, 1.0)
+                    leaves = ((t > 1.0) & c_above & (rest > 0) & (rest_slope > 0)
+                              & (step_leave < -d_min))
+                    step = tl.where(leaves, step_leave, step)
                 # NaN/inf steps fail the bracket test and bisect. For α ≤ 2 the steps are
                 # monotone (φ convex or concave); for α > 2 two passes that did not halve the
                 # bracket make the next step a bisection as well.
@@ -477,14 +551,17 @@ def entmax_rowwise_fwd_kernel(
     inv_norm = tl.where(norm > 0, 1.0 / norm, 0.0)
     inv_norm = tl.where(bad, float("nan"), inv_norm)
     if RESIDENT:
-        b_p = _p_at(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND) * inv_norm[:, None]
-        tl.store(p_p, b_p.to(p_ptr.dtype.element_ty), mask=m_tile)
+        if plain:
+            b_p = _p_at(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND, True)
+        else:
+            b_p = _p_at(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND, False)
+        tl.store(p_p, (b_p * inv_norm[:, None]).to(p_ptr.dtype.element_ty), mask=m_tile)
+    elif plain:
+        _chunk_store(p_x, p_p, m_row, o_col, n_cols, shift, c_hi, c_lo, t, e, near_one, inv_norm,
+                     BLOCK, ALPHA_KIND, True)
     else:
-        for start in range(0, n_cols, BLOCK):
-            m_tile = m_row[:, None] & (start + o_col[None, :] < n_cols)
-            b_xc = tl.load(p_x + start, mask=m_tile, other=float("-inf")).to(tl.float32)
-            b_p = _p_at(_scaled(b_xc, shift, t), c_hi, c_lo, t, e, near_one, ALPHA_KIND) * inv_norm[:, None]
-            tl.store(p_p + start, b_p.to(p_ptr.dtype.element_ty), mask=m_tile)
+        _chunk_store(p_x, p_p, m_row, o_col, n_cols, shift, c_hi, c_lo, t, e, near_one, inv_norm,
+                     BLOCK, ALPHA_KIND, False)
     if ALPHA_KIND == ALPHA_SOFTMAX:
         c_hi = inv_norm  # the threshold c of softmax is 1/Σexp(u)
     else:
