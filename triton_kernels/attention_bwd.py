@@ -27,7 +27,7 @@ from .attention_common import (STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C, STAT_TAU_
                                held_cols, held_rows, listed_tiles, load_rows, launch_config,
                                log2_base, mask_specialisation, query_block, sequence_bounds,
                                shifted_scores)
-from .kinds import ALPHA_ENTMAX15, ALPHA_SPARSEMAX
+from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX
 
 # rows of the backward's per-row buffer
 ROW_DELTA, ROW_DALPHA = 0, 1
@@ -101,8 +101,10 @@ def _dq_tile(b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, st
     if NEED_DALPHA:
         # h = -p log p with log p = log(d) / (alpha - 1) - log l
         # (off the support p = 0 and the log of the base is 0)
-        b_logp = (log2_base(b_gap, inv_am1, ALPHA_KIND) * inv_am1
-                  - tl.log2(b_l)[:, None]) * 0.6931471805599453
+        b_log2 = log2_base(b_gap, inv_am1, ALPHA_KIND)
+        if ALPHA_KIND == ALPHA_GENERAL:
+            b_log2 = tl.where(b_gap > -1.0, b_log2, 0.0)
+        b_logp = (b_log2 * inv_am1 - tl.log2(b_l)[:, None]) * 0.6931471805599453
         b_gh -= tl.sum(b_p * b_logp * b_g, 1)
     return b_dq, b_gh
 

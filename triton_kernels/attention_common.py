@@ -421,19 +421,22 @@ def gap(b_u, b_thr, inv_am1, ALPHA_KIND: tl.constexpr):
 
 @triton.jit
 def log2_base(b_g, inv_am1, ALPHA_KIND: tl.constexpr):
-    """log2 of the base of the powers p = base^e and s = base^(e-1) from a `gap` (0 off the
-    support; callers discard those). alpha 2 and 1.5: the base is d (the constant factor of
-    z units cancels in the normalised weights). General: 1 + w. Near alpha = 1 (e =
-    1/(alpha - 1) > 4; one alpha per head, so the branch is uniform in a program) through
-    log1p with the rounding of 1 + w compensated, so that e log(base) stays accurate;
-    elsewhere by the hardware's approximation (`support.log2_approx`: p's relative error
-    below e 2^-22 ln 2 < 1e-6), which spares libdevice's log2 polynomial and a division per
-    score (sm_90, bf16, E 64: a later threshold pass 57-60 -> 18-19 instructions per score)."""
+    """log2 of the base of the powers p = base^e and s = base^(e-1) from a `gap`; off the
+    support 0 for alpha 2 and 1.5 and unspecified (NaN, -inf) for general alpha: callers
+    select on the support (g > -1) after it. alpha 2 and 1.5: the base is d (the constant
+    factor of z units cancels in the normalised weights). General: 1 + w. Near alpha = 1
+    (e = 1/(alpha - 1) > 4; one alpha per head, so the branch is uniform in a program)
+    through log1p with the rounding of 1 + w compensated, so that e log(base) stays
+    accurate; elsewhere by the hardware's approximation (`support.log2_approx`: p's
+    relative error below e 2^-22 ln 2 < 1e-6), which spares libdevice's log2 polynomial and
+    a division per score (sm_90, bf16, E 64: a later threshold pass 57-60 -> 18-19
+    instructions per score). No select before the branch: a predicate per score live across
+    it was kept as a bit of a register, set and cleared around it (about 3.4 instructions
+    per score in the threshold pass)."""
     if ALPHA_KIND == ALPHA_GENERAL:
-        b_w = tl.where(b_g > -1.0, b_g, 0.0)
-        b_base = 1.0 + b_w
+        b_base = 1.0 + b_g
         if inv_am1 > 4.0:
-            b_log2 = tl.log2(b_base) - ((b_base - 1.0) - b_w) / b_base * 1.4426950408889634
+            b_log2 = tl.log2(b_base) - ((b_base - 1.0) - b_g) / b_base * 1.4426950408889634
         else:
             b_log2 = log2_approx(b_base)
     else:

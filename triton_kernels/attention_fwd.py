@@ -630,7 +630,10 @@ def _output_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, st
             b_dacc += dot(b_s.to(b_v.dtype), b_v)
     if NEED_GRAD >= GRAD_ALPHA:
         # p log p = p * log(base) / (alpha - 1)
-        b_plogp += tl.sum(b_p * log2_base(b_g, inv_am1, ALPHA_KIND), 1) * (inv_am1 * 0.6931471805599453)
+        b_log2 = log2_base(b_g, inv_am1, ALPHA_KIND)
+        if ALPHA_KIND == ALPHA_GENERAL:
+            b_log2 = tl.where(b_g > -1.0, b_log2, 0.0)
+        b_plogp += tl.sum(b_p * b_log2, 1) * (inv_am1 * 0.6931471805599453)
     return b_sum, b_ssum, b_plogp, b_acc, b_dacc
 
 
