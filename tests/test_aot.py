@@ -155,6 +155,7 @@ def test_kernel_loops_reads_loops_from_backward_branches():
     loops = kernel_loops.sass_loops(sass, min_instructions=2)
     assert [(loop["start"], loop["end"], loop["instructions"]) for loop in loops] == [(0x10, 0x60, 6)]
     assert loops[0]["opcodes"]["FFMA"] == 2 and loops[0]["opcodes"]["BRA"] == 2
+    assert loops[0]["skips"] == [(0x40, 1)], "the FMNMX the forward branch jumps over"
     assert kernel_loops.sass_loops(sass, min_instructions=7) == []
     # a backward branch that also tests a predicate (the general-alpha pass loop's form)
     predicated = sass.replace("@P3 BRA 0x10", "@P1 BRA P2, 0x10")
