@@ -42,7 +42,7 @@ _REFLAG = ["m_tight, p_cand, True, CANDIDATES, BLOCK_M,", "m_tight, p_cand, True
 _ONE_POINT = ("b_t0, b_t0,\n"
               "        _threshold_in_z(b_lo, inv_am1, ALPHA_KIND), m_rows, p_flags, p_tiles, n_listed,\n"
               "        inv_am1, p_cand, False, REFLAG, CANDIDATES, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC,\n"
-              "        MASK_KIND, ALPHA_KIND)\n")
+              "        MASK_KIND, ALPHA_KIND, NEAR_ONE)\n")
 _SUPPORT = "        b_count, b_dmin = support_count_and_min(b_g)\n"
 # The passes after the first evaluate a second trial point just above the first; its sums
 # feed the result through a comparison that never holds, so that nothing is optimised away
@@ -94,7 +94,7 @@ VARIANTS = {
     "capture_unused": [("        if n_cand <= CANDIDATES:\n", "        if n_cand < 0:\n")],
     "cap2_no_capture": [(_CAP, "(n_pass < 2)"), (_CAP_CAPTURED, "(2 > n_pass)")],
     # every general-alpha head captures, whatever its alpha (attention_common.CAPTURE_MIN_ALPHA)
-    "no_alpha_gate": [("(am1 >= CAPTURE_MIN_AM1_C)", "(am1 >= 0.0)")],
+    "no_alpha_gate": [("capture = am1 >= CAPTURE_MIN_AM1_C", "capture = am1 >= 0.0")],
     # the count and the certificate from the predicate `d > 0`, as the kernel had them
     # (LLVM packs those predicates into bit masks): what `support_count_and_min` saves
     "predicated_moments": [

@@ -21,11 +21,12 @@ import triton
 import triton.language as tl
 
 from .. import common
-from .attention_common import (STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C, STAT_TAU_C,
-                               attention_signature, block_sizes, chunk_width, config_space,
-                               config_suffix, dot, dot_rows, dropout_scale, full_tiles_end, gap,
-                               held_cols, held_rows, listed_tiles, load_rows, launch_config,
-                               log2_base, mask_specialisation, query_block, sequence_bounds,
+from .attention_common import (NEAR_ONE_INV_AM1, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C,
+                               STAT_TAU_C, attention_signature, block_sizes, chunk_width,
+                               config_space, config_suffix, dot, dot_rows, dropout_scale,
+                               full_tiles_end, gap, held_cols, held_rows, listed_tiles, load_rows,
+                               launch_config, log2_base, mask_specialisation, query_block,
+                               sequence_bounds,
                                shifted_scores)
 from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX
 
@@ -37,7 +38,8 @@ ROW_DALPHA_C = tl.constexpr(ROW_DALPHA)
 
 
 @triton.jit
-def _row_weights(b_u, b_thr, b_l, am1, inv_am1, ALPHA_KIND: tl.constexpr):
+def _row_weights(b_u, b_thr, b_l, am1, inv_am1, ALPHA_KIND: tl.constexpr,
+                 NEAR_ONE: tl.constexpr = None):
     """The `gap` g of the shifted scores u to the stored threshold, the normalised weights
     p and the sensitivities s = p^(2-alpha). [BM, BN]
 
@@ -60,7 +62,7 @@ def _row_weights(b_u, b_thr, b_l, am1, inv_am1, ALPHA_KIND: tl.constexpr):
     else:
         b_g = gap(b_u, b_thr, inv_am1, ALPHA_KIND)
         b_log2l = tl.log2(b_l)[:, None]
-        b_lb = log2_base(b_g, inv_am1, ALPHA_KIND)
+        b_lb = log2_base(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)
         m_support = b_g > -1.0
         b_p = tl.where(m_support, tl.exp2(inv_am1 * b_lb - b_log2l), 0.0)
         b_s = tl.where(m_support, tl.exp2((inv_am1 - 1.0) * b_lb + (am1 - 1.0) * b_log2l), 0.0)
@@ -75,7 +77,7 @@ def _dq_tile(b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, st
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
              BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
              MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, NEED_DALPHA: tl.constexpr,
-             BOUNDARY: tl.constexpr):
+             BOUNDARY: tl.constexpr, NEAR_ONE: tl.constexpr):
     """Adds one key tile to dQ and to sum_j g_j h_j."""
     o_n = start_n + tl.arange(0, BLOCK_N)
     b_k = held_rows(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E, BLOCK_EC, BOUNDARY)  # [BN, BE]
@@ -86,7 +88,7 @@ def _dq_tile(b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, st
     b_u = shifted_scores(b_q, b_kt, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq,
                          stride_mk, o_m, start_n, q_len, k_len, head_e, scale, b_mz,
                          is_causal, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
-    b_gap, b_p, b_s = _row_weights(b_u, b_tau, b_l, am1, inv_am1, ALPHA_KIND)
+    b_gap, b_p, b_s = _row_weights(b_u, b_tau, b_l, am1, inv_am1, ALPHA_KIND, NEAR_ONE)
     b_vt = held_cols(p_v, stride_vl, o_n, k_len, head_ev, BLOCK_EV, BLOCK_EC, BOUNDARY)
     b_g = dot_rows(b_do, b_vt, p_do, stride_ol, o_m, q_len, p_v, stride_vl, o_n, k_len,
                    head_ev, BLOCK_EV, BLOCK_EC)  # dL/dp [BM, BN]
@@ -101,11 +103,44 @@ def _dq_tile(b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, st
     if NEED_DALPHA:
         # h = -p log p with log p = log(d) / (alpha - 1) - log l
         # (off the support p = 0 and the log of the base is 0)
-        b_log2 = log2_base(b_gap, inv_am1, ALPHA_KIND)
+        b_log2 = log2_base(b_gap, inv_am1, ALPHA_KIND, NEAR_ONE)
         if ALPHA_KIND == ALPHA_GENERAL:
             b_log2 = tl.where(b_gap > -1.0, b_log2, 0.0)
         b_logp = (b_log2 * inv_am1 - tl.log2(b_l)[:, None]) * 0.6931471805599453
         b_gh -= tl.sum(b_p * b_logp * b_g, 1)
+    return b_dq, b_gh
+
+
+@triton.jit
+def _dq_pass(b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol, p_mask,
+             stride_mq, stride_mk, p_flags, p_tiles, n_listed, n_full, kv_end, o_m, q_len, k_len,
+             head_e, head_ev, scale, am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, seed,
+             pid_bh, seqlen_q, seqlen_k, dropout_p,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+             BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
+             MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, NEED_DALPHA: tl.constexpr,
+             NEAR_ONE: tl.constexpr):
+    """(dQ, sum_j g_j h_j) over the listed full key tiles (a pipelined loop) and the flagged
+    ones that cross a mask's edge."""
+    b_dq = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
+    b_gh = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum_j g_j h_j for d(alpha)
+    for i in range(n_listed):
+        start_n = tl.load(p_tiles + i) * BLOCK_N
+        b_dq, b_gh = _dq_tile(
+            b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol, p_mask,
+            stride_mq, stride_mk, o_m, start_n, q_len, k_len, head_e, head_ev, scale,
+            am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, seed, pid_bh, seqlen_q, seqlen_k,
+            dropout_p, b_dq, b_gh, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
+            BLOCK_EC, ALPHA_KIND, MASK_KIND, HAS_DROPOUT, NEED_DALPHA, False, NEAR_ONE)
+    for start_n in range(n_full, kv_end, BLOCK_N):
+        if tl.load(p_flags + start_n // BLOCK_N) != 0:
+            b_dq, b_gh = _dq_tile(
+                b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
+                p_mask, stride_mq, stride_mk, o_m, start_n, q_len, k_len, head_e, head_ev,
+                scale, am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, seed, pid_bh,
+                seqlen_q, seqlen_k, dropout_p, b_dq, b_gh, BLOCK_M, BLOCK_N,
+                BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND, HAS_DROPOUT, NEED_DALPHA,
+                True, NEAR_ONE)
     return b_dq, b_gh
 
 
@@ -188,28 +223,29 @@ def entmax_attn_bwd_dq_kernel(
     if is_causal != 0:
         kv_end = tl.minimum(k_len, start_m + BLOCK_M)
     n_full = full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
-    b_dq = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
-    b_gh = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum_j g_j h_j for d(alpha)
     # the full tiles the forward flagged through their list: a pipelined loop
     n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
     tl.debug_barrier()
-    for i in range(n_listed):
-        start_n = tl.load(p_tiles + i) * BLOCK_N
-        b_dq, b_gh = _dq_tile(
+    # compiled for heads near alpha = 1 and for the others (`log2_base`): without the
+    # near-one log the loop holds fewer registers (sm_90, bf16, E 64, general alpha without
+    # d(alpha): 255 registers and 48 bytes of stack -> 168 and none)
+    near_one = False
+    if ALPHA_KIND == ALPHA_GENERAL:
+        near_one = inv_am1 > NEAR_ONE_INV_AM1
+    if near_one:
+        b_dq, b_gh = _dq_pass(
             b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol, p_mask,
-            stride_mq, stride_mk, o_m, start_n, q_len, k_len, head_e, head_ev, scale,
-            am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, seed, pid_bh, seqlen_q, seqlen_k,
-            dropout_p, b_dq, b_gh, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
+            stride_mq, stride_mk, p_flags, p_tiles, n_listed, n_full, kv_end, o_m, q_len, k_len,
+            head_e, head_ev, scale, am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, seed,
+            pid_bh, seqlen_q, seqlen_k, dropout_p, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
+            BLOCK_EC, ALPHA_KIND, MASK_KIND, HAS_DROPOUT, NEED_DALPHA, True)
+    else:
+        b_dq, b_gh = _dq_pass(
+            b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol, p_mask,
+            stride_mq, stride_mk, p_flags, p_tiles, n_listed, n_full, kv_end, o_m, q_len, k_len,
+            head_e, head_ev, scale, am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, seed,
+            pid_bh, seqlen_q, seqlen_k, dropout_p, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
             BLOCK_EC, ALPHA_KIND, MASK_KIND, HAS_DROPOUT, NEED_DALPHA, False)
-    for start_n in range(n_full, kv_end, BLOCK_N):
-        if tl.load(p_flags + start_n // BLOCK_N) != 0:
-            b_dq, b_gh = _dq_tile(
-                b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
-                p_mask, stride_mq, stride_mk, o_m, start_n, q_len, k_len, head_e, head_ev,
-                scale, am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, seed, pid_bh,
-                seqlen_q, seqlen_k, dropout_p, b_dq, b_gh, BLOCK_M, BLOCK_N,
-                BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND, HAS_DROPOUT, NEED_DALPHA,
-                True)
     # a row whose forward was NaN (a NaN or +inf score, stored shift NaN) gets NaN gradients
     b_dq = tl.where((b_mz != b_mz)[:, None], float("nan"), b_dq * scale)
     dq_off = i_b * stride_dqb + i_h * stride_dqh + q_start * stride_dql

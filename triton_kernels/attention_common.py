@@ -419,8 +419,18 @@ def gap(b_u, b_thr, inv_am1, ALPHA_KIND: tl.constexpr):
     return b_g
 
 
+# Heads with 1/(alpha - 1) above this (alpha < 1.25) take `log2_base`'s log1p form.
+NEAR_ONE_INV_AM1 = tl.constexpr(4.0)
+
+
 @triton.jit
-def log2_base(b_g, inv_am1, ALPHA_KIND: tl.constexpr):
+def _log2_near_one(b_base, b_g):
+    """log2(1 + g) with the rounding of 1 + g compensated (log1p's accuracy), for e > 4."""
+    return tl.log2(b_base) - ((b_base - 1.0) - b_g) / b_base * 1.4426950408889634
+
+
+@triton.jit
+def log2_base(b_g, inv_am1, ALPHA_KIND: tl.constexpr, NEAR_ONE: tl.constexpr = None):
     """log2 of the base of the powers p = base^e and s = base^(e-1) from a `gap`; off the
     support 0 for alpha 2 and 1.5 and unspecified (NaN, -inf) for general alpha: callers
     select on the support (g > -1) after it. alpha 2 and 1.5: the base is d (the constant
@@ -432,11 +442,18 @@ def log2_base(b_g, inv_am1, ALPHA_KIND: tl.constexpr):
     a division per score (sm_90, bf16, E 64: a later threshold pass 57-60 -> 18-19
     instructions per score). No select before the branch: a predicate per score live across
     it was kept as a bit of a register, set and cleared around it (about 3.4 instructions
-    per score in the threshold pass)."""
+    per score in the threshold pass). NEAR_ONE True or False takes one side at compile time:
+    callers that branch on the head's alpha once, outside their loops, compile a loop without
+    the other side, whose registers it no longer holds (`attention_fwd._find_threshold`)."""
     if ALPHA_KIND == ALPHA_GENERAL:
         b_base = 1.0 + b_g
-        if inv_am1 > 4.0:
-            b_log2 = tl.log2(b_base) - ((b_base - 1.0) - b_g) / b_base * 1.4426950408889634
+        if NEAR_ONE is None:
+            if inv_am1 > NEAR_ONE_INV_AM1:
+                b_log2 = _log2_near_one(b_base, b_g)
+            else:
+                b_log2 = log2_approx(b_base)
+        elif NEAR_ONE:
+            b_log2 = _log2_near_one(b_base, b_g)
         else:
             b_log2 = log2_approx(b_base)
     else:
@@ -445,19 +462,20 @@ def log2_base(b_g, inv_am1, ALPHA_KIND: tl.constexpr):
 
 
 @triton.jit
-def weights(b_g, inv_am1, ALPHA_KIND: tl.constexpr):
+def weights(b_g, inv_am1, ALPHA_KIND: tl.constexpr, NEAR_ONE: tl.constexpr = None):
     """Unnormalised weights p = base^(1/(alpha-1)) from a `gap`."""
     if ALPHA_KIND == ALPHA_SPARSEMAX:
         b_p = b_g
     elif ALPHA_KIND == ALPHA_ENTMAX15:
         b_p = b_g * b_g
     else:
-        b_p = tl.where(b_g > -1.0, tl.exp2(inv_am1 * log2_base(b_g, inv_am1, ALPHA_KIND)), 0.0)
+        b_p = tl.where(b_g > -1.0,
+                       tl.exp2(inv_am1 * log2_base(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)), 0.0)
     return b_p
 
 
 @triton.jit
-def sensitivity(b_g, inv_am1, ALPHA_KIND: tl.constexpr):
+def sensitivity(b_g, inv_am1, ALPHA_KIND: tl.constexpr, NEAR_ONE: tl.constexpr = None):
     """dp/dbase = base^(1/(alpha-1) - 1), i.e. p^(2-alpha) before row normalisation."""
     if ALPHA_KIND == ALPHA_SPARSEMAX:
         b_s = tl.where(b_g > 0, 1.0, 0.0)
@@ -465,7 +483,8 @@ def sensitivity(b_g, inv_am1, ALPHA_KIND: tl.constexpr):
         b_s = b_g
     else:
         b_s = tl.where(b_g > -1.0,
-                       tl.exp2((inv_am1 - 1.0) * log2_base(b_g, inv_am1, ALPHA_KIND)), 0.0)
+                       tl.exp2((inv_am1 - 1.0) * log2_base(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)),
+                       0.0)
     return b_s
 
 

@@ -52,9 +52,9 @@ import triton.language as tl
 
 from .. import common
 from .attention_common import (CANDIDATE_CHUNK_C, CAPTURE_MIN_AM1_C, MAX_TAU_PASSES_C,
-                               PHASE_OUTPUT_C, PHASE_THRESHOLD_C, STAT_ENTROPY_C, STAT_MAX_C,
-                               STAT_SUM_C, STAT_TAU_C, TAU_STEP_TOL_C, attention_signature,
-                               block_sizes,
+                               NEAR_ONE_INV_AM1, PHASE_OUTPUT_C, PHASE_THRESHOLD_C,
+                               STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C, STAT_TAU_C,
+                               TAU_STEP_TOL_C, attention_signature, block_sizes,
                                candidate_slots, chunk_width, config_space, config_suffix, dot,
                                dropout_scale, forward_launches, full_tiles_end, gap, held_cols,
                                held_rows, listed_tiles, log2_base, mask_specialisation,
@@ -148,7 +148,7 @@ def _row_max(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, 
 
 
 @triton.jit
-def _moments(b_g, inv_am1, ALPHA_KIND: tl.constexpr):
+def _moments(b_g, inv_am1, ALPHA_KIND: tl.constexpr, NEAR_ONE: tl.constexpr):
     """Per-row sums over one tile of a `gap` that fix the threshold update
     (docs/attention.md, "Threshold"): (a, b, c, dmin) with
 
@@ -159,7 +159,7 @@ def _moments(b_g, inv_am1, ALPHA_KIND: tl.constexpr):
     and dmin the smallest positive d (the exactness certificate of alpha 2 and 1.5; general
     alpha returns b there, unused). f(t) = a - 1 in u units (`_sums_in_u`)."""
     if ALPHA_KIND == ALPHA_GENERAL:
-        b_pw = sensitivity(b_g, inv_am1, ALPHA_KIND)
+        b_pw = sensitivity(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)
         b_b = tl.sum(b_pw, 1)
         b_a = b_b + tl.sum(b_pw * tl.where(b_g > -1.0, b_g, 0.0), 1)
         b_c = b_b
@@ -206,7 +206,8 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
                     b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, p_cand, b_ncand,
                     TWO: tl.constexpr, REFLAG: tl.constexpr, CANDIDATES: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
-                    MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr, BOUNDARY: tl.constexpr):
+                    MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr, BOUNDARY: tl.constexpr,
+                    NEAR_ONE: tl.constexpr):
     """Adds one key tile to the sums at threshold t0 (and t1 when TWO) and, when REFLAG,
     rewrites its flag: does any row have a score above b_flag_thr (lo, a lower bound of tau
     that only rises, so a tile with none has none above any later pass's threshold either)?
@@ -229,7 +230,8 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
                 b_ncand = _capture(p_cand, b_u, b_key, -1.0, m_cand,
                                    tl.sum(m_cand.to(tl.float32), 1), b_ncand, CANDIDATES,
                                    BLOCK_N)
-    b_a, b_b, b_c, b_n = _moments(gap(b_u, b_t0, inv_am1, ALPHA_KIND), inv_am1, ALPHA_KIND)
+    b_a, b_b, b_c, b_n = _moments(gap(b_u, b_t0, inv_am1, ALPHA_KIND), inv_am1, ALPHA_KIND,
+                                  NEAR_ONE)
     b_a0 += b_a
     b_b0 += b_b
     b_c0 += b_c
@@ -252,7 +254,8 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
                 b_ncand = _capture(p_cand, b_u, b_key, 0.0, b_key > 0.0, b_c, b_ncand,
                                    CANDIDATES, BLOCK_N)
     if TWO:
-        b_a, b_b, b_c, b_n = _moments(gap(b_u, b_t1, inv_am1, ALPHA_KIND), inv_am1, ALPHA_KIND)
+        b_a, b_b, b_c, b_n = _moments(gap(b_u, b_t1, inv_am1, ALPHA_KIND), inv_am1, ALPHA_KIND,
+                                      NEAR_ONE)
         b_a1 += b_a
         b_b1 += b_b
         b_c1 += b_c
@@ -266,7 +269,8 @@ def _threshold_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
                     b_t0, b_t1, b_flag_thr, m_rows, p_flags, p_tiles, n_listed, inv_am1,
                     p_cand, TWO: tl.constexpr, REFLAG: tl.constexpr, CANDIDATES: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-                    BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr):
+                    BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr,
+                    NEAR_ONE: tl.constexpr):
     """One pass over the flagged tiles: the `_moments` sums at t0 (and t1). The full tiles
     (those before n_full, `full_tiles_end`) through their list (p_tiles[0:n_listed],
     `listed_tiles`: a pipelined loop), the few that cross a mask's edge through their
@@ -283,7 +287,8 @@ def _threshold_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_n,
             q_len, k_len, head_e, scale, b_shift, is_causal, b_t0, b_t1, b_flag_thr, m_rows,
             p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, p_cand, b_ncand,
-            TWO, REFLAG, CANDIDATES, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, False)
+            TWO, REFLAG, CANDIDATES, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, False,
+            NEAR_ONE)
     for start_n in range(n_full, kv_end, BLOCK_N):
         if tl.load(p_flags + start_n // BLOCK_N) != 0:
             b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, b_ncand = _threshold_tile(
@@ -291,7 +296,7 @@ def _threshold_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
                 start_n, q_len, k_len, head_e, scale, b_shift, is_causal, b_t0, b_t1, b_flag_thr,
                 m_rows, p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
                 p_cand, b_ncand, TWO, REFLAG, CANDIDATES, BLOCK_N, BLOCK_E, BLOCK_EC,
-                MASK_KIND, ALPHA_KIND, True)
+                MASK_KIND, ALPHA_KIND, True, NEAR_ONE)
     return b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, b_ncand
 
 
@@ -430,7 +435,8 @@ def _one_point_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
                     p_flags, p_tiles, n_listed, am1, inv_am1, b_t, b_lo, b_hi, b_tau, m_done,
                     m_tight, p_cand, REFLAG: tl.constexpr, CANDIDATES: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-                    BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr):
+                    BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr,
+                    NEAR_ONE: tl.constexpr):
     """A threshold pass at every row's trial point t in [lo, hi] and the bracket's update
     from it: (lo, hi, tau, done, tight, guess), as `_update_from_sums`, and each row's count
     of captured scores. REFLAG rewrites the tile flags at lo, a lower bound of tau (alpha 2
@@ -441,7 +447,7 @@ def _one_point_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
         k_len, kv_end, head_e, scale, b_mz, is_causal, b_t0, b_t0,
         _threshold_in_z(b_lo, inv_am1, ALPHA_KIND), m_rows, p_flags, p_tiles, n_listed,
         inv_am1, p_cand, False, REFLAG, CANDIDATES, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC,
-        MASK_KIND, ALPHA_KIND)
+        MASK_KIND, ALPHA_KIND, NEAR_ONE)
     b_lo, b_hi, b_tau, m_done, m_tight, b_guess = _update_from_sums(
         b_t, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi, b_tau, m_done, m_tight, am1, inv_am1,
         ALPHA_KIND)
@@ -451,7 +457,7 @@ def _one_point_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
 @triton.jit
 def _candidate_pass(p_cand, b_ncand, n_cand, am1, inv_am1, b_t, b_lo, b_hi, b_tau, m_done,
                     m_tight, BLOCK_M: tl.constexpr, CANDIDATES: tl.constexpr,
-                    CHUNK: tl.constexpr, ALPHA_KIND: tl.constexpr):
+                    CHUNK: tl.constexpr, ALPHA_KIND: tl.constexpr, NEAR_ONE: tl.constexpr):
     """`_one_point_pass` over the captured scores alone (b_ncand[row] of them in
     p_cand[row], at most n_cand in any row): the same sums, without a score product."""
     b_t0 = _threshold_in_z(b_t, inv_am1, ALPHA_KIND)
@@ -464,7 +470,7 @@ def _candidate_pass(p_cand, b_ncand, n_cand, am1, inv_am1, b_t, b_lo, b_hi, b_ta
         b_u = tl.load(p_cand + tl.arange(0, BLOCK_M)[:, None] * CANDIDATES + o_c[None, :],
                       mask=o_c[None, :] < b_ncand[:, None], other=float("-inf"))
         b_ai, b_bi, b_ci, b_ni = _moments(gap(b_u, b_t0, inv_am1, ALPHA_KIND), inv_am1,
-                                          ALPHA_KIND)
+                                          ALPHA_KIND, NEAR_ONE)
         b_a += b_ai
         b_b += b_bi
         b_c += b_ci
@@ -479,7 +485,7 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
                     p_flags, p_tiles, p_cand, am1, inv_am1, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
                     MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr,
-                    CANDIDATES: tl.constexpr):
+                    CANDIDATES: tl.constexpr, NEAR_ONE: tl.constexpr):
     """Passes 2 and on: the tiles' threshold (`_threshold_in_z`) of every row, [BM], and the
     number of listed tiles (p_tiles) the output pass visits, from the flags the max pass
     left (which the second threshold pass rewrites). With CANDIDATES > 0 the second pass
@@ -502,7 +508,7 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
         k_len, kv_end, head_e, scale, b_mz, is_causal, _threshold_in_z(b_lo, inv_am1, ALPHA_KIND),
         _threshold_in_z(b_mid, inv_am1, ALPHA_KIND), _threshold_in_z(b_lo, inv_am1, ALPHA_KIND),
         m_rows, p_flags, p_tiles, n_listed, inv_am1, p_cand, True, False, CANDIDATES,
-        BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
+        BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, NEAR_ONE)
     b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
     b_a1, b_b1, b_c1, b_n1 = _sums_in_u(b_a1, b_b1, b_c1, b_n1, am1, inv_am1, ALPHA_KIND)
     b_lo, b_hi, b_tau, m_done, m_tight = _update_threshold(
@@ -529,14 +535,18 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
         if ALPHA_KIND == ALPHA_GENERAL:
             b_t2 = _trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND)
             # a head's alpha is one value: below the capture's least alpha its blocks keep
-            # the second pass without the capture (`attention_common.CAPTURE_MIN_ALPHA`)
-            if (CANDIDATES > 0) & (am1 >= CAPTURE_MIN_AM1_C):
+            # the second pass without the capture (`attention_common.CAPTURE_MIN_ALPHA`),
+            # as every head near alpha = 1 does (NEAR_ONE: alpha < 1.25)
+            capture = False
+            if (CANDIDATES > 0) & (not NEAR_ONE):
+                capture = am1 >= CAPTURE_MIN_AM1_C
+            if capture:
                 b_lo, b_hi, b_tau, m_done, m_tight, b_guess, b_ncand = _one_point_pass(
                     b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                     n_full, q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows,
                     p_flags, p_tiles, n_listed, am1, inv_am1, b_t2, b_lo, b_hi, b_tau, m_done,
                     m_tight, p_cand, True, CANDIDATES, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC,
-                    MASK_KIND, ALPHA_KIND)
+                    MASK_KIND, ALPHA_KIND, NEAR_ONE)
                 n_cand = tl.max(tl.where(m_done, 0, b_ncand), 0)
             else:
                 b_lo, b_hi, b_tau, m_done, m_tight, b_guess, b_ncand = _one_point_pass(
@@ -544,20 +554,20 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
                     n_full, q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows,
                     p_flags, p_tiles, n_listed, am1, inv_am1, b_t2, b_lo, b_hi, b_tau, m_done,
                     m_tight, p_cand, True, 0, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND,
-                    ALPHA_KIND)
+                    ALPHA_KIND, NEAR_ONE)
         else:
             b_lo, b_hi, b_tau, m_done, m_tight, b_guess, b_ncand = _one_point_pass(
                 b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
                 q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows, p_flags, p_tiles,
                 n_listed, am1, inv_am1, b_lo, b_lo, b_hi, b_tau, m_done, m_tight, p_cand, True,
-                CANDIDATES, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
+                CANDIDATES, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, NEAR_ONE)
             n_cand = tl.max(tl.where(m_done, 0, b_ncand), 0)
         # (the barrier also orders the captured scores' stores before their loads)
         tl.debug_barrier()
         n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
         tl.debug_barrier()
         n_pass = 2
-    if CANDIDATES > 0:
+    if (CANDIDATES > 0) & (not NEAR_ONE):
         # Every score a later pass can count was captured: the passes run on chip, a few
         # operations per captured score (tens per row after the first pass on random
         # scores, `bench/bench_attention_passes.py`) instead of a score product and those
@@ -568,7 +578,7 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
                 b_t = _trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND)
                 b_lo, b_hi, b_tau, m_done, m_tight, b_guess = _candidate_pass(
                     p_cand, b_ncand, n_cand, am1, inv_am1, b_t, b_lo, b_hi, b_tau, m_done,
-                    m_tight, BLOCK_M, CANDIDATES, CANDIDATE_CHUNK_C, ALPHA_KIND)
+                    m_tight, BLOCK_M, CANDIDATES, CANDIDATE_CHUNK_C, ALPHA_KIND, NEAR_ONE)
                 n_pass += 1
     while (tl.max(tl.where(m_done, 0, 1), 0) > 0) & (n_pass < MAX_TAU_PASSES_C):
         b_lo, b_hi, b_tau, m_done, m_tight, b_guess, b_ncand = _one_point_pass(
@@ -576,7 +586,7 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
             q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows, p_flags, p_tiles,
             n_listed, am1, inv_am1, _trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND),
             b_lo, b_hi, b_tau, m_done, m_tight, p_cand, False, CANDIDATES, BLOCK_M, BLOCK_N,
-            BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND)
+            BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, NEAR_ONE)
         n_pass += 1
     # rows still open after MAX_TAU_PASSES: the last lower bound (a Newton step). From here
     # on the tiles' threshold (`_threshold_in_z`), which the statistics store too.
@@ -592,7 +602,7 @@ def _output_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, st
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
                  BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr,
                  ALPHA_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                 NEED_GRAD: tl.constexpr, BOUNDARY: tl.constexpr):
+                 NEED_GRAD: tl.constexpr, BOUNDARY: tl.constexpr, NEAR_ONE: tl.constexpr):
     """Adds one key tile to the output sums and, when gradients are needed, rewrites its
     flag to "holds a non-zero weight". The tiles the last threshold pass kept hold weight
     almost always: the products run unconditionally, which keeps the loop pipelined."""
@@ -600,7 +610,7 @@ def _output_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, st
                       start_n, q_len, k_len, head_e, scale, b_mz, is_causal,
                       BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
     b_g = gap(b_u, b_tau, inv_am1, ALPHA_KIND)  # [BM, BN]
-    b_p = weights(b_g, inv_am1, ALPHA_KIND)
+    b_p = weights(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)
     b_prow = tl.sum(b_p, 1)
     b_sum += b_prow
     if NEED_GRAD >= GRAD_INPUTS:
@@ -622,7 +632,7 @@ def _output_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, st
     else:
         b_acc += dot(b_p.to(b_v.dtype), b_v)
     if NEED_GRAD >= GRAD_INPUTS:
-        b_s = sensitivity(b_g, inv_am1, ALPHA_KIND)
+        b_s = sensitivity(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)
         b_ssum += tl.sum(b_s, 1)
         if HAS_DROPOUT:
             b_dacc += dot((b_s * b_drop).to(b_v.dtype), b_v)
@@ -630,10 +640,44 @@ def _output_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, st
             b_dacc += dot(b_s.to(b_v.dtype), b_v)
     if NEED_GRAD >= GRAD_ALPHA:
         # p log p = p * log(base) / (alpha - 1)
-        b_log2 = log2_base(b_g, inv_am1, ALPHA_KIND)
+        b_log2 = log2_base(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)
         if ALPHA_KIND == ALPHA_GENERAL:
             b_log2 = tl.where(b_g > -1.0, b_log2, 0.0)
         b_plogp += tl.sum(b_p * b_log2, 1) * (inv_am1 * 0.6931471805599453)
+    return b_sum, b_ssum, b_plogp, b_acc, b_dacc
+
+
+@triton.jit
+def _output_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq,
+                 stride_mk, o_m, n_full, kv_end, n_listed, p_tiles, q_len, k_len, head_e,
+                 head_ev, scale, inv_am1, b_mz, b_tau, m_rows, is_causal, p_flags, seed, pid_bh,
+                 seqlen_q, seqlen_k, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr,
+                 MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                 NEED_GRAD: tl.constexpr, NEAR_ONE: tl.constexpr):
+    """The output pass (sparse): `_output_tile` over the listed full tiles (p_tiles) and the
+    flagged ones that cross a mask's edge; (sum p, sum s, sum p log p, p V, s V)."""
+    b_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_plogp = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_ssum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_M, BLOCK_EV], dtype=tl.float32)
+    b_dacc = tl.zeros([BLOCK_M, BLOCK_EV], dtype=tl.float32)
+    for i in range(n_listed):
+        start_n = tl.load(p_tiles + i) * BLOCK_N
+        b_sum, b_ssum, b_plogp, b_acc, b_dacc = _output_tile(
+            b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq, stride_mk,
+            o_m, start_n, q_len, k_len, head_e, head_ev, scale, inv_am1, b_mz, b_tau,
+            m_rows, is_causal, p_flags, seed, pid_bh, seqlen_q, seqlen_k, dropout_p,
+            b_sum, b_ssum, b_plogp, b_acc, b_dacc, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
+            BLOCK_EC, MASK_KIND, ALPHA_KIND, HAS_DROPOUT, NEED_GRAD, False, NEAR_ONE)
+    for start_n in range(n_full, kv_end, BLOCK_N):
+        if tl.load(p_flags + start_n // BLOCK_N) != 0:
+            b_sum, b_ssum, b_plogp, b_acc, b_dacc = _output_tile(
+                b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq,
+                stride_mk, o_m, start_n, q_len, k_len, head_e, head_ev, scale, inv_am1, b_mz,
+                b_tau, m_rows, is_causal, p_flags, seed, pid_bh, seqlen_q, seqlen_k, dropout_p,
+                b_sum, b_ssum, b_plogp, b_acc, b_dacc, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
+                BLOCK_EC, MASK_KIND, ALPHA_KIND, HAS_DROPOUT, NEED_GRAD, True, NEAR_ONE)
     return b_sum, b_ssum, b_plogp, b_acc, b_dacc
 
 
@@ -701,15 +745,29 @@ def entmax_attn_fwd_kernel(
     b_mz = tl.where(m_rows, b_m, 0.0)
 
     n_full = full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
+    # A head's alpha is one value: the threshold search and the output pass are compiled
+    # for heads near alpha = 1 and for the others (`log2_base`), so that the passes' loops
+    # of the usual heads hold no near-one log (sm_90, bf16, E 64, alpha >= 1.25: the
+    # threshold launch's stack 448 -> 168 bytes, a later pass 14.1 instructions per score).
+    near_one = False
+    if ALPHA_KIND == ALPHA_GENERAL:
+        near_one = inv_am1 > NEAR_ONE_INV_AM1
     if PHASE == PHASE_OUTPUT_C:
         b_tau = tl.load(p_stats + STAT_TAU_C * stride_stat, mask=m_m, other=0.0)
         n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
     else:
-        b_tau, n_listed = _find_threshold(
-            b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
-            q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows, p_flags, p_tiles,
-            p_cand, am1, inv_am1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND,
-            CANDIDATES)
+        if near_one:
+            b_tau, n_listed = _find_threshold(
+                b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
+                q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows, p_flags, p_tiles,
+                p_cand, am1, inv_am1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND,
+                ALPHA_KIND, CANDIDATES, True)
+        else:
+            b_tau, n_listed = _find_threshold(
+                b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
+                q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows, p_flags, p_tiles,
+                p_cand, am1, inv_am1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND,
+                ALPHA_KIND, CANDIDATES, False)
         if PHASE == PHASE_THRESHOLD_C:
             tl.store(p_stats + STAT_MAX_C * stride_stat, b_m, mask=m_m)
             tl.store(p_stats + STAT_TAU_C * stride_stat, b_tau, mask=m_m)
@@ -719,27 +777,20 @@ def entmax_attn_fwd_kernel(
     # output pass (sparse): the listed tiles; it flags exactly the tiles holding non-zero
     # weight, for the backward
     seed = tl.load(seed_ptr)
-    b_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    b_plogp = tl.zeros([BLOCK_M], dtype=tl.float32)
-    b_ssum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    b_acc = tl.zeros([BLOCK_M, BLOCK_EV], dtype=tl.float32)
-    b_dacc = tl.zeros([BLOCK_M, BLOCK_EV], dtype=tl.float32)
-    for i in range(n_listed):
-        start_n = tl.load(p_tiles + i) * BLOCK_N
-        b_sum, b_ssum, b_plogp, b_acc, b_dacc = _output_tile(
+    if near_one:
+        b_sum, b_ssum, b_plogp, b_acc, b_dacc = _output_pass(
             b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq, stride_mk,
-            o_m, start_n, q_len, k_len, head_e, head_ev, scale, inv_am1, b_mz, b_tau,
-            m_rows, is_causal, p_flags, seed, pid_bh, seqlen_q, seqlen_k, dropout_p,
-            b_sum, b_ssum, b_plogp, b_acc, b_dacc, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
-            BLOCK_EC, MASK_KIND, ALPHA_KIND, HAS_DROPOUT, NEED_GRAD, False)
-    for start_n in range(n_full, kv_end, BLOCK_N):
-        if tl.load(p_flags + start_n // BLOCK_N) != 0:
-            b_sum, b_ssum, b_plogp, b_acc, b_dacc = _output_tile(
-                b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq,
-                stride_mk, o_m, start_n, q_len, k_len, head_e, head_ev, scale, inv_am1, b_mz,
-                b_tau, m_rows, is_causal, p_flags, seed, pid_bh, seqlen_q, seqlen_k, dropout_p,
-                b_sum, b_ssum, b_plogp, b_acc, b_dacc, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
-                BLOCK_EC, MASK_KIND, ALPHA_KIND, HAS_DROPOUT, NEED_GRAD, True)
+            o_m, n_full, kv_end, n_listed, p_tiles, q_len, k_len, head_e, head_ev, scale,
+            inv_am1, b_mz, b_tau, m_rows, is_causal, p_flags, seed, pid_bh, seqlen_q,
+            seqlen_k, dropout_p, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, MASK_KIND,
+            ALPHA_KIND, HAS_DROPOUT, NEED_GRAD, True)
+    else:
+        b_sum, b_ssum, b_plogp, b_acc, b_dacc = _output_pass(
+            b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq, stride_mk,
+            o_m, n_full, kv_end, n_listed, p_tiles, q_len, k_len, head_e, head_ev, scale,
+            inv_am1, b_mz, b_tau, m_rows, is_causal, p_flags, seed, pid_bh, seqlen_q,
+            seqlen_k, dropout_p, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, MASK_KIND,
+            ALPHA_KIND, HAS_DROPOUT, NEED_GRAD, False)
 
     m_pos = b_sum > 0
     b_sum_safe = tl.where(m_pos, b_sum, 1.0)
