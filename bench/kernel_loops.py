@@ -16,9 +16,9 @@ that an edit's effect is read in one run:
 
 Counts are static: a run-time branch inside a loop counts whether a launch takes it or
 not. Each loop's conditional forward branches are listed with the instructions they jump
-over, so that the path a launch takes can be read off (general alpha's loops hold a
-near-one log that heads with alpha >= 1.25 never run: 1300-1400 instructions, about 42
-per score, of a learned alpha's attention loops). Compiling needs real `@triton.jit` functions: run it without TRITON_INTERPRET.
+over, so that the path a launch takes can be read off (general alpha's dK/dV loop holds a
+near-one log that heads with alpha >= 1.25 never run: about 1300 instructions, 40 per
+score; the other attention launches compile it apart). Compiling needs real `@triton.jit` functions: run it without TRITON_INTERPRET.
 Instruction counts are not time (latency, occupancy and the tensor cores overlap
 differently); a GPU decides.
 """
