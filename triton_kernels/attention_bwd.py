@@ -228,7 +228,7 @@ def entmax_attn_bwd_dq_kernel(
     tl.debug_barrier()
     # compiled for heads near alpha = 1 and for the others (`log2_base`): without the
     # near-one log the loop holds fewer registers (sm_90, bf16, E 64, general alpha without
-    # d(alpha): 255 registers and 48 bytes of stack -> 168 and none)
+    # d(alpha): 255 registers and 48 bytes of stack -> 212 and none)
     near_one = False
     if ALPHA_KIND == ALPHA_GENERAL:
         near_one = inv_am1 > NEAR_ONE_INV_AM1

@@ -424,12 +424,6 @@ NEAR_ONE_INV_AM1 = tl.constexpr(4.0)
 
 
 @triton.jit
-def _log2_near_one(b_base, b_g):
-    """log2(1 + g) with the rounding of 1 + g compensated (log1p's accuracy), for e > 4."""
-    return tl.log2(b_base) - ((b_base - 1.0) - b_g) / b_base * 1.4426950408889634
-
-
-@triton.jit
 def log2_base(b_g, inv_am1, ALPHA_KIND: tl.constexpr, NEAR_ONE: tl.constexpr = None):
     """log2 of the base of the powers p = base^e and s = base^(e-1) from a `gap`; off the
     support 0 for alpha 2 and 1.5 and unspecified (NaN, -inf) for general alpha: callers
@@ -447,13 +441,11 @@ def log2_base(b_g, inv_am1, ALPHA_KIND: tl.constexpr, NEAR_ONE: tl.constexpr = N
     the other side, whose registers it no longer holds (`attention_fwd._find_threshold`)."""
     if ALPHA_KIND == ALPHA_GENERAL:
         b_base = 1.0 + b_g
+        near_one = NEAR_ONE
         if NEAR_ONE is None:
-            if inv_am1 > NEAR_ONE_INV_AM1:
-                b_log2 = _log2_near_one(b_base, b_g)
-            else:
-                b_log2 = log2_approx(b_base)
-        elif NEAR_ONE:
-            b_log2 = _log2_near_one(b_base, b_g)
+            near_one = inv_am1 > NEAR_ONE_INV_AM1
+        if near_one:
+            b_log2 = tl.log2(b_base) - ((b_base - 1.0) - b_g) / b_base * 1.4426950408889634
         else:
             b_log2 = log2_approx(b_base)
     else:
