@@ -18,7 +18,8 @@ Counts are static: a run-time branch inside a loop counts whether a launch takes
 not. Each loop's conditional forward branches are listed with the instructions they jump
 over, so that the path a launch takes can be read off (general alpha's dK/dV loop holds a
 near-one log that heads with alpha >= 1.25 never run: about 1300 instructions, 40 per
-score; the other attention launches compile it apart). Compiling needs real `@triton.jit` functions: run it without TRITON_INTERPRET.
+score; the other attention launches compile it apart). Compiling needs real
+`@triton.jit` functions: run it without TRITON_INTERPRET.
 Instruction counts are not time (latency, occupancy and the tensor cores overlap
 differently); a GPU decides.
 """
