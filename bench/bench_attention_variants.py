@@ -53,13 +53,14 @@ _EXTRA_POINT = [
      + "    b_a0 += tl.where(b_a1 + b_b1 + b_c1 + b_n1 == -1.2345, 1e-30, 0.0)\n"),
 ]
 
-# name: [(anchor, replacement)]. A cap of 1 folds the pass loop away, which triton 3.6
-# fails to compile: the smallest cap is 2.
+# name: [(anchor, replacement[, count])]: count is how often the anchor must occur (1 when
+# not given), every occurrence replaced. A cap of 1 folds the pass loop away, which triton
+# 3.6 fails to compile: the smallest cap is 2.
 VARIANTS = {
     "kernel": [],
-    "cap2": [(_CAP, "(n_pass < 2)"), (_CAP_CAPTURED, "(2 > n_pass)")],
-    "cap3": [(_CAP, "(n_pass < 3)"), (_CAP_CAPTURED, "(3 > n_pass)")],
-    "cap4": [(_CAP, "(n_pass < 4)"), (_CAP_CAPTURED, "(4 > n_pass)")],
+    "cap2": [(_CAP, "(n_pass < 2)", 2), (_CAP_CAPTURED, "(2 > n_pass)", 2)],
+    "cap3": [(_CAP, "(n_pass < 3)", 2), (_CAP_CAPTURED, "(3 > n_pass)", 2)],
+    "cap4": [(_CAP, "(n_pass < 4)", 2), (_CAP_CAPTURED, "(4 > n_pass)", 2)],
     # (nothing captured either: the passes over captured scores would see none)
     "no_reflag": [(anchor, anchor.replace("True", "False").replace("CANDIDATES,", "0,"))
                   for anchor in _REFLAG],
@@ -82,8 +83,9 @@ VARIANTS = {
     # at a fixed pass count: what a second trial point per later pass costs (against cap3),
     # and what the exactness certificate's min reduction costs (no row is then certified,
     # every block runs to the cap)
-    "cap3_extra_point": [(_CAP, "(n_pass < 3)"), (_CAP_CAPTURED, "(3 > n_pass)")] + _EXTRA_POINT,
-    "cap3_no_dmin": [(_CAP, "(n_pass < 3)"), (_CAP_CAPTURED, "(3 > n_pass)"),
+    "cap3_extra_point": [(_CAP, "(n_pass < 3)", 2), (_CAP_CAPTURED, "(3 > n_pass)", 2)]
+    + _EXTRA_POINT,
+    "cap3_no_dmin": [(_CAP, "(n_pass < 3)", 2), (_CAP_CAPTURED, "(3 > n_pass)", 2),
                      (_SUPPORT, _SUPPORT + "        b_dmin = b_count * 0.0\n")],
     # no capture of the scores above lo in the second pass (`candidate_slots`): what the
     # capture saves (or costs) per alpha kind
@@ -91,10 +93,15 @@ VARIANTS = {
     # the capture kept, the passes after the second over the tiles all the same: against
     # `no_capture` what the capture costs the second pass, against `kernel` what the
     # passes over captured scores save
-    "capture_unused": [("        if n_cand <= CANDIDATES:\n", "        if n_cand < 0:\n")],
-    "cap2_no_capture": [(_CAP, "(n_pass < 2)"), (_CAP_CAPTURED, "(2 > n_pass)")],
+    "capture_unused": [("        if n_cand <= CANDIDATES:\n", "        if n_cand < 0:\n", 2)],
+    "cap2_no_capture": [(_CAP, "(n_pass < 2)", 2), (_CAP_CAPTURED, "(2 > n_pass)", 2)],
+    # the first threshold pass without the capture above a rising lower bound: two points
+    # over the tiles, then a capture at the lower bound they found, as before 2026-11-28
+    # (attention_fwd._running_capture_pass): what that pass saves per alpha kind
+    "no_running_capture": [("    if capture:\n        b_lo, b_ncand = _running_capture_pass(",
+                            "    if False:\n        b_lo, b_ncand = _running_capture_pass(")],
     # every general-alpha head captures, whatever its alpha (attention_common.CAPTURE_MIN_ALPHA)
-    "no_alpha_gate": [("capture = am1 >= CAPTURE_MIN_AM1_C", "capture = am1 >= 0.0")],
+    "no_alpha_gate": [("capture = am1 >= CAPTURE_MIN_AM1_C", "capture = am1 >= 0.0", 2)],
     # the count and the certificate from the predicate `d > 0`, as the kernel had them
     # (LLVM packs those predicates into bit masks): what `support_count_and_min` saves
     "predicated_moments": [
@@ -133,10 +140,11 @@ def variant_module(name, directory, backward=False):
     with open(module.__file__) as f:
         source = f.read()
     file_name = os.path.basename(module.__file__)
-    for anchor, replacement in edits:
-        if source.count(anchor) != 1:
+    for anchor, replacement, *count in edits:
+        expected = count[0] if count else 1
+        if source.count(anchor) != expected:
             raise ValueError(f"variant {name}: {anchor.strip()!r} is not in {file_name} "
-                             "exactly once")
+                             f"exactly {expected} times")
         source = source.replace(anchor, replacement)
     tag = f"_variant_{'bwd_' if backward else ''}{name}"
     path = os.path.join(directory, f"{tag}.py")

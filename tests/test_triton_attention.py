@@ -679,6 +679,25 @@ def test_rows_past_their_capture_slots_take_the_passes_over_the_tiles(monkeypatc
         assert _err(got, want) <= 1e-4, name
 
 
+@pytest.mark.parametrize("alpha", [1.5, 2.0, torch.tensor([1.6, 1.5])])
+@pytest.mark.parametrize("slots", [40, 56])
+def test_rising_lower_bound_compacts_and_recaptures_exactly(monkeypatch, alpha, slots):
+    """The first threshold pass raises each row's lower bound from the scores it captured
+    and keeps only those above it (attention_fwd._compact); with few slots (not a multiple
+    of the compaction's chunk) its blocks compact often and capture segments again after
+    overflowing them. Forward and gradients stay exact."""
+    monkeypatch.setattr(attention_common, "candidate_slots", lambda alpha_kind: slots)
+    q, k, v = _inputs(1, 2, 2, 300, 300, 16, torch.float32)
+    grad_out = torch.randn(1, 2, 300, 16)
+    out, grads = _grads(lambda *t: _triton_attention(*t, is_causal=True, alpha=alpha),
+                        [q, k, v], grad_out)
+    _, ref_grads = _grads(lambda *t: reference_attention(*t, is_causal=True, alpha=alpha),
+                          [t.double() for t in (q, k, v)], grad_out)
+    assert _err(out, oracle_attention(q, k, v, is_causal=True, alpha=alpha)) <= 1e-5
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert _err(got, want) <= 1e-4, name
+
+
 @pytest.mark.parametrize("alpha", [2.0, 1.5, 1.7])
 def test_evenly_spread_scores(alpha):
     """Scores spread evenly over the range the support can reach (many near the threshold):

@@ -31,6 +31,19 @@ MAX_TAU_PASSES_C = tl.constexpr(MAX_TAU_PASSES)
 CANDIDATE_SLOTS = 128
 CANDIDATE_CHUNK = 64
 CANDIDATE_CHUNK_C = tl.constexpr(CANDIDATE_CHUNK)
+# The first threshold pass captures above a lower bound of tau that it raises from what it
+# captured (attention_fwd._compact) between segments of COMPACT_SEGMENT listed tiles, when
+# a row holds more than half its slots or a segment overflowed them: COMPACT_STEPS
+# evaluations over the captured scores, in chunks of COMPACT_CHUNK, at most COMPACT_MIN +
+# (listed tiles) / COMPACT_TILES times per block (a compaction costs about as much as a few
+# tiles; a block that needs more, as on flat scores, takes the passes over the tiles). The
+# float32 emulation of 64-row blocks (N(0, 1) scores, L 4096, causal, alpha 1.5): 2.3
+# compactions and 32 tile visits for 30 tiles per block, none past the slots.
+COMPACT_SEGMENT_C = tl.constexpr(8)
+COMPACT_STEPS = tl.constexpr(2)
+COMPACT_CHUNK_C = tl.constexpr(32)
+COMPACT_MIN_C = tl.constexpr(2)
+COMPACT_TILES_C = tl.constexpr(8)
 # The general kind's heads capture from this alpha up: where the rows do not fit their
 # slots, its capturing second pass costs more than the capture can spare. Timed (bf16, L
 # 4096 E 64 causal; docs/gpu.md, eleventh session): with every head capturing, alpha 1.25

@@ -51,7 +51,9 @@ import triton
 import triton.language as tl
 
 from .. import common
-from .attention_common import (CANDIDATE_CHUNK_C, CAPTURE_MIN_AM1_C, MAX_TAU_PASSES_C,
+from .attention_common import (CANDIDATE_CHUNK_C, CAPTURE_MIN_AM1_C, COMPACT_CHUNK_C,
+                               COMPACT_MIN_C, COMPACT_SEGMENT_C, COMPACT_STEPS,
+                               COMPACT_TILES_C, MAX_TAU_PASSES_C,
                                NEAR_ONE_INV_AM1, PHASE_OUTPUT_C, PHASE_THRESHOLD_C,
                                STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C, STAT_TAU_C,
                                TAU_STEP_TOL_C, attention_signature, block_sizes,
@@ -480,29 +482,175 @@ def _candidate_pass(p_cand, b_ncand, n_cand, am1, inv_am1, b_t, b_lo, b_hi, b_ta
 
 
 @triton.jit
-def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                    n_full, q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows,
-                    p_flags, p_tiles, p_cand, am1, inv_am1, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
-                    MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr,
-                    CANDIDATES: tl.constexpr, NEAR_ONE: tl.constexpr):
-    """Passes 2 and on: the tiles' threshold (`_threshold_in_z`) of every row, [BM], and the
-    number of listed tiles (p_tiles) the output pass visits, from the flags the max pass
-    left (which the second threshold pass rewrites). With CANDIDATES > 0 the second pass
-    also captures every row's scores above lo into p_cand[row] (CANDIDATES slots each), and
-    when every open row's fit, the later passes run over those alone
-    (`_candidate_pass`)."""
-    # threshold passes; the bracket holds c = tau + 1 in [0, 1), u = (alpha-1)(z - max z)
-    # units: near alpha = 1 the threshold sits close to -1 and c keeps its digits
-    b_lo = tl.zeros([BLOCK_M], dtype=tl.float32)
-    b_hi = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-    b_tau = b_lo
-    m_done = ~m_rows
+def _capture_key(b_u, b_lo, inv_am1, ALPHA_KIND: tl.constexpr):
+    """Per score of b_u (z units), positive exactly where it lies above its row's lower
+    bound lo of tau (c units): the scores a capture keeps. General alpha compares its
+    `gap` with -1 (1 + gap is exact there, Sterbenz)."""
+    b_thr = _threshold_in_z(b_lo, inv_am1, ALPHA_KIND)
+    if ALPHA_KIND == ALPHA_GENERAL:
+        b_key = gap(b_u, b_thr, inv_am1, ALPHA_KIND) + 1.0
+    else:
+        b_key = b_u - b_thr[:, None]
+    return b_key
+
+
+@triton.jit
+def _compact(p_cand, b_stored, b_keep, am1, inv_am1, b_lo, b_hi, m_done, BLOCK_M: tl.constexpr,
+             CANDIDATES: tl.constexpr, CHUNK: tl.constexpr, ALPHA_KIND: tl.constexpr,
+             NEAR_ONE: tl.constexpr):
+    """Raises each open row's lower bound of tau from the scores in its first b_stored slots
+    and keeps, of its first b_keep, those above the new bound: (lo, count kept). The slots
+    hold scores of the row above its bound at the time, a subset of the row: their f is at
+    most the row's, so their threshold, and every lower bound of it that
+    `_update_threshold` finds, is at most the row's tau. COMPACT_STEPS evaluations (a
+    Newton step, and alpha 1.5's and 2's closed forms: the float32 emulation needed as few
+    compactions with two as with the subset's exact threshold); the bracket's upper end and
+    the roots belong to the subset and are dropped. Each chunk is read whole before any
+    thread writes it (a kept score only moves down)."""
+    tl.debug_barrier()
+    # a row past its slots stored only its first CANDIDATES (the chunks reach past them)
+    b_stored = tl.minimum(b_stored, CANDIDATES)
+    b_lo_s, b_hi_s, b_tau_s, m_done_s = b_lo, b_hi, b_lo, m_done
+    m_tight_s = tl.zeros_like(m_done)
+    b_guess = b_lo
+    o_rows = tl.arange(0, BLOCK_M)[:, None] * CANDIDATES
+    for _ in tl.static_range(COMPACT_STEPS):
+        b_t = _trial_point(b_lo_s, b_hi_s, m_done_s, m_tight_s, b_guess, ALPHA_KIND)
+        b_t0 = _threshold_in_z(b_t, inv_am1, ALPHA_KIND)
+        b_a = tl.zeros([BLOCK_M], dtype=tl.float32)
+        b_b = tl.zeros([BLOCK_M], dtype=tl.float32)
+        b_c = tl.zeros([BLOCK_M], dtype=tl.float32)
+        b_dmin = tl.full([BLOCK_M], float("inf"), dtype=tl.float32)
+        for start in tl.static_range(0, CANDIDATES, CHUNK):
+            o_c = start + tl.arange(0, CHUNK)
+            b_u = tl.load(p_cand + o_rows + o_c[None, :], mask=o_c[None, :] < b_stored[:, None],
+                          other=float("-inf"))
+            b_ai, b_bi, b_ci, b_ni = _moments(gap(b_u, b_t0, inv_am1, ALPHA_KIND), inv_am1,
+                                              ALPHA_KIND, NEAR_ONE)
+            b_a += b_ai
+            b_b += b_bi
+            b_c += b_ci
+            b_dmin = tl.minimum(b_dmin, b_ni)
+        b_lo_s, b_hi_s, b_tau_s, m_done_s, m_tight_s, b_guess = _update_from_sums(
+            b_t, b_a, b_b, b_c, b_dmin, b_lo_s, b_hi_s, b_tau_s, m_done_s, m_tight_s, am1,
+            inv_am1, ALPHA_KIND)
+    b_lo = tl.where(m_done, b_lo, tl.maximum(b_lo, b_lo_s))
+    b_kept = tl.zeros([BLOCK_M], dtype=tl.int32)
+    for start in tl.static_range(0, CANDIDATES, CHUNK):
+        o_c = start + tl.arange(0, CHUNK)
+        b_u = tl.load(p_cand + o_rows + o_c[None, :], mask=o_c[None, :] < b_keep[:, None],
+                      other=float("-inf"))
+        tl.debug_barrier()
+        b_key = _capture_key(b_u, b_lo, inv_am1, ALPHA_KIND)
+        m_keep = b_key > 0.0
+        b_kept = _capture(p_cand, b_u, b_key, 0.0, m_keep, tl.sum(m_keep.to(tl.float32), 1),
+                          b_kept, CANDIDATES, CHUNK)
+    tl.debug_barrier()
+    return b_lo, b_kept
+
+
+@triton.jit
+def _running_capture_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk,
+                          o_m, start_n, q_len, k_len, head_e, scale, b_shift, is_causal,
+                          m_rows, p_flags, inv_am1, b_lo, p_cand, b_ncand,
+                          BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+                          BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr,
+                          ALPHA_KIND: tl.constexpr, BOUNDARY: tl.constexpr,
+                          CANDIDATES: tl.constexpr):
+    """One key tile of `_running_capture_pass`: captures its scores above each row's lower
+    bound and rewrites its flag at that bound (lo only rises, so a tile without a score
+    above it has none above tau). Returns the rows' counts, those past the slots too."""
+    b_u = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
+                      start_n, q_len, k_len, head_e, scale, b_shift, is_causal,
+                      BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
+    b_key = _capture_key(b_u, b_lo, inv_am1, ALPHA_KIND)
+    m_cand = b_key > 0.0
+    b_count = tl.sum(m_cand.to(tl.float32), 1)
+    b_alive = tl.max(tl.where(m_rows, b_count, 0.0), 0)
+    tl.store(p_flags + start_n // BLOCK_N, (b_alive > 0).to(tl.int8))
+    return _capture(p_cand, b_u, b_key, 0.0, m_cand, b_count, b_ncand, CANDIDATES, BLOCK_N)
+
+
+@triton.jit
+def _running_capture_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk,
+                          o_m, n_full, q_len, k_len, kv_end, head_e, scale, b_mz, is_causal,
+                          m_rows, p_flags, p_tiles, n_listed, am1, inv_am1, b_lo, b_hi,
+                          m_done, p_cand, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
+                          MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr,
+                          CANDIDATES: tl.constexpr, NEAR_ONE: tl.constexpr):
+    """The first threshold pass: captures every score above a lower bound of tau that
+    rises as the pass goes (`_compact`), so that at its end each row's slots hold every
+    score above its bound and the threshold is found on chip (`_candidate_pass`), with no
+    sums over the tiles: a score product and the capture per score, against the two-point
+    pass and the capturing pass it replaces where the rows fit (docs/attention.md,
+    "Captured scores").
+
+    The listed tiles go in segments of COMPACT_SEGMENT: a loop that holds the compaction
+    (its barriers) is not software-pipelined, so the tile loop holds the capture alone and
+    the compaction runs between segments, when a row holds more than half its slots. A
+    segment that overflows a row's slots is captured again after a compaction (raised from
+    every score it stored; only the scores from before the segment are kept). After
+    COMPACT_MIN + (listed tiles) / COMPACT_TILES compactions the pass stops where it is.
+    Returns (lo, each row's count of captured scores, past CANDIDATES where a row did not
+    fit: its block takes the passes over the tiles)."""
+    b_ncand = tl.zeros([BLOCK_M], dtype=tl.int32)
+    # the tiles that cross a mask's edge first: at most BLOCK_M + BLOCK_N keys, within the
+    # slots of an empty row
+    for start_n in range(n_full, kv_end, BLOCK_N):
+        if tl.load(p_flags + start_n // BLOCK_N) != 0:
+            b_ncand = _running_capture_tile(
+                b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
+                start_n, q_len, k_len, head_e, scale, b_mz, is_causal, m_rows, p_flags,
+                inv_am1, b_lo, p_cand, b_ncand, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND,
+                ALPHA_KIND, True, CANDIDATES)
+    n_compact = n_listed * 0
+    max_compactions = COMPACT_MIN_C + n_listed // COMPACT_TILES_C
+    start = n_listed * 0
+    while start < n_listed:
+        end = tl.minimum(start + COMPACT_SEGMENT_C, n_listed)
+        b_next = b_ncand
+        for i in range(start, end):
+            b_next = _running_capture_tile(
+                b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
+                tl.load(p_tiles + i) * BLOCK_N, q_len, k_len, head_e, scale, b_mz, is_causal,
+                m_rows, p_flags, inv_am1, b_lo, p_cand, b_next, BLOCK_N, BLOCK_E, BLOCK_EC,
+                MASK_KIND, ALPHA_KIND, False, CANDIDATES)
+        n_most = tl.max(tl.where(m_done, 0, b_next), 0)
+        if n_most > CANDIDATES:
+            if n_compact < max_compactions:
+                b_lo, b_ncand = _compact(p_cand, b_next, b_ncand, am1, inv_am1, b_lo, b_hi,
+                                         m_done, BLOCK_M, CANDIDATES, COMPACT_CHUNK_C,
+                                         ALPHA_KIND, NEAR_ONE)
+                n_compact += 1
+            else:
+                b_ncand = b_next
+                start = n_listed
+        else:
+            b_ncand = b_next
+            start = end
+            if (n_most > CANDIDATES // 2) & (n_compact < max_compactions):
+                b_lo, b_ncand = _compact(p_cand, b_ncand, b_ncand, am1, inv_am1, b_lo, b_hi,
+                                         m_done, BLOCK_M, CANDIDATES, COMPACT_CHUNK_C,
+                                         ALPHA_KIND, NEAR_ONE)
+                n_compact += 1
+    return b_lo, b_ncand
+
+
+@triton.jit
+def _passes_over_tiles(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
+                       n_full, q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows,
+                       p_flags, p_tiles, p_cand, am1, inv_am1, b_lo, b_hi, b_tau, m_done,
+                       n_listed, n_pass, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr,
+                       ALPHA_KIND: tl.constexpr, CANDIDATES: tl.constexpr,
+                       NEAR_ONE: tl.constexpr):
+    """The threshold passes over the tiles, for blocks the first pass's capture did not
+    settle, from the bracket [lo, hi] it left: two points (lo and the middle), then one
+    that rewrites the flags at the new lower bound and captures the scores above it (their
+    threshold found on chip when they fit), then one point per pass. Returns (lo, hi, tau,
+    done, tight, guess, listed tiles, passes so far)."""
     b_mid = 0.5 * (b_lo + b_hi)
-    # the list of the tiles the max pass flagged (from other threads' flags)
-    tl.debug_barrier()
-    n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
-    tl.debug_barrier()
     b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, b_ncand = _threshold_pass(
         b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full, q_len,
         k_len, kv_end, head_e, scale, b_mz, is_causal, _threshold_in_z(b_lo, inv_am1, ALPHA_KIND),
@@ -511,15 +659,16 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
         BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, NEAR_ONE)
     b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
     b_a1, b_b1, b_c1, b_n1 = _sums_in_u(b_a1, b_b1, b_c1, b_n1, am1, inv_am1, ALPHA_KIND)
+    b_first = b_lo
     b_lo, b_hi, b_tau, m_done, m_tight = _update_threshold(
-        b_lo, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi, b_tau, m_done, tl.zeros_like(m_done), am1,
+        b_first, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi, b_tau, m_done, tl.zeros_like(m_done), am1,
         ALPHA_KIND)
     b_lo, b_hi, b_tau, m_done, m_tight = _update_threshold(
         b_mid, b_a1, b_b1, b_c1, b_n1, b_lo, b_hi, b_tau, m_done, m_tight, am1, ALPHA_KIND)
     # general alpha's model, fitted at the nearer of the first pass's two points left of tau
     b_guess = tl.where(b_a1 >= 1.0, _model_root(b_mid, b_a1, b_b1, am1, ALPHA_KIND),
-                       _model_root(tl.zeros_like(b_mid), b_a0, b_b0, am1, ALPHA_KIND))
-    n_pass = 1
+                       _model_root(b_first, b_a0, b_b0, am1, ALPHA_KIND))
+    n_pass += 1
     # the most scores any open row captured; past CANDIDATES when nothing was captured
     n_cand = n_full * 0 + (CANDIDATES + 1)
     if tl.max(tl.where(m_done, 0, 1), 0) > 0:
@@ -566,7 +715,7 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
         tl.debug_barrier()
         n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
         tl.debug_barrier()
-        n_pass = 2
+        n_pass += 1
     if (CANDIDATES > 0) & (not NEAR_ONE):
         # Every score a later pass can count was captured: the passes run on chip, a few
         # operations per captured score (tens per row after the first pass on random
@@ -588,6 +737,75 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
             b_lo, b_hi, b_tau, m_done, m_tight, p_cand, False, CANDIDATES, BLOCK_M, BLOCK_N,
             BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, NEAR_ONE)
         n_pass += 1
+    return b_lo, b_hi, b_tau, m_done, m_tight, b_guess, n_listed, n_pass
+
+
+@triton.jit
+def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
+                    n_full, q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows,
+                    p_flags, p_tiles, p_cand, am1, inv_am1, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
+                    MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr,
+                    CANDIDATES: tl.constexpr, NEAR_ONE: tl.constexpr):
+    """Passes 2 and on: the tiles' threshold (`_threshold_in_z`) of every row, [BM], and the
+    number of listed tiles (p_tiles) the output pass visits, from the flags the max pass
+    left (which the first threshold pass rewrites). With CANDIDATES > 0 (and, for general
+    alpha, a head at CAPTURE_MIN_ALPHA or above) the first threshold pass captures every
+    row's scores above a rising lower bound of tau (`_running_capture_pass`), and when
+    every open row's fit its CANDIDATES slots the threshold is found over those alone
+    (`_candidate_pass`): a max pass, one threshold pass and the output pass. Blocks whose
+    rows do not fit take the passes over the tiles from the bound it reached: two points
+    in the first, a capture above the new lower bound in the second (its scores again
+    searched on chip when they fit), one point in each later one."""
+    # threshold passes; the bracket holds c = tau + 1 in [0, 1), u = (alpha-1)(z - max z)
+    # units: near alpha = 1 the threshold sits close to -1 and c keeps its digits
+    b_lo = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_hi = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    b_tau = b_lo
+    m_done = ~m_rows
+    m_tight = tl.zeros_like(m_done)
+    b_guess = b_lo
+    # the list of the tiles the max pass flagged (from other threads' flags)
+    tl.debug_barrier()
+    n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
+    tl.debug_barrier()
+    n_pass = 0
+    # the most scores any open row captured; past CANDIDATES when nothing was captured
+    n_cand = n_full * 0 + (CANDIDATES + 1)
+    b_ncand = tl.zeros([BLOCK_M], dtype=tl.int32)
+    # a head's alpha is one value: below the capture's least alpha its blocks take the
+    # passes over the tiles without a capture (`attention_common.CAPTURE_MIN_ALPHA`), as
+    # every head near alpha = 1 does (NEAR_ONE: alpha < 1.25)
+    capture = False
+    if (CANDIDATES > 0) & (not NEAR_ONE):
+        capture = True
+        if ALPHA_KIND == ALPHA_GENERAL:
+            capture = am1 >= CAPTURE_MIN_AM1_C
+    if capture:
+        b_lo, b_ncand = _running_capture_pass(
+            b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
+            q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows, p_flags, p_tiles,
+            n_listed, am1, inv_am1, b_lo, b_hi, m_done, p_cand, BLOCK_M, BLOCK_N, BLOCK_E,
+            BLOCK_EC, MASK_KIND, ALPHA_KIND, CANDIDATES, NEAR_ONE)
+        n_cand = tl.max(tl.where(m_done, 0, b_ncand), 0)
+        # (the barrier also orders the captured scores' stores before their loads)
+        tl.debug_barrier()
+        n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
+        tl.debug_barrier()
+        n_pass = 1
+        if n_cand <= CANDIDATES:
+            while (tl.max(tl.where(m_done, 0, 1), 0) > 0) & (MAX_TAU_PASSES_C > n_pass):
+                b_t = _trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND)
+                b_lo, b_hi, b_tau, m_done, m_tight, b_guess = _candidate_pass(
+                    p_cand, b_ncand, n_cand, am1, inv_am1, b_t, b_lo, b_hi, b_tau, m_done,
+                    m_tight, BLOCK_M, CANDIDATES, CANDIDATE_CHUNK_C, ALPHA_KIND, NEAR_ONE)
+                n_pass += 1
+    if (tl.max(tl.where(m_done, 0, 1), 0) > 0) & (n_pass < MAX_TAU_PASSES_C):
+        b_lo, b_hi, b_tau, m_done, m_tight, b_guess, n_listed, n_pass = _passes_over_tiles(
+            b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
+            q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows, p_flags, p_tiles,
+            p_cand, am1, inv_am1, b_lo, b_hi, b_tau, m_done, n_listed, n_pass, BLOCK_M,
+            BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, CANDIDATES, NEAR_ONE)
     # rows still open after MAX_TAU_PASSES: the last lower bound (a Newton step). From here
     # on the tiles' threshold (`_threshold_in_z`), which the statistics store too.
     b_tau = _threshold_in_z(tl.where(m_done, b_tau, b_lo), inv_am1, ALPHA_KIND)
