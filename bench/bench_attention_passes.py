@@ -3,20 +3,25 @@ they leave, the work per score, and the fraction of key tiles the later passes s
 
 The forward (triton_kernels/attention_fwd.py, docs/attention.md) makes one pass for the row
 maximum, then threshold passes until every row of the block is exact or converged, then one
-output pass over the flagged tiles. This script emulates that iteration in float32 on the
-CPU (`emulate_block`, the update of `_update_threshold` written with torch ops), checks its
-thresholds against the kernel's own in the Triton interpreter on a small case, and prints
-per alpha and row length:
+output pass over the flagged tiles. Where alpha's kind captures, the first threshold pass
+captures every score above a lower bound it raises as it goes (compactions), and the
+passes after it run over those scores alone, on chip, unless a row did not fit its slots.
+This script emulates that iteration in float32 on the CPU (`emulate_block`, the update of
+`_update_threshold` written with torch ops), checks its thresholds against the kernel's own
+in the Triton interpreter on a small case, and prints per alpha and row length:
 - the threshold passes a block of BLOCK_M rows needs (mean and max over blocks; a block
   stops when its slowest row is done), for i.i.d. N(0, sigma^2) scores and for scores with a
   recency bias (z_ij = sigma g_ij - |i - j| / 32, causal);
 - the largest |tau - tau*| (float64 sort-based tau*);
+- the first pass's compactions per block, and the fraction of blocks that took the passes
+  over the tiles after it;
 - an estimate of the forward's per-score work in units of one fp32 CUDA-core operation:
   the q.k product counts QK_COST per pass (one bf16 QK^T entry at E = 64 costs about as
   much as 5 fp32 operations on H100/H200), each threshold evaluation OPS_PER_EVAL, the
-  output pass OUTPUT_OPS + QK_COST + PV_COST on the tiles it visits; a softmax forward
-  (FlashAttention) is about SOFTMAX_UNITS. These are estimates from operation counts, not
-  timings: docs/gpu.md has the measured figures.
+  output pass OUTPUT_OPS + QK_COST + PV_COST on the tiles it visits, the capturing first
+  pass RUNNING_OPS + QK_COST per tile visit and COMPACT_UNITS per compaction; a softmax
+  forward (FlashAttention) is about SOFTMAX_UNITS. These are estimates from operation
+  counts, not timings: docs/gpu.md has the measured figures.
 - the fraction of (query block, key block) tiles visited by the first threshold pass (those
   the max pass flags) and by the passes after it.
 
@@ -43,8 +48,14 @@ PV_COST = 5.0          # one p.v entry
 OPS_PER_EVAL = {2.0: 6.0, 1.5: 8.0, "general": 14.0}   # d, the sums, the certificate
 MAX_PASS_OPS = 2.0     # scale + running max
 OUTPUT_OPS = 6.0       # d, p, sums, s
-CAPTURE_OPS = 12.0     # the second pass's capture of the scores above lo (sm_90 SASS: +15-24
-                       # instructions per score against 12-19 for a later pass)
+CAPTURE_OPS = 12.0     # the capture of the scores above lo in the passes over the tiles
+                       # (sm_90 SASS: +15-24 instructions per score against 12-19 for a
+                       # later pass)
+# the first threshold pass, which captures above a rising lower bound (sm_90 SASS, bf16,
+# E 64: 19.3, 19.7 and 24.4 instructions per score at alpha 2, 1.5 and general, the
+# product's share included)
+RUNNING_OPS = {2.0: 14.0, 1.5: 15.0, "general": 19.0}
+COMPACT_UNITS = 4000.0 * 128   # one compaction of 128 slots: ~4000 instructions per thread
 SOFTMAX_UNITS = QK_COST + PV_COST + 7.0
 BLOCK_M, BLOCK_N = 64, 64
 
@@ -146,52 +157,145 @@ def capture_slots(alpha):
     return attention_common.candidate_slots(kind)
 
 
+def _compact_bound(u, stored, alpha, lo, hi, done):
+    """float32 twin of attention_fwd._compact's bound: COMPACT_STEPS evaluations over the
+    stored scores alone (a subset of the row: its threshold bounds tau from below)."""
+    u_sub = torch.where(stored, u, torch.full_like(u, -float("inf")))
+    lo_s, hi_s, tau_s, done_s = lo, hi, lo, done
+    tight_s, guess = torch.zeros_like(done), lo
+    for _ in range(attention_common.COMPACT_STEPS.value):
+        t = _trial_point(lo_s, hi_s, done_s, tight_s, guess, alpha)
+        lo_s, hi_s, tau_s, done_s, tight_s, guess = _pass(t, _sums_at(u_sub, t, alpha), lo_s,
+                                                          hi_s, tau_s, done_s, tight_s, alpha)
+    return torch.where(done, lo, torch.maximum(lo, lo_s))
+
+
+def _running_capture(u, alpha, tile_max, lo, hi, done, slots):
+    """float32 twin of attention_fwd._running_capture_pass over the tiles the max pass
+    flagged (the last one, which crosses the causal diagonal, first): each tile's scores
+    above lo go to the row's next slots (past `slots` they are counted, not stored), and
+    between segments of COMPACT_SEGMENT tiles a row holding more than half its slots, or a
+    segment that overflowed, raises lo (`_compact_bound`). Returns (lo, stored [R, n],
+    counts [R], compactions, tile visits)."""
+    rows, n = u.shape
+    stored = torch.zeros_like(u, dtype=torch.bool)
+    count = torch.zeros(rows, dtype=torch.long)
+    flagged = (tile_max > -1.0).any(0)
+    tiles = [i for i in range(tile_max.shape[1]) if bool(flagged[i])]
+    segment = attention_common.COMPACT_SEGMENT_C.value
+    budget = attention_common.COMPACT_MIN_C.value + \
+        max(0, len(tiles) - 1) // attention_common.COMPACT_TILES_C.value
+    compactions, visits = 0, 0
+
+    def capture(tile):
+        nonlocal count
+        cols = slice(tile * BLOCK_N, min(n, (tile + 1) * BLOCK_N))
+        new = u[:, cols] > lo[:, None]
+        slot = count[:, None] + new.long().cumsum(-1) - 1
+        stored[:, cols] |= new & (slot < slots)
+        count = count + new.sum(-1)
+
+    if tiles and tiles[-1] == tile_max.shape[1] - 1:
+        capture(tiles.pop())
+        visits += 1
+    start = 0
+    while start < len(tiles):
+        before = stored.clone()
+        for tile in tiles[start:start + segment]:
+            capture(tile)
+            visits += 1
+        most = int(torch.where(done, 0, count).max())
+        if most > slots:
+            if compactions == budget:
+                break
+            lo = _compact_bound(u, stored, alpha, lo, hi, done)
+            stored = before & (u > lo[:, None])
+            count = stored.sum(-1)
+            compactions += 1
+            continue
+        start += segment
+        if most > slots // 2 and compactions < budget:
+            lo = _compact_bound(u, stored, alpha, lo, hi, done)
+            stored &= u > lo[:, None]
+            count = stored.sum(-1)
+            compactions += 1
+    return lo, stored, count, compactions, visits
+
+
 def emulate_block(u, alpha):
     """Threshold passes of one block of rows u [R, n] (shifted: max 0, -inf masked).
     Returns (tau [R], passes, tiles the first threshold pass visits / tiles, tiles visited
-    per later pass / tiles, passes of those that ran over captured scores). The first two
-    passes visit the tiles the max pass flagged: a score within the bracket's width of its
-    row's maximum (the kernel compares with the running maximum, nearest tiles first; here
-    the final one). The second pass rewrites the flags at the lower bound lo, and the passes
-    after it visit those; where alpha's kind captures (`attention_common.candidate_slots`)
-    and every open row's scores above that lo fit the slots, they run over those alone."""
+    per later pass over the tiles / tiles, passes that ran over captured scores,
+    compactions of the first pass, its tile visits / flagged tiles, whether the block
+    took the passes over the tiles). The max pass flags the tiles with a score within the
+    bracket's width of its row's maximum (the kernel compares with the running maximum,
+    nearest tiles first; here the final one). Where alpha's kind captures
+    (`attention_common.candidate_slots`), the first threshold pass captures above a rising
+    lower bound (`_running_capture`) and, when every open row fits its slots, the passes
+    run over those alone. Otherwise (or after a capture that did not fit) the passes over
+    the tiles: two points, then one that rewrites the flags at the lower bound lo and
+    captures above it (the passes after it over those scores when they fit), then one
+    point per pass over the tiles it flagged."""
     rows = u.shape[0]
     lo = torch.full((rows,), -1.0)
     hi = torch.zeros(rows)
     tau = lo.clone()
     done = torch.zeros(rows, dtype=torch.bool)
     tight = torch.zeros(rows, dtype=torch.bool)
-    mid = 0.5 * (lo + hi)
-    s0, s1 = _sums_at(u, lo, alpha), _sums_at(u, mid, alpha)
-    lo, hi, tau, done, tight, guess_lo = _pass(lo, s0, lo, hi, tau, done, tight, alpha)
-    lo, hi, tau, done, tight, guess_mid = _pass(mid, s1, lo, hi, tau, done, tight, alpha)
-    guess = torch.where(s1[0] >= 1.0, guess_mid, guess_lo)
-    passes, visited = 1, []
+    guess = lo
     n_tiles = -(-u.shape[1] // BLOCK_N)
     padded = torch.nn.functional.pad(u, (0, n_tiles * BLOCK_N - u.shape[1]), value=-float("inf"))
     tile_max = padded.reshape(rows, n_tiles, BLOCK_N).amax(-1)  # [R, tiles]
     first_visited = float((tile_max > -1.0).any(0).float().mean())
     flagged = tile_max > -1.0
     slots = capture_slots(alpha)
-    fits, captured = False, 0
-    while not bool(done.all()) and passes < attention_common.MAX_TAU_PASSES:
-        if fits:
-            captured += 1
-        else:
-            visited.append(float(flagged.any(0).float().mean()))
-        if passes == 1:
-            # the pass that rewrites the flags does so at lo, a lower bound; alpha 2 and
-            # 1.5 evaluate there too, general alpha at its trial point
-            flagged = tile_max > lo[:, None]
-            open_count = torch.where(done, 0, (u > lo[:, None]).sum(-1))
-            fits = slots > 0 and int(open_count.max()) <= slots
-        closed_form_reflag = passes == 1 and alpha in (1.5, 2.0)
-        t = lo if closed_form_reflag else _trial_point(lo, hi, done, tight, guess, alpha)
-        lo, hi, tau, done, tight, guess = _pass(t, _sums_at(u, t, alpha), lo, hi, tau, done,
-                                                tight, alpha)
+    passes, captured, compactions, running_visits, fell_back = 0, 0, 0, 0.0, True
+    if slots > 0:
+        lo, stored, count, compactions, visits = _running_capture(u, alpha, tile_max, lo, hi,
+                                                                  done, slots)
+        running_visits = visits / max(1, int(flagged.any(0).sum()))
+        passes = 1
+        flagged = tile_max > lo[:, None]
+        if int(torch.where(done, 0, count).max()) <= slots:
+            fell_back = False
+            u_c = torch.where(stored, u, torch.full_like(u, -float("inf")))
+            while not bool(done.all()) and passes < attention_common.MAX_TAU_PASSES:
+                t = _trial_point(lo, hi, done, tight, guess, alpha)
+                lo, hi, tau, done, tight, guess = _pass(t, _sums_at(u_c, t, alpha), lo, hi,
+                                                        tau, done, tight, alpha)
+                passes += 1
+                captured += 1
+    visited = []
+    if fell_back:
+        mid = 0.5 * (lo + hi)
+        first = lo
+        s0, s1 = _sums_at(u, first, alpha), _sums_at(u, mid, alpha)
+        lo, hi, tau, done, tight, guess_lo = _pass(first, s0, lo, hi, tau, done, tight, alpha)
+        lo, hi, tau, done, tight, guess_mid = _pass(mid, s1, lo, hi, tau, done, tight, alpha)
+        guess = torch.where(s1[0] >= 1.0, guess_mid, guess_lo)
+        first_two_point = passes
         passes += 1
+        fits = False
+        while not bool(done.all()) and passes < attention_common.MAX_TAU_PASSES:
+            if fits:
+                captured += 1
+            else:
+                visited.append(float(flagged.any(0).float().mean()))
+            reflag = passes == first_two_point + 1
+            if reflag:
+                # the pass that rewrites the flags does so at lo, a lower bound; alpha 2
+                # and 1.5 evaluate there too, general alpha at its trial point
+                flagged = tile_max > lo[:, None]
+                open_count = torch.where(done, 0, (u > lo[:, None]).sum(-1))
+                fits = slots > 0 and int(open_count.max()) <= slots
+            closed_form_reflag = reflag and alpha in (1.5, 2.0)
+            t = lo if closed_form_reflag else _trial_point(lo, hi, done, tight, guess, alpha)
+            lo, hi, tau, done, tight, guess = _pass(t, _sums_at(u, t, alpha), lo, hi, tau,
+                                                    done, tight, alpha)
+            passes += 1
     tau = torch.where(done, tau, lo)
-    return tau, passes, first_visited, (sum(visited) / len(visited) if visited else 0.0), captured
+    return (tau, passes, first_visited, (sum(visited) / len(visited) if visited else 0.0),
+            captured, compactions, running_visits, fell_back)
 
 
 def exact_tau(u, alpha):
@@ -211,40 +315,57 @@ def scores(kind, n, sigma, start):
     return z
 
 
+def block_units(n, alpha, first, visit, passes, captured, compactions, running_visits,
+                fell_back):
+    """Estimated work per score of one block's forward (units of one fp32 operation)."""
+    key = alpha if alpha in OPS_PER_EVAL else "general"
+    eval_ops = OPS_PER_EVAL[key]
+    units = (QK_COST + MAX_PASS_OPS) + (QK_COST + PV_COST + OUTPUT_OPS)
+    if capture_slots(alpha):
+        units += first * running_visits * (QK_COST + RUNNING_OPS[key]) \
+            + compactions * COMPACT_UNITS / (BLOCK_M * n)
+    if fell_back:
+        # the passes over captured scores cost next to nothing per score of the row
+        later = max(0.0, passes - (2 if capture_slots(alpha) else 1) - captured)
+        capture = CAPTURE_OPS * visit if capture_slots(alpha) else 0.0
+        units += first * (QK_COST + 2 * eval_ops) + later * visit * (QK_COST + eval_ops) \
+            + capture
+    return units
+
+
 def table(alphas, lengths, blocks, sigma):
     rows = []
     for alpha in alphas:
         for n in lengths:
             for kind in ("random", "local"):
                 passes, errors, firsts, visits, captures = [], [], [], [], []
+                compactions, fallbacks, units = [], [], []
                 for _ in range(blocks):
                     z = scores(kind, n, sigma, n - BLOCK_M)
                     y = (alpha - 1.0) * z
                     u = (y - y.amax(-1, keepdim=True)).float()
-                    tau, p, first, visit, captured = emulate_block(u, alpha)
+                    tau, p, first, visit, captured, compacted, running, fell_back = \
+                        emulate_block(u, alpha)
                     passes.append(p)
                     captures.append(captured)
                     firsts.append(first)
                     visits.append(visit)
+                    compactions.append(compacted)
+                    fallbacks.append(fell_back)
+                    units.append(block_units(n, alpha, first, visit, p, captured, compacted,
+                                             running, fell_back))
                     errors.append(float((tau.double() - exact_tau(u, alpha)).abs().max()))
-                mean_passes = sum(passes) / len(passes)
-                key = alpha if alpha in OPS_PER_EVAL else "general"
-                eval_ops = OPS_PER_EVAL[key]
-                visit = sum(visits) / len(visits)
-                first = sum(firsts) / len(firsts)
-                captured = sum(captures) / len(captures)
-                # the passes over captured scores cost next to nothing per score of the row
-                later = max(0.0, mean_passes - 1 - captured)
-                capture = CAPTURE_OPS * visit if capture_slots(alpha) else 0.0
-                units = (QK_COST + MAX_PASS_OPS) + first * (QK_COST + 2 * eval_ops) \
-                    + later * visit * (QK_COST + eval_ops) + capture \
-                    + (QK_COST + PV_COST + OUTPUT_OPS)
-                rows.append({"alpha": alpha, "n": n, "scores": kind, "passes_mean": mean_passes,
-                             "captured_passes_mean": captured,
+                mean = lambda values: sum(values) / len(values)  # noqa: E731
+                rows.append({"alpha": alpha, "n": n, "scores": kind,
+                             "passes_mean": mean(passes),
+                             "captured_passes_mean": mean(captures),
                              "passes_max": max(passes), "tau_err_max": max(errors),
-                             "first_pass_tiles_visited": first,
-                             "later_tiles_visited": visit, "units_per_score": units,
-                             "x_softmax_fwd_est": units / SOFTMAX_UNITS})
+                             "compactions_mean": mean(compactions),
+                             "fell_back": mean([float(f) for f in fallbacks]),
+                             "first_pass_tiles_visited": mean(firsts),
+                             "later_tiles_visited": mean(visits),
+                             "units_per_score": mean(units),
+                             "x_softmax_fwd_est": mean(units) / SOFTMAX_UNITS})
     return rows
 
 
@@ -276,12 +397,13 @@ def main(argv=None):
     print(f"emulation vs kernel (interpreter), max |tau difference|: {check_against_kernel():.2e}")
     rows = table(args.alphas, args.lengths, args.blocks, args.sigma)
     print("alpha | n | scores | passes mean | of which over captured scores | max | "
-          "max tau err | pass-1 tiles visited | later tiles visited | units/score (est.) | "
-          "x softmax fwd (est.)")
+          "max tau err | compactions | blocks over the tiles | pass-1 tiles visited | "
+          "later tiles visited | units/score (est.) | x softmax fwd (est.)")
     for r in rows:
         print(f"{r['alpha']:5g} | {r['n']:5d} | {r['scores']:6s} | {r['passes_mean']:5.2f} | "
               f"{r['captured_passes_mean']:5.2f} | "
-              f"{r['passes_max']:3d} | {r['tau_err_max']:.1e} | "
+              f"{r['passes_max']:3d} | {r['tau_err_max']:.1e} | {r['compactions_mean']:4.1f} | "
+              f"{r['fell_back']:.2f} | "
               f"{r['first_pass_tiles_visited']:.2f} | {r['later_tiles_visited']:.2f} | "
               f"{r['units_per_score']:6.1f} | {r['x_softmax_fwd_est']:.1f}")
     if args.csv:
