@@ -43,7 +43,8 @@ _ONE_POINT = ("b_t0, b_t0,\n"
               "        _threshold_in_z(b_lo, inv_am1, ALPHA_KIND), m_rows, p_flags, p_tiles, n_listed,\n"
               "        inv_am1, p_cand, False, REFLAG, CANDIDATES, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC,\n"
               "        MASK_KIND, ALPHA_KIND, NEAR_ONE)\n")
-_SUPPORT = "        b_count, b_dmin = support_count_and_min(b_g)\n"
+_SUPPORT = "        b_count, b_dmin = count_and_smallest(tl.sum(b_neg, 1), tl.min(b_low, 1), n)\n"
+_SUPPORT_BITS = "        b_neg, b_low = support_bits(b_g)\n"
 # The passes after the first evaluate a second trial point just above the first; its sums
 # feed the result through a comparison that never holds, so that nothing is optimised away
 # and the thresholds (and so the pass count) stay those of the kernel.
@@ -103,10 +104,11 @@ VARIANTS = {
     # every general-alpha head captures, whatever its alpha (attention_common.CAPTURE_MIN_ALPHA)
     "no_alpha_gate": [("capture = am1 >= CAPTURE_MIN_AM1_C", "capture = am1 >= 0.0", 2)],
     # the count and the certificate from the predicate `d > 0`, as the kernel had them
-    # (LLVM packs those predicates into bit masks): what `support_count_and_min` saves
+    # (LLVM packs those predicates into bit masks): what `support.support_bits` saves
     "predicated_moments": [
-        (_SUPPORT, "        b_count = tl.sum(tl.where(b_g > 0, 1.0, 0.0), 1)\n"
-                   '        b_dmin = tl.min(tl.where(b_g > 0, b_g, float("inf")), 1)\n')],
+        (_SUPPORT_BITS, "        b_neg = tl.where(b_g > 0, 0, -1)\n"
+                        "        b_low = tl.where(b_g > 0, b_g.to(tl.uint32, bitcast=True) - 1,"
+                        " 0xFFFFFFFF)\n")],
 }
 
 

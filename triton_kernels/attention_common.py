@@ -26,8 +26,8 @@ MAX_TAU_PASSES = 24
 TAU_STEP_TOL_C = tl.constexpr(TAU_STEP_TOL)
 MAX_TAU_PASSES_C = tl.constexpr(MAX_TAU_PASSES)
 
-# Slots per query row for the scores above the lower bound of tau that the second threshold
-# pass captures (attention_fwd._find_threshold), by alpha kind (`candidate_slots`).
+# Slots per query row for the scores above the lower bound of tau that the threshold passes
+# capture (attention_fwd._find_threshold), by alpha kind (`candidate_slots`).
 CANDIDATE_SLOTS = 128
 CANDIDATE_CHUNK = 64
 CANDIDATE_CHUNK_C = tl.constexpr(CANDIDATE_CHUNK)
@@ -56,8 +56,11 @@ CAPTURE_MIN_AM1_C = tl.constexpr(CAPTURE_MIN_ALPHA - 1.0)
 
 def candidate_slots(alpha_kind):
     """CANDIDATES of the forward for `alpha_kind`: the slots per query row for the scores the
-    second threshold pass captures, 0 for no capture. When every open row of a block fits,
-    the later passes run over the captured scores alone (attention_fwd._find_threshold).
+    threshold passes capture, 0 for no capture. When every open row of a block fits, the
+    later passes run over the captured scores alone (attention_fwd._find_threshold): after
+    the first threshold pass, which captures above a lower bound it raises as it goes
+    (`_running_capture_pass`), or after the second pass over the tiles. The figures below
+    are the second pass's (before the first captured, 2026-11-28).
 
     After the first pass, rows of N(0, 1) scores hold tens of scores above the lower bound
     (the float32 emulation, bench/bench_attention_passes.py: at most 73 per block of 64

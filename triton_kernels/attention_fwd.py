@@ -7,24 +7,31 @@ scaled, masked scores and u = (alpha - 1)(z - max z), the threshold tau lies in 
 1. a dense pass for the row maximum of z (NaN-propagating), which also flags the key tiles
    with a score within 1/(alpha - 1) of its row's running maximum: tau lies above the
    final maximum minus that, so the other tiles hold no weight (`_row_max`);
-2. threshold passes, each a few operations per score, like a softmax pass: the sums of
-   `_moments` at one trial threshold t (two in the first pass: the bracket's lower end -1
-   and its middle). From them `_update_threshold` gives a Newton step (a lower bound of
-   tau, f being convex and decreasing for alpha in (1, 2]) and, for alpha = 2 and 1.5, the
-   closed-form root on the support at t, which *is* tau when no score lies between t and
-   that root (checked against the smallest positive d: an exact certificate). Passes
+2. a threshold pass that captures every row's scores above a lower bound of tau, which it
+   raises from the scores it captured so far (a subset's threshold is at most the row's:
+   `_running_capture_pass`, `_compact`); where every row of the block fits its CANDIDATES
+   slots, tau is found over those alone (`_candidate_pass`) and the forward makes three
+   passes over K (docs/attention.md, "A rising lower bound"). The other blocks, and heads
+   that do not capture, go on with threshold passes over the tiles (`_passes_over_tiles`),
+   each a few operations per score, like a softmax pass: the sums of `_moments` at one
+   trial threshold t (two in the first pass: the bracket's lower end and its middle).
+   From them `_update_threshold` gives a Newton step (a lower bound of tau, f being convex
+   and decreasing for alpha in (1, 2]) and, for alpha = 2 and 1.5, the closed-form root on
+   the support at t, which *is* tau when no score lies between t and that root (checked
+   against the smallest positive d: an exact certificate). Passes
    repeat until every row of the block is exact or its Newton step is below TAU_STEP_TOL
    (at most MAX_TAU_PASSES); from the third on, alpha 1.5's rows are evaluated just below
    their closed-form upper bound (`_trial_point`); bench/bench_attention_passes.py counts
-   them. The second pass also captures every row's scores above lo, and when they fit
-   their slots the later passes run over those alone (`_candidate_pass`,
-   docs/attention.md, "Captured scores");
+   them. The second of those also captures every row's scores above lo, and when they fit
+   their slots the later passes run over those alone (docs/attention.md, "Captured
+   scores");
 3. the threshold passes visit only the flagged tiles, so on local attention every pass
-   after the maximum touches only the tiles near each query. The second threshold pass
-   rewrites the flags to the tiles holding a score above the lower bound of tau the first
-   found (tau only rises, so no later pass needs the others; alpha 2 and 1.5 evaluate that
-   pass there, general alpha at its trial point); the other passes leave them (a flag
-   costs a cross-warp reduction per tile). The passes loop over a list
+   after the maximum touches only the tiles near each query. The capturing first pass
+   rewrites each tile's flag at the lower bound it holds when it visits the tile, and the
+   second pass over the tiles at the lower bound the first found (tau only rises, so no
+   later pass needs the others; alpha 2 and 1.5 evaluate that pass there, general alpha
+   at its trial point); the other passes leave them (a flag costs a cross-warp reduction
+   per tile). The passes loop over a list
    of the flagged tiles (`listed_tiles`, in tiles_ptr's scratch), not over flags tested
    inside the loop, so that Triton pipelines their loads;
 4. the output pass visits the flagged tiles, divides by the row sum of the weights (every
@@ -63,7 +70,7 @@ from .attention_common import (CANDIDATE_CHUNK_C, CAPTURE_MIN_AM1_C, COMPACT_CHU
                                query_block, sensitivity, sequence_bounds, shifted_scores,
                                weights)
 from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX, GRAD_ALPHA, GRAD_INPUTS
-from .support import store_above, support_count_and_min
+from .support import count_and_smallest, store_above, support_bits
 
 
 @triton.jit
@@ -150,6 +157,49 @@ def _row_max(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, 
 
 
 @triton.jit
+def _moment_terms(b_g, inv_am1, ALPHA_KIND: tl.constexpr, NEAR_ONE: tl.constexpr):
+    """Per score of a `gap`, the terms whose row sums `_sum_moments` turns into `_moments`:
+    (ta, tb, the zero count and smallest-d key of `support.support_bits`); alpha 2:
+    (d, unused, ...), alpha 1.5: (d^2, d, ...), general: (base^(e-1) w, base^(e-1), unused,
+    unused). Summed over several chunks entry by entry before one reduction
+    (`_compact`)."""
+    if ALPHA_KIND == ALPHA_GENERAL:
+        b_pw = sensitivity(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)
+        b_ta = b_pw * tl.where(b_g > -1.0, b_g, 0.0)
+        b_tb = b_pw
+        b_neg = tl.zeros(b_g.shape, dtype=tl.int32)
+        b_low = tl.zeros(b_g.shape, dtype=tl.uint32)
+    else:
+        b_neg, b_low = support_bits(b_g)
+        if ALPHA_KIND == ALPHA_SPARSEMAX:
+            b_ta = b_g
+            b_tb = tl.zeros_like(b_g)
+        else:
+            b_ta = b_g * b_g
+            b_tb = b_g
+    return b_ta, b_tb, b_neg, b_low
+
+
+@triton.jit
+def _sum_moments(b_ta, b_tb, b_neg, b_low, n, ALPHA_KIND: tl.constexpr):
+    """`_moments` from the `_moment_terms` of n entries per row, summed entry by entry."""
+    if ALPHA_KIND == ALPHA_GENERAL:
+        b_b = tl.sum(b_tb, 1)
+        b_a = b_b + tl.sum(b_ta, 1)
+        b_c = b_b
+        b_dmin = b_b
+    else:
+        b_count, b_dmin = count_and_smallest(tl.sum(b_neg, 1), tl.min(b_low, 1), n)
+        b_a = tl.sum(b_ta, 1)
+        if ALPHA_KIND == ALPHA_SPARSEMAX:
+            b_b = b_count
+        else:
+            b_b = tl.sum(b_tb, 1)
+        b_c = b_count
+    return b_a, b_b, b_c, b_dmin
+
+
+@triton.jit
 def _moments(b_g, inv_am1, ALPHA_KIND: tl.constexpr, NEAR_ONE: tl.constexpr):
     """Per-row sums over one tile of a `gap` that fix the threshold update
     (docs/attention.md, "Threshold"): (a, b, c, dmin) with
@@ -160,22 +210,8 @@ def _moments(b_g, inv_am1, ALPHA_KIND: tl.constexpr, NEAR_ONE: tl.constexpr):
 
     and dmin the smallest positive d (the exactness certificate of alpha 2 and 1.5; general
     alpha returns b there, unused). f(t) = a - 1 in u units (`_sums_in_u`)."""
-    if ALPHA_KIND == ALPHA_GENERAL:
-        b_pw = sensitivity(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)
-        b_b = tl.sum(b_pw, 1)
-        b_a = b_b + tl.sum(b_pw * tl.where(b_g > -1.0, b_g, 0.0), 1)
-        b_c = b_b
-        b_dmin = b_b
-    else:
-        b_count, b_dmin = support_count_and_min(b_g)
-        if ALPHA_KIND == ALPHA_SPARSEMAX:
-            b_a = tl.sum(b_g, 1)
-            b_b = b_count
-        else:
-            b_a = tl.sum(b_g * b_g, 1)
-            b_b = tl.sum(b_g, 1)
-        b_c = b_count
-    return b_a, b_b, b_c, b_dmin
+    b_ta, b_tb, b_neg, b_low = _moment_terms(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)
+    return _sum_moments(b_ta, b_tb, b_neg, b_low, b_g.shape[1], ALPHA_KIND)
 
 
 @triton.jit
@@ -517,20 +553,23 @@ def _compact(p_cand, b_stored, b_keep, am1, inv_am1, b_lo, b_hi, m_done, BLOCK_M
     for _ in tl.static_range(COMPACT_STEPS):
         b_t = _trial_point(b_lo_s, b_hi_s, m_done_s, m_tight_s, b_guess, ALPHA_KIND)
         b_t0 = _threshold_in_z(b_t, inv_am1, ALPHA_KIND)
-        b_a = tl.zeros([BLOCK_M], dtype=tl.float32)
-        b_b = tl.zeros([BLOCK_M], dtype=tl.float32)
-        b_c = tl.zeros([BLOCK_M], dtype=tl.float32)
-        b_dmin = tl.full([BLOCK_M], float("inf"), dtype=tl.float32)
+        # the chunks' terms summed entry by entry, reduced across threads once
+        b_ta = tl.zeros([BLOCK_M, CHUNK], dtype=tl.float32)
+        b_tb = tl.zeros([BLOCK_M, CHUNK], dtype=tl.float32)
+        b_neg = tl.zeros([BLOCK_M, CHUNK], dtype=tl.int32)
+        b_low = tl.full([BLOCK_M, CHUNK], 0xFFFFFFFF, dtype=tl.uint32)
         for start in tl.static_range(0, CANDIDATES, CHUNK):
             o_c = start + tl.arange(0, CHUNK)
             b_u = tl.load(p_cand + o_rows + o_c[None, :], mask=o_c[None, :] < b_stored[:, None],
                           other=float("-inf"))
-            b_ai, b_bi, b_ci, b_ni = _moments(gap(b_u, b_t0, inv_am1, ALPHA_KIND), inv_am1,
-                                              ALPHA_KIND, NEAR_ONE)
-            b_a += b_ai
-            b_b += b_bi
-            b_c += b_ci
-            b_dmin = tl.minimum(b_dmin, b_ni)
+            c_ta, c_tb, c_neg, c_low = _moment_terms(gap(b_u, b_t0, inv_am1, ALPHA_KIND),
+                                                     inv_am1, ALPHA_KIND, NEAR_ONE)
+            b_ta += c_ta
+            b_tb += c_tb
+            b_neg += c_neg
+            b_low = tl.minimum(b_low, c_low)
+        b_a, b_b, b_c, b_dmin = _sum_moments(b_ta, b_tb, b_neg, b_low,
+                                             tl.cdiv(CANDIDATES, CHUNK) * CHUNK, ALPHA_KIND)
         b_lo_s, b_hi_s, b_tau_s, m_done_s, m_tight_s, b_guess = _update_from_sums(
             b_t, b_a, b_b, b_c, b_dmin, b_lo_s, b_hi_s, b_tau_s, m_done_s, m_tight_s, am1,
             inv_am1, ALPHA_KIND)

@@ -77,10 +77,3 @@ def count_and_smallest(zeros_negated, low, n):
     count = (zeros_negated + n).to(tl.float32)
     smallest = tl.where(low == 0xFFFFFFFF, float("inf"), (low + 1).to(tl.float32, bitcast=True))
     return count, smallest
-
-
-@triton.jit
-def support_count_and_min(b_d):
-    """(#{d > 0}, smallest positive d) per row of b_d >= 0 [R, N], as fp32 [R] each."""
-    b_neg, b_low = support_bits(b_d)
-    return count_and_smallest(tl.sum(b_neg, axis=1), tl.min(b_low, axis=1), b_d.shape[1])
