@@ -663,32 +663,19 @@ def test_captured_scores_are_each_rows_largest_and_hold_its_support(monkeypatch)
     assert float((got - largest).abs()[kept].max()) <= 1e-5
 
 
-def test_rows_past_their_capture_slots_take_the_passes_over_the_tiles(monkeypatch):
-    """A row holding more scores above the lower bound than the capture has slots sends its
-    block through the passes over the tiles: forward and gradients stay exact."""
-    monkeypatch.setattr(attention_common, "candidate_slots", lambda alpha_kind: 2)
-    alpha = attention_common.CAPTURE_MIN_ALPHA + 0.1
-    q, k, v = _inputs(1, 2, 2, 90, 90, 16, torch.float32)
-    grad_out = torch.randn(1, 2, 90, 16)
-    out, grads = _grads(lambda *t: _triton_attention(*t, is_causal=True, alpha=alpha),
-                        [q, k, v], grad_out)
-    _, ref_grads = _grads(lambda *t: reference_attention(*t, is_causal=True, alpha=alpha),
-                          [t.double() for t in (q, k, v)], grad_out)
-    assert _err(out, oracle_attention(q, k, v, is_causal=True, alpha=alpha)) <= 1e-5
-    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
-        assert _err(got, want) <= 1e-4, name
-
-
-@pytest.mark.parametrize("alpha", [1.5, 2.0, torch.tensor([1.6, 1.5])])
-@pytest.mark.parametrize("slots", [40, 56])
-def test_rising_lower_bound_compacts_and_recaptures_exactly(monkeypatch, alpha, slots):
+@pytest.mark.parametrize("slots, alpha, length", [
+    (2, attention_common.CAPTURE_MIN_ALPHA + 0.1, 90),
+    (40, 1.5, 300), (56, 1.5, 300), (40, 2.0, 300), (56, 2.0, 300),
+    (40, torch.tensor([1.6, 1.5]), 300), (56, torch.tensor([1.6, 1.5]), 300)])
+def test_few_capture_slots_stay_exact(monkeypatch, slots, alpha, length):
     """The first threshold pass raises each row's lower bound from the scores it captured
-    and keeps only those above it (attention_fwd._compact); with few slots (not a multiple
+    and keeps only those above it (attention_fwd._compact). With few slots (not a multiple
     of the compaction's chunk) its blocks compact often and capture segments again after
-    overflowing them. Forward and gradients stay exact."""
+    overflowing them; with two, every block overflows them and takes the passes over the
+    tiles. Forward and gradients stay exact."""
     monkeypatch.setattr(attention_common, "candidate_slots", lambda alpha_kind: slots)
-    q, k, v = _inputs(1, 2, 2, 300, 300, 16, torch.float32)
-    grad_out = torch.randn(1, 2, 300, 16)
+    q, k, v = _inputs(1, 2, 2, length, length, 16, torch.float32)
+    grad_out = torch.randn(1, 2, length, 16)
     out, grads = _grads(lambda *t: _triton_attention(*t, is_causal=True, alpha=alpha),
                         [q, k, v], grad_out)
     _, ref_grads = _grads(lambda *t: reference_attention(*t, is_causal=True, alpha=alpha),

@@ -518,6 +518,23 @@ def _candidate_pass(p_cand, b_ncand, n_cand, am1, inv_am1, b_t, b_lo, b_hi, b_ta
 
 
 @triton.jit
+def _passes_over_captured(p_cand, b_ncand, n_cand, am1, inv_am1, b_lo, b_hi, b_tau, m_done,
+                          m_tight, b_guess, n_pass, BLOCK_M: tl.constexpr,
+                          CANDIDATES: tl.constexpr, ALPHA_KIND: tl.constexpr,
+                          NEAR_ONE: tl.constexpr):
+    """Threshold passes over the captured scores alone (`_candidate_pass`) until every row
+    of the block is done or MAX_TAU_PASSES passes were made in all: (lo, hi, tau, done,
+    tight, guess, passes)."""
+    while (tl.max(tl.where(m_done, 0, 1), 0) > 0) & (MAX_TAU_PASSES_C > n_pass):
+        b_t = _trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND)
+        b_lo, b_hi, b_tau, m_done, m_tight, b_guess = _candidate_pass(
+            p_cand, b_ncand, n_cand, am1, inv_am1, b_t, b_lo, b_hi, b_tau, m_done, m_tight,
+            BLOCK_M, CANDIDATES, CANDIDATE_CHUNK_C, ALPHA_KIND, NEAR_ONE)
+        n_pass += 1
+    return b_lo, b_hi, b_tau, m_done, m_tight, b_guess, n_pass
+
+
+@triton.jit
 def _capture_key(b_u, b_lo, inv_am1, ALPHA_KIND: tl.constexpr):
     """Per score of b_u (z units), positive exactly where it lies above its row's lower
     bound lo of tau (c units): the scores a capture keeps. General alpha compares its
@@ -762,12 +779,9 @@ def _passes_over_tiles(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, s
         # operations per score of the row. A row that captured more than CANDIDATES sends
         # its block through the passes over the tiles below.
         if n_cand <= CANDIDATES:
-            while (tl.max(tl.where(m_done, 0, 1), 0) > 0) & (MAX_TAU_PASSES_C > n_pass):
-                b_t = _trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND)
-                b_lo, b_hi, b_tau, m_done, m_tight, b_guess = _candidate_pass(
-                    p_cand, b_ncand, n_cand, am1, inv_am1, b_t, b_lo, b_hi, b_tau, m_done,
-                    m_tight, BLOCK_M, CANDIDATES, CANDIDATE_CHUNK_C, ALPHA_KIND, NEAR_ONE)
-                n_pass += 1
+            b_lo, b_hi, b_tau, m_done, m_tight, b_guess, n_pass = _passes_over_captured(
+                p_cand, b_ncand, n_cand, am1, inv_am1, b_lo, b_hi, b_tau, m_done, m_tight,
+                b_guess, n_pass, BLOCK_M, CANDIDATES, ALPHA_KIND, NEAR_ONE)
     while (tl.max(tl.where(m_done, 0, 1), 0) > 0) & (n_pass < MAX_TAU_PASSES_C):
         b_lo, b_hi, b_tau, m_done, m_tight, b_guess, b_ncand = _one_point_pass(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
@@ -833,12 +847,9 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
         tl.debug_barrier()
         n_pass = 1
         if n_cand <= CANDIDATES:
-            while (tl.max(tl.where(m_done, 0, 1), 0) > 0) & (MAX_TAU_PASSES_C > n_pass):
-                b_t = _trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND)
-                b_lo, b_hi, b_tau, m_done, m_tight, b_guess = _candidate_pass(
-                    p_cand, b_ncand, n_cand, am1, inv_am1, b_t, b_lo, b_hi, b_tau, m_done,
-                    m_tight, BLOCK_M, CANDIDATES, CANDIDATE_CHUNK_C, ALPHA_KIND, NEAR_ONE)
-                n_pass += 1
+            b_lo, b_hi, b_tau, m_done, m_tight, b_guess, n_pass = _passes_over_captured(
+                p_cand, b_ncand, n_cand, am1, inv_am1, b_lo, b_hi, b_tau, m_done, m_tight,
+                b_guess, n_pass, BLOCK_M, CANDIDATES, ALPHA_KIND, NEAR_ONE)
     if (tl.max(tl.where(m_done, 0, 1), 0) > 0) & (n_pass < MAX_TAU_PASSES_C):
         b_lo, b_hi, b_tau, m_done, m_tight, b_guess, n_listed, n_pass = _passes_over_tiles(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
