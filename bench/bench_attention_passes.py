@@ -55,7 +55,7 @@ CAPTURE_OPS = 12.0     # the capture of the scores above lo in the passes over t
 # E 64: 19.3, 19.7 and 24.4 instructions per score at alpha 2, 1.5 and general, the
 # product's share included)
 RUNNING_OPS = {2.0: 14.0, 1.5: 15.0, "general": 19.0}
-COMPACT_UNITS = 3300.0 * 128   # one compaction of 128 slots: ~3300 instructions per thread
+COMPACT_UNITS = 3000.0 * 128   # one compaction of 128 slots: ~3000 instructions per thread
 SOFTMAX_UNITS = QK_COST + PV_COST + 7.0
 BLOCK_M, BLOCK_N = 64, 64
 

@@ -29,19 +29,22 @@ MAX_TAU_PASSES_C = tl.constexpr(MAX_TAU_PASSES)
 # Slots per query row for the scores above the lower bound of tau that the threshold passes
 # capture (attention_fwd._find_threshold), by alpha kind (`candidate_slots`).
 CANDIDATE_SLOTS = 128
-CANDIDATE_CHUNK = 64
+# The passes over the captured scores read them in chunks of CANDIDATE_CHUNK and sum each
+# chunk's terms entry by entry (four [BLOCK_M, CANDIDATE_CHUNK] accumulators): chunks of 64
+# spilled (sm_90, bf16, E 64: the threshold launch's stack 352 -> 616 bytes).
+CANDIDATE_CHUNK = 32
 CANDIDATE_CHUNK_C = tl.constexpr(CANDIDATE_CHUNK)
 # The first threshold pass captures above a lower bound of tau that it raises from what it
 # captured (attention_fwd._compact) between segments of COMPACT_SEGMENT listed tiles, when
 # a row holds more than half its slots or a segment overflowed them: COMPACT_STEPS
-# evaluations over the captured scores, in chunks of COMPACT_CHUNK, at most COMPACT_MIN +
-# (listed tiles) / COMPACT_TILES times per block (a compaction costs about as much as a few
-# tiles; a block that needs more, as on flat scores, takes the passes over the tiles). The
-# float32 emulation of 64-row blocks (N(0, 1) scores, L 4096, causal, alpha 1.5): 2.3
-# compactions and 32 tile visits for 30 tiles per block, none past the slots.
+# evaluations over the captured scores (`_candidate_pass`) and their rewrite, at most
+# COMPACT_MIN + (listed tiles) / COMPACT_TILES times per block (a compaction costs about as
+# much as a few tiles; a block that needs more, as on flat scores, takes the passes over
+# the tiles). The float32 emulation of 64-row blocks (N(0, 1) scores, L 4096, causal,
+# alpha 1.5): 2.3 compactions and 32 tile visits for 30 tiles per block, none past the
+# slots.
 COMPACT_SEGMENT_C = tl.constexpr(8)
 COMPACT_STEPS = tl.constexpr(2)
-COMPACT_CHUNK_C = tl.constexpr(32)
 COMPACT_MIN_C = tl.constexpr(2)
 COMPACT_TILES_C = tl.constexpr(8)
 # The general kind's heads capture from this alpha up: where the rows do not fit their
