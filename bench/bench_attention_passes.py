@@ -52,10 +52,10 @@ CAPTURE_OPS = 12.0     # the capture of the scores above lo in the passes over t
                        # (sm_90 SASS: +15-24 instructions per score against 12-19 for a
                        # later pass)
 # the first threshold pass, which captures above a rising lower bound (sm_90 SASS, bf16,
-# E 64: 19.3, 19.7 and 24.4 instructions per score at alpha 2, 1.5 and general, the
-# product's share included)
-RUNNING_OPS = {2.0: 14.0, 1.5: 15.0, "general": 19.0}
-COMPACT_UNITS = 3000.0 * 128   # one compaction of 128 slots: ~3000 instructions per thread
+# E 64: 15.2, 15.5 and 19.4 instructions per score at alpha 2, 1.5 and general, the
+# product's share included; 19.3, 19.7 and 24.4 before the rank gave the counts)
+RUNNING_OPS = {2.0: 11.0, 1.5: 12.0, "general": 15.0}
+COMPACT_UNITS = 2800.0 * 128   # one compaction of 128 slots: ~2800 instructions per thread
 SOFTMAX_UNITS = QK_COST + PV_COST + 7.0
 BLOCK_M, BLOCK_N = 64, 64
 

@@ -101,6 +101,14 @@ VARIANTS = {
     # (attention_fwd._running_capture_pass): what that pass saves per alpha kind
     "no_running_capture": [("    if capture:\n        b_lo, b_ncand = _running_capture_pass(",
                             "    if False:\n        b_lo, b_ncand = _running_capture_pass(")],
+    # the capture's indicator and count as before 2026-11-28 (session 19): the indicator
+    # converted to fp16 by LLVM (a predicate, a select and a permute per pair) and the
+    # row's count by its own sum of the comparisons rather than the rank's row maximum:
+    # what `support.positive_f16` and the inclusive rank save
+    "capture_before": [("tl.dot(positive_f16(b_key), b_upto,",
+                        "tl.dot((b_key > 0.0).to(tl.float16), b_upto,"),
+                       ("    b_count = tl.max(b_rank, 1)\n",
+                        "    b_count = tl.sum((b_key > 0.0).to(tl.float32), 1)\n")],
     # every general-alpha head captures, whatever its alpha (attention_common.CAPTURE_MIN_ALPHA)
     "no_alpha_gate": [("capture = am1 >= CAPTURE_MIN_AM1_C", "capture = am1 >= 0.0", 2)],
     # the count and the certificate from the predicate `d > 0`, as the kernel had them

@@ -69,7 +69,7 @@ from .attention_common import (CANDIDATE_CHUNK_C, CAPTURE_MIN_AM1_C, COMPACT_MIN
                                query_block, sensitivity, sequence_bounds, shifted_scores,
                                weights)
 from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX, GRAD_ALPHA, GRAD_INPUTS
-from .support import count_and_smallest, store_above, support_bits
+from .support import count_and_smallest, positive_f16, store_above, support_bits
 
 
 @triton.jit
@@ -214,26 +214,27 @@ def _moments(b_g, inv_am1, ALPHA_KIND: tl.constexpr, NEAR_ONE: tl.constexpr):
 
 
 @triton.jit
-def _capture(p_cand, b_u, b_key, key_min, m_cand, b_tile_count, b_ncand,
-             CANDIDATES: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Stores the scores b_u whose b_key > key_min (m_cand; b_tile_count of them per row)
-    to their row's next slots of p_cand (CANDIDATES per row) in key order: each row's
-    b_ncand[row] + its rank among them in the tile. Returns b_ncand counting them all."""
-    # the rank, a prefix count, as a product with a triangular matrix of ones: exact, on
-    # the tensor cores, and in the scores' own layout. Accumulated in fp16 (counts below
-    # 2^11 are exact), half the registers of fp32: sm_90, bf16, E 64, alpha 1.5, the loop's
-    # spills went 39 -> 6 per tile and the stack 120 -> 48 bytes, for as many instructions.
+def _capture(p_cand, b_u, b_key, b_ncand, CANDIDATES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Stores the scores b_u whose b_key > 0 (`_capture_key`) to their row's next slots of p_cand
+    (CANDIDATES per row) in key order: each row's b_ncand[row] + its rank among them in
+    the tile. Returns (b_ncand counting them all, each row's count in the tile)."""
+    # The rank, an inclusive prefix count, as a product with a triangular matrix of ones:
+    # exact, on the tensor cores, in the scores' own layout; its row maximum is the row's
+    # count. Accumulated in fp16 (counts below 2^11 are exact), half the registers of fp32
+    # (sm_90, bf16, E 64, alpha 1.5: the loop's spills 39 -> 6 per tile); tf32 products
+    # would take the comparison's 1.0 as it is, but move it between layouts by shuffles.
+    o_n = tl.arange(0, BLOCK_N)
+    b_upto = tl.where(o_n[:, None] <= o_n[None, :], 1.0, 0.0).to(tl.float16)
+    b_rank = tl.dot(positive_f16(b_key), b_upto, out_dtype=tl.float16).to(tl.float32)
+    b_count = tl.max(b_rank, 1)
     # The slot is formed in fp32 (exact below 2^23) as 2^23 + slot (`store_above`); the
     # scores of a row past its last slot are counted, not stored (its block takes the
     # passes over the tiles).
-    o_n = tl.arange(0, BLOCK_N)
-    b_before = tl.where(o_n[:, None] < o_n[None, :], 1.0, 0.0).to(tl.float16)
-    b_rank = tl.dot(m_cand.to(tl.float16), b_before, out_dtype=tl.float16).to(tl.float32)
     o_slot = tl.arange(0, b_u.shape[0]) * CANDIDATES
-    b_first = (o_slot + b_ncand).to(tl.float32) + 8388608.0
+    b_first = (o_slot + b_ncand).to(tl.float32) + (8388608.0 - 1.0)
     b_last = (o_slot + (CANDIDATES - 1)).to(tl.float32) + 8388608.0
-    store_above(p_cand, b_rank + b_first[:, None], b_last[:, None], b_u, b_key, key_min)
-    return b_ncand + b_tile_count.to(tl.int32)
+    store_above(p_cand, b_rank + b_first[:, None], b_last[:, None], b_u, b_key, 0.0)
+    return b_ncand + b_count.to(tl.int32), b_count
 
 
 @triton.jit
@@ -262,11 +263,9 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
             if ALPHA_KIND == ALPHA_GENERAL:
                 # before the sums: general alpha's evaluation at its trial point holds many
                 # values per score, through which the key, rank and store need not live
-                b_key = gap(b_u, b_flag_thr, inv_am1, ALPHA_KIND)
-                m_cand = b_key > -1.0
-                b_ncand = _capture(p_cand, b_u, b_key, -1.0, m_cand,
-                                   tl.sum(m_cand.to(tl.float32), 1), b_ncand, CANDIDATES,
-                                   BLOCK_N)
+                # (the key as `_capture_key`'s: 1 + gap, exact where it is near 0)
+                b_key = gap(b_u, b_flag_thr, inv_am1, ALPHA_KIND) + 1.0
+                b_ncand, _ = _capture(p_cand, b_u, b_key, b_ncand, CANDIDATES, BLOCK_N)
     b_a, b_b, b_c, b_n = _moments(gap(b_u, b_t0, inv_am1, ALPHA_KIND), inv_am1, ALPHA_KIND,
                                   NEAR_ONE)
     b_a0 += b_a
@@ -284,12 +283,8 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
         tl.store(p_flags + start_n // BLOCK_N, (b_alive > 0).to(tl.int8))
         if CANDIDATES > 0:
             if ALPHA_KIND != ALPHA_GENERAL:
-                # t0 = lo: the count of the sums is the row's captured scores in the tile,
-                # and the predicate then has one use (LLVM keeps a predicate with several
-                # in bit masks, unpacked per use)
-                b_key = b_u - b_flag_thr[:, None]
-                b_ncand = _capture(p_cand, b_u, b_key, 0.0, b_key > 0.0, b_c, b_ncand,
-                                   CANDIDATES, BLOCK_N)
+                b_ncand, _ = _capture(p_cand, b_u, b_u - b_flag_thr[:, None], b_ncand,
+                                      CANDIDATES, BLOCK_N)
     if TWO:
         b_a, b_b, b_c, b_n = _moments(gap(b_u, b_t1, inv_am1, ALPHA_KIND), inv_am1, ALPHA_KIND,
                                       NEAR_ONE)
@@ -585,9 +580,7 @@ def _compact(p_cand, b_stored, b_keep, am1, inv_am1, b_lo, b_hi, m_done, BLOCK_M
                       other=float("-inf"))
         tl.debug_barrier()
         b_key = _capture_key(b_u, b_lo, inv_am1, ALPHA_KIND)
-        m_keep = b_key > 0.0
-        b_kept = _capture(p_cand, b_u, b_key, 0.0, m_keep, tl.sum(m_keep.to(tl.float32), 1),
-                          b_kept, CANDIDATES, CHUNK)
+        b_kept, _ = _capture(p_cand, b_u, b_key, b_kept, CANDIDATES, CHUNK)
     tl.debug_barrier()
     return b_lo, b_kept
 
@@ -606,12 +599,11 @@ def _running_capture_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq
     b_u = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                       start_n, q_len, k_len, head_e, scale, b_shift, is_causal,
                       BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
-    b_key = _capture_key(b_u, b_lo, inv_am1, ALPHA_KIND)
-    m_cand = b_key > 0.0
-    b_count = tl.sum(m_cand.to(tl.float32), 1)
+    b_ncand, b_count = _capture(p_cand, b_u, _capture_key(b_u, b_lo, inv_am1, ALPHA_KIND),
+                                b_ncand, CANDIDATES, BLOCK_N)
     b_alive = tl.max(tl.where(m_rows, b_count, 0.0), 0)
     tl.store(p_flags + start_n // BLOCK_N, (b_alive > 0).to(tl.int8))
-    return _capture(p_cand, b_u, b_key, 0.0, m_cand, b_count, b_ncand, CANDIDATES, BLOCK_N)
+    return b_ncand
 
 
 @triton.jit
