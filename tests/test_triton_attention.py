@@ -523,6 +523,18 @@ def test_mask_requiring_grad_is_rejected():
         _triton_attention(q, k, v, attn_mask=torch.zeros(5, 5, requires_grad=True))
 
 
+def test_gpus_before_ampere_are_refused_with_the_reason(monkeypatch):
+    """Compute capability below 8.0: the backend declines the fused attention (dispatch
+    then falls back, and says why), rather than failing in ptxas."""
+    request = dispatch.Request(torch.device("cuda:0"), torch.float16, {"alpha": 1.5})
+    monkeypatch.setattr(triton_backend, "_capability", lambda index: (7, 5))
+    assert "compute capability 8.0 or newer, got 7.5" in triton_backend.supports("attention",
+                                                                               request)
+    monkeypatch.setattr(triton_backend, "_capability", lambda index: (9, 0))
+    assert triton_backend.supports("attention", request) is None
+    assert triton_backend.supports("entmax", request) is None
+
+
 def test_gqa_without_enable_gqa_is_rejected():
     q, k, v = _inputs(1, 4, 2, 5, 5, 16, torch.float32)
     with pytest.raises(ValueError, match="enable_gqa"):

@@ -8,6 +8,7 @@ op is first run here.
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -49,6 +50,16 @@ def runs_on(device: torch.device) -> Optional[str]:
     return None
 
 
+# The fused attention kernels use tensor-core bf16 and tf32 products and packed fp32 -> fp16
+# conversions (`triton_kernels.support.positive_f16`): compute capability 8.0 (Ampere) on.
+ATTENTION_MIN_CAPABILITY = (8, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def supports(op: str, request) -> Optional[str]:
     """None if the kernels can run this call of ``op``, else why not."""
     if op == "entmax":
@@ -66,6 +77,13 @@ def supports(op: str, request) -> Optional[str]:
             return f"head dims above 256 are not supported by the fused kernels, got {request.options['head_dim']}"
         if request.options.get("mask_requires_grad"):
             return "the Triton kernels do not differentiate a float attn_mask"
+        if request.device.type == "cuda":
+            index = request.device.index
+            capability = _capability(torch.cuda.current_device() if index is None else index)
+            if capability < ATTENTION_MIN_CAPABILITY:
+                return ("the fused attention kernels need a GPU of compute capability "
+                        f"{'.'.join(map(str, ATTENTION_MIN_CAPABILITY))} or newer, got "
+                        f"{'.'.join(map(str, capability))}")
         return None
     return f"the Triton backend has no {op}"
 
