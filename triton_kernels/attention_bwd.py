@@ -15,7 +15,7 @@ Two kernels, each writing its outputs exactly once:
   dV, summing over the query heads of its group (GQA) in a fixed order.
 Both visit only the tiles the forward flagged as holding non-zero weight, the full ones
 through a list of them (`listed_tiles`, so that the loops are pipelined), and spend the
-causal and key-end masks only on the tiles that cross them.
+causal, key-end and query-end masks only on the tiles that cross them.
 """
 import triton
 import triton.language as tl
@@ -261,6 +261,16 @@ def entmax_attn_bwd_dq_kernel(
 
 
 @triton.jit
+def _row_values(p_row, o_m, q_len, MASK_ROWS: tl.constexpr):
+    """One value per query row o_m (a statistic), 0 past q_len when MASK_ROWS."""
+    if MASK_ROWS:
+        b_values = tl.load(p_row + o_m, mask=o_m < q_len, other=0.0)
+    else:
+        b_values = tl.load(p_row + o_m)
+    return b_values
+
+
+@triton.jit
 def _dkdv_tile(b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
                p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row,
                o_n, start_n, start_m, q_len, k_len, head_e, head_ev, scale, am1,
@@ -268,17 +278,18 @@ def _dkdv_tile(b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
                BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
                MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, BOUNDARY: tl.constexpr):
-    """Adds one query tile to dK and dV. Rows past q_len load as zeros (q, dO, the
-    statistics), so their weights and gradients are zero."""
+    """Adds one query tile to dK and dV. BOUNDARY: the tile crosses the causal diagonal,
+    the end of the keys or the end of the queries; rows past q_len load as zeros (q, dO,
+    the statistics), so their weights and gradients are zero. Other tiles load without
+    masks (a comparison and a select per loaded vector)."""
     o_m = start_m + tl.arange(0, BLOCK_M)
-    m_m = o_m < q_len
-    b_q = held_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, BLOCK_EC, True)
-    b_do = held_rows(p_do, stride_ol, o_m, q_len, head_ev, BLOCK_EV, BLOCK_EC, True)
-    b_mz = tl.load(p_stats + o_m + STAT_MAX_C * stride_stat, mask=m_m, other=0.0)
-    b_tau = tl.load(p_stats + o_m + STAT_TAU_C * stride_stat, mask=m_m, other=0.0)
-    b_l = tl.load(p_stats + o_m + STAT_SUM_C * stride_stat, mask=m_m, other=0.0)
+    b_q = held_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, BLOCK_EC, BOUNDARY)
+    b_do = held_rows(p_do, stride_ol, o_m, q_len, head_ev, BLOCK_EV, BLOCK_EC, BOUNDARY)
+    b_mz = _row_values(p_stats + STAT_MAX_C * stride_stat, o_m, q_len, BOUNDARY)
+    b_tau = _row_values(p_stats + STAT_TAU_C * stride_stat, o_m, q_len, BOUNDARY)
+    b_l = _row_values(p_stats + STAT_SUM_C * stride_stat, o_m, q_len, BOUNDARY)
     b_l = tl.where(b_l > 0, b_l, 1.0)
-    b_delta = tl.load(p_rows + o_m + ROW_DELTA_C * stride_row, mask=m_m, other=0.0)
+    b_delta = _row_values(p_rows + ROW_DELTA_C * stride_row, o_m, q_len, BOUNDARY)
     b_u = shifted_scores(b_q, b_kt, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq,
                          stride_mk, o_m, start_n, q_len, k_len, head_e, scale, b_mz,
                          is_causal, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
@@ -293,9 +304,9 @@ def _dkdv_tile(b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do,
     b_dz = b_s * (b_g - b_delta[:, None])
     if BLOCK_EC < BLOCK_E:
         # loaded only now, so that they are not live during the chunked products
-        b_q = load_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, True)
+        b_q = load_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, BOUNDARY)
     if BLOCK_EC < BLOCK_EV:
-        b_do = load_rows(p_do, stride_ol, o_m, q_len, head_ev, BLOCK_EV, True)
+        b_do = load_rows(p_do, stride_ol, o_m, q_len, head_ev, BLOCK_EV, BOUNDARY)
     b_dv += dot(tl.trans(b_p.to(b_do.dtype)), b_do)
     b_dk += dot(tl.trans(b_dz.to(b_q.dtype)), b_q)
     return b_dk, b_dv
@@ -377,11 +388,22 @@ def entmax_attn_bwd_dkdv_kernel(
                     is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
                     BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND,
                     HAS_DROPOUT, True)
+        # a last query tile past m_full that the end of the queries cuts
+        q_full = (q_len // BLOCK_M) * BLOCK_M
+        if (q_full < q_len) & (q_full >= m_full):
+            if tl.load(p_flags + (q_full // BLOCK_M) * n_kblocks) != 0:
+                b_dk, b_dv = _dkdv_tile(
+                    b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
+                    p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row,
+                    o_n, start_n, q_full, q_len, k_len, head_e, head_ev, scale, am1, inv_am1,
+                    is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
+                    BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND,
+                    HAS_DROPOUT, True)
         # the full query tiles the forward flagged through their list: a pipelined loop
         # (the list of the previous head of the group is read to the end first)
         tl.debug_barrier()
-        n_listed = listed_tiles(p_flags, n_kblocks, tl.cdiv(m_full, BLOCK_M),
-                                tl.cdiv(q_len, BLOCK_M), p_tiles)
+        n_listed = listed_tiles(p_flags, n_kblocks, tl.cdiv(m_full, BLOCK_M), q_full // BLOCK_M,
+                                p_tiles)
         tl.debug_barrier()
         for i in range(n_listed):
             start_m = tl.load(p_tiles + i) * BLOCK_M
