@@ -109,6 +109,17 @@ VARIANTS = {
                         "tl.dot((b_key > 0.0).to(tl.float16), b_upto,"),
                        ("    b_count = tl.max(b_rank, 1)\n",
                         "    b_count = tl.sum((b_key > 0.0).to(tl.float32), 1)\n")],
+    # the slots read with a masked load per entry, as before 2026-11-28 (session 19), not
+    # as whole chunks (`_candidate_pass`, `_compact`)
+    "masked_slot_loads": [
+        ("        b_u = tl.load(p_cand + tl.arange(0, BLOCK_M)[:, None] * CANDIDATES + o_c[None, :])\n"
+         "        b_u = tl.where(o_c[None, :] < b_ncand[:, None], b_u, float(\"-inf\"))\n",
+         "        b_u = tl.load(p_cand + tl.arange(0, BLOCK_M)[:, None] * CANDIDATES + o_c[None, :],\n"
+         "                      mask=o_c[None, :] < b_ncand[:, None], other=float(\"-inf\"))\n"),
+        ("        b_u = tl.where(o_c[None, :] < b_keep[:, None], tl.load(p_cand + o_rows + o_c[None, :]),\n"
+         "                       float(\"-inf\"))\n",
+         "        b_u = tl.load(p_cand + o_rows + o_c[None, :], mask=o_c[None, :] < b_keep[:, None],\n"
+         "                      other=float(\"-inf\"))\n")],
     # every general-alpha head captures, whatever its alpha (attention_common.CAPTURE_MIN_ALPHA)
     "no_alpha_gate": [("capture = am1 >= CAPTURE_MIN_AM1_C", "capture = am1 >= 0.0", 2)],
     # the count and the certificate from the predicate `d > 0`, as the kernel had them

@@ -505,8 +505,12 @@ def _candidate_pass(p_cand, b_ncand, n_cand, am1, inv_am1, b_t, b_lo, b_hi, b_ta
     b_low = tl.full([BLOCK_M, CHUNK], 0xFFFFFFFF, dtype=tl.uint32)
     for start in range(0, n_cand, CHUNK):
         o_c = start + tl.arange(0, CHUNK)
-        b_u = tl.load(p_cand + tl.arange(0, BLOCK_M)[:, None] * CANDIDATES + o_c[None, :],
-                      mask=o_c[None, :] < b_ncand[:, None], other=float("-inf"))
+        # the whole chunk loaded (each row's slots lie inside its CANDIDATES), then the
+        # entries past its count set to -inf: vector loads instead of one masked load per
+        # entry (sm_90, bf16, E 64, alpha 1.5: the chunk loop 204 -> 187 instructions, a
+        # compaction about 2800 -> 2150)
+        b_u = tl.load(p_cand + tl.arange(0, BLOCK_M)[:, None] * CANDIDATES + o_c[None, :])
+        b_u = tl.where(o_c[None, :] < b_ncand[:, None], b_u, float("-inf"))
         c_ta, c_tb, c_neg, c_low = _moment_terms(gap(b_u, b_t0, inv_am1, ALPHA_KIND), inv_am1,
                                                  ALPHA_KIND, NEAR_ONE)
         b_ta += c_ta
@@ -579,8 +583,8 @@ def _compact(p_cand, b_stored, b_keep, am1, inv_am1, b_lo, b_hi, m_done, BLOCK_M
     b_kept = tl.zeros([BLOCK_M], dtype=tl.int32)
     for start in tl.static_range(0, CANDIDATES, CHUNK):
         o_c = start + tl.arange(0, CHUNK)
-        b_u = tl.load(p_cand + o_rows + o_c[None, :], mask=o_c[None, :] < b_keep[:, None],
-                      other=float("-inf"))
+        b_u = tl.where(o_c[None, :] < b_keep[:, None], tl.load(p_cand + o_rows + o_c[None, :]),
+                       float("-inf"))
         tl.debug_barrier()
         b_key = _capture_key(b_u, b_lo, inv_am1, ALPHA_KIND)
         b_kept, _ = _capture(p_cand, b_u, b_key, b_kept, CANDIDATES, CHUNK)
