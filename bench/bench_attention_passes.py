@@ -174,9 +174,9 @@ def _running_capture(u, alpha, tile_max, lo, hi, done, slots):
     """float32 twin of attention_fwd._running_capture_pass over the tiles the max pass
     flagged (the last one, which crosses the causal diagonal, first): each tile's scores
     above lo go to the row's next slots (past `slots` they are counted, not stored), and
-    between segments of COMPACT_SEGMENT tiles a row holding more than half its slots, or a
-    segment that overflowed, raises lo (`_compact_bound`). Returns (lo, stored [R, n],
-    counts [R], compactions, tile visits)."""
+    between segments of COMPACT_SEGMENT tiles a row holding more than COMPACT_FILL of its
+    slots, or a segment that overflowed, raises lo (`_compact_bound`). Returns (lo,
+    stored [R, n], counts [R], compactions, tile visits)."""
     rows, n = u.shape
     stored = torch.zeros_like(u, dtype=torch.bool)
     count = torch.zeros(rows, dtype=torch.long)
@@ -214,7 +214,7 @@ def _running_capture(u, alpha, tile_max, lo, hi, done, slots):
             compactions += 1
             continue
         start += segment
-        if most > slots // 2 and compactions < budget:
+        if most > slots * attention_common.COMPACT_FILL and compactions < budget:
             lo = _compact_bound(u, stored, alpha, lo, hi, done)
             stored &= u > lo[:, None]
             count = stored.sum(-1)
@@ -391,8 +391,12 @@ def main(argv=None):
     parser.add_argument("--sigma", type=float, default=1.0, help="score standard deviation")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--alphas", type=float, nargs="+", default=[1.5, 2.0, 1.25])
+    parser.add_argument("--compact-fill", type=float, default=attention_common.COMPACT_FILL,
+                        help="emulate compactions at this fill of the slots (the kernel's: "
+                             "attention_common.COMPACT_FILL)")
     parser.add_argument("--csv")
     args = parser.parse_args(argv)
+    attention_common.COMPACT_FILL = args.compact_fill
     torch.manual_seed(0)
     print(f"emulation vs kernel (interpreter), max |tau difference|: {check_against_kernel():.2e}")
     rows = table(args.alphas, args.lengths, args.blocks, args.sigma)

@@ -109,6 +109,9 @@ VARIANTS = {
                         "tl.dot((b_key > 0.0).to(tl.float16), b_upto,"),
                        ("    b_count = tl.max(b_rank, 1)\n",
                         "    b_count = tl.sum((b_key > 0.0).to(tl.float32), 1)\n")],
+    # compactions when a row holds half its slots, as before 2026-11-28 (session 19), not
+    # attention_common.COMPACT_FILL of them
+    "compact_at_half": [("(n_most > CANDIDATES * COMPACT_FILL_C)", "(n_most > CANDIDATES * 0.5)")],
     # the slots read with a masked load per entry, as before 2026-11-28 (session 19), not
     # as whole chunks (`_candidate_pass`, `_compact`)
     "masked_slot_loads": [

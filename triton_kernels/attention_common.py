@@ -36,14 +36,20 @@ CANDIDATE_CHUNK = 32
 CANDIDATE_CHUNK_C = tl.constexpr(CANDIDATE_CHUNK)
 # The first threshold pass captures above a lower bound of tau that it raises from what it
 # captured (attention_fwd._compact) between segments of COMPACT_SEGMENT listed tiles, when
-# a row holds more than half its slots or a segment overflowed them: COMPACT_STEPS
+# a row holds more than COMPACT_FILL of its slots or a segment overflowed them: COMPACT_STEPS
 # evaluations over the captured scores (`_candidate_pass`) and their rewrite, at most
 # COMPACT_MIN + (listed tiles) / COMPACT_TILES times per block (a compaction costs about as
 # much as a few tiles; a block that needs more, as on flat scores, takes the passes over
 # the tiles). The float32 emulation of 64-row blocks (N(0, 1) scores, L 4096, causal,
 # alpha 1.5): 2.3 compactions and 32 tile visits for 30 tiles per block, none past the
-# slots.
+# slots. At 3/4 rather than 1/2 of the slots (`bench/bench_attention_passes.py
+# --compact-fill`, rows of 4096 / 16384 keys, N(0, 1)): alpha 1.5 2.0 / 3.0 compactions per
+# block instead of 3.5 / 6.0, alpha 2 0.2 / 1.0 instead of 0.8 / 1.0, about 0.75 more passes
+# over the slots after the pass; at sigma 0.5 and 16384 keys half the alpha 1.5 blocks take
+# the passes over the tiles instead of three quarters.
 COMPACT_SEGMENT_C = tl.constexpr(8)
+COMPACT_FILL = 0.75
+COMPACT_FILL_C = tl.constexpr(COMPACT_FILL)
 COMPACT_STEPS = tl.constexpr(2)
 COMPACT_MIN_C = tl.constexpr(2)
 COMPACT_TILES_C = tl.constexpr(8)

@@ -58,8 +58,8 @@ import triton
 import triton.language as tl
 
 from .. import common
-from .attention_common import (CANDIDATE_CHUNK_C, CAPTURE_MIN_AM1_C, COMPACT_MIN_C,
-                               COMPACT_SEGMENT_C, COMPACT_STEPS, COMPACT_TILES_C,
+from .attention_common import (CANDIDATE_CHUNK_C, CAPTURE_MIN_AM1_C, COMPACT_FILL_C,
+                               COMPACT_MIN_C, COMPACT_SEGMENT_C, COMPACT_STEPS, COMPACT_TILES_C,
                                MAX_TAU_PASSES_C, NEAR_ONE_INV_AM1, PHASE_OUTPUT_C,
                                PHASE_THRESHOLD_C, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C,
                                STAT_TAU_C, TAU_STEP_TOL_C, attention_signature, block_sizes,
@@ -630,10 +630,11 @@ def _running_capture_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq
 
     The listed tiles go in segments of COMPACT_SEGMENT: a loop that holds the compaction
     (its barriers) is not software-pipelined, so the tile loop holds the capture alone and
-    the compaction runs between segments, when a row holds more than half its slots. A
-    segment that overflows a row's slots is captured again after a compaction (raised from
-    every score it stored; only the scores from before the segment are kept). After
-    COMPACT_MIN + (listed tiles) / COMPACT_TILES compactions the pass stops where it is.
+    the compaction runs between segments, when a row holds more than COMPACT_FILL of its
+    slots. A segment that overflows a row's slots is captured again after a compaction
+    (raised from every score it stored; only the scores from before the segment are kept).
+    After COMPACT_MIN + (listed tiles) / COMPACT_TILES compactions the pass stops where it
+    is.
     Returns (lo, each row's count of captured scores, past CANDIDATES where a row did not
     fit: its block takes the passes over the tiles)."""
     b_ncand = tl.zeros([BLOCK_M], dtype=tl.int32)
@@ -671,7 +672,7 @@ def _running_capture_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq
         else:
             b_ncand = b_next
             start = end
-            if (n_most > CANDIDATES // 2) & (n_compact < max_compactions):
+            if (n_most > CANDIDATES * COMPACT_FILL_C) & (n_compact < max_compactions):
                 b_lo, b_ncand = _compact(p_cand, b_ncand, b_ncand, am1, inv_am1, b_lo, b_hi,
                                          m_done, BLOCK_M, CANDIDATES, CANDIDATE_CHUNK_C,
                                          ALPHA_KIND, NEAR_ONE)
