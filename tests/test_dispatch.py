@@ -12,6 +12,7 @@ import torch
 
 import entmax_fast
 from entmax_fast import dispatch
+from entmax_fast.backends import triton as triton_backend
 
 
 def _cpu_request():
@@ -175,6 +176,7 @@ def test_reasons_say_what_runs_and_why_in_words(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setitem(dispatch._AVAILABILITY, "triton", (True, "pretend GPU"))
+    monkeypatch.setattr(triton_backend, "_capability", lambda device: (9, 0))
     monkeypatch.setitem(dispatch._LOADED, ("attention", "triton"), "a kernel")
     request = dispatch.Request(torch.device("cuda"), torch.float16, {"alpha": 1.5})
     assert dispatch.select("attention", request)[1].reason == \

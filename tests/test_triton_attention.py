@@ -527,10 +527,10 @@ def test_gpus_before_ampere_are_refused_with_the_reason(monkeypatch):
     """Compute capability below 8.0: the backend declines the fused attention (dispatch
     then falls back, and says why), rather than failing in ptxas."""
     request = dispatch.Request(torch.device("cuda:0"), torch.float16, {"alpha": 1.5})
-    monkeypatch.setattr(triton_backend, "_capability", lambda index: (7, 5))
+    monkeypatch.setattr(triton_backend, "_capability", lambda device: (7, 5))
     assert "compute capability 8.0 or newer, got 7.5" in triton_backend.supports("attention",
                                                                                request)
-    monkeypatch.setattr(triton_backend, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(triton_backend, "_capability", lambda device: (9, 0))
     assert triton_backend.supports("attention", request) is None
     assert triton_backend.supports("entmax", request) is None
 

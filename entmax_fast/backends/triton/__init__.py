@@ -56,8 +56,13 @@ ATTENTION_MIN_CAPABILITY = (8, 0)
 
 
 @functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
+def _capability_at(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    # The index is resolved before the cache: the current device may change between calls.
+    return _capability_at(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def supports(op: str, request) -> Optional[str]:
@@ -78,8 +83,7 @@ def supports(op: str, request) -> Optional[str]:
         if request.options.get("mask_requires_grad"):
             return "the Triton kernels do not differentiate a float attn_mask"
         if request.device.type == "cuda":
-            index = request.device.index
-            capability = _capability(torch.cuda.current_device() if index is None else index)
+            capability = _capability(request.device)
             if capability < ATTENTION_MIN_CAPABILITY:
                 return ("the fused attention kernels need a GPU of compute capability "
                         f"{'.'.join(map(str, ATTENTION_MIN_CAPABILITY))} or newer, got "
