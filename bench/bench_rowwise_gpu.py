@@ -222,12 +222,13 @@ def _sweep_candidates(n_cols: int, base: dict) -> list[dict]:
 def sweep(lengths=SWEEP_LENGTHS, alphas=SWEEP_ALPHAS):
     """Forward ms of each `tile_config` entry at 16384×1024-sized problems and of its
     neighbours (`_sweep_candidates`), fp32, for each α (one per α kind: the table keys on
-    it)."""
+    it). A swept general-kind configuration is timed again without its captured support
+    (`candidate_slots`: "capture off"), so that the capture's effect is read in one run."""
     import triton
 
     from entmax_fast import common
     from entmax_fast.backends.triton import rowwise
-    from entmax_fast.triton_kernels.rowwise import tile_config
+    from entmax_fast.triton_kernels.rowwise import candidate_slots, tile_config
 
     for n_cols in lengths:
         n_rows = max(1, 16384 * 1024 // n_cols)
@@ -239,6 +240,10 @@ def sweep(lengths=SWEEP_LENGTHS, alphas=SWEEP_ALPHAS):
                 mark = "  (table)" if cand is candidates[0] else ""
                 print(f"n={n_cols:>6} alpha={alpha} rows={cand['ROWS']:>3} block={cand['BLOCK']:>5} "
                       f"warps={cand['num_warps']:>2} resident={cand['RESIDENT']}: {ms:.4f} ms{mark}", flush=True)
+                if candidate_slots(n_cols, cand, common.alpha_kind(alpha)):
+                    ms = triton.testing.do_bench(lambda: rowwise._forward(x, alpha, config=cand, candidates=0),
+                                                 return_mode="median")
+                    print(f"{'':>54}capture off: {ms:.4f} ms", flush=True)
 
 
 def main(argv=None):

@@ -127,7 +127,7 @@ def main(argv=None):
                 gen = torch.Generator().manual_seed(hash((alpha, n, sigma2)) % 2**31)
                 x = torch.randn(args.rows, n, generator=gen) * math.sqrt(sigma2)
                 start = time.perf_counter()
-                _, c, passes = rowwise._forward(x, alpha, tol=args.tol)
+                _, c, passes, _ = rowwise._forward(x, alpha, tol=args.tol)
                 seconds = time.perf_counter() - start
                 excess = excess_float64(x, c, alpha)
                 row = {"alpha": alpha, "n": n, "sigma2": sigma2, "passes_max": int(passes.max()),

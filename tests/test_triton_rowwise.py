@@ -95,7 +95,7 @@ def test_chunked_rows_match_reference(n, alpha):
     x = _rows(n, torch.float32, seed=2)
     if alpha == "per-row":
         alpha = torch.tensor([1.0, 1.25, 1.5, 2.0, 3.0], device=DEVICE)
-    p, _, _ = rowwise._forward(x, alpha, config=CHUNKED)
+    p, *_ = rowwise._forward(x, alpha, config=CHUNKED)
     _check_forward(p, x, alpha, 2e-6, 2e-6)
     torch.testing.assert_close(p, rowwise.entmax_forward(x, alpha), atol=2e-6, rtol=0)
 
@@ -108,7 +108,7 @@ def test_several_rows_per_program(alpha):
     if alpha == "per-row":
         alpha = torch.tensor([1.0, 1.25, 1.5, 2.0, 3.0], device=DEVICE)
     tiles = {"ROWS": 4, "BLOCK": 64, "RESIDENT": True, "num_warps": 2}
-    p, _, _ = rowwise._forward(x, alpha, config=tiles)
+    p, *_ = rowwise._forward(x, alpha, config=tiles)
     _check_forward(p, x, alpha, 2e-6, 2e-6)
     g = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     need = isinstance(alpha, torch.Tensor)
@@ -178,7 +178,7 @@ def test_nan_and_inf_follow_softmax_rule(alpha, resident):
                       [-inf, inf, nan, 1.0, 2.0]], device=DEVICE)
     if alpha == "per-row":
         alpha = torch.tensor([1.5, 1.3, 2.0, 3.0, 1.0, 1.25], device=DEVICE)
-    p, _, _ = rowwise._forward(x, alpha, config=None if resident else CHUNKED)
+    p, *_ = rowwise._forward(x, alpha, config=None if resident else CHUNKED)
     assert torch.isnan(p[[0, 1, 5]]).all()
     assert torch.equal(p[2], torch.zeros_like(p[2]))
     assert float(p[3, 1]) == 0.0
@@ -238,10 +238,10 @@ def test_alpha_near_one_against_oracle(alpha, offset):
     per_row = torch.tensor([alpha, 2.0 - alpha, alpha, 1.0, alpha], device=DEVICE)
     expected_per_row = oracle_entmax(x.double().cpu(), per_row.double().cpu().view(-1, 1))
     for config in (None, CHUNKED):
-        p, _, passes = rowwise._forward(x, alpha, config=config)
+        p, _, passes, _ = rowwise._forward(x, alpha, config=config)
         torch.testing.assert_close(p.double().cpu(), expected, atol=2e-6, rtol=0)
         assert int(passes.max()) <= 6, passes
-        p, _, passes = rowwise._forward(x, per_row, config=config)
+        p, _, passes, _ = rowwise._forward(x, per_row, config=config)
         torch.testing.assert_close(p.double().cpu(), expected_per_row, atol=2e-6, rtol=0)
         assert int(passes.max()) <= 6, passes
 
@@ -298,8 +298,73 @@ PASS_LIMITS = {0.7: 6, 1.25: 7, 1.5: 6, 2.0: 7, 3.0: 24}
 def test_passes_on_gaussian_rows(alpha):
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(4, 2000, generator=gen) * torch.tensor([[1.0], [1.0], [6.0 ** 0.5], [6.0 ** 0.5]])
-    _, _, passes = rowwise._forward(x.to(DEVICE), alpha)
+    _, _, passes, _ = rowwise._forward(x.to(DEVICE), alpha)
     assert int(passes.max()) <= PASS_LIMITS[alpha], passes
+
+
+def _capture_rows(n: int) -> torch.Tensor:
+    """N(0, σ²) rows, σ ∈ {1, 3, 1e-4} (the last so flat that its support never fits a
+    quarter of the row), one with a third of its entries −inf."""
+    gen = torch.Generator().manual_seed(21 + n)
+    x = torch.randn(4, n, generator=gen) * torch.tensor([[1.0], [3.0], [1e-4], [1.0]])
+    x[3, ::3] = -math.inf
+    return x.to(DEVICE)
+
+
+@pytest.mark.parametrize("n", [600, 1024, 5000])
+def test_swept_rows_run_later_passes_over_their_support(n):
+    """1.25 ≤ α ≤ 2 (float or per row), rows swept in chunks: once a row's support fits its
+    slots, the next pass stores it and the later evaluations run over the stored entries
+    only (docs/maths.md, "Candidates of the general kind"). The rows that fit capture, the
+    flat one does not, resident rows never do, and every output matches the float64
+    reference as closely as the passes over the whole row do."""
+    x = _capture_rows(n)
+    for alpha in (1.25, 1.3, 1.7, torch.tensor([1.5, 1.9, 1.3, 2.0], device=DEVICE)):
+        p, _, passes, captured_at = rowwise._forward(x, alpha, config=CHUNKED)
+        _check_forward(p, x, alpha, 2e-6, 2e-6)
+        assert bool((captured_at[:2] >= 3).all()) and int(captured_at[2]) == 0, captured_at
+        assert bool((captured_at <= passes).all()), (captured_at, passes)
+        p_whole, _, _, never = rowwise._forward(x, alpha, config=CHUNKED, candidates=0)
+        assert int(never.max()) == 0
+        torch.testing.assert_close(p, p_whole, atol=1e-6, rtol=0)
+        if n <= kernels.RESIDENT_MAX_COLS[common.ALPHA_GENERAL]:
+            assert int(rowwise._forward(x, alpha)[3].max()) == 0
+
+
+def test_capture_waits_for_a_support_that_fits():
+    """A support larger than the slots at the first evaluations: the row is stored only
+    after a pass counted a support that fits (α 1.4 with 64 slots, where the supports at
+    c = 1 hold 266 and 109 entries and at the root 49 and 20), and rows outside
+    1.25 ≤ α ≤ 2 never capture."""
+    x = _capture_rows(1024)[[0, 3]]
+    p, _, passes, captured_at = rowwise._forward(x, 1.4, config=CHUNKED, candidates=64)
+    _check_forward(p, x, 1.4, 2e-6, 2e-6)
+    assert bool((captured_at >= 4).all()), captured_at
+    for alpha in (1.1, 3.0):
+        p, _, _, captured_at = rowwise._forward(x, alpha, config=CHUNKED)
+        _check_forward(p, x, alpha, 2e-6, 2e-6)
+        assert int(captured_at.max()) == 0, (alpha, captured_at)
+
+
+def test_candidate_slots():
+    """Swept general-kind rows only: a quarter of the row's next power of two, a power of
+    two from 128 to CHUNK_BLOCK; the AOT list compiles the forward with its slots."""
+    for n in TABLE_LENGTHS:
+        for kind in KINDS:
+            cfg = kernels.tile_config(n, kind)
+            slots = kernels.candidate_slots(n, cfg, kind)
+            if kind != common.ALPHA_GENERAL or cfg["RESIDENT"]:
+                assert slots == 0
+                continue
+            assert slots & (slots - 1) == 0 and 128 <= slots <= min(kernels.CHUNK_BLOCK, 256 * cfg["num_warps"])
+    assert kernels.candidate_slots(1000, CHUNKED, common.ALPHA_GENERAL) == 256
+    assert kernels.candidate_slots(200, CHUNKED, common.ALPHA_GENERAL) == 0
+    listed = {(c["constexprs"]["BLOCK"], c["constexprs"]["RESIDENT"], c["constexprs"]["CANDIDATES"])
+              for c in kernels.aot_configs()
+              if c["fn"] is kernels.entmax_rowwise_fwd_kernel and c["constexprs"]["ALPHA_KIND"] == common.ALPHA_GENERAL}
+    for n in TABLE_LENGTHS:
+        cfg = kernels.tile_config(n, common.ALPHA_GENERAL)
+        assert (cfg["BLOCK"], cfg["RESIDENT"], kernels.candidate_slots(n, cfg, common.ALPHA_GENERAL)) in listed
 
 
 def test_masked_columns_are_invisible():

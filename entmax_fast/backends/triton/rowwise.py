@@ -14,8 +14,9 @@ import types
 import torch
 
 from ... import common
-from ...triton_kernels.rowwise import (DEFAULT_MAX_PASSES, DEFAULT_TOL, entmax_rowwise_bwd_kernel,
-                                       entmax_rowwise_fwd_kernel, tile_config)
+from ...triton_kernels.rowwise import (DEFAULT_MAX_PASSES, DEFAULT_TOL, candidate_slots,
+                                       entmax_rowwise_bwd_kernel, entmax_rowwise_fwd_kernel,
+                                       tile_config)
 
 __all__ = ["entmax_forward", "entmax_backward", "entmax_threshold"]
 
@@ -60,6 +61,11 @@ def _launch_config(n_cols: int, alpha_kind: int) -> tuple[int, int, types.Mappin
     return _split_config(tile_config(n_cols, alpha_kind))
 
 
+@functools.lru_cache(maxsize=None)
+def _table_candidates(n_cols: int, alpha_kind: int) -> int:
+    return candidate_slots(n_cols, tile_config(n_cols, alpha_kind), alpha_kind)
+
+
 def _split_config(config: dict) -> tuple[int, int, types.MappingProxyType]:
     constexprs = dict(config)
     num_warps = constexprs.pop("num_warps")
@@ -72,10 +78,12 @@ def _unit_stride(x: torch.Tensor) -> torch.Tensor:
 
 
 def _forward(x: torch.Tensor, alpha, tol: float = DEFAULT_TOL, max_passes: int = DEFAULT_MAX_PASSES,
-             config: dict | None = None):
-    """Returns (p, c, passes): output; threshold in the c-form of triton_kernels/rowwise.py
-    as (R, 2) fp32 pairs, c = c[:, 0] + c[:, 1]; passes per row (int32). ``config``
-    overrides `tile_config` (benchmarks and tests of the chunked path)."""
+             config: dict | None = None, candidates: int | None = None):
+    """Returns (p, c, passes, captured_at): output; threshold in the c-form of
+    triton_kernels/rowwise.py as (R, 2) fp32 pairs, c = c[:, 0] + c[:, 1]; passes per row
+    (int32); the pass from whose support on a general-kind row's later evaluations ran
+    over its captured candidates (int32, 0: none; `candidate_slots`). ``config`` overrides
+    `tile_config` (benchmarks and tests of the chunked path), ``candidates`` the slots."""
     x = _unit_stride(x)
     n_rows, n_cols = x.shape
     kind, alpha_t, alpha_stride = _alpha_args(alpha, x.device)
@@ -86,14 +94,21 @@ def _forward(x: torch.Tensor, alpha, tol: float = DEFAULT_TOL, max_passes: int =
     p = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     c = torch.empty((n_rows, 2), dtype=torch.float32, device=x.device)
     passes = torch.empty((n_rows,), dtype=torch.int32, device=x.device)
+    captured_at = torch.zeros((n_rows,), dtype=torch.int32, device=x.device)
     if n_rows == 0 or n_cols == 0:
-        return p, c.fill_(0.0), passes.fill_(0)
+        return p, c.fill_(0.0), passes.fill_(0), captured_at
     rows_per_program, num_warps, tile = _split_config(config) if config else _launch_config(n_cols, kind)
+    if candidates is None:
+        candidates = (candidate_slots(n_cols, config, kind) if config
+                      else _table_candidates(n_cols, kind))
+    slots = (torch.empty((n_rows, candidates), dtype=torch.float32, device=x.device)
+             if candidates else c)
     # Plain integer arithmetic: triton.cdiv is a ConstexprFunction, microseconds per call on the host.
     entmax_rowwise_fwd_kernel[((n_rows + rows_per_program - 1) // rows_per_program,)](
-        x, p, c, passes, alpha_t, n_rows, n_cols, x.stride(0), p.stride(0), alpha_stride,
-        float(tol), int(max_passes), ALPHA_KIND=kind, num_warps=num_warps, num_stages=1, **tile)
-    return p, c, passes
+        x, p, c, passes, alpha_t, slots, captured_at, n_rows, n_cols, x.stride(0), p.stride(0),
+        alpha_stride, float(tol), int(max_passes), ALPHA_KIND=kind, CANDIDATES=candidates,
+        num_warps=num_warps, num_stages=1, **tile)
+    return p, c, passes, captured_at
 
 
 def entmax_forward(x: torch.Tensor, alpha) -> torch.Tensor:
@@ -114,7 +129,7 @@ def entmax_threshold(x: torch.Tensor, alpha, tol: float = DEFAULT_TOL,
     Passes count evaluations over the row before the output: 1 (max) + one per iteration
     (softmax: 1). For resident rows they are passes over registers, not memory reads.
     """
-    _, c, passes = _forward(x, alpha, tol, max_passes)
+    _, c, passes, _ = _forward(x, alpha, tol, max_passes)
     n_rows = x.shape[0]
     if isinstance(alpha, torch.Tensor):
         t = alpha.to(torch.float32) - 1
