@@ -52,7 +52,9 @@ starting from c = 1 (the top entry alone):
   max_passes. α = 1 rows (float α = 1 or in a per-row α) are softmax: one pass.
 
 The output pass writes p(c) / Σp(c) (Σp from the last evaluation, 1 after a certified
-exact step), so the output sums to one to rounding.
+exact step; a resident general-kind row sums its own output, since its last Newton step
+may have been taken without an evaluation: docs/maths.md, "The last step without its
+evaluation"), so the output sums to one to rounding.
 
 NaN/inf rule (as torch.softmax): a row holding NaN or +inf gives an all-NaN row, −inf
 entries get weight zero, a row with no finite entry gives zeros. Scores are shifted by
@@ -527,6 +529,7 @@ def entmax_rowwise_fwd_kernel(
         hi_lo = tl.zeros([ROWS], tl.float32)
         width_1 = hi_hi - lo_hi  # bracket widths after the last two passes
         width_2 = width_1 * 2.0
+        prev_step = tl.zeros([ROWS], tl.float32)  # the Newton step of the last pass
         done = (n_fin == 0) | bad | ~m_row
         # Candidates (docs/maths.md, "Candidates of the general kind"): a plain row's Newton
         # iterates fall monotonically to c*, so the support at an iterate above c* holds
@@ -614,6 +617,20 @@ def entmax_rowwise_fwd_kernel(
                 stop = converged | at_cap
                 next_hi, next_lo = _add_to_pair(c_hi, c_lo, step)
                 fresh = ~done
+                # A plain resident row's last step needs no evaluation of its own: Newton from
+                # above on a convex φ converges quadratically, Σp − 1 falling by about the
+                # square of the step's ratio to the one before, and the output pass
+                # normalises by its own Σp. Taken when that predicts |Σp − 1| ≤ tol / 10
+                # after the step (docs/maths.md, "The last step without its evaluation").
+                settle = fresh & ~stop
+                if RESIDENT:
+                    ratio = step / tl.where(prev_step != 0.0, prev_step, 1.0)
+                    quadratic = (inside & c_above & (prev_step != 0.0)
+                                 & (tl.abs(f) * ratio * ratio <= 0.1 * tol))
+                    settle = tl.where(plain, settle & quadratic, False)
+                else:
+                    settle = fresh & ~fresh
+                prev_step = step
                 if CAPTURE:
                     # Only from an iterate above c* (after one below it, c rises and the
                     # support may grow), and only if every row's support fits its slots; a
@@ -628,7 +645,7 @@ def entmax_rowwise_fwd_kernel(
                 norm = tl.where(fresh & stop, s_a, norm)
                 c_hi = tl.where(fresh & ~stop, next_hi, c_hi)
                 c_lo = tl.where(fresh & ~stop, next_lo, c_lo)
-                done = done | stop
+                done = done | stop | settle
             else:
                 step, exact, final, fallback = _exact_step(s_a, s_b, s_q2, d_min, ALPHA_KIND)
                 fresh = ~done
@@ -641,13 +658,17 @@ def entmax_rowwise_fwd_kernel(
                 c_hi = tl.where(fresh & (final | ~at_cap), c_hi + tl.where(exact, step, fallback), c_hi)
                 done = done | stop
 
-    inv_norm = tl.where(norm > 0, 1.0 / norm, 0.0)
-    inv_norm = tl.where(bad, float("nan"), inv_norm)
     if RESIDENT:
         if plain:
             b_p = _p_at(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND, True)
         else:
             b_p = _p_at(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND, False)
+        if ALPHA_KIND == ALPHA_GENERAL:
+            # rows that settled took a step after their last evaluation
+            norm = tl.sum(b_p, axis=1)
+    inv_norm = tl.where(norm > 0, 1.0 / norm, 0.0)
+    inv_norm = tl.where(bad, float("nan"), inv_norm)
+    if RESIDENT:
         tl.store(p_p, (b_p * inv_norm[:, None]).to(p_ptr.dtype.element_ty), mask=m_tile)
     elif plain:
         _chunk_store(p_x, p_p, m_row, o_col, n_cols, shift, c_hi, c_lo, t, e, near_one, inv_norm,
