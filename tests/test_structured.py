@@ -626,6 +626,7 @@ inline int emulated_warp() { return static_cast<int>(threadIdx.x) >> 5; }
 
 template <typename U>
 U warp_exchange(U value, int source_lane) {
+  static_assert(sizeof(U) <= sizeof(uint64_t), "a shuffle moves at most 64 bits (shuffle a struct field by field)");
   uint64_t bits = 0;
   std::memcpy(&bits, &value, sizeof(U));
   warp_slots[emulated_warp()][emulated_lane()] = bits;
@@ -737,7 +738,27 @@ void oscar_pav_block(T* magnitude, int m, double beta, int threads) {
   });
 }
 
+// block_sort_by_magnitude alone: count values on `threads` threads; the keys and indices of
+// sorted[0, next_pow2(count)), which starts filled with 0xff bytes.
+template <typename T>
+void sort_by_magnitude(const T* values, int count, int threads, uint64_t* keys, int* indices) {
+  const int padded = next_pow2(count);
+  std::vector<SortEntry<T>> sorted(padded);
+  std::memset(static_cast<void*>(sorted.data()), 0xff, sorted.size() * sizeof(SortEntry<T>));
+  run_block<T>(threads, [&](const Reductions<T>&) { block_sort_by_magnitude(values, count, sorted.data()); });
+  for (int i = 0; i < padded; ++i) {
+    keys[i] = sorted[i].key();
+    indices[i] = sorted[i].index();
+  }
+}
+
 extern "C" {
+void sort_by_magnitude_f32(const float* values, int count, int threads, uint64_t* keys, int* indices) {
+  sort_by_magnitude<float>(values, count, threads, keys, indices);
+}
+void sort_by_magnitude_f64(const double* values, int count, int threads, uint64_t* keys, int* indices) {
+  sort_by_magnitude<double>(values, count, threads, keys, indices);
+}
 void oscar_pav_block_f64(double* magnitude, int m, double beta, int threads) {
   oscar_pav_block<double>(magnitude, m, beta, threads);
 }
@@ -896,6 +917,77 @@ def test_emulated_cuda_oscar_pav_in_chunks(emulated_cuda, beta, threads, m):
     emulated_cuda.oscar_pav_block_f64(ctypes.c_void_p(magnitude.data_ptr()), m, ctypes.c_double(beta), threads)
     expected = prox("oscar", "reference", x.unsqueeze(0), beta)[0].abs().sort(descending=True).values
     torch.testing.assert_close(magnitude, expected, atol=1e-12, rtol=1e-12)
+
+
+def sort_threads(count: int) -> int:
+    """The block plan_launch gives an OSCAR row of `count` entries (8 per thread)."""
+    threads = 32
+    while threads * 8 < count and threads < 1024:
+        threads *= 2
+    return threads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("count,threads", [
+    # in registers: the launch plan's block (shuffle stages only up to 256 entries, block
+    # stages beyond), and blocks larger than the row (threads past the network idle)
+    *[(count, sort_threads(count)) for count in (1, 2, 7, 8, 9, 33, 256, 257, 512, 1000, 1024, 3000)],
+    (5, 64), (100, 128), (500, 128), (1025, 1024),
+    # the fallback in `sorted`: more entries than the block holds in registers
+    (300, 32), (1000, 64), (3000, 32),
+])
+def test_emulated_cuda_sort_by_magnitude(emulated_cuda, count, threads, dtype):
+    # block_sort_by_magnitude's order: by decreasing |v| (the key ~bits(|v|) ascending), ties
+    # (equal |v|, either sign, -0 and 0) by index, then the padding up to the next power of
+    # two (key of all ones, index count, count + 1, ...), keys and indices exact.
+    import ctypes
+
+    gen = torch.Generator().manual_seed(count + threads)
+    levels = torch.tensor([0.0, -0.0, 0.5, -0.5, 1.25, -3.0, 3.0, 1e-30], dtype=torch.float64)
+    values = torch.where(torch.rand(count, generator=gen) < 0.5, levels[torch.randint(0, 8, (count,), generator=gen)],
+                         torch.randn(count, generator=gen, dtype=torch.float64)).to(dtype)
+    padded = 1 << math.ceil(math.log2(count)) if count > 1 else 1
+    keys = torch.zeros(padded, dtype=torch.int64)
+    indices = torch.zeros(padded, dtype=torch.int32)
+    suffix = "f32" if dtype == torch.float32 else "f64"
+    getattr(emulated_cuda, f"sort_by_magnitude_{suffix}")(
+        ctypes.c_void_p(values.data_ptr()), count, threads, ctypes.c_void_p(keys.data_ptr()),
+        ctypes.c_void_p(indices.data_ptr()))
+
+    unsigned = np.uint32 if dtype == torch.float32 else np.uint64
+    key = ~values.abs().numpy().view(unsigned)
+    order = np.lexsort((np.arange(count), key))
+    all_ones = np.iinfo(unsigned).max
+    expected_keys = np.concatenate([key[order], np.full(padded - count, all_ones, dtype=unsigned)])
+    expected_indices = np.concatenate([order, np.arange(count, padded)])
+    assert (indices.numpy() == expected_indices).all()
+    assert (keys.numpy().view(np.uint64) == expected_keys.astype(np.uint64)).all()
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", EMULATION_TOLS)
+@pytest.mark.parametrize("n", [7, 512, 1024, 3000])
+def test_emulated_cuda_oscarmax_sort_sizes(emulated_cuda, n, dtype, atol, rtol):
+    # oscarmax forward and backward around the register sort: a warp (7), block stages (512,
+    # 1024 on 64 / 128 threads), rows in the global scratch (3000 on 512 threads, stages up
+    # to 2048 apart through global memory; fp64 from 1024 on); the ragged rows' shorter
+    # lengths and masks leave fewer entries than the block holds (idle threads). Scores
+    # shrunk so that beta (n - i) leaves a support on the long rows.
+    X, lengths = ragged_scores(4, n, dtype, generator_seed=n + 2, scale=3.0 / max(1, n // 100))
+    in_shared = n < 1024 or (n == 1024 and dtype == torch.float32)
+    assert emulated_plan(emulated_cuda, False, "oscar", n, dtype)["in_shared"] == in_shared
+    check_emulated_against_reference(emulated_cuda, "oscar", X, 1e-3, lengths, atol, rtol)
+
+
+def test_emulated_cuda_oscarmax_beyond_the_register_sort(emulated_cuda):
+    # A row of 9000 entries pads to 16384, more than 1024 threads hold in registers: the
+    # sort falls back to the network in the global scratch, forward and backward (row 1 is
+    # fully masked). About 20 s emulated: fp32 only.
+    n = 9000
+    for backward in (False, True):
+        plan = emulated_plan(emulated_cuda, backward, "oscar", n, torch.float32, rows=2)
+        assert plan["threads"] == 1024 and not plan["in_shared"]
+    X, lengths = ragged_scores(2, n, torch.float32, generator_seed=5, scale=3.0 / 90)
+    check_emulated_against_reference(emulated_cuda, "oscar", X, 1e-3, lengths, 2e-6, 1e-5)
 
 
 @pytest.mark.parametrize("dtype,atol,rtol", EMULATION_TOLS)

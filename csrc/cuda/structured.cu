@@ -43,6 +43,9 @@ using structured::Prox;
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr size_t kSharedLimit = 48 * 1024;  // dynamic shared memory without an opt-in
 constexpr int kTvMinChunk = 16;  // shorter chunks spend most of their steps meeting the next
+// Entries per thread of the OSCAR sort held in registers; plan_launch gives OSCAR blocks (and
+// the backward's) as many entries per thread, so rows up to 1024 x 8 entries sort in registers.
+constexpr int kSortItems = 8;
 
 #ifdef ENTMAX_FAST_HOST_EMULATION
 unsigned char* dynamic_shared_memory();  // the harness's per-block buffer
@@ -75,14 +78,21 @@ __host__ __device__ inline T abs_of(T v) {
 }
 
 // Hands out 16-byte aligned arrays from one buffer; with a null base it only counts bytes,
-// which is how the host sizes exactly what the kernel will carve.
+// which is how the host sizes exactly what the kernel will carve. Kernels always carve a
+// buffer: there the null test goes, since an array chosen between the buffer and null loses
+// the buffer's address space and every access to a shared array becomes a generic one
+// (LD.E / ST.E instead of LDS / STS on sm_90).
 struct Carver {
   unsigned char* base;
   size_t offset;
   template <typename U>
   __host__ __device__ U* take(int64_t count) {
     offset = (offset + 15) & ~size_t(15);
+#ifdef __CUDA_ARCH__
+    U* at = reinterpret_cast<U*>(base + offset);
+#else
     U* at = base ? reinterpret_cast<U*>(base + offset) : nullptr;
+#endif
     offset += static_cast<size_t>(count) * sizeof(U);
     return at;
   }
@@ -129,8 +139,9 @@ struct SortEntry<double> {
   uint64_t key_bits;
   int position;
   __host__ __device__ static SortEntry make(uint64_t key, int index) { return SortEntry{key, index}; }
+  // Without short-circuits, which would branch in every compare-exchange.
   __host__ __device__ bool after(const SortEntry& other) const {
-    return key_bits > other.key_bits || (key_bits == other.key_bits && position > other.position);
+    return (key_bits > other.key_bits) | ((key_bits == other.key_bits) & (position > other.position));
   }
   __host__ __device__ uint64_t key() const { return key_bits; }
   __host__ __device__ int index() const { return position; }
@@ -182,7 +193,11 @@ struct BackwardRow {
 template <typename T>
 __host__ __device__ BackwardRow<T> carve_backward_row(Carver& c, Prox kind, bool grouped, int n) {
   BackwardRow<T> row{};
+  // Kernels never touch an ungrouped row's arrays: carving them all the same keeps each array
+  // derived from the buffer alone (see Carver).
+#ifndef __CUDA_ARCH__
   if (!grouped) return row;
+#endif
   row.y = c.take<T>(n);
   row.u = c.take<T>(n);
   row.position = c.take<int>(n);
@@ -203,12 +218,12 @@ struct LaunchPlan {
   size_t scratch_bytes;  // global scratch when the rows do not fit in shared memory
 };
 
-// Threads per block: about 16 (TV forward) or 8 entries per thread, a warp at least.
+// Threads per block: about 16 (TV forward) or kSortItems entries per thread, a warp at least.
 template <typename T>
 LaunchPlan plan_launch(bool backward, Prox kind, bool grouped, int64_t rows, int64_t n, int sm_count,
                        size_t shared_limit) {
   LaunchPlan plan;
-  const int64_t per_thread = (!backward && kind == Prox::kTV) ? 16 : 8;
+  const int64_t per_thread = (!backward && kind == Prox::kTV) ? 16 : kSortItems;
   const int64_t wanted = next_pow2((n + per_thread - 1) / per_thread);
   plan.threads = static_cast<int>(wanted < 32 ? 32 : (wanted > 1024 ? 1024 : wanted));
   Carver reductions{nullptr, 0};
@@ -341,6 +356,7 @@ __device__ int pack_members(int n, int first_outside, int last_member, IsMember 
 // i of 32 consecutive indices, whose entries, at a distance j <= 32, lie in the 64 entries
 // from 2 (i & ~31) on: such a stage touches no other warp's entries, and between two of
 // them a warp barrier does instead of a block barrier (40 of the 55 at 1024 entries).
+// The fallback of block_sort_by_magnitude for rows longer than the block's registers hold.
 template <typename Entry>
 __device__ void bitonic_sort(Entry* entries, int size) {
   for (int k = 2; k <= size; k <<= 1) {
@@ -365,12 +381,152 @@ __device__ void bitonic_sort(Entry* entries, int size) {
   __syncthreads();
 }
 
+// The entry of lane ^ lane_mask; a 64-bit shuffle is two 32-bit ones, the fp64 entry's
+// index a third.
+__device__ __forceinline__ SortEntry<float> shuffle_xor(const SortEntry<float>& entry, int lane_mask) {
+  return SortEntry<float>{__shfl_xor_sync(kFullMask, entry.bits, lane_mask)};
+}
+
+__device__ __forceinline__ SortEntry<double> shuffle_xor(const SortEntry<double>& entry, int lane_mask) {
+  return SortEntry<double>{__shfl_xor_sync(kFullMask, entry.key_bits, lane_mask),
+                           __shfl_xor_sync(kFullMask, entry.position, lane_mask)};
+}
+
+// a or b, built from the fields: a whole copy of the fp64 entry would carry its 4 padding
+// bytes, which the compiler then keeps, byte by byte, in registers or on the stack.
+template <typename Entry>
+__device__ __forceinline__ Entry either(bool take_a, const Entry& a, const Entry& b) {
+  return Entry::make(take_a ? a.key() : b.key(), take_a ? a.index() : b.index());
+}
+
+// Of two entries at the positions a compare-exchange pairs, the one that ends at mine.
+template <typename Entry>
+__device__ __forceinline__ Entry kept_entry(const Entry& mine, const Entry& theirs, bool keep_smaller) {
+  return either(mine.after(theirs) == keep_smaller, theirs, mine);
+}
+
+// The stages at distance j < kSortItems, within the thread's entries. Positions of slot 0 are
+// multiples of kSortItems, so the direction of slot r's block of k is that of first | r.
+template <typename Entry>
+__device__ __forceinline__ void sort_stage_in_thread(Entry (&items)[kSortItems], int first, int k, int j) {
+#pragma unroll
+  for (int r = 0; r < kSortItems; ++r) {
+    if ((r & j) != 0) continue;
+    const bool ascending = ((first | r) & k) == 0;
+    const bool swap = items[r].after(items[r + j]) == ascending;
+    const Entry low = either(swap, items[r + j], items[r]), high = either(swap, items[r], items[r + j]);
+    items[r] = low;
+    items[r + j] = high;
+  }
+}
+
+// Which slot a thread reads or writes at step q of a pass over its kSortItems consecutive
+// elements of `bytes` each: slot q ^ skew. A shared-memory wavefront serves 128 bytes, i.e.
+// 128 / bytes lanes, among which the same slot q would fall on the same bank every
+// 16 / bytes lanes, eight ways in conflict; skewed, they fall on distinct banks (the fp64
+// entry, accessed as 8 + 4 bytes, two ways).
+__device__ __forceinline__ int bank_skew(int bytes) {
+  return (static_cast<int>(threadIdx.x) * bytes / 16) & (kSortItems - 1);
+}
+
+// items[q] <- items[q ^ skew], one conditional swap layer per bit of skew (constant slot
+// indices keep the entries in registers).
+template <typename Entry>
+__device__ __forceinline__ void xor_permute(Entry (&items)[kSortItems], int skew) {
+#pragma unroll
+  for (int bit = 1; bit < kSortItems; bit <<= 1) {
+    const bool swap = (skew & bit) != 0;
+#pragma unroll
+    for (int q = 0; q < kSortItems; ++q) {
+      if ((q & bit) != 0) continue;
+      const Entry low = either(swap, items[q | bit], items[q]), high = either(swap, items[q], items[q | bit]);
+      items[q] = low;
+      items[q | bit] = high;
+    }
+  }
+}
+
+// The same bitonic network with each thread's kSortItems consecutive positions held in
+// registers (items[r] at position first + r), so that a stage at distance j costs:
+//   j < kSortItems: compare-exchanges within the thread, no exchange;
+//   j < 32 kSortItems: a shuffle with the lane holding the partner positions, each lane
+//     keeping the smaller or the larger of each pair;
+//   larger j (beyond a warp's 256 positions: rows over 256 entries): a trip through `sorted`
+//     and two block barriers, 3 of the 55 stages at 1024 entries.
+// The network spans `size` positions; threads past them (size < threads x kSortItems) hold
+// padding, which their warp-local stages shuffle among themselves and which is never written.
+// Entries pass through `sorted` striped (slot r of thread t at r x active + t): a warp's
+// accesses are to consecutive entries, free of bank conflicts.
+template <typename T>
+__device__ void register_sort_by_magnitude(const T* values, int count, int size, SortEntry<T>* sorted) {
+  using Entry = SortEntry<T>;
+  using Key = typename structured::AbsKey<T>::type;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int first = tid * kSortItems;
+  Entry items[kSortItems];
+  // The first stages sort the thread's entries whatever their slots, so the loads are skewed.
+  const int load_skew = bank_skew(sizeof(T));
+#pragma unroll
+  for (int q = 0; q < kSortItems; ++q) {
+    const int i = first + (q ^ load_skew);
+    items[q] = Entry::make(i < count ? structured::descending_abs_key(values[i]) : ~Key(0), i);
+  }
+  // Where size < kSortItems this also sorts padding past size, which leaves [0, size) as it is.
+#pragma unroll
+  for (int k = 2; k <= kSortItems; k <<= 1) {
+#pragma unroll
+    for (int j = k >> 1; j > 0; j >>= 1) sort_stage_in_thread(items, first, k, j);
+  }
+  const int active = size / kSortItems;
+  for (int k = 2 * kSortItems; k <= size; k <<= 1) {
+    const bool ascending = (first & k) == 0;
+    for (int j = k >> 1; j >= 32 * kSortItems; j >>= 1) {
+      const int partner_mask = j / kSortItems;
+      const bool keep_smaller = ascending == ((tid & partner_mask) == 0);
+      if (tid < active) {
+#pragma unroll
+        for (int r = 0; r < kSortItems; ++r) sorted[r * active + tid] = items[r];
+      }
+      __syncthreads();
+      if (tid < active) {
+#pragma unroll
+        for (int r = 0; r < kSortItems; ++r)
+          items[r] = kept_entry(items[r], sorted[r * active + (tid ^ partner_mask)], keep_smaller);
+      }
+      __syncthreads();
+    }
+    for (int j = min(k >> 1, 16 * kSortItems); j >= kSortItems; j >>= 1) {
+      const int lane_mask = j / kSortItems;
+      const bool keep_smaller = ascending == ((tid & lane_mask) == 0);
+#pragma unroll
+      for (int r = 0; r < kSortItems; ++r) items[r] = kept_entry(items[r], shuffle_xor(items[r], lane_mask), keep_smaller);
+    }
+#pragma unroll
+    for (int j = kSortItems / 2; j > 0; j >>= 1) sort_stage_in_thread(items, first, k, j);
+  }
+  const int store_skew = bank_skew(sizeof(Entry));
+  xor_permute(items, store_skew);
+#pragma unroll
+  for (int q = 0; q < kSortItems; ++q) {
+    const int i = first + (q ^ store_skew);
+    if (i < size) sorted[i] = items[q];
+  }
+  __syncthreads();
+}
+
 // sorted[0, count) = the indices of values[0, count) by decreasing |v| (ties by index), with
 // their keys; the sort runs over the next power of two, padded with keys that sort last.
+// In registers where the block holds the padded row, kSortItems entries a thread (every row
+// of up to 1024 x kSortItems entries, by plan_launch's block sizes, in shared memory or in
+// the global scratch); in `sorted` otherwise.
 template <typename T>
 __device__ void block_sort_by_magnitude(const T* values, int count, SortEntry<T>* sorted) {
   using Key = typename structured::AbsKey<T>::type;
   const int padded = next_pow2(count);
+  if (padded <= static_cast<int>(blockDim.x) * kSortItems) {
+    register_sort_by_magnitude(values, count, padded, sorted);
+    return;
+  }
   for (int i = static_cast<int>(threadIdx.x); i < padded; i += static_cast<int>(blockDim.x))
     sorted[i] = SortEntry<T>::make(i < count ? structured::descending_abs_key(values[i]) : ~Key(0), i);
   __syncthreads();
