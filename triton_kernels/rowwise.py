@@ -100,6 +100,10 @@ __all__ = [
 _LOG2E = tl.constexpr(1.4426950408889634)
 # v of the general kind's zero-weight entries (`_scaled`)
 _FAR_BELOW = tl.constexpr(-1e30)
+# what `_chunk_sums` does with the support at c besides the sums: nothing, count, store
+SUPPORT_NONE = tl.constexpr(0)
+SUPPORT_COUNT = tl.constexpr(1)
+SUPPORT_STORE = tl.constexpr(2)
 # 2!, 3!, …, 8!: Horner coefficients of the series Σ_k y^k / (k+2)! used by the backward
 _FACT = tl.constexpr((2.0, 6.0, 24.0, 120.0, 720.0, 5040.0, 40320.0))
 
@@ -323,24 +327,38 @@ def _pass_sums(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND: tl.constexpr, PLAIN:
 
 
 @triton.jit
-def _chunk_sums(p_x, m_row, o_col, n_cols, shift, c_hi, c_lo, t, e, near_one,
+def _chunk_sums(p_x, m_row, o_col, n_cols, shift, c_hi, c_lo, t, e, near_one, p_cand,
                 ROWS: tl.constexpr, BLOCK: tl.constexpr, ALPHA_KIND: tl.constexpr,
-                PLAIN: tl.constexpr):
+                PLAIN: tl.constexpr, SUPPORT: tl.constexpr = SUPPORT_NONE,
+                CANDIDATES: tl.constexpr = 1):
     """One evaluation at c per row swept in chunks from memory: the chunks' terms summed
     entry by entry, reduced across the row's warps once (each reduction crosses the warps
-    through shared memory with barriers)."""
+    through shared memory with barriers). `_sum_terms`'s four sums and the size of the
+    support at c: counted with SUPPORT_COUNT, and with SUPPORT_STORE the support stored in
+    the row's slots as well (`_capture`); zero with SUPPORT_NONE. The support modes are
+    for plain general-kind rows.  [ROWS] each"""
     b_a, b_b, b_q2, b_low = _no_terms(ROWS, BLOCK, ALPHA_KIND)
+    b_in = tl.zeros([ROWS, BLOCK], tl.int32)
+    n_in = tl.zeros([ROWS], tl.int32)
     for start in range(0, n_cols, BLOCK):
         m_tile = m_row[:, None] & (start + o_col[None, :] < n_cols)
         b_x = tl.load(p_x + start, mask=m_tile, other=float("-inf")).to(tl.float32)
-        c_a, c_b, c_q2, c_low = _pass_terms(_scaled(b_x, shift, t, ALPHA_KIND, PLAIN), c_hi, c_lo,
-                                            t, e, near_one, ALPHA_KIND, PLAIN)
+        b_v = _scaled(b_x, shift, t, ALPHA_KIND, PLAIN)
+        c_a, c_b, c_q2, c_low = _pass_terms(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND, PLAIN)
         b_a += c_a
         b_b += c_b
         b_q2 += c_q2
         if not PLAIN:
             b_low = tl.minimum(b_low, c_low)
-    return _sum_terms(b_a, b_b, b_q2, b_low, tl.cdiv(n_cols, BLOCK) * BLOCK, ALPHA_KIND, PLAIN)
+        if SUPPORT == SUPPORT_STORE:
+            n_in = _capture(b_v, c_hi, c_lo, p_cand, n_in, CANDIDATES)
+        elif SUPPORT == SUPPORT_COUNT:
+            b_in += (((c_hi[:, None] + b_v) + c_lo[:, None]) > 0).to(tl.int32)
+    if SUPPORT == SUPPORT_COUNT:
+        n_in = tl.sum(b_in, axis=1)
+    s_a, s_b, s_q2, d_min = _sum_terms(b_a, b_b, b_q2, b_low, tl.cdiv(n_cols, BLOCK) * BLOCK,
+                                       ALPHA_KIND, PLAIN)
+    return s_a, s_b, s_q2, d_min, n_in
 
 
 @triton.jit
@@ -362,33 +380,6 @@ def _load_candidates(p_cand, n_in, CANDIDATES: tl.constexpr):
     tl.debug_barrier()
     o_slot = tl.arange(0, CANDIDATES)
     return tl.load(p_cand + o_slot[None, :], mask=o_slot[None, :] < n_in[:, None], other=_FAR_BELOW)
-
-
-@triton.jit
-def _chunk_sums_support(p_x, m_row, o_col, n_cols, shift, c_hi, c_lo, t, e, near_one, p_cand,
-                        ROWS: tl.constexpr, BLOCK: tl.constexpr, CANDIDATES: tl.constexpr,
-                        ALPHA_KIND: tl.constexpr, STORE: tl.constexpr):
-    """`_chunk_sums` of a plain general-kind row, with the size of its support at c and,
-    if STORE, the support stored in its slots (`_capture`): (Σp, Σd^(e−1), support size)."""
-    b_a, b_b, b_q2, b_low = _no_terms(ROWS, BLOCK, ALPHA_KIND)
-    b_in = tl.zeros([ROWS, BLOCK], tl.int32)
-    n_in = tl.zeros([ROWS], tl.int32)
-    for start in range(0, n_cols, BLOCK):
-        m_tile = m_row[:, None] & (start + o_col[None, :] < n_cols)
-        b_x = tl.load(p_x + start, mask=m_tile, other=float("-inf")).to(tl.float32)
-        b_v = _scaled(b_x, shift, t, ALPHA_KIND, True)
-        c_a, c_b, c_q2, c_low = _pass_terms(b_v, c_hi, c_lo, t, e, near_one, ALPHA_KIND, True)
-        b_a += c_a
-        b_b += c_b
-        if STORE:
-            n_in = _capture(b_v, c_hi, c_lo, p_cand, n_in, CANDIDATES)
-        else:
-            b_in += (((c_hi[:, None] + b_v) + c_lo[:, None]) > 0).to(tl.int32)
-    if not STORE:
-        n_in = tl.sum(b_in, axis=1)
-    s_a, s_b, _, _ = _sum_terms(b_a, b_b, b_q2, b_low, tl.cdiv(n_cols, BLOCK) * BLOCK,
-                                ALPHA_KIND, True)
-    return s_a, s_b, n_in
 
 
 @triton.jit
@@ -529,7 +520,7 @@ def entmax_rowwise_fwd_kernel(
         hi_lo = tl.zeros([ROWS], tl.float32)
         width_1 = hi_hi - lo_hi  # bracket widths after the last two passes
         width_2 = width_1 * 2.0
-        prev_step = tl.zeros([ROWS], tl.float32)  # the Newton step of the last pass
+        prev_step = tl.zeros([ROWS], tl.float32)  # a resident row's Newton step of the last pass
         done = (n_fin == 0) | bad | ~m_row
         # Candidates (docs/maths.md, "Candidates of the general kind"): a plain row's Newton
         # iterates fall monotonically to c*, so the support at an iterate above c* holds
@@ -562,23 +553,23 @@ def entmax_rowwise_fwd_kernel(
                         else:
                             attempted = tl.max(tl.where(done, 0, n_support), axis=0) <= CANDIDATES
                             if attempted:
-                                s_a, s_b, n_support = _chunk_sums_support(
-                                    p_x, m_row, o_col, n_cols, shift, c_hi, c_lo, t, e,
-                                    near_one, p_cand, ROWS, BLOCK, CANDIDATES, ALPHA_KIND, True)
+                                s_a, s_b, s_q2, d_min, n_support = _chunk_sums(
+                                    p_x, m_row, o_col, n_cols, shift, c_hi, c_lo, t, e, near_one,
+                                    p_cand, ROWS, BLOCK, ALPHA_KIND, True, SUPPORT_STORE,
+                                    CANDIDATES)
                             else:
-                                s_a, s_b, n_support = _chunk_sums_support(
-                                    p_x, m_row, o_col, n_cols, shift, c_hi, c_lo, t, e,
-                                    near_one, p_cand, ROWS, BLOCK, CANDIDATES, ALPHA_KIND, False)
-                            s_q2 = s_a
-                            d_min = tl.full(s_a.shape, float("inf"), tl.float32)
+                                s_a, s_b, s_q2, d_min, n_support = _chunk_sums(
+                                    p_x, m_row, o_col, n_cols, shift, c_hi, c_lo, t, e, near_one,
+                                    p_cand, ROWS, BLOCK, ALPHA_KIND, True, SUPPORT_COUNT,
+                                    CANDIDATES)
                     else:
-                        s_a, s_b, s_q2, d_min = _chunk_sums(p_x, m_row, o_col, n_cols, shift, c_hi,
-                                                            c_lo, t, e, near_one, ROWS, BLOCK,
-                                                            ALPHA_KIND, True)
+                        s_a, s_b, s_q2, d_min, _ = _chunk_sums(p_x, m_row, o_col, n_cols, shift,
+                                                               c_hi, c_lo, t, e, near_one, p_cand,
+                                                               ROWS, BLOCK, ALPHA_KIND, True)
                 else:
-                    s_a, s_b, s_q2, d_min = _chunk_sums(p_x, m_row, o_col, n_cols, shift, c_hi,
-                                                        c_lo, t, e, near_one, ROWS, BLOCK,
-                                                        ALPHA_KIND, False)
+                    s_a, s_b, s_q2, d_min, _ = _chunk_sums(p_x, m_row, o_col, n_cols, shift, c_hi,
+                                                           c_lo, t, e, near_one, p_cand, ROWS,
+                                                           BLOCK, ALPHA_KIND, False)
             passes += 1
             at_cap = passes >= max_passes
             if ALPHA_KIND == ALPHA_GENERAL:
@@ -622,15 +613,13 @@ def entmax_rowwise_fwd_kernel(
                 # square of the step's ratio to the one before, and the output pass
                 # normalises by its own Σp. Taken when that predicts |Σp − 1| ≤ tol / 10
                 # after the step (docs/maths.md, "The last step without its evaluation").
-                settle = fresh & ~stop
+                finished = stop
                 if RESIDENT:
                     ratio = step / tl.where(prev_step != 0.0, prev_step, 1.0)
                     quadratic = (inside & c_above & (prev_step != 0.0)
                                  & (tl.abs(f) * ratio * ratio <= 0.1 * tol))
-                    settle = tl.where(plain, settle & quadratic, False)
-                else:
-                    settle = fresh & ~fresh
-                prev_step = step
+                    finished = tl.where(plain, stop | quadratic, stop)
+                    prev_step = step
                 if CAPTURE:
                     # Only from an iterate above c* (after one below it, c rises and the
                     # support may grow), and only if every row's support fits its slots; a
@@ -642,10 +631,13 @@ def entmax_rowwise_fwd_kernel(
                         captured_at = tl.where(fresh & ~stop, passes, captured_at)
                         b_cand = _load_candidates(p_cand, n_support, SLOTS)
                 row_passes = tl.where(fresh, passes, row_passes)
-                norm = tl.where(fresh & stop, s_a, norm)
+                if not RESIDENT:
+                    # a resident row's output pass sums its own p (`finished` rows took a step
+                    # after their last evaluation)
+                    norm = tl.where(fresh & stop, s_a, norm)
                 c_hi = tl.where(fresh & ~stop, next_hi, c_hi)
                 c_lo = tl.where(fresh & ~stop, next_lo, c_lo)
-                done = done | stop | settle
+                done = done | finished
             else:
                 step, exact, final, fallback = _exact_step(s_a, s_b, s_q2, d_min, ALPHA_KIND)
                 fresh = ~done
