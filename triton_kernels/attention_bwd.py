@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from .. import common
-from .attention_common import (NEAR_ONE_INV_AM1, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C,
+from .attention_common import (DQ_KERNEL, DQ_KERNEL_C, DQ_MAX_POLLS_C, DQ_MODES, DQ_ORDERED_C,
+                               NEAR_ONE_INV_AM1, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C,
                                STAT_TAU_C, attention_signature, block_sizes, chunk_width,
                                config_space, config_suffix, dot, dot_rows, dropout_scale,
                                full_tiles_end, gap, held_cols, held_rows, listed_tiles, load_rows,
@@ -271,14 +272,42 @@ def _row_values(p_row, o_m, q_len, MASK_ROWS: tl.constexpr):
 
 
 @triton.jit
+def _add_to_dq(p_dqacc, stride_al, o_m, q_len, head_e, b_dq, p_lock, p_turn,
+               BLOCK_E: tl.constexpr, BOUNDARY: tl.constexpr, DQ_MODE: tl.constexpr):
+    """Adds a key tile's share of dQ (dz k, unscaled) to the query tile's fp32 sum.
+    DQ_ORDERED: first waits until the sum's counter reaches this tile's turn (the number
+    of flagged key tiles after it in the query tile's row, which add before it), and
+    advances the counter after its adds. The adds are atomic either way, so a key block that
+    stops waiting (DQ_MAX_POLLS_C) leaves the sum right, in another order."""
+    o_e = tl.arange(0, BLOCK_E)
+    m_tile = o_e[None, :] < head_e
+    if BOUNDARY:
+        m_tile = m_tile & (o_m[:, None] < q_len)
+    if DQ_MODE == DQ_ORDERED_C:
+        turn = tl.load(p_turn)
+        polls = 0
+        while (tl.atomic_add(p_lock, 0, sem="acquire") < turn) & (polls < DQ_MAX_POLLS_C):
+            polls += 1
+    tl.atomic_add(p_dqacc + o_m[:, None] * stride_al + o_e[None, :], b_dq, mask=m_tile,
+                  sem="relaxed")
+    if DQ_MODE == DQ_ORDERED_C:
+        # every thread's adds are issued before the counter moves; the release orders them
+        tl.debug_barrier()
+        tl.atomic_add(p_lock, 1, sem="release")
+
+
+@triton.jit
 def _dkdv_tile(b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
                p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row,
                o_n, start_n, start_m, q_len, k_len, head_e, head_ev, scale, am1,
                inv_am1, is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
+               b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
                BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
-               MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, BOUNDARY: tl.constexpr):
-    """Adds one query tile to dK and dV. BOUNDARY: the tile crosses the causal diagonal,
+               MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, BOUNDARY: tl.constexpr,
+               DQ_MODE: tl.constexpr):
+    """Adds one query tile to dK and dV, and (DQ_MODE other than DQ_KERNEL) its share to
+    the query tile's dQ (`_add_to_dq`). BOUNDARY: the tile crosses the causal diagonal,
     the end of the keys or the end of the queries; rows past q_len load as zeros (q, dO,
     the statistics), so their weights and gradients are zero. Other tiles load without
     masks (a comparison and a select per loaded vector)."""
@@ -309,19 +338,49 @@ def _dkdv_tile(b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do,
         b_do = load_rows(p_do, stride_ol, o_m, q_len, head_ev, BLOCK_EV, BOUNDARY)
     b_dv += dot(tl.trans(b_p.to(b_do.dtype)), b_do)
     b_dk += dot(tl.trans(b_dz.to(b_q.dtype)), b_q)
+    if DQ_MODE != DQ_KERNEL_C:
+        i_m = start_m // BLOCK_M
+        _add_to_dq(p_dqacc, stride_al, o_m, q_len, head_e, dot(b_dz.to(b_k.dtype), b_k),
+                   p_locks + i_m, p_turns + i_m * n_kblocks, BLOCK_E, BOUNDARY, DQ_MODE)
+    return b_dk, b_dv
+
+
+@triton.jit
+def _dkdv_last_tile(b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
+                    p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row,
+                    p_flags, o_n, start_n, m_full, q_full, q_len, k_len, head_e, head_ev, scale,
+                    am1, inv_am1, is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk,
+                    b_dv, b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+                    BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
+                    MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                    DQ_MODE: tl.constexpr):
+    """`_dkdv_tile` of the query tile at q_full that the end of the queries cuts, if it
+    lies past m_full (the masked tiles') and the forward flagged it."""
+    if (q_full < q_len) & (q_full >= m_full):
+        if tl.load(p_flags + (q_full // BLOCK_M) * n_kblocks) != 0:
+            b_dk, b_dv = _dkdv_tile(
+                b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
+                p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row,
+                o_n, start_n, q_full, q_len, k_len, head_e, head_ev, scale, am1, inv_am1,
+                is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
+                b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks,
+                BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND,
+                HAS_DROPOUT, True, DQ_MODE)
     return b_dk, b_dv
 
 
 @triton.jit
 def entmax_attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, stats_ptr, rows_ptr, flags_ptr, tiles_ptr,
-    mask_ptr, alpha_ptr, seed_ptr, cu_q_ptr, cu_k_ptr,
+    mask_ptr, alpha_ptr, seed_ptr, cu_q_ptr, cu_k_ptr, dqacc_ptr, locks_ptr, turns_ptr,
     stride_qb, stride_qh, stride_ql,
     stride_kb, stride_kh, stride_kl,
     stride_vb, stride_vh, stride_vl,
     stride_ob, stride_oh, stride_ol,
     stride_dkb, stride_dkh, stride_dkl,
     stride_dvb, stride_dvh, stride_dvl,
+    stride_ab, stride_ah, stride_al,
     stride_mb, stride_mh, stride_mq, stride_mk,
     stride_sb, stride_sh, stride_stat, stride_row,
     n_heads, n_kv_heads, kv_group, seqlen_q, seqlen_k, n_qblocks, n_kblocks, head_e, head_ev,
@@ -329,9 +388,22 @@ def entmax_attn_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DQ_MODE: tl.constexpr = DQ_KERNEL_C,
 ):
-    """dK, dV for one key block of one key/value head; dk and dv have their own strides."""
-    pid_n = tl.program_id(0)
+    """dK, dV for one key block of one key/value head; dk and dv have their own strides.
+    With DQ_MODE other than DQ_KERNEL also dQ's shares (dz k, unscaled) in the fp32 sum
+    dqacc, laid out like q (strides stride_a*), from the delta per row in rows_ptr.
+
+    DQ_ORDERED: the key blocks of a query tile add in descending order: each program
+    visits its query tiles in ascending order, so that on a causal pattern a later key
+    block, whose first tile is further down, reaches each tile first, and the programs
+    are numbered from the last key block, so that a program only waits on programs
+    launched before it (locks_ptr: a counter per query tile of each head; turns_ptr: each
+    flagged tile's turn, laid out like flags_ptr)."""
+    if DQ_MODE == DQ_ORDERED_C:
+        pid_n = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        pid_n = tl.program_id(0)
     pid_bhk = tl.program_id(1)
     i_b = (pid_bhk // n_kv_heads).to(tl.int64)
     i_hk = (pid_bhk % n_kv_heads).to(tl.int64)
@@ -350,6 +422,12 @@ def entmax_attn_bwd_dkdv_kernel(
     p_v = v_ptr + v_off
     b_kt = held_cols(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E, BLOCK_EC, True)  # [BE, BN]
     b_vt = held_cols(p_v, stride_vl, o_n, k_len, head_ev, BLOCK_EV, BLOCK_EC, True)  # [BEV, BN]
+    if DQ_MODE == DQ_KERNEL_C:
+        b_k = 0.0
+    elif BLOCK_EC >= BLOCK_E:
+        b_k = tl.trans(b_kt)  # [BN, BE], dQ's operand
+    else:
+        b_k = load_rows(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E, True)
     seed = tl.load(seed_ptr)
 
     m_begin = 0
@@ -379,6 +457,9 @@ def entmax_attn_bwd_dkdv_kernel(
         p_flags = flags_ptr + pid_bh * n_qblocks * n_kblocks + pid_n
         p_stats = stats_ptr + i_b * stride_sb + i_h * stride_sh + q_start
         p_rows = rows_ptr + i_b * stride_sb + i_h * stride_sh + q_start
+        p_dqacc = dqacc_ptr + i_b * stride_ab + i_h * stride_ah + q_start * stride_al
+        p_locks = locks_ptr + pid_bh * n_qblocks
+        p_turns = turns_ptr + pid_bh * n_qblocks * n_kblocks + pid_n
         for start_m in range(m_begin, m_full, BLOCK_M):
             if tl.load(p_flags + (start_m // BLOCK_M) * n_kblocks) != 0:
                 b_dk, b_dv = _dkdv_tile(
@@ -386,19 +467,21 @@ def entmax_attn_bwd_dkdv_kernel(
                     p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row,
                     o_n, start_n, start_m, q_len, k_len, head_e, head_ev, scale, am1, inv_am1,
                     is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
+                    b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks,
                     BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND,
-                    HAS_DROPOUT, True)
-        # a last query tile past m_full that the end of the queries cuts
+                    HAS_DROPOUT, True, DQ_MODE)
+        # a last query tile past m_full that the end of the queries cuts (DQ_ORDERED: after
+        # the listed ones, in ascending order)
         q_full = (q_len // BLOCK_M) * BLOCK_M
-        if (q_full < q_len) & (q_full >= m_full):
-            if tl.load(p_flags + (q_full // BLOCK_M) * n_kblocks) != 0:
-                b_dk, b_dv = _dkdv_tile(
-                    b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
-                    p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row,
-                    o_n, start_n, q_full, q_len, k_len, head_e, head_ev, scale, am1, inv_am1,
-                    is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
-                    BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND,
-                    HAS_DROPOUT, True)
+        if DQ_MODE != DQ_ORDERED_C:
+            b_dk, b_dv = _dkdv_last_tile(
+                b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
+                p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row, p_flags,
+                o_n, start_n, m_full, q_full, q_len, k_len, head_e, head_ev, scale, am1,
+                inv_am1, is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
+                b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks,
+                BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND,
+                HAS_DROPOUT, DQ_MODE)
         # the full query tiles the forward flagged through their list: a pipelined loop
         # (the list of the previous head of the group is read to the end first)
         tl.debug_barrier()
@@ -412,8 +495,18 @@ def entmax_attn_bwd_dkdv_kernel(
                 p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row,
                 o_n, start_n, start_m, q_len, k_len, head_e, head_ev, scale, am1, inv_am1,
                 is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
+                b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks,
                 BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND,
-                HAS_DROPOUT, False)
+                HAS_DROPOUT, False, DQ_MODE)
+        if DQ_MODE == DQ_ORDERED_C:
+            b_dk, b_dv = _dkdv_last_tile(
+                b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
+                p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row, p_flags,
+                o_n, start_n, m_full, q_full, q_len, k_len, head_e, head_ev, scale, am1,
+                inv_am1, is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
+                b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks,
+                BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND,
+                HAS_DROPOUT, DQ_MODE)
     dk_off = i_b * stride_dkb + i_hk * stride_dkh + k_start * stride_dkl
     dv_off = i_b * stride_dvb + i_hk * stride_dvh + k_start * stride_dvl
     tl.store(dk_ptr + dk_off + o_n[:, None] * stride_dkl + o_e[None, :],
@@ -437,7 +530,10 @@ def aot_configs():
         # general kind
         dalphas = (False, True) if alpha_kind == common.ALPHA_GENERAL else (False,)
         kernels = [("dq", entmax_attn_bwd_dq_kernel, {"NEED_DALPHA": need}, f"_da{int(need)}")
-                   for need in dalphas] + [("dkdv", entmax_attn_bwd_dkdv_kernel, {}, "")]
+                   for need in dalphas]
+        # dK/dV alone, and with dQ's shares (attention_common.backward_dq)
+        kernels += [("dkdv", entmax_attn_bwd_dkdv_kernel, {"DQ_MODE": mode},
+                     "" if mode == DQ_KERNEL else f"_dq{name}") for name, mode in DQ_MODES.items()]
         for name, fn, switches, tag in kernels:
             num_warps, num_stages = launch_config(name, block_e, dtype_key)
             configs.append({"name": f"entmax_attn_bwd_{name}_{suffix}{tag}", "fn": fn,

@@ -247,6 +247,36 @@ def chunk_width(kernel, block_e, dtype_key):
     return _CHUNKS.get((kernel, dtype_key), {}).get(block_e, block_e)
 
 
+# Where the backward forms dQ (`backward_dq`): in a kernel of its own, one program per query
+# block holding its dQ in registers (DQ_KERNEL), or in the dK/dV kernel, each key block
+# adding its share dz k of every query tile it visits to an fp32 sum, in any order
+# (DQ_ATOMIC: atomic adds, not deterministic) or in a fixed one (DQ_ORDERED: the key blocks
+# of a query tile add in turn, waiting on a counter per query tile; docs/attention.md,
+# "dQ in the dK/dV kernel").
+DQ_KERNEL, DQ_ATOMIC, DQ_ORDERED = 0, 1, 2
+DQ_KERNEL_C = tl.constexpr(DQ_KERNEL)
+DQ_ATOMIC_C = tl.constexpr(DQ_ATOMIC)
+DQ_ORDERED_C = tl.constexpr(DQ_ORDERED)
+DQ_MODES = {"kernel": DQ_KERNEL, "atomic": DQ_ATOMIC, "ordered": DQ_ORDERED}
+# A DQ_ORDERED key block waits at most this many polls of the counter (about 1 us each)
+# for its turn, then adds anyway: the sum stays right (the adds are atomic), only its order
+# is lost. A turn comes unless the GPU runs a program before one launched ahead of it.
+DQ_MAX_POLLS_C = tl.constexpr(1 << 20)
+
+
+def backward_dq(block_e, dtype_key, need_alpha_grad):
+    """Where the backward forms dQ: DQ_KERNEL, DQ_ATOMIC or DQ_ORDERED.
+
+    Fusing dQ into the dK/dV kernel spares the dQ kernel's two products (q.k and dO.v
+    again) and its weights per score: by the SASS counts of docs/gpu.md (sm_90, bf16, E
+    64, alpha 1.5) about 9 of the backward's 23 instructions per score and 2 of its 7 score
+    products, for an fp32 add per score and a [BLOCK_M, E] tile of adds per visited tile.
+    Untimed: DQ_KERNEL stays until a GPU decides (`bench/tune_attention.py --dq`). A
+    learned alpha keeps the dQ kernel, which sums the rows' d(alpha) terms; so does
+    `torch.use_deterministic_algorithms`, whatever the table says, for DQ_ATOMIC."""
+    return DQ_KERNEL
+
+
 @triton.jit
 def sequence_bounds(cu_q_ptr, cu_k_ptr, i_b, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
     """(q_start, q_len, k_start, k_len) of batch entry i_b: from the varlen offsets, or the
@@ -533,7 +563,8 @@ POINTER_TYPES = {"q_ptr": TENSOR, "k_ptr": TENSOR, "v_ptr": TENSOR, "o_ptr": TEN
                  "dvec_ptr": "*fp32", "stats_ptr": "*fp32", "rows_ptr": "*fp32",
                  "flags_ptr": "*i8", "tiles_ptr": "*i32", "cand_ptr": "*fp32",
                  "alpha_ptr": "*fp32", "seed_ptr": "*i64",
-                 "cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}
+                 "cu_q_ptr": "*i32", "cu_k_ptr": "*i32",
+                 "dqacc_ptr": "*fp32", "locks_ptr": "*i32", "turns_ptr": "*i32"}
 FLOAT_PARAMETERS = ("scale", "dropout_p")
 
 

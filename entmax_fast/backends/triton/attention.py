@@ -168,6 +168,17 @@ def _launch_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is_c
     return out, stats, dvec, flags
 
 
+def _dq_mode(geo, need_alpha_grad):
+    """attention_common.backward_dq's choice, but the dQ kernel for a learned alpha (it
+    sums the d(alpha) terms) and, under torch.use_deterministic_algorithms, instead of
+    unordered atomic adds."""
+    dq_mode = attention_common.backward_dq(geo.block_e, geo.dtype_key, need_alpha_grad)
+    if need_alpha_grad or (dq_mode == attention_common.DQ_ATOMIC
+                           and torch.are_deterministic_algorithms_enabled()):
+        return attention_common.DQ_KERNEL
+    return dq_mode
+
+
 def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha_kind, seed,
                      dropout_p, is_causal, scale, need_alpha_grad, cu_q=None, cu_k=None,
                      max_q=0, max_k=0):
@@ -190,33 +201,56 @@ def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha
         return dq.zero_(), dk.zero_(), dv.zero_(), torch.zeros_like(alpha)
     sb, sh, sstat = geo.stats_strides(stats)
     tiles = geo.tile_lists(q.device)
-    # dq first: it writes delta = dO . D per row, which the dk/dv kernel reads
-    attention_bwd.entmax_attn_bwd_dq_kernel[(geo.n_qblocks, geo.batch * geo.n_heads)](
-        q, k, v, o, do, dq, dvec, stats, rows, flags, tiles, mask, alpha, seed, cu_q_arg,
-        cu_k_arg,
-        *geo.q_strides, *geo.k_strides, *geo.v_strides, *geo.token_strides(o),
-        *geo.token_strides(dq), *mask_strides, sb, sh, sstat, rows.stride(0),
-        geo.n_heads, geo.kv_group, geo.seqlen_q, geo.seqlen_k, geo.n_qblocks, geo.n_kblocks,
-        geo.head_e, geo.head_ev, float(scale), float(dropout_p), int(is_causal),
-        BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e, BLOCK_EV=geo.block_ev,
-        BLOCK_EC=geo.block_ec["dq"], ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind,
-        IS_VARLEN=geo.varlen,
-        HAS_DROPOUT=dropout_p > 0.0, NEED_DALPHA=bool(need_alpha_grad),
-        num_warps=geo.launch["dq"][0], num_stages=geo.launch["dq"][1],
-    )
+    dq_mode = _dq_mode(geo, need_alpha_grad)
+    if dq_mode == attention_common.DQ_KERNEL:
+        # dq first: it writes delta = dO . D per row, which the dk/dv kernel reads
+        attention_bwd.entmax_attn_bwd_dq_kernel[(geo.n_qblocks, geo.batch * geo.n_heads)](
+            q, k, v, o, do, dq, dvec, stats, rows, flags, tiles, mask, alpha, seed, cu_q_arg,
+            cu_k_arg,
+            *geo.q_strides, *geo.k_strides, *geo.v_strides, *geo.token_strides(o),
+            *geo.token_strides(dq), *mask_strides, sb, sh, sstat, rows.stride(0),
+            geo.n_heads, geo.kv_group, geo.seqlen_q, geo.seqlen_k, geo.n_qblocks, geo.n_kblocks,
+            geo.head_e, geo.head_ev, float(scale), float(dropout_p), int(is_causal),
+            BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e,
+            BLOCK_EV=geo.block_ev, BLOCK_EC=geo.block_ec["dq"], ALPHA_KIND=alpha_kind,
+            MASK_KIND=mask_kind, IS_VARLEN=geo.varlen,
+            HAS_DROPOUT=dropout_p > 0.0, NEED_DALPHA=bool(need_alpha_grad),
+            num_warps=geo.launch["dq"][0], num_stages=geo.launch["dq"][1],
+        )
+        dq_acc = torch.zeros(1, dtype=torch.float32, device=q.device)
+        locks = turns = cu_dummy
+    else:
+        delta = (do * dvec).sum(-1)  # dO . D per row, (B, H, Lq) or (tokens, H)
+        rows[attention_bwd.ROW_DELTA] = delta.t() if geo.varlen else delta
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        locks = turns = cu_dummy
+        if dq_mode == attention_common.DQ_ORDERED:
+            locks = torch.zeros(geo.batch * geo.n_heads * geo.n_qblocks, dtype=torch.int32,
+                                device=q.device)
+            # a flagged tile's turn: the flagged tiles after it in its query tile's row
+            after = flags.flip(-1).cumsum(-1, dtype=torch.int32).flip(-1)
+            turns = (after - flags).contiguous()
     attention_bwd.entmax_attn_bwd_dkdv_kernel[(geo.n_kblocks, geo.batch * geo.n_kv_heads)](
         q, k, v, do, dk, dv, stats, rows, flags, tiles, mask, alpha, seed, cu_q_arg, cu_k_arg,
+        dq_acc, locks, turns,
         *geo.q_strides, *geo.k_strides, *geo.v_strides, *geo.token_strides(o),
-        *geo.token_strides(dk), *geo.token_strides(dv), *mask_strides, sb, sh, sstat,
+        *geo.token_strides(dk), *geo.token_strides(dv),
+        *(geo.token_strides(dq_acc) if dq_acc.dim() > 1 else (0, 0, 0)),
+        *mask_strides, sb, sh, sstat,
         rows.stride(0), geo.n_heads, geo.n_kv_heads, geo.kv_group, geo.seqlen_q, geo.seqlen_k,
         geo.n_qblocks, geo.n_kblocks, geo.head_e, geo.head_ev, float(scale),
         float(dropout_p), int(is_causal),
         BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e, BLOCK_EV=geo.block_ev,
         BLOCK_EC=geo.block_ec["dkdv"], ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind,
         IS_VARLEN=geo.varlen,
-        HAS_DROPOUT=dropout_p > 0.0,
+        HAS_DROPOUT=dropout_p > 0.0, DQ_MODE=dq_mode,
         num_warps=geo.launch["dkdv"][0], num_stages=geo.launch["dkdv"][1],
     )
+    if dq_mode != attention_common.DQ_KERNEL:
+        # a row whose forward was NaN (its stored shift) gets NaN gradients, as in the dQ kernel
+        row_max = stats[attention_common.STAT_MAX]
+        nan_rows = (row_max.t() if geo.varlen else row_max).isnan().unsqueeze(-1)
+        dq.copy_(torch.where(nan_rows, float("nan"), dq_acc * scale))
     if need_alpha_grad:
         dalpha_rows = rows[attention_bwd.ROW_DALPHA]
         dalpha = dalpha_rows.sum(1) if geo.varlen else dalpha_rows.sum((0, 2))
