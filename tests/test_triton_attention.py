@@ -23,7 +23,7 @@ from entmax_fast.backends.triton import attention as tri
 from entmax_fast.reference.attention import entmax_attention as reference_attention
 from entmax_fast.reference.mappings import entmax_backward, entmax_forward
 from entmax_fast.triton_kernels import attention_common
-from devices import DEVICE, LOW_PRECISION
+from devices import DEVICE, LOW_PRECISION, ON_GPU
 from oracle import oracle_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -817,3 +817,118 @@ def test_trial_points_inside_the_bracket_stay_exact(alpha):
     assert _err(out, oracle_attention(q, k, v, alpha=alpha)) <= 1e-5
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert _err(got, want) <= 1e-4, name
+
+
+DQ_FUSED = [pytest.param(attention_common.DQ_ATOMIC, id="atomic"),
+            pytest.param(attention_common.DQ_ORDERED, id="ordered")]
+
+
+def _dq_mode_forced(monkeypatch, mode):
+    """The backward forms dQ in `mode` (attention_common.backward_dq), over small tiles in
+    the interpreter so that many key blocks add to each query tile."""
+    monkeypatch.setattr(attention_common, "backward_dq", lambda *args: mode)
+    monkeypatch.setattr(attention_common, "INTERPRETER_BLOCKS", (32, 16))
+
+
+# (B, H, H_kv, Lq, Lk, E, alpha, is_causal, mask, head-dim chunk or None)
+DQ_CASES = [
+    pytest.param(1, 4, 2, 100, 70, 80, 2.0, True, None, None, id="causal-gqa-E80-a2"),
+    pytest.param(2, 2, 2, 63, 90, 16, 1.25, False, "key-padding", None,
+                 id="keypad-E16-a1.25"),
+    pytest.param(1, 2, 1, 70, 130, 128, 1.5, True, "bool-empty-rows", 32,
+                 id="emptyrows-causal-E128-chunked-a1.5"),
+]
+
+
+@pytest.mark.parametrize("dq_mode", DQ_FUSED)
+@pytest.mark.parametrize("b,h,hkv,lq,lk,e,alpha,is_causal,mask_spec,chunk", DQ_CASES)
+def test_dq_in_the_dkdv_kernel(monkeypatch, dq_mode, b, h, hkv, lq, lk, e, alpha, is_causal,
+                               mask_spec, chunk):
+    """dQ summed by the dK/dV kernel (atomic adds, unordered or in key-block order) matches
+    float64, with the empty rows' zeros; the chunked case loads k's rows for the dQ product
+    apart from the chunked score product."""
+    _dq_mode_forced(monkeypatch, dq_mode)
+    if chunk is not None:
+        monkeypatch.setattr(attention_common, "_CHUNKS",
+                            {("dkdv", "fp32"): {triton.next_power_of_2(e): chunk}})
+    q, k, v = _inputs(b, h, hkv, lq, lk, e, torch.float32)
+    mask = _mask(mask_spec, b, h, lq, lk)
+    grad_out = torch.randn(b, h, lq, e)
+
+    def run(fn, *t):
+        return fn(*t, attn_mask=mask, is_causal=is_causal, enable_gqa=True, alpha=alpha)
+
+    out, grads = _grads(lambda *t: run(_triton_attention, *t), [q, k, v], grad_out)
+    _, ref_grads = _grads(lambda *t: run(reference_attention, *t),
+                          [t.double() for t in (q, k, v)], grad_out)
+    assert tri._dq_mode(tri._Geometry(q, k, v, None, None, 0, 0, False), False) == dq_mode
+    assert _err(out, oracle_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                      alpha=alpha)) <= 1e-5
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert _err(got, want) <= 1e-4, name
+    if mask_spec == "bool-empty-rows":
+        assert torch.equal(grads[0][:, :, 3], torch.zeros_like(grads[0][:, :, 3]))
+
+
+@pytest.mark.parametrize("dq_mode", DQ_FUSED)
+def test_dq_in_the_dkdv_kernel_varlen_and_dropout(monkeypatch, dq_mode):
+    """Packed sequences of other lengths (the counters and turns of a short sequence's
+    padding tiles are never waited on) and dropout (the same mask as the dQ kernel's, from
+    the same seed): the gradients equal those of the dQ kernel up to rounding."""
+    lens_q, lens_k = [5, 63, 40], [7, 40, 70]
+    h, hkv, e = 2, 1, 16
+    cu_q = torch.tensor([0] + lens_q, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu_k = torch.tensor([0] + lens_k, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    packed = [torch.randn(sum(lens_q), h, e) * 1.5, torch.randn(sum(lens_k), hkv, e),
+              torch.randn(sum(lens_k), hkv, e)]
+    packed_grad = torch.randn(sum(lens_q), h, e)
+    dense = list(_inputs(1, h, hkv, 50, 70, e, torch.float32))
+    dense_grad = torch.randn(1, h, 50, e)
+
+    def varlen(*t):
+        return _triton_attention_varlen(*t, cu_q, cu_k, max(lens_q), max(lens_k),
+                                        is_causal=True, alpha=1.5)
+
+    def dropout(*t):
+        torch.manual_seed(11)
+        return _triton_attention(*t, dropout_p=0.3, enable_gqa=True, alpha=1.25)
+
+    monkeypatch.setattr(attention_common, "INTERPRETER_BLOCKS", (32, 16))
+    expected = [_grads(varlen, packed, packed_grad)[1], _grads(dropout, dense, dense_grad)[1]]
+    _dq_mode_forced(monkeypatch, dq_mode)
+    got = [_grads(varlen, packed, packed_grad)[1], _grads(dropout, dense, dense_grad)[1]]
+    for case, got_grads, want_grads in zip(("varlen", "dropout"), got, expected):
+        for name, g, w in zip(("dq", "dk", "dv"), got_grads, want_grads):
+            assert _err(g, w) <= 1e-5, (case, name)
+
+
+def test_dq_kernel_kept_for_a_learned_alpha_and_deterministic_algorithms(monkeypatch):
+    """A learned alpha needs the dQ kernel's row sums of d(alpha); unordered atomic adds
+    give way to it under torch.use_deterministic_algorithms, the ordered ones do not."""
+    q, k, v = _inputs(1, 2, 2, 20, 20, 16, torch.float32)
+    geo = tri._Geometry(q, k, v, None, None, 0, 0, False)
+    for mode in (attention_common.DQ_ATOMIC, attention_common.DQ_ORDERED):
+        monkeypatch.setattr(attention_common, "backward_dq", lambda *args: mode)
+        assert tri._dq_mode(geo, True) == attention_common.DQ_KERNEL
+        assert tri._dq_mode(geo, False) == mode
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    monkeypatch.setattr(attention_common, "backward_dq",
+                        lambda *args: attention_common.DQ_ATOMIC)
+    assert tri._dq_mode(geo, False) == attention_common.DQ_KERNEL
+    monkeypatch.setattr(attention_common, "backward_dq",
+                        lambda *args: attention_common.DQ_ORDERED)
+    assert tri._dq_mode(geo, False) == attention_common.DQ_ORDERED
+
+
+@pytest.mark.skipif(not ON_GPU, reason="one program at a time in the interpreter: any order "
+                                       "of adds is the same order")
+def test_ordered_dq_repeats_bit_for_bit(monkeypatch):
+    """DQ_ORDERED adds each query tile's shares in one order whatever the scheduling, so
+    two runs give the same bits (the unordered atomic adds need not)."""
+    monkeypatch.setattr(attention_common, "backward_dq",
+                        lambda *args: attention_common.DQ_ORDERED)
+    q, k, v = _inputs(2, 8, 8, 1024, 1024, 64, torch.bfloat16)
+    grad_out = torch.randn(2, 8, 1024, 64, dtype=torch.bfloat16)
+    first, second = (_grads(lambda *t: _triton_attention(*t, is_causal=True, alpha=1.5),
+                            [q, k, v], grad_out)[1][0] for _ in range(2))
+    assert torch.equal(first, second)
