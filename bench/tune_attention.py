@@ -6,12 +6,14 @@ they lose. Needs a CUDA device.
     python bench/tune_attention.py [--dtype bf16] [--head-dims 64 128] [--length 4096]
         [--tiles 64x64 128x64] [--fwd-launch 4x3 8x2] [--bwd-launch 8x2] [--forward-only]
         [--phases fused split] [--threshold-caps 0 128] [--mask none bool additive]
-        [--alpha 1.5] [--alpha-tensor]
+        [--alpha 1.5] [--alpha-tensor] [--dq kernel atomic ordered]
 
 --phases: the forward as one launch or as the threshold and output launches
 (`attention_common.forward_phases`); --threshold-caps: maxnreg of the threshold launch
-(0: none), tried only with split. --fwd-launch applies to every forward launch. --mask
-passes the causal mask as an (L, L) attn_mask instead of is_causal (bool: True attends;
+(0: none), tried only with split. --dq: where the backward forms dQ
+(`attention_common.backward_dq`: its own kernel, or the dK/dV kernel's atomic adds,
+unordered or in key-block order); a learned alpha (--alpha-tensor) always takes the kernel.
+--fwd-launch applies to every forward launch. --mask passes the causal mask as an (L, L) attn_mask instead of is_causal (bool: True attends;
 additive: 0 / -inf), as transformers' models do when a batch has padding: the masked
 kernels (MASK_BOOL, MASK_ADDITIVE), which read the mask on every tile.
 
@@ -64,7 +66,8 @@ def _causal_mask(kind, length, dtype):
 
 
 def measure(dtype, head_dim, length, causal, tile_shape, fwd_launch, bwd_launch, alpha=1.5,
-            forward_only=False, phases="fused", threshold_cap=0, mask="none", alpha_tensor=False):
+            forward_only=False, phases="fused", threshold_cap=0, mask="none", alpha_tensor=False,
+            dq="kernel"):
     import entmax_fast
     from entmax_fast.triton_kernels import attention_common as tiles
 
@@ -77,12 +80,14 @@ def measure(dtype, head_dim, length, causal, tile_shape, fwd_launch, bwd_launch,
     if alpha_tensor:
         # a learned alpha: one per head, differentiated in the training step (the general kind)
         alpha = torch.full((16,), alpha, device="cuda", requires_grad=not forward_only)
-    saved = tiles.block_sizes, tiles.launch_config, tiles.forward_phases, tiles.register_cap
+    saved = (tiles.block_sizes, tiles.launch_config, tiles.forward_phases, tiles.register_cap,
+             tiles.backward_dq)
     tiles.block_sizes = lambda block_e, dtype_key, dropout=False: tile_shape
     tiles.launch_config = lambda kernel, *_: fwd_launch if kernel.startswith("fwd") else bwd_launch
     tiles.forward_phases = lambda *_: _phases(phases)
     tiles.register_cap = lambda kernel, *_: (
         threshold_cap or None) if kernel == "fwd_threshold" else None
+    tiles.backward_dq = lambda *_: tiles.DQ_MODES[dq]
     try:
         with entmax_fast.use_backend("triton"):
             with torch.no_grad():
@@ -100,7 +105,8 @@ def measure(dtype, head_dim, length, causal, tile_shape, fwd_launch, bwd_launch,
 
             t_step = _time(step)
     finally:
-        tiles.block_sizes, tiles.launch_config, tiles.forward_phases, tiles.register_cap = saved
+        (tiles.block_sizes, tiles.launch_config, tiles.forward_phases, tiles.register_cap,
+         tiles.backward_dq) = saved
     return t_fwd, t_step
 
 
@@ -125,10 +131,14 @@ def main(argv=None):
                         help="alpha as a per-head tensor (a learned alpha: the general kind)")
     parser.add_argument("--mask", default="none", choices=["none", "bool", "additive"],
                         help="with --causal: the causal mask as an attn_mask of this kind")
+    parser.add_argument("--dq", nargs="+", default=["kernel"],
+                        choices=["kernel", "atomic", "ordered"],
+                        help="where the backward forms dQ (attention_common.backward_dq)")
     args = parser.parse_args(argv)
     forwards = [(phases, cap) for phases in args.phases
                 for cap in (args.threshold_caps if phases == "split" else [0])]
     bwd_launches = [(0, 0)] if args.forward_only else _pairs(args.bwd_launch)
+    dq_modes = ["kernel"] if args.forward_only else args.dq
     if not torch.cuda.is_available():
         print("tune_attention: needs a CUDA device (none here); nothing measured")
         return 0
@@ -136,13 +146,15 @@ def main(argv=None):
           f"alpha={args.alpha}{' (per-head tensor)' if args.alpha_tensor else ''}, mask={args.mask}")
     for head_dim in args.head_dims:
         rows = []
-        for tiles, fwd_launch, bwd_launch, (phases, cap) in itertools.product(
-                _pairs(args.tiles), _pairs(args.fwd_launch), bwd_launches, forwards):
-            label = f"{phases}" + (f" cap {cap}" if cap else "")
+        for tiles, fwd_launch, bwd_launch, (phases, cap), dq in itertools.product(
+                _pairs(args.tiles), _pairs(args.fwd_launch), bwd_launches, forwards, dq_modes):
+            label = f"{phases}" + (f" cap {cap}" if cap else "") + (
+                f" dq {dq}" if not args.forward_only else "")
             try:
                 t_fwd, t_step = measure(DTYPES[args.dtype], head_dim, args.length, args.causal,
                                         tiles, fwd_launch, bwd_launch, args.alpha,
-                                        args.forward_only, phases, cap, args.mask, args.alpha_tensor)
+                                        args.forward_only, phases, cap, args.mask, args.alpha_tensor,
+                                        dq)
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: skip the config
                 print(f"E={head_dim} {tiles} fwd{fwd_launch} {label} bwd{bwd_launch}: "
                       f"{type(exc).__name__}: {str(exc)[:120]}")
