@@ -223,12 +223,13 @@ def sweep(lengths=SWEEP_LENGTHS, alphas=SWEEP_ALPHAS):
     """Forward ms of each `tile_config` entry at 16384×1024-sized problems and of its
     neighbours (`_sweep_candidates`), fp32, for each α (one per α kind: the table keys on
     it). A swept general-kind configuration is timed again without its captured support
-    (`candidate_slots`: "capture off"), so that the capture's effect is read in one run."""
+    (`candidate_slots`: "capture off"), and one that starts from a subset from c = 1
+    (`start_subset`: "subset off"), so that each one's effect is read in one run."""
     import triton
 
     from entmax_fast import common
     from entmax_fast.backends.triton import rowwise
-    from entmax_fast.triton_kernels.rowwise import candidate_slots, tile_config
+    from entmax_fast.triton_kernels.rowwise import candidate_slots, start_subset, tile_config
 
     for n_cols in lengths:
         n_rows = max(1, 16384 * 1024 // n_cols)
@@ -244,6 +245,10 @@ def sweep(lengths=SWEEP_LENGTHS, alphas=SWEEP_ALPHAS):
                     ms = triton.testing.do_bench(lambda: rowwise._forward(x, alpha, config=cand, candidates=0),
                                                  return_mode="median")
                     print(f"{'':>54}capture off: {ms:.4f} ms", flush=True)
+                if start_subset(cand, common.alpha_kind(alpha)):
+                    ms = triton.testing.do_bench(lambda: rowwise._forward(x, alpha, config=cand, subset=0),
+                                                 return_mode="median")
+                    print(f"{'':>54}subset off: {ms:.4f} ms", flush=True)
 
 
 def main(argv=None):

@@ -315,16 +315,17 @@ def _capture_rows(n: int) -> torch.Tensor:
 def test_swept_rows_run_later_passes_over_their_support(n):
     """1.25 ≤ α ≤ 2 (float or per row), rows swept in chunks: once a row's support fits its
     slots, the next pass stores it and the later evaluations run over the stored entries
-    only (docs/maths.md, "Candidates of the general kind"). The rows that fit capture, the
-    flat one does not, resident rows never do, and every output matches the float64
+    only (docs/maths.md, "Candidates of the general kind"). From c = 1 (no start from a
+    subset, which often converges before a support is stored) the rows that fit capture,
+    the flat one does not, resident rows never do, and every output matches the float64
     reference as closely as the passes over the whole row do."""
     x = _capture_rows(n)
     for alpha in (1.25, 1.3, 1.7, torch.tensor([1.5, 1.9, 1.3, 2.0], device=DEVICE)):
-        p, _, passes, captured_at = rowwise._forward(x, alpha, config=CHUNKED)
+        p, _, passes, captured_at = rowwise._forward(x, alpha, config=CHUNKED, subset=0)
         _check_forward(p, x, alpha, 2e-6, 2e-6)
         assert bool((captured_at[:2] >= 3).all()) and int(captured_at[2]) == 0, captured_at
         assert bool((captured_at <= passes).all()), (captured_at, passes)
-        p_whole, _, _, never = rowwise._forward(x, alpha, config=CHUNKED, candidates=0)
+        p_whole, _, _, never = rowwise._forward(x, alpha, config=CHUNKED, candidates=0, subset=0)
         assert int(never.max()) == 0
         torch.testing.assert_close(p, p_whole, atol=1e-6, rtol=0)
         if n <= kernels.RESIDENT_MAX_COLS[common.ALPHA_GENERAL]:
@@ -337,7 +338,7 @@ def test_capture_waits_for_a_support_that_fits():
     c = 1 hold 266 and 109 entries and at the root 49 and 20), and rows outside
     1.25 ≤ α ≤ 2 never capture."""
     x = _capture_rows(1024)[[0, 3]]
-    p, _, passes, captured_at = rowwise._forward(x, 1.4, config=CHUNKED, candidates=64)
+    p, _, passes, captured_at = rowwise._forward(x, 1.4, config=CHUNKED, candidates=64, subset=0)
     _check_forward(p, x, 1.4, 2e-6, 2e-6)
     assert bool((captured_at >= 4).all()), captured_at
     for alpha in (1.1, 3.0):
@@ -345,6 +346,55 @@ def test_capture_waits_for_a_support_that_fits():
         _check_forward(p, x, alpha, 2e-6, 2e-6)
         assert int(captured_at.max()) == 0, (alpha, captured_at)
 
+
+
+@pytest.mark.parametrize("n, config", [(300, CHUNKED), (4096, None), (9000, None)],
+                         ids=["swept", "resident-4-warps", "resident-16-warps"])
+def test_start_from_a_subset(n, config):
+    """The iteration starts from the root over a subset of the row (each value the largest
+    of a group of entries; docs/maths.md, "A start from a subset"): the same outputs as from
+    c = 1, to float64's tolerance, in fewer evaluations over the rows that are not flat, for
+    sparsemax, entmax15 and 1.25 ≤ α ≤ 2 (float or per row); other α start from c = 1."""
+    kind_config = config or kernels.tile_config(n, common.ALPHA_ENTMAX15)
+    assert kernels.start_subset(kind_config, common.ALPHA_ENTMAX15) > 0
+    gen = torch.Generator().manual_seed(31 + n)
+    x = torch.randn(5, n, generator=gen) * torch.tensor([[1.0], [3.0], [1e-4], [1.0], [0.5]])
+    x[3, ::3] = -math.inf
+    x = x.to(DEVICE)
+    uneven = [0, 1, 3, 4]
+    for alpha in (2.0, 1.5, 1.3, 1.7, torch.tensor([1.5, 1.9, 1.3, 2.0, 1.25], device=DEVICE), 1.1, 3.0):
+        p, _, passes, _ = rowwise._forward(x, alpha, config=config)
+        p_one, _, passes_one, _ = rowwise._forward(x, alpha, config=config, subset=0)
+        _check_forward(p, x, alpha, 2e-6, 2e-6)
+        torch.testing.assert_close(p, p_one, atol=1e-6, rtol=0)
+        if isinstance(alpha, float) and not 1.25 <= alpha <= 2.0:
+            assert torch.equal(passes, passes_one), (alpha, passes, passes_one)
+        else:
+            # a row may take one more (a start just above a kink of the iteration's path)
+            assert int(passes[uneven].sum()) < int(passes_one[uneven].sum()), (alpha, passes, passes_one)
+            assert bool((passes <= passes_one + 1).all()), (alpha, passes, passes_one)
+
+
+def test_start_subset_table():
+    """Swept rows start from 4 values per thread (from their lanes), resident rows from 8
+    where a thread holds 32 entries or more, softmax rows never; the AOT list compiles each."""
+    def table(n, kind):
+        return kernels.start_subset(kernels.tile_config(n, kind), kind)
+
+    assert table(1024, common.ALPHA_ENTMAX15) == 0 and table(8192, common.ALPHA_SPARSEMAX) == 0
+    assert table(4096, common.ALPHA_GENERAL) == 1024
+    assert table(32768, common.ALPHA_ENTMAX15) == 4096 and table(16384, common.ALPHA_SPARSEMAX) == 4096
+    assert table(10 ** 5, common.ALPHA_ENTMAX15) == 4 * 32 * 4
+    assert table(10 ** 5, common.ALPHA_GENERAL) == 4 * 32 * 8
+    assert table(10 ** 5, common.ALPHA_SOFTMAX) == 0
+    assert kernels.start_subset(CHUNKED, common.ALPHA_GENERAL) == CHUNKED["BLOCK"]
+    listed = {(c["constexprs"]["ALPHA_KIND"], c["constexprs"]["BLOCK"], c["constexprs"]["RESIDENT"],
+               c["constexprs"]["SUBSET"])
+              for c in kernels.aot_configs() if c["fn"] is kernels.entmax_rowwise_fwd_kernel}
+    for n in TABLE_LENGTHS:
+        for kind in KINDS:
+            cfg = kernels.tile_config(n, kind)
+            assert (kind, cfg["BLOCK"], cfg["RESIDENT"], kernels.start_subset(cfg, kind)) in listed
 
 def test_candidate_slots():
     """Swept general-kind rows only: a quarter of the row's next power of two, a power of

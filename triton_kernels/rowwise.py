@@ -18,8 +18,10 @@ are swept in chunks of BLOCK (one row per program) and every iteration reads the
 (mostly from L2), summing the chunks' terms entry by entry and reducing them across the
 warps once per iteration (`_pass_terms`, `_sum_terms`); a swept general-kind row whose
 support fits its slots stores it once and runs the later iterations over the slots
-(`candidate_slots`; docs/maths.md, "Candidates of the general kind"). Iterations, all
-starting from c = 1 (the top entry alone):
+(`candidate_slots`; docs/maths.md, "Candidates of the general kind"). Iterations, from
+c = 1 (the top entry alone), or, where 1.25 ≤ α ≤ 2 and the row is swept or holds 32 or
+more entries per thread, from the root over a subset of the row, which lies between c*
+and 1 (`_subset_start`, `start_subset`; docs/maths.md, "A start from a subset"):
 
 - α = 2 (sparsemax): Michelot's exact support update ``c ← c − (Σ_S d − 1)/|S|`` with
   d = c + u and S = {d > 0}. From c = 1 it decreases monotonically to c*; it is exact and
@@ -90,6 +92,7 @@ __all__ = [
     "aot_configs",
     "tile_config",
     "candidate_slots",
+    "start_subset",
     "entmax_rowwise_fwd_kernel",
     "entmax_rowwise_bwd_kernel",
     "RESIDENT_MAX_COLS",
@@ -131,6 +134,13 @@ CHUNK_BLOCK = 2048
 WIDE_CHUNK_COLS = 16384
 DEFAULT_TOL = 1e-6
 DEFAULT_MAX_PASSES = 40
+# The start from a subset (`_subset_start`, `start_subset`): its iterations at most, and
+# the general kind's |Σp − 1| over the subset at which it stops (a start needs no more).
+SUBSET_STEPS = tl.constexpr(6)
+SUBSET_TOL = tl.constexpr(1e-3)
+# Resident rows start from a subset from this many entries per thread on, with 8 subset
+# values per thread (each the largest of a group of the thread's own entries).
+SUBSET_MIN_PER_THREAD = 32
 
 
 # ----------------------------------------------------------------------------- device helpers
@@ -440,6 +450,37 @@ def _exact_step(s_a, s_b, s_q2, d_min, ALPHA_KIND: tl.constexpr):
     return step, exact, final, fallback
 
 
+@triton.jit
+def _subset_start(b_vs, done, t, e, near_one, ALPHA_KIND: tl.constexpr):
+    """c to start the row's iteration from: the root over a subset of its entries (b_vs,
+    each the largest v of a group of the row's entries), found by the row's own iteration
+    from c = 1 over the subset alone (docs/maths.md, "A start from a subset"). Σp over a
+    subset is at most Σp over the row at every c, so the subset's root, and every iterate
+    of the iteration's from above, lies at or above the row's root c*: the row's iteration
+    then starts from above, as from c = 1, but close to c* (float64 replica, N(0, 1) rows
+    of 4096–32768 entries: 4–5 evaluations over the row → 1 for sparsemax and entmax15,
+    2 for α 1.3 and 1.7). Sparsemax, entmax15 and plain general rows (1.25 ≤ α ≤ 2); done
+    rows keep c = 1.  [ROWS]"""
+    c = tl.where(done, 1.0, 1.0)
+    settled = done
+    steps = 0
+    while (steps < SUBSET_STEPS) & (tl.sum((~settled).to(tl.int32), axis=0) > 0):
+        s_a, s_b, s_q2, d_min = _pass_sums(b_vs, c, c * 0.0, t, e, near_one, ALPHA_KIND, True)
+        if ALPHA_KIND == ALPHA_GENERAL:
+            # Newton on the subset's convex φ: from above, its iterates stay above
+            near = s_a - 1.0 <= SUBSET_TOL
+            step = tl.where(near, 0.0, -_pow_gap(s_a, t) / tl.where(s_b > 0, s_b, 1.0))
+        else:
+            step, exact, final, fallback = _exact_step(s_a, s_b, s_q2, d_min, ALPHA_KIND)
+            near = exact
+            step = tl.where(exact, step, fallback)
+        c = tl.where(settled, c, c + step)
+        settled = settled | near
+        steps += 1
+    # a few ulps up: the subset's exact root, rounded, stays on the side of c*
+    return tl.where(done, 1.0, c * (1.0 + 2.0 ** -20))
+
+
 # ----------------------------------------------------------------------------- forward
 
 @triton.jit
@@ -447,7 +488,7 @@ def entmax_rowwise_fwd_kernel(
     x_ptr, p_ptr, c_ptr, passes_ptr, alpha_ptr, cand_ptr, captured_ptr,
     n_rows, n_cols, stride_x_row, stride_p_row, alpha_stride, tol, max_passes,
     ROWS: tl.constexpr, BLOCK: tl.constexpr, ALPHA_KIND: tl.constexpr, RESIDENT: tl.constexpr,
-    CANDIDATES: tl.constexpr = 0,
+    CANDIDATES: tl.constexpr = 0, SUBSET: tl.constexpr = 0,
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     m_row = rows < n_rows
@@ -535,6 +576,23 @@ def entmax_rowwise_fwd_kernel(
         n_support = tl.where(done, 0, n_fin)
         captured = passes < 0
         captured_at = tl.zeros([ROWS], tl.int32)
+        if SUBSET > 0:
+            # the subset: the row's entries (resident) or the lanes' maxima over the chunks
+            # (swept, pass 1's), in groups of BLOCK // SUBSET that are a thread's own in the
+            # loads' layout (BLOCK // SUBSET apart), one subset value per group
+            if RESIDENT:
+                b_vs = b_v
+            elif ALPHA_KIND == ALPHA_GENERAL:
+                b_vs = _scaled(b_max, shift, t, ALPHA_KIND, True)
+            else:
+                b_vs = _scaled(b_max, shift, t, ALPHA_KIND, False)
+            if SUBSET < BLOCK:
+                b_vs = tl.max(tl.reshape(b_vs, [ROWS, BLOCK // SUBSET, SUBSET]), axis=1)
+            if ALPHA_KIND == ALPHA_GENERAL:
+                if plain:
+                    c_hi = _subset_start(b_vs, done, t, e, near_one, ALPHA_KIND)
+            else:
+                c_hi = _subset_start(b_vs, done, t, e, near_one, ALPHA_KIND)
         while (passes < max_passes) & (tl.sum((~done).to(tl.int32), axis=0) > 0):
             attempted = passes < 0
             if RESIDENT:
@@ -907,6 +965,28 @@ def candidate_slots(n_cols: int, config: dict, alpha_kind: int) -> int:
     return min(quarter, 256 * config["num_warps"], CHUNK_BLOCK) if quarter >= 128 else 0
 
 
+def start_subset(config: dict, alpha_kind: int) -> int:
+    """Subset values per row from which the forward's iteration starts (`SUBSET`; 0: from
+    c = 1), each the largest of a group of entries one thread holds. Swept rows: 4 per
+    thread from the chunk's lanes, which pass 1 fills with maxima over the chunks anyway; an
+    iteration over them costs a few operations per thread and the reductions, against a
+    sweep over the row. Resident rows: 8 per thread where a thread holds at least
+    SUBSET_MIN_PER_THREAD entries (4096 on 4 warps, 16384 and 32768 on 16); below, an
+    iteration over the subset costs its reductions across the warps, about what an
+    evaluation over 16 entries per thread costs, for fewer evaluations saved. Softmax rows
+    do not iterate. AOT (sm_90): the same registers and stacks as from c = 1 with triton
+    3.6; with 3.9 the general kind's 8-warp sweep takes 158 registers instead of 126 (one
+    program per SM instead of two)."""
+    if alpha_kind == common.ALPHA_SOFTMAX:
+        return 0
+    per_thread = config["ROWS"] * config["BLOCK"] // (32 * config["num_warps"])
+    if not config["RESIDENT"]:
+        return config["BLOCK"] // max(1, per_thread // 4)
+    if per_thread < SUBSET_MIN_PER_THREAD:
+        return 0
+    return config["BLOCK"] * 8 // per_thread
+
+
 def _config_blocks(alpha_kind: int) -> list[int]:
     """Every n_cols class `tile_config` distinguishes for one α kind (one representative
     length each)."""
@@ -944,12 +1024,14 @@ def aot_configs() -> list[dict]:
                 tag = (f"r{cfg['ROWS']}_b{cfg['BLOCK']}_{'res' if cfg['RESIDENT'] else 'chunk'}"
                        f"_w{cfg['num_warps']}")
                 candidates = candidate_slots(n_cols, cfg, alpha_kind)
+                subset = start_subset(cfg, alpha_kind)
                 configs.append({
                     "name": f"fwd_{dtype_key}_k{alpha_kind}_{tag}" + (f"_c{candidates}" if candidates else ""),
                     "fn": entmax_rowwise_fwd_kernel,
                     "signature": kernel_signature(entmax_rowwise_fwd_kernel, dtype_key, FWD_POINTERS,
                                                   floats=("tol",)),
-                    "constexprs": dict(shape, ALPHA_KIND=alpha_kind, CANDIDATES=candidates),
+                    "constexprs": dict(shape, ALPHA_KIND=alpha_kind, CANDIDATES=candidates,
+                                       SUBSET=subset),
                     "num_warps": cfg["num_warps"], "num_stages": 1,
                 })
                 for need in (False, True) if alpha_kind == common.ALPHA_GENERAL else (False,):

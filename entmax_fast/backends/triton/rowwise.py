@@ -16,7 +16,7 @@ import torch
 from ... import common
 from ...triton_kernels.rowwise import (DEFAULT_MAX_PASSES, DEFAULT_TOL, candidate_slots,
                                        entmax_rowwise_bwd_kernel, entmax_rowwise_fwd_kernel,
-                                       tile_config)
+                                       start_subset, tile_config)
 
 __all__ = ["entmax_forward", "entmax_backward", "entmax_threshold"]
 
@@ -66,6 +66,11 @@ def _table_candidates(n_cols: int, alpha_kind: int) -> int:
     return candidate_slots(n_cols, tile_config(n_cols, alpha_kind), alpha_kind)
 
 
+@functools.lru_cache(maxsize=None)
+def _table_subset(n_cols: int, alpha_kind: int) -> int:
+    return start_subset(tile_config(n_cols, alpha_kind), alpha_kind)
+
+
 def _split_config(config: dict) -> tuple[int, int, types.MappingProxyType]:
     constexprs = dict(config)
     num_warps = constexprs.pop("num_warps")
@@ -78,12 +83,13 @@ def _unit_stride(x: torch.Tensor) -> torch.Tensor:
 
 
 def _forward(x: torch.Tensor, alpha, tol: float = DEFAULT_TOL, max_passes: int = DEFAULT_MAX_PASSES,
-             config: dict | None = None, candidates: int | None = None):
+             config: dict | None = None, candidates: int | None = None, subset: int | None = None):
     """Returns (p, c, passes, captured_at): output; threshold in the c-form of
     triton_kernels/rowwise.py as (R, 2) fp32 pairs, c = c[:, 0] + c[:, 1]; passes per row
     (int32); the pass from whose support on a general-kind row's later evaluations ran
     over its captured candidates (int32, 0: none; `candidate_slots`). ``config`` overrides
-    `tile_config` (benchmarks and tests of the chunked path), ``candidates`` the slots."""
+    `tile_config` (benchmarks and tests of the chunked path), ``candidates`` the slots,
+    ``subset`` the values the iteration's start is found from (`start_subset`; 0: c = 1)."""
     x = _unit_stride(x)
     n_rows, n_cols = x.shape
     kind, alpha_t, alpha_stride = _alpha_args(alpha, x.device)
@@ -101,13 +107,15 @@ def _forward(x: torch.Tensor, alpha, tol: float = DEFAULT_TOL, max_passes: int =
     if candidates is None:
         candidates = (candidate_slots(n_cols, config, kind) if config
                       else _table_candidates(n_cols, kind))
+    if subset is None:
+        subset = start_subset(config, kind) if config else _table_subset(n_cols, kind)
     slots = (torch.empty((n_rows, candidates), dtype=torch.float32, device=x.device)
              if candidates else c)
     # Plain integer arithmetic: triton.cdiv is a ConstexprFunction, microseconds per call on the host.
     entmax_rowwise_fwd_kernel[((n_rows + rows_per_program - 1) // rows_per_program,)](
         x, p, c, passes, alpha_t, slots, captured_at, n_rows, n_cols, x.stride(0), p.stride(0),
         alpha_stride, float(tol), int(max_passes), ALPHA_KIND=kind, CANDIDATES=candidates,
-        num_warps=num_warps, num_stages=1, **tile)
+        SUBSET=subset, num_warps=num_warps, num_stages=1, **tile)
     return p, c, passes, captured_at
 
 
