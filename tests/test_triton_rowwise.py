@@ -37,6 +37,9 @@ LENGTHS = [1, 2, 63, 1000, 5000]
 # Rows longer than RESIDENT_MAX_COLS of their α kind are swept in chunks; a small chunk puts
 # short rows through that path as well (several chunks, a ragged last one).
 CHUNKED = {"ROWS": 1, "BLOCK": 64, "RESIDENT": False, "num_warps": 4}
+# A resident tile too small for the table to start it from a subset (`start_subset`), run with
+# one (subset=BLOCK // 4: groups of 4 entries), so that short rows test that start too.
+SUBSET_RESIDENT = {"ROWS": 1, "BLOCK": 64, "RESIDENT": True, "num_warps": 1}
 BF16_ULP = 2.0 ** -8  # one ulp of bf16 values in [0.5, 1)
 # (dtype, atol on p, atol on the sum of p). fp32: the threshold is found to |Σp − 1| ≤ 1e-6
 # (exactly for α ∈ {1.5, 2}) and then normalised; fp16: one rounding of the output.
@@ -165,7 +168,7 @@ def test_forward_dense_alpha_below_one(alpha):
 
 
 @pytest.mark.parametrize("alpha", [1.0, 1.5, 2.0, 1.3, 3.0, "per-row"])
-@pytest.mark.parametrize("resident", [True, False], ids=["resident", "chunked"])
+@pytest.mark.parametrize("resident", [True, False, "subset"], ids=["resident", "chunked", "resident-subset"])
 def test_nan_and_inf_follow_softmax_rule(alpha, resident):
     """A row holding NaN or +inf gives NaN, −inf entries weigh 0, an all −inf row gives
     zeros; the other rows of the same program are unaffected."""
@@ -178,7 +181,10 @@ def test_nan_and_inf_follow_softmax_rule(alpha, resident):
                       [-inf, inf, nan, 1.0, 2.0]], device=DEVICE)
     if alpha == "per-row":
         alpha = torch.tensor([1.5, 1.3, 2.0, 3.0, 1.0, 1.25], device=DEVICE)
-    p, *_ = rowwise._forward(x, alpha, config=None if resident else CHUNKED)
+    if resident == "subset":
+        p, *_ = rowwise._forward(x, alpha, config=SUBSET_RESIDENT, subset=SUBSET_RESIDENT["BLOCK"] // 4)
+    else:
+        p, *_ = rowwise._forward(x, alpha, config=None if resident else CHUNKED)
     assert torch.isnan(p[[0, 1, 5]]).all()
     assert torch.equal(p[2], torch.zeros_like(p[2]))
     assert float(p[3, 1]) == 0.0
@@ -203,11 +209,12 @@ def test_large_finite_scores(dtype, offset, atol):
     x[2, :3] = torch.tensor([big, big, -big], dtype=dtype)
     x = x.to(DEVICE)
     for alpha in (1.0, 1.3, 1.5, 2.0, 3.0):
-        p = rowwise.entmax_forward(x, alpha)
-        assert not p.isnan().any()
-        torch.testing.assert_close(p.double().cpu(), _reference_p(x, alpha), atol=atol, rtol=0)
-        torch.testing.assert_close(p[2, :2].double().cpu(), torch.full((2,), 0.5, dtype=torch.float64),
-                                   atol=atol, rtol=0)
+        for p in (rowwise.entmax_forward(x, alpha),
+                  rowwise._forward(x, alpha, config=SUBSET_RESIDENT, subset=SUBSET_RESIDENT["BLOCK"] // 4)[0]):
+            assert not p.isnan().any()
+            torch.testing.assert_close(p.double().cpu(), _reference_p(x, alpha), atol=atol, rtol=0)
+            torch.testing.assert_close(p[2, :2].double().cpu(), torch.full((2,), 0.5, dtype=torch.float64),
+                                       atol=atol, rtol=0)
 
 
 def _near_one_rows(offset: float) -> torch.Tensor:
