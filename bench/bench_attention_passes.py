@@ -46,7 +46,7 @@ from tests.oracle import oracle_entmax  # noqa: E402
 QK_COST = 5.0          # one bf16 q.k entry at E = 64, in fp32-operation units
 PV_COST = 5.0          # one p.v entry
 OPS_PER_EVAL = {2.0: 6.0, 1.5: 8.0, "general": 14.0}   # d, the sums, the certificate
-MAX_PASS_OPS = 2.0     # scale + running max
+MAX_PASS_OPS = 3.0     # scale, running row max, running column max (`_subset_bound`)
 OUTPUT_OPS = 6.0       # d, p, sums, s
 CAPTURE_OPS = 12.0     # the capture of the scores above lo in the passes over the tiles
                        # (sm_90 SASS: +15-24 instructions per score against 12-19 for a
@@ -161,9 +161,15 @@ def _compact_bound(u, stored, alpha, lo, hi, done):
     """float32 twin of attention_fwd._compact's bound: COMPACT_STEPS evaluations over the
     stored scores alone (a subset of the row: its threshold bounds tau from below)."""
     u_sub = torch.where(stored, u, torch.full_like(u, -float("inf")))
+    return _subset_bound(u_sub, alpha, lo, hi, done, attention_common.COMPACT_STEPS.value)
+
+
+def _subset_bound(u_sub, alpha, lo, hi, done, steps):
+    """The lower bound of tau that `steps` evaluations over a subset of each row find
+    (attention_fwd._subset_bound, and _compact's)."""
     lo_s, hi_s, tau_s, done_s = lo, hi, lo, done
     tight_s, guess = torch.zeros_like(done), lo
-    for _ in range(attention_common.COMPACT_STEPS.value):
+    for _ in range(steps):
         t = _trial_point(lo_s, hi_s, done_s, tight_s, guess, alpha)
         lo_s, hi_s, tau_s, done_s, tight_s, guess = _pass(t, _sums_at(u_sub, t, alpha), lo_s,
                                                           hi_s, tau_s, done_s, tight_s, alpha)
@@ -229,7 +235,8 @@ def emulate_block(u, alpha):
     compactions of the first pass, its tile visits / flagged tiles, whether the block
     took the passes over the tiles). The max pass flags the tiles with a score within the
     bracket's width of its row's maximum (the kernel compares with the running maximum,
-    nearest tiles first; here the final one). Where alpha's kind captures
+    nearest tiles first; here the final one), and the lower bound lo starts from the
+    threshold of each column's largest score (`_subset_bound`). Where alpha's kind captures
     (`attention_common.candidate_slots`), the first threshold pass captures above a rising
     lower bound (`_running_capture`) and, when every open row fits its slots, the passes
     run over those alone. Otherwise (or after a capture that did not fit) the passes over
@@ -246,6 +253,11 @@ def emulate_block(u, alpha):
     n_tiles = -(-u.shape[1] // BLOCK_N)
     padded = torch.nn.functional.pad(u, (0, n_tiles * BLOCK_N - u.shape[1]), value=-float("inf"))
     tile_max = padded.reshape(rows, n_tiles, BLOCK_N).amax(-1)  # [R, tiles]
+    # the max pass's column maxima: a subset of each row whose threshold bounds tau below
+    lo = _subset_bound(padded.reshape(rows, n_tiles, BLOCK_N).amax(1), alpha, lo, hi, done,
+                       attention_common.SUBSET_STEPS_C.value)
+    tau = lo.clone()
+    guess = lo
     first_visited = float((tile_max > -1.0).any(0).float().mean())
     flagged = tile_max > -1.0
     slots = capture_slots(alpha)

@@ -112,6 +112,11 @@ VARIANTS = {
     # compactions when a row holds half its slots, as before 2026-11-28 (session 19), not
     # attention_common.COMPACT_FILL of them
     "compact_at_half": [("(n_most > CANDIDATES * COMPACT_FILL_C)", "(n_most > CANDIDATES * 0.5)")],
+    # the threshold passes from the bracket's lower end, as before 2026-11-29 (session 22):
+    # no column maxima in the max pass (one max per score) and no lower bound from them
+    "no_subset_bound": [("    b_ycol = tl.maximum(b_ycol, b_y)\n", ""),
+                        ("    b_lo = _subset_bound(b_ycol - b_mz[:, None], am1, inv_am1, b_lo, b_hi, m_done, "
+                         "ALPHA_KIND,\n                         NEAR_ONE)\n", "")],
     # the slots read with a masked load per entry, as before 2026-11-28 (session 19), not
     # as whole chunks (`_candidate_pass`, `_compact`)
     "masked_slot_loads": [

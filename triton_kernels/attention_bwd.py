@@ -470,18 +470,7 @@ def entmax_attn_bwd_dkdv_kernel(
                     b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks,
                     BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND,
                     HAS_DROPOUT, True, DQ_MODE)
-        # a last query tile past m_full that the end of the queries cuts (DQ_ORDERED: after
-        # the listed ones, in ascending order)
         q_full = (q_len // BLOCK_M) * BLOCK_M
-        if DQ_MODE != DQ_ORDERED_C:
-            b_dk, b_dv = _dkdv_last_tile(
-                b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
-                p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row, p_flags,
-                o_n, start_n, m_full, q_full, q_len, k_len, head_e, head_ev, scale, am1,
-                inv_am1, is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
-                b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks,
-                BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND,
-                HAS_DROPOUT, DQ_MODE)
         # the full query tiles the forward flagged through their list: a pipelined loop
         # (the list of the previous head of the group is read to the end first)
         tl.debug_barrier()
@@ -498,15 +487,16 @@ def entmax_attn_bwd_dkdv_kernel(
                 b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks,
                 BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND,
                 HAS_DROPOUT, False, DQ_MODE)
-        if DQ_MODE == DQ_ORDERED_C:
-            b_dk, b_dv = _dkdv_last_tile(
-                b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
-                p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row, p_flags,
-                o_n, start_n, m_full, q_full, q_len, k_len, head_e, head_ev, scale, am1,
-                inv_am1, is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
-                b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks,
-                BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND,
-                HAS_DROPOUT, DQ_MODE)
+        # a last query tile past m_full that the end of the queries cuts, after the listed
+        # ones (DQ_ORDERED visits a program's query tiles in ascending order)
+        b_dk, b_dv = _dkdv_last_tile(
+            b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
+            p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row, p_flags,
+            o_n, start_n, m_full, q_full, q_len, k_len, head_e, head_ev, scale, am1,
+            inv_am1, is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
+            b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks,
+            BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND,
+            HAS_DROPOUT, DQ_MODE)
     dk_off = i_b * stride_dkb + i_hk * stride_dkh + k_start * stride_dkl
     dv_off = i_b * stride_dvb + i_hk * stride_dvh + k_start * stride_dvl
     tl.store(dk_ptr + dk_off + o_n[:, None] * stride_dkl + o_e[None, :],

@@ -51,6 +51,12 @@ COMPACT_SEGMENT_C = tl.constexpr(8)
 COMPACT_FILL = 0.75
 COMPACT_FILL_C = tl.constexpr(COMPACT_FILL)
 COMPACT_STEPS = tl.constexpr(2)
+# The max pass also keeps each column's largest score over the tiles: a subset of every
+# row (attention_fwd._subset_bound), whose threshold, found by SUBSET_STEPS evaluations
+# over those BLOCK_N scores, is the lower bound the threshold passes start from instead
+# of the bracket's lower end max - 1/(alpha - 1) (docs/attention.md, "A lower bound from
+# the max pass").
+SUBSET_STEPS_C = tl.constexpr(3)
 COMPACT_MIN_C = tl.constexpr(2)
 COMPACT_TILES_C = tl.constexpr(8)
 # The general kind's heads capture from this alpha up: where the rows do not fit their

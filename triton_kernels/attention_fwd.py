@@ -62,12 +62,12 @@ from .attention_common import (CANDIDATE_CHUNK_C, CAPTURE_MIN_AM1_C, COMPACT_FIL
                                COMPACT_MIN_C, COMPACT_SEGMENT_C, COMPACT_STEPS, COMPACT_TILES_C,
                                MAX_TAU_PASSES_C, NEAR_ONE_INV_AM1, PHASE_OUTPUT_C,
                                PHASE_THRESHOLD_C, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C,
-                               STAT_TAU_C, TAU_STEP_TOL_C, attention_signature, block_sizes,
-                               candidate_slots, chunk_width, config_space, config_suffix, dot,
-                               dropout_scale, forward_launches, full_tiles_end, gap, held_cols,
-                               held_rows, listed_tiles, log2_base, mask_specialisation,
-                               query_block, sensitivity, sequence_bounds, shifted_scores,
-                               weights)
+                               STAT_TAU_C, SUBSET_STEPS_C, TAU_STEP_TOL_C, attention_signature,
+                               block_sizes, candidate_slots, chunk_width, config_space,
+                               config_suffix, dot, dropout_scale, forward_launches,
+                               full_tiles_end, gap, held_cols, held_rows, listed_tiles,
+                               log2_base, mask_specialisation, query_block, sensitivity,
+                               sequence_bounds, shifted_scores, weights)
 from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX, GRAD_ALPHA, GRAD_INPUTS
 from .support import count_and_smallest, positive_f16, store_above, support_bits
 
@@ -105,14 +105,16 @@ def _score_tile(b_q, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base, stri
 
 @triton.jit
 def _max_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, m_m,
-              start_n, q_len, k_len, head_e, scale, is_causal, b_m, p_flags, inv_am1,
+              start_n, q_len, k_len, head_e, scale, is_causal, b_m, b_ycol, p_flags, inv_am1,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
               BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr):
-    """Adds one key tile to the running row maximum b_m and flags the tile when a row's
-    tile maximum comes within 1/(alpha - 1) of the running maximum."""
+    """Adds one key tile to the running row maximum b_m and to the running maximum of each
+    column b_ycol [BM, BN] (`_subset_bound`), and flags the tile when a row's tile maximum
+    comes within 1/(alpha - 1) of the running maximum."""
     b_y = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                       start_n, q_len, k_len, head_e, scale, tl.zeros([BLOCK_M], dtype=tl.float32),
                       is_causal, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
+    b_ycol = tl.maximum(b_ycol, b_y)
     b_tile_max = tl.reduce(b_y, 1, _max_nan)
     b_m = _max_nan(b_m, b_tile_max)
     # The window has a margin, so that the flag does not depend on rounding at its edge:
@@ -123,7 +125,7 @@ def _max_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk,
     b_window = inv_am1 * 1.001 + tl.abs(b_m) * 2.4e-7
     m_near = m_m & (b_tile_max - b_m > -b_window)
     tl.store(p_flags + start_n // BLOCK_N, tl.max(m_near.to(tl.int8), 0))
-    return b_m
+    return b_m, b_ycol
 
 
 @triton.jit
@@ -136,15 +138,19 @@ def _row_max(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, 
     units (the bracket's lower end), so a tile none of whose scores come within 1/(alpha - 1)
     of their row's maximum holds no weight and no threshold pass needs it. The running
     maximum is at most the final one, so flagging against it keeps every tile that matters;
-    the tiles nearest the diagonal go first (the boundary tiles, then the full ones leftwards
-    from the diagonal, wrapping round), so that on local attention the running maximum is
-    the final one almost at once and the far tiles go unflagged."""
+    the tiles nearest the diagonal go first (causal, the tiles crossing it, then the full ones
+    leftwards from the diagonal, wrapping round; without is_causal the ragged last tile
+    comes last), so that on local attention the running maximum is the final one almost at
+    once and the far tiles go unflagged. Also returns each
+    column's largest score over the tiles, [BM, BN] (`_subset_bound`)."""
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    b_ycol = tl.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=tl.float32)
     full_end = full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
-    for start_n in range(full_end, kv_end, BLOCK_N):
-        b_m = _max_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                        m_m, start_n, q_len, k_len, head_e, scale, is_causal, b_m, p_flags,
-                        inv_am1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, True)
+    if is_causal != 0:
+        b_m, b_ycol = _max_boundary_tiles(
+            b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, m_m,
+            full_end, q_len, k_len, kv_end, head_e, scale, is_causal, b_m, b_ycol, p_flags,
+            inv_am1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND)
     n_full = full_end // BLOCK_N
     diagonal = tl.minimum(start_m // BLOCK_N, n_full - 1)
     for i in range(n_full):
@@ -152,10 +158,31 @@ def _row_max(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, 
         # (about 25 instructions of the loop's 218: sm_90, bf16, E 64)
         tile = diagonal - i
         start_n = tl.where(tile < 0, tile + n_full, tile) * BLOCK_N
-        b_m = _max_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                        m_m, start_n, q_len, k_len, head_e, scale, is_causal, b_m, p_flags,
-                        inv_am1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, False)
-    return b_m
+        b_m, b_ycol = _max_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq,
+                                stride_mk, o_m, m_m, start_n, q_len, k_len, head_e, scale,
+                                is_causal, b_m, b_ycol, p_flags, inv_am1, BLOCK_M, BLOCK_N,
+                                BLOCK_E, BLOCK_EC, MASK_KIND, False)
+    if is_causal == 0:
+        b_m, b_ycol = _max_boundary_tiles(
+            b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, m_m,
+            full_end, q_len, k_len, kv_end, head_e, scale, is_causal, b_m, b_ycol, p_flags,
+            inv_am1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND)
+    return b_m, b_ycol
+
+
+@triton.jit
+def _max_boundary_tiles(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
+                        m_m, full_end, q_len, k_len, kv_end, head_e, scale, is_causal, b_m,
+                        b_ycol, p_flags, inv_am1, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr):
+    """`_max_tile` of the tiles past the full ones: the causal diagonal's, or the ragged
+    end of the keys'."""
+    for start_n in range(full_end, kv_end, BLOCK_N):
+        b_m, b_ycol = _max_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq,
+                                stride_mk, o_m, m_m, start_n, q_len, k_len, head_e, scale,
+                                is_causal, b_m, b_ycol, p_flags, inv_am1, BLOCK_M, BLOCK_N,
+                                BLOCK_E, BLOCK_EC, MASK_KIND, True)
+    return b_m, b_ycol
 
 
 @triton.jit
@@ -781,8 +808,32 @@ def _passes_over_tiles(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, s
 
 
 @triton.jit
+def _subset_bound(b_u, am1, inv_am1, b_lo, b_hi, m_done, ALPHA_KIND: tl.constexpr,
+                  NEAR_ONE: tl.constexpr):
+    """Each open row's lower bound of tau from a subset of its scores: b_u [BM, BN], the
+    largest shifted score of each column over the tiles the max pass visited (masked
+    columns -inf). A subset's f is at most the row's, so its threshold and every lower bound
+    of it that `_update_from_sums` finds lies at or below the row's tau (as a compaction's,
+    `_compact`); SUBSET_STEPS evaluations over the subset, in registers. The float32
+    emulation (64-row blocks, N(0, 1) scores, L 4096, alpha 1.5): the first threshold
+    pass's compactions 2.0 -> 0 per block, 44.9 -> 40.0 units per score (docs/attention.md,
+    "A lower bound from the max pass")."""
+    b_lo_s, b_hi_s, b_tau_s, m_done_s = b_lo, b_hi, b_lo, m_done
+    m_tight_s = tl.zeros_like(m_done)
+    b_guess = b_lo
+    for _ in tl.static_range(SUBSET_STEPS_C):
+        b_t = _trial_point(b_lo_s, b_hi_s, m_done_s, m_tight_s, b_guess, ALPHA_KIND)
+        b_a, b_b, b_c, b_dmin = _moments(gap(b_u, _threshold_in_z(b_t, inv_am1, ALPHA_KIND),
+                                             inv_am1, ALPHA_KIND), inv_am1, ALPHA_KIND, NEAR_ONE)
+        b_lo_s, b_hi_s, b_tau_s, m_done_s, m_tight_s, b_guess = _update_from_sums(
+            b_t, b_a, b_b, b_c, b_dmin, b_lo_s, b_hi_s, b_tau_s, m_done_s, m_tight_s, am1,
+            inv_am1, ALPHA_KIND)
+    return tl.where(m_done, b_lo, tl.maximum(b_lo, b_lo_s))
+
+
+@triton.jit
 def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                    n_full, q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows,
+                    n_full, q_len, k_len, kv_end, head_e, scale, b_mz, b_ycol, is_causal, m_rows,
                     p_flags, p_tiles, p_cand, am1, inv_am1, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
                     MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr,
@@ -804,6 +855,9 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
     b_tau = b_lo
     m_done = ~m_rows
     m_tight = tl.zeros_like(m_done)
+    b_lo = _subset_bound(b_ycol - b_mz[:, None], am1, inv_am1, b_lo, b_hi, m_done, ALPHA_KIND,
+                         NEAR_ONE)
+    b_tau = b_lo
     b_guess = b_lo
     # the list of the tiles the max pass flagged (from other threads' flags)
     tl.debug_barrier()
@@ -990,9 +1044,10 @@ def entmax_attn_fwd_kernel(
         b_m = tl.load(p_stats + STAT_MAX_C * stride_stat, mask=m_m, other=float("-inf"))
     else:
         # pass 1: row max and the tiles the threshold passes need
-        b_m = _row_max(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                       m_m, start_m, q_len, k_len, kv_end, head_e, scale, is_causal, p_flags,
-                       inv_am1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND)
+        b_m, b_ycol = _row_max(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq,
+                               stride_mk, o_m, m_m, start_m, q_len, k_len, kv_end, head_e,
+                               scale, is_causal, p_flags, inv_am1, BLOCK_M, BLOCK_N, BLOCK_E,
+                               BLOCK_EC, MASK_KIND)
     # torch.softmax's rule: a NaN or +inf score makes its row NaN; a row with every key
     # masked gets zeros. Neither has a threshold to find.
     m_bad = (b_m != b_m) | (b_m == float("inf"))
@@ -1014,14 +1069,14 @@ def entmax_attn_fwd_kernel(
         if near_one:
             b_tau, n_listed = _find_threshold(
                 b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
-                q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows, p_flags, p_tiles,
-                p_cand, am1, inv_am1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND,
+                q_len, k_len, kv_end, head_e, scale, b_mz, b_ycol, is_causal, m_rows, p_flags,
+                p_tiles, p_cand, am1, inv_am1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND,
                 ALPHA_KIND, CANDIDATES, True)
         else:
             b_tau, n_listed = _find_threshold(
                 b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
-                q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows, p_flags, p_tiles,
-                p_cand, am1, inv_am1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND,
+                q_len, k_len, kv_end, head_e, scale, b_mz, b_ycol, is_causal, m_rows, p_flags,
+                p_tiles, p_cand, am1, inv_am1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND,
                 ALPHA_KIND, CANDIDATES, False)
         if PHASE == PHASE_THRESHOLD_C:
             tl.store(p_stats + STAT_MAX_C * stride_stat, b_m, mask=m_m)
