@@ -13,9 +13,10 @@ they lose. Needs a CUDA device.
 (0: none), tried only with split. --dq: where the backward forms dQ
 (`attention_common.backward_dq`: its own kernel, or the dK/dV kernel's atomic adds,
 unordered or in key-block order); a learned alpha (--alpha-tensor) always takes the kernel.
---fwd-launch applies to every forward launch. --mask passes the causal mask as an (L, L) attn_mask instead of is_causal (bool: True attends;
-additive: 0 / -inf), as transformers' models do when a batch has padding: the masked
-kernels (MASK_BOOL, MASK_ADDITIVE), which read the mask on every tile.
+--fwd-launch applies to every forward launch. --mask passes the causal mask as an (L, L)
+attn_mask instead of is_causal (bool: True attends; additive: 0 / -inf), as transformers'
+models do when a batch has padding: the masked kernels (MASK_BOOL, MASK_ADDITIVE), which
+read the mask on every tile.
 
 Each candidate is a fresh compile of every kernel it runs (seconds each): narrow the lists
 to what a GPU session has time for. --forward-only times the forward without autograd and

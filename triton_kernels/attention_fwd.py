@@ -141,8 +141,8 @@ def _row_max(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, 
     the tiles nearest the diagonal go first (causal, the tiles crossing it, then the full ones
     leftwards from the diagonal, wrapping round; without is_causal the ragged last tile
     comes last), so that on local attention the running maximum is the final one almost at
-    once and the far tiles go unflagged. Also returns each
-    column's largest score over the tiles, [BM, BN] (`_subset_bound`)."""
+    once and the far tiles go unflagged. Also returns each column's largest score over the
+    tiles, [BM, BN] (`_subset_bound`)."""
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     b_ycol = tl.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=tl.float32)
     full_end = full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
@@ -852,7 +852,6 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
     # units: near alpha = 1 the threshold sits close to -1 and c keeps its digits
     b_lo = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_hi = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-    b_tau = b_lo
     m_done = ~m_rows
     m_tight = tl.zeros_like(m_done)
     b_lo = _subset_bound(b_ycol - b_mz[:, None], am1, inv_am1, b_lo, b_hi, m_done, ALPHA_KIND,

@@ -461,7 +461,7 @@ def _subset_start(b_vs, done, t, e, near_one, ALPHA_KIND: tl.constexpr):
     of 4096–32768 entries: 4–5 evaluations over the row → 1 for sparsemax and entmax15,
     2 for α 1.3 and 1.7). Sparsemax, entmax15 and plain general rows (1.25 ≤ α ≤ 2); done
     rows keep c = 1.  [ROWS]"""
-    c = tl.where(done, 1.0, 1.0)
+    c = tl.full(done.shape, 1.0, tl.float32)
     settled = done
     steps = 0
     while (steps < SUBSET_STEPS) & (tl.sum((~settled).to(tl.int32), axis=0) > 0):
