@@ -6,6 +6,9 @@
 #              too), in parallel workers when pytest-xdist is installed;
 #   train      the quick training run on the GPU (python -m entmax_fast.train --quick
 #              --device cuda), with CUDA_LAUNCH_BLOCKING=1 so a failing kernel is named;
+#   hf         a Llama-style model (155M parameters, B 4 L 2048, bf16) trained through
+#              attn_implementation "sdpa", "entmax" and "sparsemax": ms per step
+#              (bench/bench_hf_training.py; HF_ARGS adds to its arguments);
 #   attention  the fused-attention grid (bench/bench_attention_gpu.py: SDPA, entmax_fast
 #              α 1.5 / 2, AdaSplash and FlashAttention when importable, random and local
 #              inputs); QUICK=1 times four cells only; ATTENTION_ARGS replaces the
@@ -33,7 +36,7 @@
 #              against the float64 reference (tests/test_structured.py -k cuda_ops),
 #              then the GPU table of bench/bench_structured.py (--gpu-only: its CPU table is
 #              the CPU's figure, timed where the project is built without a GPU).
-# STEPS picks and orders them (default: tests train attention rowwise structured). The exit
+# STEPS picks and orders them (default: tests train hf attention rowwise structured). The exit
 # status is the number of failed steps.
 #
 #   bash bench/gpu_check.sh                           # outputs in bench/out/gpu
@@ -101,12 +104,13 @@ has_cuda_extension() {
   python -c "import torch, entmax_fast._C, sys; sys.exit(not torch._C._dispatch_has_kernel_for_dispatch_key('entmax_fast::fusedmax_forward', 'CUDA'))" 2>/dev/null
 }
 
-for name in ${STEPS:-tests train attention rowwise structured}; do
+for name in ${STEPS:-tests train hf attention rowwise structured}; do
   case "$name" in
     tests) step tests "${TESTS_LIMIT:-300}" python -m pytest -q -p no:cacheprovider "${workers[@]}" \
              tests/test_triton_attention.py tests/test_triton_rowwise.py ;;
     train) CUDA_LAUNCH_BLOCKING=1 step train "${TRAIN_LIMIT:-120}" python -m entmax_fast.train --quick \
              --device cuda --no-progress --out "$OUT_DIR/train" ;;
+    hf) step hf "${HF_LIMIT:-180}" python bench/bench_hf_training.py --out "$OUT_DIR" ${HF_ARGS:-} ;;
     attention)
       if [ "${QUICK:-0}" = "1" ]; then
         step attention "${ATTENTION_LIMIT:-300}" python bench/bench_attention_gpu.py --quick \

@@ -185,3 +185,25 @@ def test_register_errors():
         entmax_fast.hf.register("bad", alpha=0.5)
     with pytest.raises(ValueError, match="name must be a non-empty string"):
         entmax_fast.hf.register("", alpha=1.5)
+
+
+def test_training_benchmark_dry_run(tmp_path):
+    """bench/bench_hf_training.py (the GPU check's end-to-end step) on its tiny CPU model:
+    every implementation trains through its own attention (entmax_fast's for the two it
+    registers), with finite losses, into the table the GPU check hands back."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "bench_hf_training.py"
+    spec = importlib.util.spec_from_file_location("bench_hf_training", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--tiny", "--device", "cpu", "--steps", "2", "--out", str(tmp_path)]) == 0
+    table = (tmp_path / "hf_training.md").read_text().splitlines()
+    rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
+            for line in table if line.startswith("| ") and not line.startswith("| implementation")}
+    assert set(rows) == {"sdpa", "entmax", "sparsemax"}
+    assert rows["sdpa"][1] == "1.00" and rows["sdpa"][4] == "torch SDPA"
+    for name in ("entmax", "sparsemax"):
+        assert math.isfinite(float(rows[name][1])) and math.isfinite(float(rows[name][3]))
+        assert rows[name][4] in ("cpp", "reference", "triton")
