@@ -1,8 +1,9 @@
 """Row-wise mappings on a GPU: the table of the row-wise issue (#14), in one run.
 
 For each shape (16384×1024 and 1024×32768) and dtype (fp32, bf16), times with
-`triton.testing.do_bench` (median ms) the forward without autograd and forward + backward
-(a training step: autograd forward, then backward of a fixed upstream gradient) of:
+`triton.testing.do_bench` (median ms), as called and replayed from a CUDA graph (the GPU's
+time without the host's), the forward without autograd and forward + backward (a training
+step: autograd forward, then backward of a fixed upstream gradient) of:
 - torch.softmax (the baseline of every ratio),
 - entmax_fast's sparsemax, entmax15 and entmax_bisect at α = 1.3 (float α) and with a
   per-row α tensor of 1.3 (the learnable-α path, fwd+bwd with dα),
@@ -92,12 +93,24 @@ def _max_error(fn, x, alpha) -> float:
     return float((p - ref).abs().max())
 
 
+def _graph_ms(fn) -> float:
+    """Median ms of ``fn`` replayed from a CUDA graph; NaN when it cannot be captured."""
+    import triton
+
+    try:
+        return triton.testing.do_bench_cudagraph(fn, return_mode="median")
+    except Exception as exc:  # noqa: BLE001 - an uncapturable baseline is a cell of the table
+        print(f"graph capture failed: {type(exc).__name__}")
+        return float("nan")
+
+
 def _times(fn, x, grad):
-    """Median ms of the forward, of the forward replayed from a CUDA graph, and of a
-    training step. The graph's is the GPU's time alone: where a kernel takes less time than
-    the host needs to issue a call through the Python layers, `do_bench` times the host
-    (the eighth session's 16384×1024 forwards moved by 2× between runs, softmax's did not);
-    NaN when the call cannot be captured."""
+    """Median ms of the forward and of a training step (forward + backward), each as
+    called and replayed from a CUDA graph. The graph's is the GPU's time alone: where the
+    kernels take less time than the host needs to issue a call through the Python layers
+    (and autograd's), `do_bench` times the host (the eighth session's 16384×1024 forwards
+    moved by 2× between runs, softmax's did not; the ninth's training steps were 3–6×
+    softmax's there); NaN when the call cannot be captured."""
     import triton
 
     def forward():
@@ -112,12 +125,7 @@ def _times(fn, x, grad):
 
     fwd_ms = triton.testing.do_bench(forward, return_mode="median")
     step_ms = triton.testing.do_bench(training_step, return_mode="median")
-    try:
-        graph_ms = triton.testing.do_bench_cudagraph(forward, return_mode="median")
-    except Exception as exc:  # noqa: BLE001 - an uncapturable baseline is a cell of the table
-        print(f"graph capture failed: {type(exc).__name__}")
-        graph_ms = float("nan")
-    return fwd_ms, graph_ms, step_ms
+    return fwd_ms, _graph_ms(forward), step_ms, _graph_ms(training_step)
 
 
 def run(out_dir: str) -> list[dict]:
@@ -128,25 +136,27 @@ def run(out_dir: str) -> list[dict]:
             x = torch.randn(n_rows, n_cols, device="cuda", generator=gen).to(dtype)
             grad = torch.randn(n_rows, n_cols, device="cuda", generator=gen).to(dtype)
             row_bytes = n_rows * n_cols * x.element_size()
-            soft_fwd = soft_step = soft_graph = None
+            soft_fwd = soft_step = soft_graph = soft_step_graph = None
             for name, (fn, ours, alpha) in _methods(n_rows, x.device).items():
                 entry = {"shape": f"{n_rows}x{n_cols}", "dtype": str(dtype).replace("torch.", ""), "method": name}
                 try:
-                    fwd_ms, graph_ms, step_ms = _times(fn, x, grad)
+                    fwd_ms, graph_ms, step_ms, step_graph_ms = _times(fn, x, grad)
                     error = _max_error(fn, x, alpha) if ours else float("nan")
                 except Exception as exc:  # noqa: BLE001 - a failing baseline is a cell of the table
                     print(f"{name} {entry['shape']} {entry['dtype']}: {type(exc).__name__}: "
                           f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}")
                     entry.update(fwd_ms=float("nan"), fwd_graph_ms=float("nan"), fwd_graph_vs_softmax=float("nan"),
-                                 fwdbwd_ms=float("nan"), fwd_gbps=float("nan"),
+                                 fwdbwd_ms=float("nan"), fwdbwd_graph_ms=float("nan"),
+                                 fwdbwd_graph_vs_softmax=float("nan"), fwd_gbps=float("nan"),
                                  fwdbwd_gbps=float("nan"), fwd_vs_softmax=float("nan"),
                                  fwdbwd_vs_softmax=float("nan"), max_err_vs_f64=float("nan"), error=type(exc).__name__)
                     rows.append(entry)
                     continue
                 if name == "softmax":
-                    soft_fwd, soft_step, soft_graph = fwd_ms, step_ms, graph_ms
+                    soft_fwd, soft_step, soft_graph, soft_step_graph = fwd_ms, step_ms, graph_ms, step_graph_ms
                 entry.update(fwd_ms=fwd_ms, fwd_graph_ms=graph_ms, fwd_graph_vs_softmax=graph_ms / soft_graph,
-                             fwdbwd_ms=step_ms,
+                             fwdbwd_ms=step_ms, fwdbwd_graph_ms=step_graph_ms,
+                             fwdbwd_graph_vs_softmax=step_graph_ms / soft_step_graph,
                              fwd_gbps=2 * row_bytes / fwd_ms / 1e6, fwdbwd_gbps=5 * row_bytes / step_ms / 1e6,
                              fwd_vs_softmax=fwd_ms / soft_fwd, fwdbwd_vs_softmax=step_ms / soft_step,
                              max_err_vs_f64=error, error="")
@@ -154,7 +164,8 @@ def run(out_dir: str) -> list[dict]:
                 print(f"{entry['shape']:>11} {entry['dtype']:>8} {name:<34} fwd {fwd_ms:8.4f} ms "
                       f"({entry['fwd_gbps']:6.0f} GB/s, {entry['fwd_vs_softmax']:5.2f}x; graph {graph_ms:7.4f} ms "
                       f"{entry['fwd_graph_vs_softmax']:5.2f}x)  fwd+bwd {step_ms:8.4f} ms "
-                      f"({entry['fwdbwd_vs_softmax']:5.2f}x)  err {error:.1e}", flush=True)
+                      f"({entry['fwdbwd_vs_softmax']:5.2f}x; graph {step_graph_ms:7.4f} ms "
+                      f"{entry['fwdbwd_graph_vs_softmax']:5.2f}x)  err {error:.1e}", flush=True)
     _write(rows, out_dir)
     return rows
 
@@ -166,18 +177,19 @@ def _write(rows, out_dir):
     write_csv(rows, os.path.join(out_dir, "rowwise_gpu.csv"))
     lines = [f"# Row-wise mappings, {torch.cuda.get_device_name()}", "", _versions(), "",
              "Median ms (triton.testing.do_bench); ratio to torch.softmax in the same run; GB/s: "
-             "fwd one read + one write, fwd+bwd three reads + two writes. fwd graph: the forward "
+             "fwd one read + one write, fwd+bwd three reads + two writes. graph: the call "
              "replayed from a CUDA graph (do_bench_cudagraph), the GPU's time without the host's.", "",
              "| shape | dtype | method | fwd ms | fwd GB/s | fwd / softmax | fwd graph ms | graph / softmax "
-             "| fwd+bwd ms | fwd+bwd / softmax | max err vs f64 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| fwd+bwd ms | fwd+bwd / softmax | fwd+bwd graph ms | graph / softmax | max err vs f64 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["error"]:
-            lines.append(f"| {r['shape']} | {r['dtype']} | {r['method']} | — ({r['error']}) | | | | | | | |")
+            lines.append(f"| {r['shape']} | {r['dtype']} | {r['method']} | — ({r['error']}) | | | | | | | | | |")
             continue
         lines.append(f"| {r['shape']} | {r['dtype']} | {r['method']} | {r['fwd_ms']:.4f} | {r['fwd_gbps']:.0f} | "
                      f"{r['fwd_vs_softmax']:.2f} | {r['fwd_graph_ms']:.4f} | {r['fwd_graph_vs_softmax']:.2f} | "
                      f"{r['fwdbwd_ms']:.4f} | {r['fwdbwd_vs_softmax']:.2f} | "
+                     f"{r['fwdbwd_graph_ms']:.4f} | {r['fwdbwd_graph_vs_softmax']:.2f} | "
                      f"{r['max_err_vs_f64']:.1e} |")
     with open(os.path.join(out_dir, "rowwise_gpu.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
