@@ -98,6 +98,11 @@ __all__ = [
     "RESIDENT_MAX_COLS",
     "CHUNK_BLOCK",
     "WIDE_CHUNK_COLS",
+    "STATS_COLUMNS",
+    "STAT_C_HI",
+    "STAT_C_LO",
+    "STAT_PASSES",
+    "STAT_CAPTURED_AT",
 ]
 
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -134,6 +139,14 @@ CHUNK_BLOCK = 2048
 WIDE_CHUNK_COLS = 16384
 DEFAULT_TOL = 1e-6
 DEFAULT_MAX_PASSES = 40
+# The forward's record per row (fp32 words): the threshold c as a pair c_hi + c_lo, the
+# passes over the row and the pass from which a general-kind row ran over its captured
+# support (0: none), the two counts as int32 bit patterns.
+STATS_COLUMNS = tl.constexpr(4)
+STAT_C_HI = tl.constexpr(0)
+STAT_C_LO = tl.constexpr(1)
+STAT_PASSES = tl.constexpr(2)
+STAT_CAPTURED_AT = tl.constexpr(3)
 # The start from a subset (`_subset_start`, `start_subset`): its iterations at most, and
 # the general kind's |Σp − 1| over the subset at which it stops (a start needs no more).
 SUBSET_STEPS = tl.constexpr(6)
@@ -485,7 +498,7 @@ def _subset_start(b_vs, done, t, e, near_one, ALPHA_KIND: tl.constexpr):
 
 @triton.jit
 def entmax_rowwise_fwd_kernel(
-    x_ptr, p_ptr, c_ptr, passes_ptr, alpha_ptr, cand_ptr, captured_ptr,
+    x_ptr, p_ptr, stats_ptr, alpha_ptr, cand_ptr,
     n_rows, n_cols, stride_x_row, stride_p_row, alpha_stride, tol, max_passes,
     ROWS: tl.constexpr, BLOCK: tl.constexpr, ALPHA_KIND: tl.constexpr, RESIDENT: tl.constexpr,
     CANDIDATES: tl.constexpr = 0, SUBSET: tl.constexpr = 0,
@@ -730,11 +743,16 @@ def entmax_rowwise_fwd_kernel(
         c_hi = inv_norm  # the threshold c of softmax is 1/Σexp(u)
     else:
         c_hi = tl.where(t == 0.0, inv_norm, c_hi)
-    tl.store(c_ptr + 2 * rows, c_hi, mask=m_row)
-    tl.store(c_ptr + 2 * rows + 1, c_lo, mask=m_row)
-    tl.store(passes_ptr + rows, row_passes, mask=m_row)
-    if ALPHA_KIND == ALPHA_GENERAL:
-        tl.store(captured_ptr + rows, captured_at, mask=m_row)
+    # One record per row (STATS_COLUMNS), so that a call allocates one buffer for them: a
+    # small call's host time is a few microseconds per allocation (and a fill launch for
+    # a zeroed one), as much as its kernel on a GPU.
+    p_stats = stats_ptr + STATS_COLUMNS * rows
+    tl.store(p_stats + STAT_C_HI, c_hi, mask=m_row)
+    tl.store(p_stats + STAT_C_LO, c_lo, mask=m_row)
+    tl.store(p_stats + STAT_PASSES, row_passes.to(tl.float32, bitcast=True), mask=m_row)
+    if ALPHA_KIND != ALPHA_GENERAL:
+        captured_at = tl.zeros([ROWS], tl.int32)
+    tl.store(p_stats + STAT_CAPTURED_AT, captured_at.to(tl.float32, bitcast=True), mask=m_row)
 
 
 # ----------------------------------------------------------------------------- backward
@@ -1001,8 +1019,8 @@ def _config_blocks(alpha_kind: int) -> list[int]:
 
 # ----------------------------------------------------------------------------- AOT contract
 
-FWD_POINTERS = {"x_ptr": TENSOR, "p_ptr": TENSOR, "c_ptr": "*fp32", "passes_ptr": "*i32",
-                "alpha_ptr": "*fp32", "cand_ptr": "*fp32", "captured_ptr": "*i32"}
+FWD_POINTERS = {"x_ptr": TENSOR, "p_ptr": TENSOR, "stats_ptr": "*fp32", "alpha_ptr": "*fp32",
+                "cand_ptr": "*fp32"}
 BWD_POINTERS = {"p_ptr": TENSOR, "g_ptr": TENSOR, "dx_ptr": TENSOR, "dalpha_ptr": "*fp32",
                 "alpha_ptr": "*fp32"}
 

@@ -14,7 +14,8 @@ import types
 import torch
 
 from ... import common
-from ...triton_kernels.rowwise import (DEFAULT_MAX_PASSES, DEFAULT_TOL, candidate_slots,
+from ...triton_kernels.rowwise import (DEFAULT_MAX_PASSES, DEFAULT_TOL, STAT_C_HI, STAT_C_LO,
+                                       STAT_CAPTURED_AT, STAT_PASSES, STATS_COLUMNS, candidate_slots,
                                        entmax_rowwise_bwd_kernel, entmax_rowwise_fwd_kernel,
                                        start_subset, tile_config)
 
@@ -90,6 +91,15 @@ def _forward(x: torch.Tensor, alpha, tol: float = DEFAULT_TOL, max_passes: int =
     over its captured candidates (int32, 0: none; `candidate_slots`). ``config`` overrides
     `tile_config` (benchmarks and tests of the chunked path), ``candidates`` the slots,
     ``subset`` the values the iteration's start is found from (`start_subset`; 0: c = 1)."""
+    p, stats = _launch_forward(x, alpha, tol, max_passes, config, candidates, subset)
+    counts = stats.view(torch.int32)
+    return (p, stats[:, STAT_C_HI.value:STAT_C_LO.value + 1], counts[:, STAT_PASSES.value],
+            counts[:, STAT_CAPTURED_AT.value])
+
+
+def _launch_forward(x, alpha, tol=DEFAULT_TOL, max_passes=DEFAULT_MAX_PASSES, config=None, candidates=None,
+                    subset=None):
+    """(p, the kernel's record per row: (R, STATS_COLUMNS) fp32) for `_forward`'s arguments."""
     x = _unit_stride(x)
     n_rows, n_cols = x.shape
     kind, alpha_t, alpha_stride = _alpha_args(alpha, x.device)
@@ -98,11 +108,10 @@ def _forward(x: torch.Tensor, alpha, tol: float = DEFAULT_TOL, max_passes: int =
     if max_passes < 2:
         raise ValueError(f"max_passes must be >= 2 (max, one evaluation), got {max_passes}")
     p = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-    c = torch.empty((n_rows, 2), dtype=torch.float32, device=x.device)
-    passes = torch.empty((n_rows,), dtype=torch.int32, device=x.device)
-    captured_at = torch.zeros((n_rows,), dtype=torch.int32, device=x.device)
+    # one buffer for the record: a small call's host time is a few µs per allocation
+    stats = torch.empty((n_rows, STATS_COLUMNS.value), dtype=torch.float32, device=x.device)
     if n_rows == 0 or n_cols == 0:
-        return p, c.fill_(0.0), passes.fill_(0), captured_at
+        return p, stats.zero_()
     rows_per_program, num_warps, tile = _split_config(config) if config else _launch_config(n_cols, kind)
     if candidates is None:
         candidates = (candidate_slots(n_cols, config, kind) if config
@@ -110,13 +119,13 @@ def _forward(x: torch.Tensor, alpha, tol: float = DEFAULT_TOL, max_passes: int =
     if subset is None:
         subset = start_subset(config, kind) if config else _table_subset(n_cols, kind)
     slots = (torch.empty((n_rows, candidates), dtype=torch.float32, device=x.device)
-             if candidates else c)
+             if candidates else stats)
     # Plain integer arithmetic: triton.cdiv is a ConstexprFunction, microseconds per call on the host.
     entmax_rowwise_fwd_kernel[((n_rows + rows_per_program - 1) // rows_per_program,)](
-        x, p, c, passes, alpha_t, slots, captured_at, n_rows, n_cols, x.stride(0), p.stride(0),
+        x, p, stats, alpha_t, slots, n_rows, n_cols, x.stride(0), p.stride(0),
         alpha_stride, float(tol), int(max_passes), ALPHA_KIND=kind, CANDIDATES=candidates,
         SUBSET=subset, num_warps=num_warps, num_stages=1, **tile)
-    return p, c, passes, captured_at
+    return p, stats
 
 
 def entmax_forward(x: torch.Tensor, alpha) -> torch.Tensor:
@@ -127,7 +136,7 @@ def entmax_forward(x: torch.Tensor, alpha) -> torch.Tensor:
     (checked by the public layer, on the device without a host sync). Returns p (R, n) in x's dtype,
     computed in fp32. A row holding NaN or +inf gives NaN; −inf entries get weight 0.
     """
-    return _forward(x, alpha)[0]
+    return _launch_forward(x, alpha)[0]
 
 
 def entmax_threshold(x: torch.Tensor, alpha, tol: float = DEFAULT_TOL,
