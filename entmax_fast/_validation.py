@@ -67,6 +67,8 @@ def mapping_alpha(alpha, X: torch.Tensor, dim: int):
     check_alpha_tensor(alpha, 0.0, inclusive=False, like=X)
     row_shape = list(X.shape)
     row_shape[dim] = 1
+    if list(alpha.shape) == row_shape:
+        return alpha  # a view would change nothing and costs µs of host time per call
     if alpha.dim() > X.dim():
         raise ValueError(f"alpha must be broadcastable to {tuple(row_shape)} (X's shape with size 1 "
                          f"along dim={dim}), got shape {tuple(alpha.shape)}")
