@@ -236,9 +236,10 @@ def sweep(lengths=SWEEP_LENGTHS, alphas=SWEEP_ALPHAS):
     neighbours (`_sweep_candidates`), fp32, for each α (one per α kind: the table keys on
     it). A swept general-kind configuration is timed again without its captured support
     (`candidate_slots`: "capture off"), and one that starts from a subset from c = 1
-    (`start_subset`: "subset off"), so that each one's effect is read in one run."""
-    import triton
-
+    (`start_subset`: "subset off"), so that each one's effect is read in one run. Each
+    forward is replayed from a CUDA graph (`_graph_ms`): at this size a kernel takes
+    about as long as the host needs to issue a call, and `do_bench` would time the host
+    alike for every configuration."""
     from entmax_fast import common
     from entmax_fast.backends.triton import rowwise
     from entmax_fast.triton_kernels.rowwise import candidate_slots, start_subset, tile_config
@@ -249,17 +250,15 @@ def sweep(lengths=SWEEP_LENGTHS, alphas=SWEEP_ALPHAS):
         for alpha in alphas:
             candidates = _sweep_candidates(n_cols, tile_config(n_cols, common.alpha_kind(alpha)))
             for cand in candidates:
-                ms = triton.testing.do_bench(lambda: rowwise._forward(x, alpha, config=cand), return_mode="median")
+                ms = _graph_ms(lambda: rowwise._launch_forward(x, alpha, config=cand))
                 mark = "  (table)" if cand is candidates[0] else ""
                 print(f"n={n_cols:>6} alpha={alpha} rows={cand['ROWS']:>3} block={cand['BLOCK']:>5} "
                       f"warps={cand['num_warps']:>2} resident={cand['RESIDENT']}: {ms:.4f} ms{mark}", flush=True)
                 if candidate_slots(n_cols, cand, common.alpha_kind(alpha)):
-                    ms = triton.testing.do_bench(lambda: rowwise._forward(x, alpha, config=cand, candidates=0),
-                                                 return_mode="median")
+                    ms = _graph_ms(lambda: rowwise._launch_forward(x, alpha, config=cand, candidates=0))
                     print(f"{'':>54}capture off: {ms:.4f} ms", flush=True)
                 if start_subset(cand, common.alpha_kind(alpha)):
-                    ms = triton.testing.do_bench(lambda: rowwise._forward(x, alpha, config=cand, subset=0),
-                                                 return_mode="median")
+                    ms = _graph_ms(lambda: rowwise._launch_forward(x, alpha, config=cand, subset=0))
                     print(f"{'':>54}subset off: {ms:.4f} ms", flush=True)
 
 
