@@ -201,7 +201,8 @@ SWEEP_ALPHAS = (1.5, 2.0, 1.3)
 
 def _sweep_candidates(n_cols: int, base: dict) -> list[dict]:
     """The table's entry `base` first, then its neighbours (rows per program ×½, ×2; warps
-    ×¼, ×½, ×2) and, where the α kinds' tables differ (rows longer than the shortest
+    ×¼, ×½, ×2; rows ×2 on half the warps, the same threads per row: a program of one
+    warp holds one row alone, and an SM holds at most 32 programs) and, where the α kinds' tables differ (rows longer than the shortest
     resident limit), each kind's choice: resident on 16 warps up to the longest resident
     row, chunked on 4 and 8 warps. Warps ×¼: at 1024 entries one warp per row needs no
     barrier in a pass's reductions, and its sm_90 SASS holds 11.5 instructions per entry
@@ -220,7 +221,7 @@ def _sweep_candidates(n_cols: int, base: dict) -> list[dict]:
             block = 1 << (n_cols - 1).bit_length()
             candidates.append({"ROWS": 1, "BLOCK": block, "RESIDENT": True, "num_warps": 16})
         candidates += [{"ROWS": 1, "BLOCK": CHUNK_BLOCK, "RESIDENT": False, "num_warps": warps} for warps in (4, 8)]
-    for rows_factor, warps_factor in ((0.5, 1), (2, 1), (1, 0.25), (1, 0.5), (1, 2)):
+    for rows_factor, warps_factor in ((0.5, 1), (2, 1), (1, 0.25), (1, 0.5), (1, 2), (2, 0.5)):
         cand = dict(base, ROWS=int(base["ROWS"] * rows_factor), num_warps=int(base["num_warps"] * warps_factor))
         if cand["ROWS"] >= 1 and 1 <= cand["num_warps"] <= 32 and (cand["RESIDENT"] or cand["ROWS"] == 1):
             candidates.append(cand)
