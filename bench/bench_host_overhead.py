@@ -1,5 +1,6 @@
-"""Host overhead of the row-wise mappings on the Triton path: microseconds of Python work per
-call, forward and forward+backward, with the kernel launches stubbed out.
+"""Host overhead of the row-wise mappings and the fused attention on the Triton path:
+microseconds of Python work per call, forward and forward+backward, with the kernel launches
+stubbed out.
 
 Not a GPU timing. On a GPU a small call (16 x 1024 rows, say) runs its kernel in a few
 microseconds, so what the host does around the launch (validation, the backend choice,
@@ -17,6 +18,11 @@ torch.softmax on the same tensor is timed in the same run as a yardstick: the ra
 compares machines and runs, the microseconds alone do not.
 
     python bench/bench_host_overhead.py [--shape 16x1024] [--dtype float32] [--calls 500] [--repeats 21]
+
+The attention rows call entmax_attention on (1, 4, 128, 16) queries and (1, 2, 128, 16)
+keys and values (causal, grouped-query), the shape of a decoding model's small calls, where
+the host's part decides; its yardstick is torch's own SDPA on the same tensors (CPU compute
+included).
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import entmax_fast  # noqa: E402
 from entmax_fast import dispatch  # noqa: E402
 from entmax_fast.backends.triton import rowwise as triton_rowwise  # noqa: E402
+from entmax_fast.triton_kernels import attention_bwd, attention_fwd  # noqa: E402
 
 
 class _StubKernel:
@@ -115,6 +122,33 @@ def main() -> None:
                 if dispatch.last_choice("entmax").backend != "triton" or stub.launches == 0:
                     sys.exit(f"{label} did not launch a Triton kernel: {dispatch.last_choice('entmax')}")
                 rows.append((label, stub.launches, *_per_call_us(fn, args.calls, args.repeats)))
+
+    attention_fwd.entmax_attn_fwd_kernel = stub
+    attention_bwd.entmax_attn_bwd_dq_kernel = stub
+    attention_bwd.entmax_attn_bwd_dkdv_kernel = stub
+    q = torch.randn(1, 4, 128, 16, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(1, 2, 128, 16, dtype=dtype, requires_grad=True) for _ in range(2))
+    grad_out = torch.randn(1, 4, 128, 16, dtype=dtype)
+
+    def attention_forward():
+        with torch.no_grad():
+            entmax_fast.entmax_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    def attention_forward_backward(attend=entmax_fast.entmax_attention):
+        attend(q, k, v, is_causal=True, enable_gqa=True).backward(grad_out)
+        q.grad = k.grad = v.grad = None
+
+    with entmax_fast.use_backend("triton"):
+        for label, fn in (("entmax_attention forward", attention_forward),
+                          ("entmax_attention forward+backward", attention_forward_backward)):
+            stub.launches = 0
+            fn()
+            if dispatch.last_choice("attention").backend != "triton" or stub.launches == 0:
+                sys.exit(f"{label} did not launch a Triton kernel: {dispatch.last_choice('attention')}")
+            rows.append((label, stub.launches, *_per_call_us(fn, args.calls, args.repeats)))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    rows.append(("SDPA forward+backward (CPU compute, yardstick)", None,
+                 *_per_call_us(lambda: attention_forward_backward(sdpa), args.calls, args.repeats)))
 
     softmax_cpu, softmax_wall = _per_call_us(lambda: torch.softmax(x, -1), args.calls, args.repeats)
     rows.append(("torch.softmax(x, -1) (CPU compute, yardstick)", None, softmax_cpu, softmax_wall))

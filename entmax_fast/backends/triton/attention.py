@@ -15,7 +15,6 @@ are all masked gets zero output and zero gradients.
 from typing import Optional
 
 import torch
-import triton
 from torch import Tensor
 
 from ... import common
@@ -28,7 +27,31 @@ __all__ = ["attention_forward", "attention_backward", "attention_varlen_forward"
 
 
 def _block_e(dim):
-    return max(16, triton.next_power_of_2(dim))
+    # plain integer arithmetic: triton.next_power_of_2 and triton.cdiv are
+    # ConstexprFunctions, several µs per call on the host
+    return max(16, 1 << max(0, dim - 1).bit_length())
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+# (device, dtype) -> a one-element tensor for the pointer arguments a launch does not read
+# (the mask without a mask, cu_seqlens without varlen, dQ's sum with the dQ kernel): its
+# contents never matter, so one per device serves every call, on any stream, instead of an
+# allocation and a fill launch per argument and call.
+_PLACEHOLDERS: dict[tuple, torch.Tensor] = {}
+
+
+def _placeholder(device, dtype):
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # allocated by the graph's pool, it would not outlive the graph: the call's own
+        return torch.empty(1, dtype=dtype, device=device)
+    key = (device, dtype)
+    placeholder = _PLACEHOLDERS.get(key)
+    if placeholder is None:
+        placeholder = _PLACEHOLDERS[key] = torch.empty(1, dtype=dtype, device=device)
+    return placeholder
 
 
 def _last_dim_contiguous(x):
@@ -66,8 +89,8 @@ class _Geometry:
         # so that the tests exercise the chunked loops)
         self.block_ec = {kernel: attention_common.chunk_width(kernel, self.block_e, self.dtype_key)
                          for kernel in ("fwd", "dq", "dkdv")}
-        self.n_qblocks = triton.cdiv(max(self.seqlen_q, 1), self.block_m)
-        self.n_kblocks = triton.cdiv(max(self.seqlen_k, 1), self.block_n)
+        self.n_qblocks = _cdiv(max(self.seqlen_q, 1), self.block_m)
+        self.n_kblocks = _cdiv(max(self.seqlen_k, 1), self.block_n)
 
     def tile_lists(self, device):
         """Scratch of the kernels' lists of flagged tiles (attention_common.listed_tiles):
@@ -108,7 +131,7 @@ def _mask_args(attn_mask, geo, q):
     """(kind, tensor, strides) with attn_mask broadcast to (B, H, Lq, Lk) by strides."""
     mask_kind = common.mask_kind(attn_mask)
     if mask_kind == common.MASK_NONE:
-        return mask_kind, torch.zeros(1, dtype=torch.int8, device=q.device), (0, 0, 0, 0)
+        return mask_kind, _placeholder(q.device, torch.int8), (0, 0, 0, 0)
     if mask_kind == common.MASK_BOOL:
         # same bytes, a pointer type every triton version (and the interpreter) loads
         attn_mask = attn_mask.view(torch.int8)
@@ -140,7 +163,7 @@ def _launch_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is_c
     flags = torch.zeros((geo.batch, geo.n_heads, geo.n_qblocks, geo.n_kblocks),
                         dtype=torch.int8, device=q.device)
     mask_kind, mask, mask_strides = _mask_args(attn_mask, geo, q)
-    cu_dummy = torch.zeros(1, dtype=torch.int32, device=q.device)
+    cu_dummy = _placeholder(q.device, torch.int32)
     if geo.batch * geo.n_heads == 0 or geo.seqlen_q == 0:
         return out.zero_(), stats, dvec.zero_(), flags
     grid = (geo.n_qblocks, geo.batch * geo.n_heads)
@@ -194,7 +217,7 @@ def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha
     rows = torch.zeros((attention_bwd.NUM_ROWS,) + tuple(stats.shape[1:]), dtype=torch.float32,
                        device=q.device)
     mask_kind, mask, mask_strides = _mask_args(attn_mask, geo, q)
-    cu_dummy = torch.zeros(1, dtype=torch.int32, device=q.device)
+    cu_dummy = _placeholder(q.device, torch.int32)
     cu_q_arg = cu_q if geo.varlen else cu_dummy
     cu_k_arg = cu_k if geo.varlen else cu_dummy
     if geo.batch * geo.n_heads == 0 or geo.seqlen_q == 0 or geo.seqlen_k == 0:
@@ -217,7 +240,7 @@ def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha
             HAS_DROPOUT=dropout_p > 0.0, NEED_DALPHA=bool(need_alpha_grad),
             num_warps=geo.launch["dq"][0], num_stages=geo.launch["dq"][1],
         )
-        dq_acc = torch.zeros(1, dtype=torch.float32, device=q.device)
+        dq_acc = _placeholder(q.device, torch.float32)
         locks = turns = cu_dummy
     else:
         delta = (do * dvec).sum(-1)  # dO . D per row, (B, H, Lq) or (tokens, H)
