@@ -47,9 +47,8 @@ def build_model(config, implementation: str, device, dtype):
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(device=device, dtype=dtype)
-    model.set_attn_implementation(implementation)
-    model.train()
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=implementation)
+    model.to(device=device, dtype=dtype).train()
     return model
 
 
