@@ -73,6 +73,16 @@ def _per_call_us(fn, calls: int, repeats: int) -> tuple[float, float]:
     return min(cpu), min(wall)
 
 
+def _triton_row(label: str, fn, op: str, stub: _StubKernel, calls: int, repeats: int) -> tuple:
+    """(label, launches, cpu us, wall us) of ``fn``, which must have taken op's Triton path:
+    a figure without a launch would time some other path than the Triton one."""
+    stub.launches = 0
+    fn()
+    if dispatch.last_choice(op).backend != "triton" or stub.launches == 0:
+        sys.exit(f"{label} did not launch a Triton kernel: {dispatch.last_choice(op)}")
+    return (label, stub.launches, *_per_call_us(fn, calls, repeats))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="16x1024", help="rows x columns (default 16x1024)")
@@ -116,12 +126,7 @@ def main() -> None:
                 alpha_rows_grad.grad = None
 
             for label, fn in ((f"{name} forward", forward), (f"{name} forward+backward", forward_backward)):
-                stub.launches = 0
-                fn()
-                # A figure without a launch would time some other path than the Triton one.
-                if dispatch.last_choice("entmax").backend != "triton" or stub.launches == 0:
-                    sys.exit(f"{label} did not launch a Triton kernel: {dispatch.last_choice('entmax')}")
-                rows.append((label, stub.launches, *_per_call_us(fn, args.calls, args.repeats)))
+                rows.append(_triton_row(label, fn, "entmax", stub, args.calls, args.repeats))
 
     attention_fwd.entmax_attn_fwd_kernel = stub
     attention_bwd.entmax_attn_bwd_dq_kernel = stub
@@ -141,11 +146,7 @@ def main() -> None:
     with entmax_fast.use_backend("triton"):
         for label, fn in (("entmax_attention forward", attention_forward),
                           ("entmax_attention forward+backward", attention_forward_backward)):
-            stub.launches = 0
-            fn()
-            if dispatch.last_choice("attention").backend != "triton" or stub.launches == 0:
-                sys.exit(f"{label} did not launch a Triton kernel: {dispatch.last_choice('attention')}")
-            rows.append((label, stub.launches, *_per_call_us(fn, args.calls, args.repeats)))
+            rows.append(_triton_row(label, fn, "attention", stub, args.calls, args.repeats))
     sdpa = torch.nn.functional.scaled_dot_product_attention
     rows.append(("SDPA forward+backward (CPU compute, yardstick)", None,
                  *_per_call_us(lambda: attention_forward_backward(sdpa), args.calls, args.repeats)))

@@ -816,7 +816,7 @@ def _subset_bound(b_u, am1, inv_am1, b_lo, b_hi, m_done, ALPHA_KIND: tl.constexp
     of it that `_update_from_sums` finds lies at or below the row's tau (as a compaction's,
     `_compact`); SUBSET_STEPS evaluations over the subset, in registers. The float32
     emulation (64-row blocks, N(0, 1) scores, L 4096, alpha 1.5): the first threshold
-    pass's compactions 2.0 -> 0 per block, 44.9 -> 40.0 units per score (docs/attention.md,
+    pass's compactions 2.2 -> 0 per block, 46.2 -> 41.0 units per score (docs/attention.md,
     "A lower bound from the max pass")."""
     b_lo_s, b_hi_s, b_tau_s, m_done_s = b_lo, b_hi, b_lo, m_done
     m_tight_s = tl.zeros_like(m_done)

@@ -560,6 +560,8 @@ def entmax_rowwise_fwd_kernel(
     if RESIDENT:
         b_v = _scaled(b_x, shift, t, ALPHA_KIND, False)
 
+    # the pass from which a general-kind row ran over its captured support (0: none)
+    captured_at = tl.zeros([ROWS], tl.int32)
     if ALPHA_KIND == ALPHA_SOFTMAX:
         if RESIDENT:
             norm = tl.sum(tl.exp2(b_v * _LOG2E), axis=1)
@@ -588,7 +590,6 @@ def entmax_rowwise_fwd_kernel(
         b_cand = tl.full([ROWS, SLOTS], _FAR_BELOW, tl.float32)
         n_support = tl.where(done, 0, n_fin)
         captured = passes < 0
-        captured_at = tl.zeros([ROWS], tl.int32)
         if SUBSET > 0:
             # the subset: the row's entries (resident) or the lanes' maxima over the chunks
             # (swept, pass 1's), in groups of BLOCK // SUBSET that are a thread's own in the
@@ -750,8 +751,6 @@ def entmax_rowwise_fwd_kernel(
     tl.store(p_stats + STAT_C_HI, c_hi, mask=m_row)
     tl.store(p_stats + STAT_C_LO, c_lo, mask=m_row)
     tl.store(p_stats + STAT_PASSES, row_passes.to(tl.float32, bitcast=True), mask=m_row)
-    if ALPHA_KIND != ALPHA_GENERAL:
-        captured_at = tl.zeros([ROWS], tl.int32)
     tl.store(p_stats + STAT_CAPTURED_AT, captured_at.to(tl.float32, bitcast=True), mask=m_row)
 
 
