@@ -7,7 +7,9 @@ count (summed over the stages that barriers separate) is the latency in steps.
   iteration of the scan's main loop. The chunked output is checked to equal the
   sequential scan's bit for bit (float64).
 - pav: OSCAR's pool-adjacent-violators in chunks joined in a tree (block_oscar_pav); a step
-  is one append or one pooling. Checked against the one-thread PAV up to rounding.
+  is one append or one pooling. Checked against the one-thread PAV up to rounding. Also
+  the chunk length and the shared-memory passes a warp's access to its threads' i-th
+  entries takes (`bank_passes`; the backward's segment_means chunks its rows alike).
 
 Rows are randn of the given lengths, scaled as the kernels do (by 2^-e so that |v| < 1; TV
 also shifted by the scaled maximum; the regulariser scaled with them), threads as the
@@ -175,10 +177,22 @@ class Blocks:
         return out
 
 
+def odd_chunk(m, threads):
+    """structured.cu's odd_chunk: the chunk length of m entries over `threads` threads."""
+    return -(-m // threads) | 1
+
+
+def bank_passes(chunk):
+    """Shared-memory passes of one warp-wide access in a chunked loop over 4-byte entries:
+    thread t reads entry t * chunk + i; 32 banks of 4 bytes; the most threads on one bank
+    is the number of passes (1 when every thread has a bank of its own)."""
+    return max(np.bincount([(t * chunk) % 32 for t in range(32)]))
+
+
 def pav_chunked(values, threads):
     """(levels, steps of the longest thread summed over the stages)."""
     m = len(values)
-    chunk = -(-m // threads)
+    chunk = odd_chunk(m, threads)
     lanes = -(-m // chunk)
     blocks = Blocks(m)
     critical = max(sum(blocks.append(r, values[r], t * chunk) for r in range(t * chunk, min(m, (t + 1) * chunk)))
@@ -231,8 +245,8 @@ def main():
     rng = np.random.default_rng(0)
     for op in args.op:
         per_thread, regs, name = (16, args.lams, "lam") if op == "tv" else (8, args.betas, "beta")
-        columns = ["length", "threads", name] + (["rounds"] if op == "tv" else []) + ["steps/thread", "one thread",
-                                                                                       "ratio"]
+        columns = ["length", "threads", name] + (["rounds"] if op == "tv" else ["chunk", "bank passes"]) + [
+            "steps/thread", "one thread", "ratio"]
         print(f"{op}: " + " ".join(f"{c:>12}" for c in columns))
         for n in args.lengths:
             threads = plan_threads(n, per_thread)
@@ -243,7 +257,8 @@ def main():
                     counts = [f"{rounds:12.1f}"]
                 else:
                     critical, steps = np.mean([pav_row(rng, n, reg, threads) for _ in range(rows)], axis=0)
-                    counts = []
+                    chunk = odd_chunk(n, threads)
+                    counts = [f"{chunk:12d}", f"{bank_passes(chunk):12d}"]
                 cells = [f"{n:12d}", f"{threads:12d}", f"{reg:12g}"] + counts + [
                     f"{critical:12.0f}", f"{steps:12.0f}", f"{steps / critical:12.1f}"]
                 print(f"{op}: " + " ".join(cells))

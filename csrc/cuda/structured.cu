@@ -553,13 +553,20 @@ __device__ Segment<T> shuffle_up(const Segment<T>& s, int delta) {
                     __shfl_up_sync(kFullMask, s.len, delta)};
 }
 
+// Length of the contiguous chunks that `threads` threads scan of m entries: odd, so that the
+// threads' i-th entries, at that stride, fall in distinct shared-memory banks (4-byte
+// entries; 8-byte ones in distinct bank pairs). An even chunk of 8 put 8 threads on each bank
+// and made every access of a chunked loop 8 shared-memory passes (16 for 8-byte entries).
+// The threads past (m + chunk - 1) / chunk get none.
+__host__ __device__ inline int odd_chunk(int m, int threads) { return ((m + threads - 1) / threads) | 1; }
+
 // For entries 0..count-1 split into segments (is_start(0) must hold): group[i] = the index
 // of i's segment, group_mean[s] = the mean of value over segment s. Each thread scans a
-// contiguous chunk; the chunks' carries come from a block scan.
+// contiguous chunk (`odd_chunk`); the chunks' carries come from a block scan.
 template <typename T, typename IsStart, typename Value>
 __device__ void segment_means(int count, IsStart is_start, Value value, int* group, T* group_mean,
                               const Reductions<T>& slots) {
-  const int chunk = (count + static_cast<int>(blockDim.x) - 1) / static_cast<int>(blockDim.x);
+  const int chunk = odd_chunk(count, static_cast<int>(blockDim.x));
   const int begin = min(count, static_cast<int>(threadIdx.x) * chunk);
   const int end = min(count, begin + chunk);
   Segment<T> local{0, T(0), 0};
@@ -680,7 +687,7 @@ __device__ int block_exclusive_max(int value, int identity, int* slots) {
 }
 
 // OSCAR prox magnitudes (structured::oscar_pav_inplace's result) by every thread of the
-// block: each thread pools the ranks of its chunk, then neighbouring ranges are joined in a
+// block: each thread pools the ranks of its chunk (`odd_chunk`), then neighbouring ranges are joined in a
 // tree (log2 of the threads levels, each join pooling the blocks near its boundary), then
 // every rank takes its block's level, its block found by a scan over the block starts.
 // Pooling in another order than the one-thread PAV's rounds the block sums differently.
@@ -689,7 +696,7 @@ __device__ void block_oscar_pav(T* magnitude, int m, T beta, const structured::P
                                 int* slots) {
   const int tid = static_cast<int>(threadIdx.x);
   const int threads = static_cast<int>(blockDim.x);
-  const int chunk = (m + threads - 1) / threads;
+  const int chunk = odd_chunk(m, threads);
   const int lanes = (m + chunk - 1) / chunk;
   const int begin = tid < lanes ? tid * chunk : m;
   const int end = min(m, begin + chunk);
