@@ -235,7 +235,7 @@ struct AbsKey<double> {
 
 // Pool-adjacent-violators for a non-increasing fit, with the blocks kept at their ranks: a
 // block of ranks [s, s + len[s]) has its sum at sum[s], first[] of its last rank is s (the
-// way back to the previous block), is_start[s] is set. Pooling in any order gives the same
+// way back to the previous block), and its other ranks have len 0 (`starts`). Pooling in any order gives the same
 // blocks up to rounding, so a range's blocks can be pooled on their own and the ranges
 // joined afterwards (the CUDA forward does so in parallel, block_oscar_pav). Blocks with
 // equal means are pooled too, so neighbouring blocks have distinct levels.
@@ -244,7 +244,6 @@ struct PavBlocks {
   T* sum;
   Index* len;
   Index* first;
-  uint8_t* is_start;
 
   // mean(left) <= mean(right), cross-multiplied (lengths are positive): two products
   // instead of two IEEE divisions, on the sequential path of every pooling step. In work
@@ -258,7 +257,7 @@ struct PavBlocks {
     sum[left] += sum[right];
     len[left] += len[right];
     first[left + len[left] - 1] = left;
-    is_start[right] = 0;
+    len[right] = 0;
     return left;
   }
   // Pools the block at s with its left neighbours, no further left than `floor`.
@@ -271,7 +270,6 @@ struct PavBlocks {
     sum[r] = v;
     len[r] = 1;
     first[r] = r;
-    is_start[r] = 1;
     settle_left(r, floor);
   }
   // Joins the pooled ranges [floor, boundary) and [boundary, end).
@@ -279,6 +277,8 @@ struct PavBlocks {
     Index s = first[boundary - 1];
     for (Index next = boundary; next < end && violates(s, next); next = s + len[s]) s = settle_left(pool(s, next), floor);
   }
+  // Whether a block starts at rank r (of the appended ranks).
+  ENTMAX_FAST_HD bool starts(Index r) const { return len[r] != 0; }
   // The OSCAR magnitude of the block at s: its mean clipped at 0.
   ENTMAX_FAST_HD T level(Index s) const {
     const T mean = sum[s] / T(len[s]);

@@ -50,7 +50,6 @@ struct OscarScratch {
   std::vector<uint32_t> order, order_tmp;
   std::vector<T> magnitude, block_sum;
   std::vector<int64_t> block_len, block_first;
-  std::vector<uint8_t> block_is_start;
   void reserve(int64_t n) {
     keys.resize(n);
     keys_tmp.resize(n);
@@ -60,7 +59,6 @@ struct OscarScratch {
     block_sum.resize(n);
     block_len.resize(n);
     block_first.resize(n);
-    block_is_start.resize(n);
   }
 };
 
@@ -116,8 +114,7 @@ void oscar_prox_inplace(T* v, int64_t m, T beta, OscarScratch<T>& s) {
   const uint32_t* order = order_by_abs_desc(v, m, s);
   T* magnitude = s.magnitude.data();
   for (int64_t r = 0; r < m; ++r) magnitude[r] = std::fabs(v[order[r]]);
-  const structured::PavBlocks<T, int64_t> blocks{s.block_sum.data(), s.block_len.data(), s.block_first.data(),
-                                                 s.block_is_start.data()};
+  const structured::PavBlocks<T, int64_t> blocks{s.block_sum.data(), s.block_len.data(), s.block_first.data()};
   structured::oscar_pav_inplace<T, int64_t>(magnitude, m, beta, blocks);
   for (int64_t r = 0; r < m; ++r) {
     T& x = v[order[r]];

@@ -16,7 +16,7 @@
 //   the valid entries; OSCAR: equal |y| != 0, after the same bitonic sort) are averaged by a
 //   block-wide segmented scan.
 // Where a row's arrays fit in 48 KiB of shared memory they live there (fp32: TV forward up to
-// ~3.7k entries, OSCAR forward ~1.3k, backward ~2.4k / ~1.6k); longer rows keep them in a global
+// ~3.7k entries, OSCAR forward ~1.6k, backward ~2.4k / ~1.6k); longer rows keep them in a global
 // scratch, one slice per block, with a grid of at most 2 blocks per SM looping over the rows.
 //
 // Differences from the CPU operators, both to avoid a host sync: lengths are clamped to
@@ -155,7 +155,6 @@ struct ForwardRow {
   uint8_t* restart;
   structured::TvScan<T, int>* carried;
   SortEntry<T>* sorted;  // OSCAR only: the sort, padded to a power of two
-  T* magnitude;
   structured::PavBlocks<T, int> blocks;
 };
 
@@ -171,11 +170,9 @@ __host__ __device__ ForwardRow<T> carve_forward_row(Carver& c, Prox kind, int n)
   }
   if (kind == Prox::kOSCAR) {
     row.sorted = c.take<SortEntry<T>>(next_pow2(n));
-    row.magnitude = c.take<T>(n);
     row.blocks.sum = c.take<T>(n);
     row.blocks.len = c.take<int>(n);
     row.blocks.first = c.take<int>(n);
-    row.blocks.is_start = c.take<uint8_t>(n);
   }
   return row;
 }
@@ -687,20 +684,23 @@ __device__ int block_exclusive_max(int value, int identity, int* slots) {
 }
 
 // OSCAR prox magnitudes (structured::oscar_pav_inplace's result) by every thread of the
-// block: each thread pools the ranks of its chunk (`odd_chunk`), then neighbouring ranges are joined in a
-// tree (log2 of the threads levels, each join pooling the blocks near its boundary), then
-// every rank takes its block's level, its block found by a scan over the block starts.
-// Pooling in another order than the one-thread PAV's rounds the block sums differently.
-template <typename T>
-__device__ void block_oscar_pav(T* magnitude, int m, T beta, const structured::PavBlocks<T, int>& blocks,
-                                int* slots) {
+// block, from magnitude_at(rank), the rank-th largest |v|, to emit(rank, level): each thread
+// pools the ranks of its chunk (`odd_chunk`), then neighbouring ranges are joined in a tree
+// (log2 of the threads levels, each join pooling the blocks near its boundary), then every
+// rank takes its block's level, its block found by a scan over the block starts. Through
+// the two functions the caller reads and writes its rows where they are (the forward: the
+// entries through the sort), without an array of magnitudes in rank order. Pooling in another
+// order than the one-thread PAV's rounds the block sums differently.
+template <typename T, typename MagnitudeAt, typename Emit>
+__device__ void block_oscar_pav(int m, T beta, const structured::PavBlocks<T, int>& blocks,
+                                MagnitudeAt magnitude_at, Emit emit, int* slots) {
   const int tid = static_cast<int>(threadIdx.x);
   const int threads = static_cast<int>(blockDim.x);
   const int chunk = odd_chunk(m, threads);
   const int lanes = (m + chunk - 1) / chunk;
   const int begin = tid < lanes ? tid * chunk : m;
   const int end = min(m, begin + chunk);
-  for (int r = begin; r < end; ++r) blocks.append(r, structured::oscar_pav_value(magnitude[r], r, m, beta), begin);
+  for (int r = begin; r < end; ++r) blocks.append(r, structured::oscar_pav_value(magnitude_at(r), r, m, beta), begin);
   __syncthreads();
   for (int width = 1; width < lanes; width <<= 1) {
     if (tid % (2 * width) == 0 && tid + width < lanes)
@@ -709,15 +709,15 @@ __device__ void block_oscar_pav(T* magnitude, int m, T beta, const structured::P
   }
   int last_start = -1;
   for (int r = begin; r < end; ++r)
-    if (blocks.is_start[r]) last_start = r;
+    if (blocks.starts(r)) last_start = r;
   int start = block_exclusive_max(last_start, -1, slots);
   T level = start >= 0 ? blocks.level(start) : T(0);
   for (int r = begin; r < end; ++r) {
-    if (blocks.is_start[r]) {
+    if (blocks.starts(r)) {
       start = r;
       level = blocks.level(r);
     }
-    magnitude[r] = level;
+    emit(r, level);
   }
   __syncthreads();
 }
@@ -823,14 +823,14 @@ __device__ __forceinline__ void forward_rows(const ForwardParams<T>& params) {
       block_tv_prox(row.values, row.prox, row.restart, row.carried, m, work_reg, slots);
     } else if (work_reg > T(0) && m > 1) {
       block_sort_by_magnitude(row.values, m, row.sorted);
-      for (int rank = tid; rank < m; rank += threads) row.magnitude[rank] = abs_of(row.values[row.sorted[rank].index()]);
-      __syncthreads();
-      block_oscar_pav(row.magnitude, m, work_reg, row.blocks, slots.i);
-      for (int rank = tid; rank < m; rank += threads) {
-        const int i = row.sorted[rank].index();
-        row.values[i] = structured::with_sign_of(row.values[i], row.magnitude[rank]);
-      }
-      __syncthreads();
+      // no entry is written before the last of them is read: PAV's barriers lie between
+      block_oscar_pav(
+          m, work_reg, row.blocks, [&](int rank) { return abs_of(row.values[row.sorted[rank].index()]); },
+          [&](int rank, T level) {
+            const int i = row.sorted[rank].index();
+            row.values[i] = structured::with_sign_of(row.values[i], level);
+          },
+          slots.i);
     }
 
     T work_max = -inf, unused = T(0);
