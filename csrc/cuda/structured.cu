@@ -8,15 +8,16 @@
 // the TV forward, up to 256 otherwise; 1024 threads from 16k / 8k entries on):
 //   forward: a coalesced load of the valid entries (packed by ballots only where they are not
 //   a prefix of the row, pack_members); the scaling
-//   pass, the OSCAR sort (bitonic network on (|v| key, index)), the restoring of order and
-//   signs, the projection's max and Michelot passes (block reductions) and the stores run on
-//   every thread; so do Condat's scan, in chunks whose scans are joined where they meet
-//   (block_tv_prox), and PAV, in chunks whose blocks are joined in a tree (block_oscar_pav).
+//   pass, the OSCAR sort (bitonic network on (|v| key, index)), the projection's max and
+//   Michelot passes (block reductions) and the stores run on every thread; so do Condat's
+//   scan, in chunks whose scans are joined where they meet (block_tv_prox), and PAV, in
+//   chunks whose blocks are joined in a tree (block_oscar_pav), which restores the order and
+//   signs as it writes the levels.
 //   backward: the support's mean of g (block reduction); the groups (TV: runs of equal y over
 //   the valid entries; OSCAR: equal |y| != 0, after the same bitonic sort) are averaged by a
 //   block-wide segmented scan.
 // Where a row's arrays fit in 48 KiB of shared memory they live there (fp32: TV forward up to
-// ~3.7k entries, OSCAR forward ~1.6k, backward ~2.4k / ~1.6k); longer rows keep them in a global
+// ~3.7k entries, OSCAR forward ~2.0k, backward ~2.4k / ~1.6k); longer rows keep them in a global
 // scratch, one slice per block, with a grid of at most 2 blocks per SM looping over the rows.
 //
 // Differences from the CPU operators, both to avoid a host sync: lengths are clamped to
@@ -154,8 +155,9 @@ struct ForwardRow {
   T* prox;  // TV only: the prox, then the projection input in place
   uint8_t* restart;
   structured::TvScan<T, int>* carried;
-  SortEntry<T>* sorted;  // OSCAR only: the sort, padded to a power of two
-  structured::PavBlocks<T, int> blocks;
+  int* order;  // OSCAR only: the entries' indices by decreasing |v| (the sort's result)
+  SortEntry<T>* exchange;  // OSCAR only: the sort's entries, padded to a power of two
+  structured::PavBlocks<T, int> blocks;  // OSCAR only: over the same bytes as `exchange`
 };
 
 template <typename T>
@@ -169,10 +171,16 @@ __host__ __device__ ForwardRow<T> carve_forward_row(Carver& c, Prox kind, int n)
     row.carried = c.take<structured::TvScan<T, int>>(1);
   }
   if (kind == Prox::kOSCAR) {
-    row.sorted = c.take<SortEntry<T>>(next_pow2(n));
-    row.blocks.sum = c.take<T>(n);
-    row.blocks.len = c.take<int>(n);
-    row.blocks.first = c.take<int>(n);
+    row.order = c.take<int>(n);
+    // The sort is done with its entries (their indices are in `order`) before PAV starts:
+    // the two share their bytes, which at 1024 fp32 entries gives an SM an eighth block.
+    Carver exchange{c.base, c.offset};
+    row.exchange = exchange.take<SortEntry<T>>(next_pow2(n));
+    Carver pav{c.base, c.offset};
+    row.blocks.sum = pav.take<T>(n);
+    row.blocks.len = pav.take<int>(n);
+    row.blocks.first = pav.take<int>(n);
+    c.offset = exchange.offset > pav.offset ? exchange.offset : pav.offset;
   }
   return row;
 }
@@ -443,19 +451,36 @@ __device__ __forceinline__ void xor_permute(Entry (&items)[kSortItems], int skew
   }
 }
 
+// Where the sort leaves each rank's entry: whole (the backward reads the keys, to find the
+// groups of equal |y|) or its index alone (the forward's PAV reads no key).
+template <typename T>
+struct SortedEntries {
+  using Stored = SortEntry<T>;
+  SortEntry<T>* at;
+  __device__ void put(int rank, const SortEntry<T>& entry) const { at[rank] = entry; }
+};
+
+template <typename T>
+struct SortedIndices {
+  using Stored = int;
+  int* at;
+  __device__ void put(int rank, const SortEntry<T>& entry) const { at[rank] = entry.index(); }
+};
+
 // The same bitonic network with each thread's kSortItems consecutive positions held in
 // registers (items[r] at position first + r), so that a stage at distance j costs:
 //   j < kSortItems: compare-exchanges within the thread, no exchange;
 //   j < 32 kSortItems: a shuffle with the lane holding the partner positions, each lane
 //     keeping the smaller or the larger of each pair;
-//   larger j (beyond a warp's 256 positions: rows over 256 entries): a trip through `sorted`
-//     and two block barriers, 3 of the 55 stages at 1024 entries.
+//   larger j (beyond a warp's 256 positions: rows over 256 entries): a trip through
+//     `exchange` and two block barriers, 3 of the 55 stages at 1024 entries.
 // The network spans `size` positions; threads past them (size < threads x kSortItems) hold
 // padding, which their warp-local stages shuffle among themselves and which is never written.
-// Entries pass through `sorted` striped (slot r of thread t at r x active + t): a warp's
-// accesses are to consecutive entries, free of bank conflicts.
-template <typename T>
-__device__ void register_sort_by_magnitude(const T* values, int count, int size, SortEntry<T>* sorted) {
+// Entries pass through `exchange` striped (slot r of thread t at r x active + t): a warp's
+// accesses are to consecutive entries, free of bank conflicts. The first `count` ranks go to
+// `out` (SortedEntries or SortedIndices).
+template <typename T, typename Out>
+__device__ void register_sort_by_magnitude(const T* values, int count, int size, SortEntry<T>* exchange, Out out) {
   using Entry = SortEntry<T>;
   using Key = typename structured::AbsKey<T>::type;
   const int tid = static_cast<int>(threadIdx.x);
@@ -482,13 +507,13 @@ __device__ void register_sort_by_magnitude(const T* values, int count, int size,
       const bool keep_smaller = ascending == ((tid & partner_mask) == 0);
       if (tid < active) {
 #pragma unroll
-        for (int r = 0; r < kSortItems; ++r) sorted[r * active + tid] = items[r];
+        for (int r = 0; r < kSortItems; ++r) exchange[r * active + tid] = items[r];
       }
       __syncthreads();
       if (tid < active) {
 #pragma unroll
         for (int r = 0; r < kSortItems; ++r)
-          items[r] = kept_entry(items[r], sorted[r * active + (tid ^ partner_mask)], keep_smaller);
+          items[r] = kept_entry(items[r], exchange[r * active + (tid ^ partner_mask)], keep_smaller);
       }
       __syncthreads();
     }
@@ -501,33 +526,36 @@ __device__ void register_sort_by_magnitude(const T* values, int count, int size,
 #pragma unroll
     for (int j = kSortItems / 2; j > 0; j >>= 1) sort_stage_in_thread(items, first, k, j);
   }
-  const int store_skew = bank_skew(sizeof(Entry));
+  const int store_skew = bank_skew(sizeof(typename Out::Stored));
   xor_permute(items, store_skew);
 #pragma unroll
   for (int q = 0; q < kSortItems; ++q) {
     const int i = first + (q ^ store_skew);
-    if (i < size) sorted[i] = items[q];
+    if (i < count) out.put(i, items[q]);
   }
   __syncthreads();
 }
 
-// sorted[0, count) = the indices of values[0, count) by decreasing |v| (ties by index), with
-// their keys; the sort runs over the next power of two, padded with keys that sort last.
-// In registers where the block holds the padded row, kSortItems entries a thread (every row
-// of up to 1024 x kSortItems entries, by plan_launch's block sizes, in shared memory or in
-// the global scratch); in `sorted` otherwise.
-template <typename T>
-__device__ void block_sort_by_magnitude(const T* values, int count, SortEntry<T>* sorted) {
+// out gets, at ranks [0, count), the entries (or indices) of values[0, count) by decreasing
+// |v| (ties by index); the sort runs over the next power of two, padded with keys that sort
+// last. In registers where the block holds the padded row, kSortItems entries a thread
+// (every row of up to 1024 x kSortItems entries, by plan_launch's block sizes, in shared
+// memory or in the global scratch), with `exchange` for the stages between warps; in
+// `exchange` otherwise, then copied to out (onto itself for SortedEntries on exchange).
+template <typename T, typename Out>
+__device__ void block_sort_by_magnitude(const T* values, int count, SortEntry<T>* exchange, Out out) {
   using Key = typename structured::AbsKey<T>::type;
   const int padded = next_pow2(count);
   if (padded <= static_cast<int>(blockDim.x) * kSortItems) {
-    register_sort_by_magnitude(values, count, padded, sorted);
+    register_sort_by_magnitude(values, count, padded, exchange, out);
     return;
   }
   for (int i = static_cast<int>(threadIdx.x); i < padded; i += static_cast<int>(blockDim.x))
-    sorted[i] = SortEntry<T>::make(i < count ? structured::descending_abs_key(values[i]) : ~Key(0), i);
+    exchange[i] = SortEntry<T>::make(i < count ? structured::descending_abs_key(values[i]) : ~Key(0), i);
   __syncthreads();
-  bitonic_sort(sorted, padded);
+  bitonic_sort(exchange, padded);
+  for (int i = static_cast<int>(threadIdx.x); i < count; i += static_cast<int>(blockDim.x)) out.put(i, exchange[i]);
+  __syncthreads();
 }
 
 // Segments of a sequence: starts counted, sum and length since the last start. Combining
@@ -822,12 +850,12 @@ __device__ __forceinline__ void forward_rows(const ForwardParams<T>& params) {
     if (params.kind == Prox::kTV) {
       block_tv_prox(row.values, row.prox, row.restart, row.carried, m, work_reg, slots);
     } else if (work_reg > T(0) && m > 1) {
-      block_sort_by_magnitude(row.values, m, row.sorted);
+      block_sort_by_magnitude(row.values, m, row.exchange, SortedIndices<T>{row.order});
       // no entry is written before the last of them is read: PAV's barriers lie between
       block_oscar_pav(
-          m, work_reg, row.blocks, [&](int rank) { return abs_of(row.values[row.sorted[rank].index()]); },
+          m, work_reg, row.blocks, [&](int rank) { return abs_of(row.values[row.order[rank]]); },
           [&](int rank, T level) {
-            const int i = row.sorted[rank].index();
+            const int i = row.order[rank];
             row.values[i] = structured::with_sign_of(row.values[i], level);
           },
           slots.i);
@@ -952,7 +980,7 @@ __device__ __forceinline__ void backward_rows(const BackwardParams<T>& params) {
       for (int i = tid; i < count; i += threads) dz[row.position[i]] = row.group_mean[row.group[i]];
       continue;
     }
-    block_sort_by_magnitude(row.y, count, row.sorted);
+    block_sort_by_magnitude(row.y, count, row.sorted, SortedEntries<T>{row.sorted});
     segment_means<T>(
         count, [&](int rank) { return rank == 0 || row.sorted[rank].key() != row.sorted[rank - 1].key(); },
         [&](int rank) {
