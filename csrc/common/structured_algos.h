@@ -235,10 +235,11 @@ struct AbsKey<double> {
 
 // Pool-adjacent-violators for a non-increasing fit, with the blocks kept at their ranks: a
 // block of ranks [s, s + len[s]) has its sum at sum[s], first[] of its last rank is s (the
-// way back to the previous block), and its other ranks have len 0 (`starts`). Pooling in any order gives the same
-// blocks up to rounding, so a range's blocks can be pooled on their own and the ranges
-// joined afterwards (the CUDA forward does so in parallel, block_oscar_pav). Blocks with
-// equal means are pooled too, so neighbouring blocks have distinct levels.
+// way back to the previous block), and its other ranks have len 0 (`starts`). Pooling in
+// any order gives the same blocks up to rounding, so a range's blocks can be pooled on their
+// own and the ranges joined afterwards (the CUDA forward does so in parallel,
+// block_oscar_pav). Blocks with equal means are pooled too, so neighbouring blocks have
+// distinct levels.
 template <typename T, typename Index>
 struct PavBlocks {
   T* sum;
