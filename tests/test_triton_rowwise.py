@@ -122,6 +122,29 @@ def test_several_rows_per_program(alpha):
         torch.testing.assert_close(dalpha, dalpha_one, atol=1e-6, rtol=1e-5)
 
 
+def test_plain_alpha_picks_the_launches_compiled_for_plain_rows():
+    # python-float α of the general kind with 1.25 <= α <= 2 only; 1.5 and 2 have kinds of
+    # their own, and a tensor may hold any values
+    assert all(kernels.plain_alpha(a) for a in (1.25, 1.3, 1.7, 1.999))
+    assert not any(kernels.plain_alpha(a) for a in (1.0, 1.2, 1.5, 2.0, 2.5, 0.7, torch.tensor(1.3)))
+
+
+@pytest.mark.parametrize("alpha", [1.25, 1.3, 1.7])
+@pytest.mark.parametrize("layout", ["resident", "chunked", "resident-subset"])
+def test_plain_launch_matches_the_general_compile(alpha, layout):
+    # ALL_PLAIN drops the other rows' passes at compile time; plain rows run the same
+    # arithmetic in the compile that decides per program at run time
+    x = _rows(60 if layout == "resident-subset" else 300, torch.float32, seed=3)
+    options = {"resident": {}, "chunked": {"config": CHUNKED},
+               "resident-subset": {"config": SUBSET_RESIDENT, "subset": SUBSET_RESIDENT["BLOCK"] // 4}}[layout]
+    p_plain, c_plain, passes_plain, _ = rowwise._forward(x, alpha, all_plain=True, **options)
+    p_general, c_general, passes_general, _ = rowwise._forward(x, alpha, all_plain=False, **options)
+    torch.testing.assert_close(p_plain, p_general, atol=1e-7, rtol=0)
+    torch.testing.assert_close(c_plain, c_general, atol=1e-7, rtol=0)
+    assert torch.equal(passes_plain, passes_general)
+    _check_forward(p_plain, x, alpha, 2e-6, 2e-6)
+
+
 @pytest.mark.parametrize("alpha", [1.5, 1.3])
 def test_rows_longer_than_resident(alpha):
     kind = common.alpha_kind(alpha)

@@ -43,7 +43,10 @@ and 1 (`_subset_start`, `start_subset`; docs/maths.md, "A start from a subset"):
   rows, no log1p, no minimum of d; `entmax_rowwise_fwd_kernel`): per entry and pass
   two adds, a log2, a multiply, an exp2, a select, a multiply and two sums (10.4
   instructions on sm_90 resident, 14.1 swept in chunks, against 27.6 before the split).
-  Other rows take the general pass (~12 more near α = 1, see below).
+  Other rows take the general pass (~12 more near α = 1, see below). A launch whose α
+  is a python float in that range (`plain_alpha`) is compiled without the other passes
+  (ALL_PLAIN): the same instructions run, but registers are no longer held for passes it
+  never takes (sm_90, 1024-entry fp32 rows on 2 warps: 111 -> 48, 9 -> 21 programs per SM).
   c is an unevaluated fp32 pair (hi + lo): for α > 2, p = d^e has an infinite slope at
   d = 0 and a plain fp32 c (steps of 6e-8) moves such an entry's p by ~1e-4. Near α = 1
   (|t| < 1/4) e amplifies the rounding of d ≈ 1 instead (α = 1.0001: 6e-4 relative in p),
@@ -501,7 +504,7 @@ def entmax_rowwise_fwd_kernel(
     x_ptr, p_ptr, stats_ptr, alpha_ptr, cand_ptr,
     n_rows, n_cols, stride_x_row, stride_p_row, alpha_stride, tol, max_passes,
     ROWS: tl.constexpr, BLOCK: tl.constexpr, ALPHA_KIND: tl.constexpr, RESIDENT: tl.constexpr,
-    CANDIDATES: tl.constexpr = 0, SUBSET: tl.constexpr = 0,
+    CANDIDATES: tl.constexpr = 0, SUBSET: tl.constexpr = 0, ALL_PLAIN: tl.constexpr = False,
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     m_row = rows < n_rows
@@ -517,12 +520,20 @@ def entmax_rowwise_fwd_kernel(
     # 1.25 ≤ α ≤ 2 (``plain``) the passes run without either, and without the selects
     # of softmax rows (α = 1) and dense ones (α < 1): a compile of their own
     # (PLAIN), since a branch inside a pass keeps each entry's predicates across it.
-    near_one = tl.min(tl.abs(t), axis=0) < 0.25
-    need_low = tl.max(t, axis=0) > 1.0
-    if ALPHA_KIND == ALPHA_GENERAL:
-        plain = (tl.min(t, axis=0) >= 0.25) & ~need_low
+    # ALL_PLAIN: every row of the launch is (one python-float α, `plain_alpha`), and the
+    # kernel is compiled without the other passes, whose registers it no longer holds
+    # (sm_90, fp32, 1024-entry rows on 2 warps: 111 -> 48; the same instructions run).
+    if ALL_PLAIN:
+        near_one = False
+        need_low = False
+        plain = True
     else:
-        plain = False
+        near_one = tl.min(tl.abs(t), axis=0) < 0.25
+        need_low = tl.max(t, axis=0) > 1.0
+        if ALPHA_KIND == ALPHA_GENERAL:
+            plain = (tl.min(t, axis=0) >= 0.25) & ~need_low
+        else:
+            plain = False
 
     # pass 1: max, finite count, NaN/+inf; softmax: the online sum of exp as well.
     if RESIDENT:
@@ -895,6 +906,14 @@ def entmax_rowwise_bwd_kernel(
 
 # ----------------------------------------------------------------------------- tile table
 
+def plain_alpha(alpha) -> bool:
+    """Whether a python-float α of the general kind makes every row plain in the forward
+    (1.25 <= α <= 2: `entmax_rowwise_fwd_kernel`'s ``plain``), so that the launch can be
+    compiled with ALL_PLAIN. A tensor α may hold any values: the kernel decides per program."""
+    return (isinstance(alpha, (int, float)) and common.alpha_kind(alpha) == common.ALPHA_GENERAL
+            and 0.25 <= float(alpha) - 1.0 <= 1.0)
+
+
 def tile_config(n_cols: int, alpha_kind: int) -> dict:
     """(ROWS, BLOCK, RESIDENT, num_warps) for rows of n_cols entries of one α kind
     (``entmax_fast.common.ALPHA_*``), forward and backward.
@@ -1042,15 +1061,18 @@ def aot_configs() -> list[dict]:
                        f"_w{cfg['num_warps']}")
                 candidates = candidate_slots(n_cols, cfg, alpha_kind)
                 subset = start_subset(cfg, alpha_kind)
-                configs.append({
-                    "name": f"fwd_{dtype_key}_k{alpha_kind}_{tag}" + (f"_c{candidates}" if candidates else ""),
-                    "fn": entmax_rowwise_fwd_kernel,
-                    "signature": kernel_signature(entmax_rowwise_fwd_kernel, dtype_key, FWD_POINTERS,
-                                                  floats=("tol",)),
-                    "constexprs": dict(shape, ALPHA_KIND=alpha_kind, CANDIDATES=candidates,
-                                       SUBSET=subset),
-                    "num_warps": cfg["num_warps"], "num_stages": 1,
-                })
+                # the general kind also compiled for a python-float α that makes every row plain
+                for plain in (False, True) if alpha_kind == common.ALPHA_GENERAL else (False,):
+                    configs.append({
+                        "name": (f"fwd_{dtype_key}_k{alpha_kind}_{tag}" + (f"_c{candidates}" if candidates else "")
+                                 + ("_plain" if plain else "")),
+                        "fn": entmax_rowwise_fwd_kernel,
+                        "signature": kernel_signature(entmax_rowwise_fwd_kernel, dtype_key, FWD_POINTERS,
+                                                      floats=("tol",)),
+                        "constexprs": dict(shape, ALPHA_KIND=alpha_kind, CANDIDATES=candidates,
+                                           SUBSET=subset, ALL_PLAIN=plain),
+                        "num_warps": cfg["num_warps"], "num_stages": 1,
+                    })
                 for need in (False, True) if alpha_kind == common.ALPHA_GENERAL else (False,):
                     configs.append({
                         "name": f"bwd_{dtype_key}_k{alpha_kind}_{tag}_da{int(need)}",

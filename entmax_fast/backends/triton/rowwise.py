@@ -17,7 +17,7 @@ from ... import common
 from ...triton_kernels.rowwise import (DEFAULT_MAX_PASSES, DEFAULT_TOL, STAT_C_HI, STAT_C_LO,
                                        STAT_CAPTURED_AT, STAT_PASSES, STATS_COLUMNS, candidate_slots,
                                        entmax_rowwise_bwd_kernel, entmax_rowwise_fwd_kernel,
-                                       start_subset, tile_config)
+                                       plain_alpha, start_subset, tile_config)
 
 __all__ = ["entmax_forward", "entmax_backward", "entmax_threshold"]
 
@@ -84,21 +84,23 @@ def _unit_stride(x: torch.Tensor) -> torch.Tensor:
 
 
 def _forward(x: torch.Tensor, alpha, tol: float = DEFAULT_TOL, max_passes: int = DEFAULT_MAX_PASSES,
-             config: dict | None = None, candidates: int | None = None, subset: int | None = None):
+             config: dict | None = None, candidates: int | None = None, subset: int | None = None,
+             all_plain: bool | None = None):
     """Returns (p, c, passes, captured_at): output; threshold in the c-form of
     triton_kernels/rowwise.py as (R, 2) fp32 pairs, c = c[:, 0] + c[:, 1]; passes per row
     (int32); the pass from whose support on a general-kind row's later evaluations ran
     over its captured candidates (int32, 0: none; `candidate_slots`). ``config`` overrides
     `tile_config` (benchmarks and tests of the chunked path), ``candidates`` the slots,
-    ``subset`` the values the iteration's start is found from (`start_subset`; 0: c = 1)."""
-    p, stats = _launch_forward(x, alpha, tol, max_passes, config, candidates, subset)
+    ``subset`` the values the iteration's start is found from (`start_subset`; 0: c = 1),
+    ``all_plain`` the compile of a launch whose rows are all plain (`plain_alpha`)."""
+    p, stats = _launch_forward(x, alpha, tol, max_passes, config, candidates, subset, all_plain)
     counts = stats.view(torch.int32)
     return (p, stats[:, STAT_C_HI.value:STAT_C_LO.value + 1], counts[:, STAT_PASSES.value],
             counts[:, STAT_CAPTURED_AT.value])
 
 
 def _launch_forward(x, alpha, tol=DEFAULT_TOL, max_passes=DEFAULT_MAX_PASSES, config=None, candidates=None,
-                    subset=None):
+                    subset=None, all_plain=None):
     """(p, the kernel's record per row: (R, STATS_COLUMNS) fp32) for `_forward`'s arguments."""
     x = _unit_stride(x)
     n_rows, n_cols = x.shape
@@ -120,11 +122,13 @@ def _launch_forward(x, alpha, tol=DEFAULT_TOL, max_passes=DEFAULT_MAX_PASSES, co
         subset = start_subset(config, kind) if config else _table_subset(n_cols, kind)
     slots = (torch.empty((n_rows, candidates), dtype=torch.float32, device=x.device)
              if candidates else stats)
+    if all_plain is None:
+        all_plain = plain_alpha(alpha)
     # Plain integer arithmetic: triton.cdiv is a ConstexprFunction, microseconds per call on the host.
     entmax_rowwise_fwd_kernel[((n_rows + rows_per_program - 1) // rows_per_program,)](
         x, p, stats, alpha_t, slots, n_rows, n_cols, x.stride(0), p.stride(0),
         alpha_stride, float(tol), int(max_passes), ALPHA_KIND=kind, CANDIDATES=candidates,
-        SUBSET=subset, num_warps=num_warps, num_stages=1, **tile)
+        SUBSET=subset, ALL_PLAIN=bool(all_plain), num_warps=num_warps, num_stages=1, **tile)
     return p, stats
 
 
