@@ -111,6 +111,10 @@ __all__ = [
 _LOG2E = tl.constexpr(1.4426950408889634)
 # v of the general kind's zero-weight entries (`_scaled`)
 _FAR_BELOW = tl.constexpr(-1e30)
+# t = α − 1 of the rows the forward's passes call plain: the kernel's per-program test and
+# the launcher's compile for a python-float α (`plain_alpha`) read the same bounds.
+_PLAIN_T_MIN = tl.constexpr(0.25)
+_PLAIN_T_MAX = tl.constexpr(1.0)
 # what `_chunk_sums` does with the support at c besides the sums: nothing, count, store
 SUPPORT_NONE = tl.constexpr(0)
 SUPPORT_COUNT = tl.constexpr(1)
@@ -528,10 +532,10 @@ def entmax_rowwise_fwd_kernel(
         need_low = False
         plain = True
     else:
-        near_one = tl.min(tl.abs(t), axis=0) < 0.25
-        need_low = tl.max(t, axis=0) > 1.0
+        near_one = tl.min(tl.abs(t), axis=0) < _PLAIN_T_MIN
+        need_low = tl.max(t, axis=0) > _PLAIN_T_MAX
         if ALPHA_KIND == ALPHA_GENERAL:
-            plain = (tl.min(t, axis=0) >= 0.25) & ~need_low
+            plain = (tl.min(t, axis=0) >= _PLAIN_T_MIN) & ~need_low
         else:
             plain = False
 
@@ -911,7 +915,7 @@ def plain_alpha(alpha) -> bool:
     (1.25 <= α <= 2: `entmax_rowwise_fwd_kernel`'s ``plain``), so that the launch can be
     compiled with ALL_PLAIN. A tensor α may hold any values: the kernel decides per program."""
     return (isinstance(alpha, (int, float)) and common.alpha_kind(alpha) == common.ALPHA_GENERAL
-            and 0.25 <= float(alpha) - 1.0 <= 1.0)
+            and _PLAIN_T_MIN.value <= float(alpha) - 1.0 <= _PLAIN_T_MAX.value)
 
 
 def tile_config(n_cols: int, alpha_kind: int) -> dict:
