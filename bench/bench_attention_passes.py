@@ -13,8 +13,9 @@ in the Triton interpreter on a small case, and prints per alpha and row length:
   stops when its slowest row is done), for i.i.d. N(0, sigma^2) scores and for scores with a
   recency bias (z_ij = sigma g_ij - |i - j| / 32, causal);
 - the largest |tau - tau*| (float64 sort-based tau*);
-- the first pass's compactions per block, and the fraction of blocks that took the passes
-  over the tiles after it;
+- the fraction of blocks that capture (the general kind only where its rows are likely to
+  fit, `capture_fits`), the first pass's compactions per block, and the fraction of blocks
+  that took the passes over the tiles after it;
 - an estimate of the forward's per-score work in units of one fp32 CUDA-core operation:
   the q.k product counts QK_COST per pass (one bf16 QK^T entry at E = 64 costs about as
   much as 5 fp32 operations on H100/H200), each threshold evaluation OPS_PER_EVAL, the
@@ -149,12 +150,21 @@ def _sums_at(u, t, alpha):
 
 
 def capture_slots(alpha):
-    """The forward's capture slots at alpha: its kind's, none for a general-kind alpha
-    below `attention_common.CAPTURE_MIN_ALPHA`."""
+    """The forward's capture slots at alpha: its kind's, none near alpha = 1 (the kernel's
+    NEAR_ONE compile, alpha < 1.25)."""
     kind = common.alpha_kind(alpha)
-    if kind == common.ALPHA_GENERAL and alpha < attention_common.CAPTURE_MIN_ALPHA:
+    if kind == common.ALPHA_GENERAL and 1.0 / (alpha - 1.0) > attention_common.NEAR_ONE_INV_AM1.value:
         return 0
     return attention_common.candidate_slots(kind)
+
+
+def capture_fits(u_sub, lo, done, alpha):
+    """attention_fwd._capture_fits for the general kind (the others always capture): no open
+    row has more than CAPTURE_MAX_COLUMN_SHARE of its column maxima u_sub above lo."""
+    if common.alpha_kind(alpha) != common.ALPHA_GENERAL:
+        return True
+    above = torch.where(done, 0, (u_sub > lo[:, None]).sum(-1))
+    return int(above.max()) <= u_sub.shape[1] * attention_common.CAPTURE_MAX_COLUMN_SHARE
 
 
 def _compact_bound(u, stored, alpha, lo, hi, done):
@@ -233,11 +243,12 @@ def emulate_block(u, alpha):
     Returns (tau [R], passes, tiles the first threshold pass visits / tiles, tiles visited
     per later pass over the tiles / tiles, passes that ran over captured scores,
     compactions of the first pass, its tile visits / flagged tiles, whether the block
-    took the passes over the tiles). The max pass flags the tiles with a score within the
+    took the passes over the tiles, whether it captured). The max pass flags the tiles with a score within the
     bracket's width of its row's maximum (the kernel compares with the running maximum,
     nearest tiles first; here the final one), and the lower bound lo starts from the
     threshold of each column's largest score (`_subset_bound`). Where alpha's kind captures
-    (`attention_common.candidate_slots`), the first threshold pass captures above a rising
+    (`attention_common.candidate_slots`; the general kind where `capture_fits`), the first
+    threshold pass captures above a rising
     lower bound (`_running_capture`) and, when every open row fits its slots, the passes
     run over those alone. Otherwise (or after a capture that did not fit) the passes over
     the tiles: two points, then one that rewrites the flags at the lower bound lo and
@@ -254,13 +265,13 @@ def emulate_block(u, alpha):
     padded = torch.nn.functional.pad(u, (0, n_tiles * BLOCK_N - u.shape[1]), value=-float("inf"))
     tile_max = padded.reshape(rows, n_tiles, BLOCK_N).amax(-1)  # [R, tiles]
     # the max pass's column maxima: a subset of each row whose threshold bounds tau below
-    lo = _subset_bound(padded.reshape(rows, n_tiles, BLOCK_N).amax(1), alpha, lo, hi, done,
-                       attention_common.SUBSET_STEPS_C.value)
+    u_sub = padded.reshape(rows, n_tiles, BLOCK_N).amax(1)
+    lo = _subset_bound(u_sub, alpha, lo, hi, done, attention_common.SUBSET_STEPS_C.value)
     tau = lo.clone()
     guess = lo
     first_visited = float((tile_max > -1.0).any(0).float().mean())
     flagged = tile_max > -1.0
-    slots = capture_slots(alpha)
+    slots = capture_slots(alpha) if capture_fits(u_sub, lo, done, alpha) else 0
     passes, captured, compactions, running_visits, fell_back = 0, 0, 0, 0.0, True
     if slots > 0:
         lo, stored, count, compactions, visits = _running_capture(u, alpha, tile_max, lo, hi,
@@ -307,7 +318,7 @@ def emulate_block(u, alpha):
             passes += 1
     tau = torch.where(done, tau, lo)
     return (tau, passes, first_visited, (sum(visited) / len(visited) if visited else 0.0),
-            captured, compactions, running_visits, fell_back)
+            captured, compactions, running_visits, fell_back, slots > 0)
 
 
 def exact_tau(u, alpha):
@@ -328,18 +339,19 @@ def scores(kind, n, sigma, start):
 
 
 def block_units(n, alpha, first, visit, passes, captured, compactions, running_visits,
-                fell_back):
-    """Estimated work per score of one block's forward (units of one fp32 operation)."""
+                fell_back, capturing):
+    """Estimated work per score of one block's forward (units of one fp32 operation);
+    `capturing`: the block captured (`emulate_block`)."""
     key = alpha if alpha in OPS_PER_EVAL else "general"
     eval_ops = OPS_PER_EVAL[key]
     units = (QK_COST + MAX_PASS_OPS) + (QK_COST + PV_COST + OUTPUT_OPS)
-    if capture_slots(alpha):
+    if capturing:
         units += first * running_visits * (QK_COST + RUNNING_OPS[key]) \
             + compactions * COMPACT_UNITS / (BLOCK_M * n)
     if fell_back:
         # the passes over captured scores cost next to nothing per score of the row
-        later = max(0.0, passes - (2 if capture_slots(alpha) else 1) - captured)
-        capture = CAPTURE_OPS * visit if capture_slots(alpha) else 0.0
+        later = max(0.0, passes - (2 if capturing else 1) - captured)
+        capture = CAPTURE_OPS * visit if capturing else 0.0
         units += first * (QK_COST + 2 * eval_ops) + later * visit * (QK_COST + eval_ops) \
             + capture
     return units
@@ -351,13 +363,14 @@ def table(alphas, lengths, blocks, sigma):
         for n in lengths:
             for kind in ("random", "local"):
                 passes, errors, firsts, visits, captures = [], [], [], [], []
-                compactions, fallbacks, units = [], [], []
+                compactions, fallbacks, units, capturing = [], [], [], []
                 for _ in range(blocks):
                     z = scores(kind, n, sigma, n - BLOCK_M)
                     y = (alpha - 1.0) * z
                     u = (y - y.amax(-1, keepdim=True)).float()
-                    tau, p, first, visit, captured, compacted, running, fell_back = \
+                    tau, p, first, visit, captured, compacted, running, fell_back, capture_ran = \
                         emulate_block(u, alpha)
+                    capturing.append(capture_ran)
                     passes.append(p)
                     captures.append(captured)
                     firsts.append(first)
@@ -365,7 +378,7 @@ def table(alphas, lengths, blocks, sigma):
                     compactions.append(compacted)
                     fallbacks.append(fell_back)
                     units.append(block_units(n, alpha, first, visit, p, captured, compacted,
-                                             running, fell_back))
+                                             running, fell_back, capture_ran))
                     errors.append(float((tau.double() - exact_tau(u, alpha)).abs().max()))
                 mean = lambda values: sum(values) / len(values)  # noqa: E731
                 rows.append({"alpha": alpha, "n": n, "scores": kind,
@@ -373,6 +386,7 @@ def table(alphas, lengths, blocks, sigma):
                              "captured_passes_mean": mean(captures),
                              "passes_max": max(passes), "tau_err_max": max(errors),
                              "compactions_mean": mean(compactions),
+                             "capturing": mean([float(c) for c in capturing]),
                              "fell_back": mean([float(f) for f in fallbacks]),
                              "first_pass_tiles_visited": mean(firsts),
                              "later_tiles_visited": mean(visits),
@@ -413,12 +427,14 @@ def main(argv=None):
     print(f"emulation vs kernel (interpreter), max |tau difference|: {check_against_kernel():.2e}")
     rows = table(args.alphas, args.lengths, args.blocks, args.sigma)
     print("alpha | n | scores | passes mean | of which over captured scores | max | "
-          "max tau err | compactions | blocks over the tiles | pass-1 tiles visited | "
+          "max tau err | blocks capturing | compactions | blocks over the tiles | "
+          "pass-1 tiles visited | "
           "later tiles visited | units/score (est.) | x softmax fwd (est.)")
     for r in rows:
         print(f"{r['alpha']:5g} | {r['n']:5d} | {r['scores']:6s} | {r['passes_mean']:5.2f} | "
               f"{r['captured_passes_mean']:5.2f} | "
-              f"{r['passes_max']:3d} | {r['tau_err_max']:.1e} | {r['compactions_mean']:4.1f} | "
+              f"{r['passes_max']:3d} | {r['tau_err_max']:.1e} | {r['capturing']:.2f} | "
+              f"{r['compactions_mean']:4.1f} | "
               f"{r['fell_back']:.2f} | "
               f"{r['first_pass_tiles_visited']:.2f} | {r['later_tiles_visited']:.2f} | "
               f"{r['units_per_score']:6.1f} | {r['x_softmax_fwd_est']:.1f}")

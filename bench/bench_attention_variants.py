@@ -45,6 +45,7 @@ _ONE_POINT = ("b_t0, b_t0,\n"
               "        MASK_KIND, ALPHA_KIND, NEAR_ONE)\n")
 _SUPPORT = "        b_count, b_dmin = count_and_smallest(tl.sum(b_neg, 1), tl.min(b_low, 1), n)\n"
 _SUPPORT_BITS = "        b_neg, b_low = support_bits(b_g)\n"
+_CAPTURE_GATE = "capture = _capture_fits(b_ysub, b_lo, inv_am1, m_done, BLOCK_N, ALPHA_KIND)"
 # The passes after the first evaluate a second trial point just above the first; its sums
 # feed the result through a comparison that never holds, so that nothing is optimised away
 # and the thresholds (and so the pass count) stay those of the kernel.
@@ -115,8 +116,8 @@ VARIANTS = {
     # the threshold passes from the bracket's lower end, as before 2026-11-29 (session 22):
     # no column maxima in the max pass (one max per score) and no lower bound from them
     "no_subset_bound": [("    b_ycol = tl.maximum(b_ycol, b_y)\n", ""),
-                        ("    b_lo = _subset_bound(b_ycol - b_mz[:, None], am1, inv_am1, b_lo, b_hi, m_done, "
-                         "ALPHA_KIND,\n                         NEAR_ONE)\n", "")],
+                        ("    b_lo = _subset_bound(b_ysub, am1, inv_am1, b_lo, b_hi, m_done, ALPHA_KIND, "
+                         "NEAR_ONE)\n", "")],
     # the slots read with a masked load per entry, as before 2026-11-28 (session 19), not
     # as whole chunks (`_candidate_pass`, `_compact`)
     "masked_slot_loads": [
@@ -128,8 +129,12 @@ VARIANTS = {
          "                       float(\"-inf\"))\n",
          "        b_u = tl.load(p_cand + o_rows + o_c[None, :], mask=o_c[None, :] < b_keep[:, None],\n"
          "                      other=float(\"-inf\"))\n")],
-    # every general-alpha head captures, whatever its alpha (attention_common.CAPTURE_MIN_ALPHA)
-    "no_alpha_gate": [("capture = am1 >= CAPTURE_MIN_AM1_C", "capture = am1 >= 0.0", 2)],
+    # every general-alpha block captures, whether its rows are likely to fit or not
+    # (attention_fwd._capture_fits)
+    "no_capture_gate": [(_CAPTURE_GATE, "capture = True")],
+    # the general kind's gate before 2026-12-01: heads from alpha 1.5 up capture, whatever
+    # their scores
+    "alpha_gate": [(_CAPTURE_GATE, "capture = am1 >= 0.5")],
     # the count and the certificate from the predicate `d > 0`, as the kernel had them
     # (LLVM packs those predicates into bit masks): what `support.support_bits` saves
     "predicated_moments": [

@@ -634,14 +634,15 @@ def test_local_scores_skip_tiles_exactly(alpha):
 
 
 def test_captured_scores_are_each_rows_largest_and_hold_its_support(monkeypatch):
-    """General alpha, one value per head: the second threshold pass of a head at or above
-    attention_common.CAPTURE_MIN_ALPHA captures every score above the lower bound of tau;
-    every row's fit here, so the later passes ran over them alone. A head below it captures
-    nothing. Both stay exact."""
+    """General alpha (1.3, one value per head): the first threshold pass of a head whose
+    rows are likely to fit their slots captures every score above the lower bound of tau;
+    every row's fit here, so the later passes ran over them alone. A head of nearly equal
+    scores, every column's maximum above its lower bound, captures nothing
+    (attention_fwd._capture_fits). Both stay exact."""
     lq, heads = 150, 2
-    alpha = torch.tensor([attention_common.CAPTURE_MIN_ALPHA - 0.2,
-                          attention_common.CAPTURE_MIN_ALPHA + 0.1])
+    alpha = torch.tensor([1.3, 1.3])
     q, k, v = _inputs(1, heads, heads, lq, lq, 16, torch.float32)
+    q[:, 0] *= 0.01
     slots = attention_common.candidate_slots(common.ALPHA_GENERAL)
     assert slots > 0
     scratch = {}
@@ -676,7 +677,7 @@ def test_captured_scores_are_each_rows_largest_and_hold_its_support(monkeypatch)
 
 
 @pytest.mark.parametrize("slots, alpha, length", [
-    (2, attention_common.CAPTURE_MIN_ALPHA + 0.1, 90),
+    (2, 1.6, 90),
     (40, 1.5, 300), (56, 1.5, 300), (40, 2.0, 300), (56, 2.0, 300),
     (40, torch.tensor([1.6, 1.5]), 300), (56, torch.tensor([1.6, 1.5]), 300)])
 def test_few_capture_slots_stay_exact(monkeypatch, slots, alpha, length):

@@ -59,14 +59,23 @@ COMPACT_STEPS = tl.constexpr(2)
 SUBSET_STEPS_C = tl.constexpr(3)
 COMPACT_MIN_C = tl.constexpr(2)
 COMPACT_TILES_C = tl.constexpr(8)
-# The general kind's heads capture from this alpha up: where the rows do not fit their
-# slots, its capturing second pass costs more than the capture can spare. Timed (bf16, L
-# 4096 E 64 causal; docs/gpu.md, eleventh session): with every head capturing, alpha 1.25
-# (hundreds of scores per row above lo) forwarded 1.30-1.38x slower than without, alpha
-# 1.5 (tens) 1.08-1.10x faster; with this gate alpha 1.25 and 1.4 are 1-2 % slower than
-# without the capture compiled in, alpha 1.5 still 1.10x faster.
-CAPTURE_MIN_ALPHA = 1.5
-CAPTURE_MIN_AM1_C = tl.constexpr(CAPTURE_MIN_ALPHA - 1.0)
+# The general kind's blocks capture only where their rows are likely to fit their slots:
+# where no open row has more than CAPTURE_MAX_COLUMN_SHARE of the max pass's column maxima
+# (`_subset_bound`'s subset) above the lower bound that subset gave. A block whose rows do
+# not fit pays the capture and then the passes over the tiles: timed (bf16, L 4096 E 64
+# causal; docs/gpu.md, eleventh session), every head capturing in its second pass made
+# alpha 1.25 (hundreds of scores per row above lo) 1.30-1.38x slower and alpha 1.5 (tens)
+# 1.08-1.10x faster, which a gate at alpha 1.5 kept until the first pass captured above a
+# rising bound. With it, whether a row fits depends on the spread of its scores as much
+# as on alpha; the count of columns tells them apart (a row with S scores above lo spread
+# over BLOCK_N columns occupies about BLOCK_N (1 - exp(-S / BLOCK_N)) of them: 60 of 64 is
+# S ~ 180). The float32 emulation (bench/bench_attention_passes.py, 64-row blocks of
+# N(0, sigma^2) and local scores, L 1024-16384, alpha 1.3-2, sigma 0.5-2): every block that
+# overflowed had 61-64 of its 64 columns above lo, those that fit 5-61 (alpha 1.5 at sigma
+# 0.5, L 16384, after a dozen compactions); alpha 1.4 at sigma 1 fits at 40-57 columns and
+# then takes 44-46 units of work per score against 95-114 without the capture.
+CAPTURE_MAX_COLUMN_SHARE = 15 / 16
+CAPTURE_MAX_COLUMN_SHARE_C = tl.constexpr(CAPTURE_MAX_COLUMN_SHARE)
 
 
 def candidate_slots(alpha_kind):
@@ -84,7 +93,7 @@ def candidate_slots(alpha_kind):
     passes over the tiles). Timed (docs/gpu.md, eleventh session; L 4096 E 64 causal, bf16
     forward, `no_capture` of bench/bench_attention_variants.py): 4 % faster at alpha 1.5 on
     an H100 and an H200, 1-6 % at alpha 2, 9-10 % for a learned alpha at 1.5; the general
-    kind's heads below CAPTURE_MIN_ALPHA do not capture. The estimate had been a tenth and
+    kind's blocks whose rows are unlikely to fit do not capture (CAPTURE_MAX_COLUMN_SHARE). The estimate had been a tenth and
     a third. 128 slots take 512 bytes of scratch per query row for the duration of the
     forward call."""
     return CANDIDATE_SLOTS

@@ -11,8 +11,9 @@ scaled, masked scores and u = (alpha - 1)(z - max z), the threshold tau lies in 
    raises from the scores it captured so far (a subset's threshold is at most the row's:
    `_running_capture_pass`, `_compact`); where every row of the block fits its CANDIDATES
    slots, tau is found over those alone (`_candidate_pass`) and the forward makes three
-   passes over K (docs/attention.md, "A rising lower bound"). The other blocks, and heads
-   that do not capture, go on with threshold passes over the tiles (`_passes_over_tiles`),
+   passes over K (docs/attention.md, "A rising lower bound"). The other blocks, and those
+   that do not capture (heads near alpha = 1; general-alpha blocks whose rows are unlikely
+   to fit, `_capture_fits`), go on with threshold passes over the tiles (`_passes_over_tiles`),
    each a few operations per score, like a softmax pass: the sums of `_moments` at one
    trial threshold t (two in the first pass: the bracket's lower end and its middle).
    From them `_update_threshold` gives a Newton step (a lower bound of tau, f being convex
@@ -58,7 +59,7 @@ import triton
 import triton.language as tl
 
 from .. import common
-from .attention_common import (CANDIDATE_CHUNK_C, CAPTURE_MIN_AM1_C, COMPACT_FILL_C,
+from .attention_common import (CANDIDATE_CHUNK_C, CAPTURE_MAX_COLUMN_SHARE_C, COMPACT_FILL_C,
                                COMPACT_MIN_C, COMPACT_SEGMENT_C, COMPACT_STEPS, COMPACT_TILES_C,
                                MAX_TAU_PASSES_C, NEAR_ONE_INV_AM1, PHASE_OUTPUT_C,
                                PHASE_THRESHOLD_C, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C,
@@ -711,15 +712,16 @@ def _running_capture_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq
 def _passes_over_tiles(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                        n_full, q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows,
                        p_flags, p_tiles, p_cand, am1, inv_am1, b_lo, b_hi, b_tau, m_done,
-                       n_listed, n_pass, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       n_listed, n_pass, capture, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr,
                        ALPHA_KIND: tl.constexpr, CANDIDATES: tl.constexpr,
                        NEAR_ONE: tl.constexpr):
     """The threshold passes over the tiles, for blocks the first pass's capture did not
     settle, from the bracket [lo, hi] it left: two points (lo and the middle), then one
     that rewrites the flags at the new lower bound and captures the scores above it (their
-    threshold found on chip when they fit), then one point per pass. Returns (lo, hi, tau,
-    done, tight, guess, listed tiles, passes so far)."""
+    threshold found on chip when they fit; for general alpha only where `capture`, the
+    block's `_capture_fits`), then one point per pass. Returns (lo, hi, tau, done, tight,
+    guess, listed tiles, passes so far)."""
     b_mid = 0.5 * (b_lo + b_hi)
     b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, b_ncand = _threshold_pass(
         b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full, q_len,
@@ -753,12 +755,6 @@ def _passes_over_tiles(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, s
         # keep reading the flags off the sums at lo.
         if ALPHA_KIND == ALPHA_GENERAL:
             b_t2 = _trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND)
-            # a head's alpha is one value: below the capture's least alpha its blocks keep
-            # the second pass without the capture (`attention_common.CAPTURE_MIN_ALPHA`),
-            # as every head near alpha = 1 does (NEAR_ONE: alpha < 1.25)
-            capture = False
-            if (CANDIDATES > 0) & (not NEAR_ONE):
-                capture = am1 >= CAPTURE_MIN_AM1_C
             if capture:
                 b_lo, b_hi, b_tau, m_done, m_tight, b_guess, b_ncand = _one_point_pass(
                     b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
@@ -832,6 +828,17 @@ def _subset_bound(b_u, am1, inv_am1, b_lo, b_hi, m_done, ALPHA_KIND: tl.constexp
 
 
 @triton.jit
+def _capture_fits(b_u, b_lo, inv_am1, m_done, BLOCK_N: tl.constexpr, ALPHA_KIND: tl.constexpr):
+    """Whether the block's open rows are likely to fit their capture slots: none has more
+    than CAPTURE_MAX_COLUMN_SHARE of its BLOCK_N column maxima b_u (`_subset_bound`'s
+    subset) above its lower bound lo. Rows whose scores above lo outnumber the slots spread
+    over nearly every column (attention_common.CAPTURE_MAX_COLUMN_SHARE has the emulation's
+    counts); one pass over the [BM, BN] maxima in registers, per block."""
+    b_above = tl.sum((_capture_key(b_u, b_lo, inv_am1, ALPHA_KIND) > 0).to(tl.int32), 1)
+    return tl.max(tl.where(m_done, 0, b_above), 0) <= BLOCK_N * CAPTURE_MAX_COLUMN_SHARE_C
+
+
+@triton.jit
 def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                     n_full, q_len, k_len, kv_end, head_e, scale, b_mz, b_ycol, is_causal, m_rows,
                     p_flags, p_tiles, p_cand, am1, inv_am1, BLOCK_M: tl.constexpr,
@@ -841,9 +848,9 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
     """Passes 2 and on: the tiles' threshold (`_threshold_in_z`) of every row, [BM], and the
     number of listed tiles (p_tiles) the output pass visits, from the flags the max pass
     left (which the first threshold pass rewrites). With CANDIDATES > 0 (and, for general
-    alpha, a head at CAPTURE_MIN_ALPHA or above) the first threshold pass captures every
-    row's scores above a rising lower bound of tau (`_running_capture_pass`), and when
-    every open row's fit its CANDIDATES slots the threshold is found over those alone
+    alpha, a block whose rows are likely to fit, `_capture_fits`) the first threshold pass
+    captures every row's scores above a rising lower bound of tau (`_running_capture_pass`),
+    and when every open row's fit its CANDIDATES slots the threshold is found over those alone
     (`_candidate_pass`): a max pass, one threshold pass and the output pass. Blocks whose
     rows do not fit take the passes over the tiles from the bound it reached: two points
     in the first, a capture above the new lower bound in the second (its scores again
@@ -854,8 +861,8 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
     b_hi = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     m_done = ~m_rows
     m_tight = tl.zeros_like(m_done)
-    b_lo = _subset_bound(b_ycol - b_mz[:, None], am1, inv_am1, b_lo, b_hi, m_done, ALPHA_KIND,
-                         NEAR_ONE)
+    b_ysub = b_ycol - b_mz[:, None]
+    b_lo = _subset_bound(b_ysub, am1, inv_am1, b_lo, b_hi, m_done, ALPHA_KIND, NEAR_ONE)
     b_tau = b_lo
     b_guess = b_lo
     # the list of the tiles the max pass flagged (from other threads' flags)
@@ -866,14 +873,14 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
     # the most scores any open row captured; past CANDIDATES when nothing was captured
     n_cand = n_full * 0 + (CANDIDATES + 1)
     b_ncand = tl.zeros([BLOCK_M], dtype=tl.int32)
-    # a head's alpha is one value: below the capture's least alpha its blocks take the
-    # passes over the tiles without a capture (`attention_common.CAPTURE_MIN_ALPHA`), as
-    # every head near alpha = 1 does (NEAR_ONE: alpha < 1.25)
+    # heads near alpha = 1 (NEAR_ONE: alpha < 1.25) never capture; the general kind's blocks
+    # only where their rows are likely to fit the slots (`_capture_fits`), since a block
+    # that does not fit pays the capture on top of the passes over the tiles
     capture = False
     if (CANDIDATES > 0) & (not NEAR_ONE):
         capture = True
         if ALPHA_KIND == ALPHA_GENERAL:
-            capture = am1 >= CAPTURE_MIN_AM1_C
+            capture = _capture_fits(b_ysub, b_lo, inv_am1, m_done, BLOCK_N, ALPHA_KIND)
     if capture:
         b_lo, b_ncand = _running_capture_pass(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
@@ -894,8 +901,8 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
         b_lo, b_hi, b_tau, m_done, m_tight, b_guess, n_listed, n_pass = _passes_over_tiles(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
             q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows, p_flags, p_tiles,
-            p_cand, am1, inv_am1, b_lo, b_hi, b_tau, m_done, n_listed, n_pass, BLOCK_M,
-            BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, CANDIDATES, NEAR_ONE)
+            p_cand, am1, inv_am1, b_lo, b_hi, b_tau, m_done, n_listed, n_pass, capture,
+            BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, CANDIDATES, NEAR_ONE)
     # rows still open after MAX_TAU_PASSES: the last lower bound (a Newton step). From here
     # on the tiles' threshold (`_threshold_in_z`), which the statistics store too.
     b_tau = _threshold_in_z(tl.where(m_done, b_tau, b_lo), inv_am1, ALPHA_KIND)
