@@ -73,7 +73,7 @@ COMPACT_TILES_C = tl.constexpr(8)
 # N(0, sigma^2) and local scores, L 1024-16384, alpha 1.3-2, sigma 0.5-2): every block that
 # overflowed had 61-64 of its 64 columns above lo, those that fit 5-61 (alpha 1.5 at sigma
 # 0.5, L 16384, after a dozen compactions); alpha 1.4 at sigma 1 fits at 40-57 columns and
-# then takes 44-46 units of work per score against 95-114 without the capture.
+# then takes 44-47 units of work per score against 95-114 without the capture.
 CAPTURE_MAX_COLUMN_SHARE = 15 / 16
 CAPTURE_MAX_COLUMN_SHARE_C = tl.constexpr(CAPTURE_MAX_COLUMN_SHARE)
 
