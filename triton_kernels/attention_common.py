@@ -70,10 +70,12 @@ COMPACT_TILES_C = tl.constexpr(8)
 # as on alpha; the count of columns tells them apart (a row with S scores above lo spread
 # over BLOCK_N columns occupies about BLOCK_N (1 - exp(-S / BLOCK_N)) of them: 60 of 64 is
 # S ~ 180). The float32 emulation (bench/bench_attention_passes.py, 64-row blocks of
-# N(0, sigma^2) and local scores, L 1024-16384, alpha 1.3-2, sigma 0.5-2): every block that
-# overflowed had 61-64 of its 64 columns above lo, those that fit 5-61 (alpha 1.5 at sigma
-# 0.5, L 16384, after a dozen compactions); alpha 1.4 at sigma 1 fits at 40-57 columns and
-# then takes 44-47 units of work per score against 95-114 without the capture.
+# N(0, sigma^2) and local scores, L 1024-16384, alpha 1.25-2, sigma 0.5-3): blocks that
+# overflowed had 57-64 of their 64 columns above lo, those that fit 5-61; between 55 and
+# 61 both occur, about two in three fitting, where a fit saves ~50 units of work per score
+# and an overflow costs ~55, so capturing there is still the better bet. Alpha 1.4 at
+# sigma 1 fits at 40-57 columns and then takes 44-47 units per score against 95-114
+# without the capture.
 CAPTURE_MAX_COLUMN_SHARE = 15 / 16
 CAPTURE_MAX_COLUMN_SHARE_C = tl.constexpr(CAPTURE_MAX_COLUMN_SHARE)
 
