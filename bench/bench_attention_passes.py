@@ -243,14 +243,14 @@ def emulate_block(u, alpha):
     Returns (tau [R], passes, tiles the first threshold pass visits / tiles, tiles visited
     per later pass over the tiles / tiles, passes that ran over captured scores,
     compactions of the first pass, its tile visits / flagged tiles, whether the block
-    took the passes over the tiles, whether it captured). The max pass flags the tiles with a score within the
-    bracket's width of its row's maximum (the kernel compares with the running maximum,
-    nearest tiles first; here the final one), and the lower bound lo starts from the
-    threshold of each column's largest score (`_subset_bound`). Where alpha's kind captures
-    (`attention_common.candidate_slots`; the general kind where `capture_fits`), the first
-    threshold pass captures above a rising
-    lower bound (`_running_capture`) and, when every open row fits its slots, the passes
-    run over those alone. Otherwise (or after a capture that did not fit) the passes over
+    took the passes over the tiles, whether it captured). The max pass flags the tiles
+    with a score within the bracket's width of its row's maximum (the kernel compares with
+    the running maximum, nearest tiles first; here the final one), and the lower bound lo
+    starts from the threshold of each column's largest score (`_subset_bound`). Where
+    alpha's kind captures (`attention_common.candidate_slots`; the general kind where
+    `capture_fits`), the first threshold pass captures above a rising lower bound
+    (`_running_capture`) and, when every open row fits its slots, the passes run over
+    those alone. Otherwise (or after a capture that did not fit) the passes over
     the tiles: two points, then one that rewrites the flags at the lower bound lo and
     captures above it (the passes after it over those scores when they fit), then one
     point per pass over the tiles it flagged."""
