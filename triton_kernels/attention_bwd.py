@@ -62,11 +62,12 @@ def _row_weights(b_u, b_thr, b_l, am1, inv_am1, ALPHA_KIND: tl.constexpr,
         b_s = tl.where(b_g > 0, 1.0, 0.0)
     else:
         b_g = gap(b_u, b_thr, inv_am1, ALPHA_KIND)
-        b_log2l = tl.log2(b_l)[:, None]
+        b_log2l = tl.log2(b_l)
         b_lb = log2_base(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)
-        m_support = b_g > -1.0
-        b_p = tl.where(m_support, tl.exp2(inv_am1 * b_lb - b_log2l), 0.0)
-        b_s = tl.where(m_support, tl.exp2((inv_am1 - 1.0) * b_lb + (am1 - 1.0) * b_log2l), 0.0)
+        b_s = tl.where(b_g > -1.0,
+                       tl.exp2((inv_am1 - 1.0) * b_lb + ((am1 - 1.0) * b_log2l)[:, None]), 0.0)
+        # p = base^e / l = s base l^(1 - alpha) (`weights_and_sensitivity`)
+        b_p = b_s * tl.maximum(1.0 + b_g, 0.0) * tl.exp2(-am1 * b_log2l)[:, None]
     return b_g, b_p, b_s
 
 

@@ -556,6 +556,22 @@ def sensitivity(b_g, inv_am1, ALPHA_KIND: tl.constexpr, NEAR_ONE: tl.constexpr =
 
 
 @triton.jit
+def weights_and_sensitivity(b_g, inv_am1, ALPHA_KIND: tl.constexpr,
+                            NEAR_ONE: tl.constexpr = None):
+    """(`weights`, `sensitivity`) of one `gap`. General alpha takes p = s * base: a multiply
+    instead of a second exp2, which runs on the quarter-rate unit, and the base's rounding
+    is not amplified by 1/(alpha - 1) as an error of its log would be. Off the support s is
+    0 and the base, clamped at 0 (masked scores' -inf; a NaN gap, whose s is 0, gives 0 as
+    tl.maximum ignores NaN), keeps p at 0."""
+    b_s = sensitivity(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)
+    if ALPHA_KIND == ALPHA_GENERAL:
+        b_p = b_s * tl.maximum(1.0 + b_g, 0.0)
+    else:
+        b_p = weights(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)
+    return b_p, b_s
+
+
+@triton.jit
 def dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """Per-weight factor 0 (dropped) or 1/(1-p) (kept); 1 without dropout. [BM, BN]

@@ -68,7 +68,7 @@ from .attention_common import (CANDIDATE_CHUNK_C, CAPTURE_MAX_COLUMN_SHARE_C, CO
                                config_suffix, dot, dropout_scale, forward_launches,
                                full_tiles_end, gap, held_cols, held_rows, listed_tiles,
                                log2_base, mask_specialisation, query_block, sensitivity,
-                               sequence_bounds, shifted_scores, weights)
+                               sequence_bounds, shifted_scores, weights, weights_and_sensitivity)
 from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX, GRAD_ALPHA, GRAD_INPUTS
 from .support import count_and_smallest, positive_f16, store_above, support_bits
 
@@ -925,7 +925,10 @@ def _output_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, st
                       start_n, q_len, k_len, head_e, scale, b_mz, is_causal,
                       BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
     b_g = gap(b_u, b_tau, inv_am1, ALPHA_KIND)  # [BM, BN]
-    b_p = weights(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)
+    if NEED_GRAD >= GRAD_INPUTS:
+        b_p, b_s = weights_and_sensitivity(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)
+    else:
+        b_p = weights(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)
     b_prow = tl.sum(b_p, 1)
     b_sum += b_prow
     if NEED_GRAD >= GRAD_INPUTS:
@@ -947,7 +950,6 @@ def _output_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, st
     else:
         b_acc += dot(b_p.to(b_v.dtype), b_v)
     if NEED_GRAD >= GRAD_INPUTS:
-        b_s = sensitivity(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)
         b_ssum += tl.sum(b_s, 1)
         if HAS_DROPOUT:
             b_dacc += dot((b_s * b_drop).to(b_v.dtype), b_v)
