@@ -95,9 +95,9 @@ def candidate_slots(alpha_kind):
     passes over the tiles). Timed (docs/gpu.md, eleventh session; L 4096 E 64 causal, bf16
     forward, `no_capture` of bench/bench_attention_variants.py): 4 % faster at alpha 1.5 on
     an H100 and an H200, 1-6 % at alpha 2, 9-10 % for a learned alpha at 1.5; the general
-    kind's blocks whose rows are unlikely to fit do not capture (CAPTURE_MAX_COLUMN_SHARE). The estimate had been a tenth and
-    a third. 128 slots take 512 bytes of scratch per query row for the duration of the
-    forward call."""
+    kind's blocks whose rows are unlikely to fit do not capture (CAPTURE_MAX_COLUMN_SHARE).
+    The estimate had been a tenth and a third. 128 slots take 512 bytes of scratch per
+    query row for the duration of the forward call."""
     return CANDIDATE_SLOTS
 
 # Row statistics stored per query row, stacked along the first dimension of `stats`.
@@ -559,8 +559,9 @@ def sensitivity(b_g, inv_am1, ALPHA_KIND: tl.constexpr, NEAR_ONE: tl.constexpr =
 def weights_and_sensitivity(b_g, inv_am1, ALPHA_KIND: tl.constexpr,
                             NEAR_ONE: tl.constexpr = None):
     """(`weights`, `sensitivity`) of one `gap`. General alpha takes p = s * base: a multiply
-    instead of a second exp2, which runs on the quarter-rate unit, and the base's rounding
-    is not amplified by 1/(alpha - 1) as an error of its log would be. Off the support s is
+    instead of a second exp2, which runs on the special-function unit (16 results per clock
+    per SM against 128 multiply-adds), and the base's rounding is not amplified by
+    1/(alpha - 1) as an error of its log would be. Off the support s is
     0 and the base, clamped at 0 (masked scores' -inf; a NaN gap, whose s is 0, gives 0 as
     tl.maximum ignores NaN), keeps p at 0."""
     b_s = sensitivity(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)
