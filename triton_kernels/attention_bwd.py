@@ -46,9 +46,10 @@ def _row_weights(b_u, b_thr, b_l, am1, inv_am1, ALPHA_KIND: tl.constexpr,
 
     The row's weight sum l comes in through a factor per row, not per score: alpha 1.5
     scales the gap by l^(-1/2), so that p = (g l^(-1/2))^2 and s = g l^(-1/2); alpha 2's
-    s = [g > 0] needs no l; general alpha adds -log2 l and (alpha - 2) log2 l to the
-    exponents of p = base^e / l and s = base^(e-1) l^(alpha-2). That spares a multiply per
-    score and weight, and libdevice's log2 and a division per row, which the dK/dV loop
+    s = [g > 0] needs no l; general alpha adds (alpha - 2) log2 l to the exponent of
+    s = base^(e-1) l^(alpha-2) and takes p = base^e / l = s base l^(1-alpha), a factor per
+    row (`weights_and_sensitivity`). That spares a multiply per score and weight, and
+    libdevice's log2 and a division per row, which the dK/dV loop
     paid on every tile (its rows change with the tile). The g returned (alpha 1.5's
     scaled) is read only for general alpha's d(alpha)."""
     if ALPHA_KIND == ALPHA_ENTMAX15:
