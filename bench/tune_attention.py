@@ -7,12 +7,17 @@ they lose. Needs a CUDA device.
         [--tiles 64x64 128x64] [--fwd-launch 4x3 8x2] [--bwd-launch 8x2] [--forward-only]
         [--phases fused split] [--threshold-caps 0 128] [--mask none bool additive]
         [--alpha 1.5] [--alpha-tensor] [--dq kernel atomic ordered]
+        [--caps table output=128,output_grad=168,dq=128,dkdv=168]
 
 --phases: the forward as one launch or as the threshold and output launches
 (`attention_common.forward_phases`); --threshold-caps: maxnreg of the threshold launch
 (0: none), tried only with split. --dq: where the backward forms dQ
 (`attention_common.backward_dq`: its own kernel, or the dK/dV kernel's atomic adds,
 unordered or in key-block order); a learned alpha (--alpha-tensor) always takes the kernel.
+--caps: register caps (maxnreg) of the other launches, each candidate "table" or a comma
+list of LAUNCH=CAP (0: none) over the table's (`attention_common.register_cap`), LAUNCH one
+of output (the output launch without gradients: the timed forward), output_grad (with
+them: the training step's), dq, dkdv.
 --fwd-launch applies to every forward launch. --mask passes the causal mask as an (L, L)
 attn_mask instead of is_causal (bool: True attends; additive: 0 / -inf), as transformers'
 models do when a batch has padding: the masked kernels (MASK_BOOL, MASK_ADDITIVE), which
@@ -66,9 +71,41 @@ def _causal_mask(kind, length, dtype):
     return torch.zeros(length, length, dtype=dtype, device="cuda").masked_fill(~keep, float("-inf"))
 
 
+# --caps' launch names: (table key, whether the launch is compiled with gradients)
+CAP_LAUNCHES = {"output": ("fwd_output", False), "output_grad": ("fwd_output", True),
+                "dq": ("dq", False), "dkdv": ("dkdv", False)}
+
+
+def _caps(text):
+    """{(table key, with gradients): cap} of one --caps candidate."""
+    if text == "table":
+        return {}
+    caps = {}
+    for item in text.split(","):
+        name, _, cap = item.partition("=")
+        if name not in CAP_LAUNCHES or not cap.isdigit():
+            raise SystemExit(f"tune_attention: --caps takes LAUNCH=CAP with LAUNCH one of "
+                             f"{sorted(CAP_LAUNCHES)}, got {item!r}")
+        caps[CAP_LAUNCHES[name]] = int(cap)
+    return caps
+
+
+def _register_caps(table, threshold_cap, caps):
+    """`attention_common.register_cap` with the threshold launch's cap and `caps` over
+    `table` (a cap of 0: none)."""
+    def register_cap(kernel, block_e, dtype_key, mask_kind=0, need_grad=0):
+        if kernel == "fwd_threshold":
+            return threshold_cap or None
+        key = (kernel, bool(need_grad) if kernel == "fwd_output" else False)
+        if key in caps:
+            return caps[key] or None
+        return table(kernel, block_e, dtype_key, mask_kind, need_grad)
+    return register_cap
+
+
 def measure(dtype, head_dim, length, causal, tile_shape, fwd_launch, bwd_launch, alpha=1.5,
             forward_only=False, phases="fused", threshold_cap=0, mask="none", alpha_tensor=False,
-            dq="kernel"):
+            dq="kernel", caps=None):
     import entmax_fast
     from entmax_fast.triton_kernels import attention_common as tiles
 
@@ -86,8 +123,7 @@ def measure(dtype, head_dim, length, causal, tile_shape, fwd_launch, bwd_launch,
     tiles.block_sizes = lambda block_e, dtype_key, dropout=False: tile_shape
     tiles.launch_config = lambda kernel, *_: fwd_launch if kernel.startswith("fwd") else bwd_launch
     tiles.forward_phases = lambda *_: _phases(phases)
-    tiles.register_cap = lambda kernel, *_: (
-        threshold_cap or None) if kernel == "fwd_threshold" else None
+    tiles.register_cap = _register_caps(tiles.register_cap, threshold_cap, caps or {})
     tiles.backward_dq = lambda *_: tiles.DQ_MODES[dq]
     try:
         with entmax_fast.use_backend("triton"):
@@ -135,11 +171,15 @@ def main(argv=None):
     parser.add_argument("--dq", nargs="+", default=["kernel"],
                         choices=["kernel", "atomic", "ordered"],
                         help="where the backward forms dQ (attention_common.backward_dq)")
+    parser.add_argument("--caps", nargs="+", default=["table"],
+                        help='register caps of the other launches: "table" or '
+                             'LAUNCH=CAP,... (output, output_grad, dq, dkdv; 0: none)')
     args = parser.parse_args(argv)
     forwards = [(phases, cap) for phases in args.phases
                 for cap in (args.threshold_caps if phases == "split" else [0])]
     bwd_launches = [(0, 0)] if args.forward_only else _pairs(args.bwd_launch)
     dq_modes = ["kernel"] if args.forward_only else args.dq
+    cap_sets = [(text, _caps(text)) for text in args.caps]
     if not torch.cuda.is_available():
         print("tune_attention: needs a CUDA device (none here); nothing measured")
         return 0
@@ -147,15 +187,17 @@ def main(argv=None):
           f"alpha={args.alpha}{' (per-head tensor)' if args.alpha_tensor else ''}, mask={args.mask}")
     for head_dim in args.head_dims:
         rows = []
-        for tiles, fwd_launch, bwd_launch, (phases, cap), dq in itertools.product(
-                _pairs(args.tiles), _pairs(args.fwd_launch), bwd_launches, forwards, dq_modes):
+        for tiles, fwd_launch, bwd_launch, (phases, cap), dq, (caps_text, caps) in (
+                itertools.product(_pairs(args.tiles), _pairs(args.fwd_launch), bwd_launches,
+                                  forwards, dq_modes, cap_sets)):
             label = f"{phases}" + (f" cap {cap}" if cap else "") + (
-                f" dq {dq}" if not args.forward_only else "")
+                f" dq {dq}" if not args.forward_only else "") + (
+                f" caps {caps_text}" if caps else "")
             try:
                 t_fwd, t_step = measure(DTYPES[args.dtype], head_dim, args.length, args.causal,
                                         tiles, fwd_launch, bwd_launch, args.alpha,
                                         args.forward_only, phases, cap, args.mask, args.alpha_tensor,
-                                        dq)
+                                        dq, caps)
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: skip the config
                 print(f"E={head_dim} {tiles} fwd{fwd_launch} {label} bwd{bwd_launch}: "
                       f"{type(exc).__name__}: {str(exc)[:120]}")

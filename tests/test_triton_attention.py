@@ -923,6 +923,47 @@ def test_dq_kernel_kept_for_a_learned_alpha_and_deterministic_algorithms(monkeyp
     assert tri._dq_mode(geo, False) == attention_common.DQ_ORDERED
 
 
+class _LaunchRecorder:
+    """Stands in for a @triton.jit kernel: launches it and records each launch's maxnreg."""
+
+    def __init__(self, kernel):
+        self.kernel, self.maxnreg = kernel, []
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.maxnreg.append(kwargs.get("maxnreg"))
+            return launch(*args, **kwargs)
+        return run
+
+
+def test_backward_launches_take_the_register_caps_the_aot_check_compiles(monkeypatch):
+    """A register cap of the table (`attention_common.register_cap`, what
+    bench/tune_attention.py --bwd-caps tries) reaches the backward's launches and the AOT
+    check's configurations alike, and the capped backward still matches float64."""
+    from entmax_fast.triton_kernels import attention_bwd
+
+    caps = {"fwd_threshold": 128, "dq": 128, "dkdv": 168}
+    monkeypatch.setattr(attention_common, "register_cap", lambda kernel, *_: caps.get(kernel))
+    for cfg in attention_bwd.aot_configs():
+        kernel = "dq" if "_bwd_dq_" in cfg["name"] else "dkdv"
+        assert cfg["options"] == {"maxnreg": caps[kernel]}, cfg["name"]
+    recorders = {name: _LaunchRecorder(getattr(attention_bwd, f"entmax_attn_bwd_{name}_kernel"))
+                 for name in ("dq", "dkdv")}
+    for name, recorder in recorders.items():
+        monkeypatch.setattr(attention_bwd, f"entmax_attn_bwd_{name}_kernel", recorder)
+    q, k, v = _inputs(1, 2, 2, 70, 70, 16, torch.float32)
+    grad_out = torch.randn(1, 2, 70, 16)
+    _, grads = _grads(lambda *t: _triton_attention(*t, is_causal=True, alpha=1.5), [q, k, v],
+                      grad_out)
+    _, ref_grads = _grads(lambda *t: reference_attention(*t, is_causal=True, alpha=1.5),
+                          [t.double() for t in (q, k, v)], grad_out)
+    assert {name: r.maxnreg for name, r in recorders.items()} == {"dq": [128], "dkdv": [168]}
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert _err(got, want) <= 1e-4, name
+
+
 @pytest.mark.skipif(not ON_GPU, reason="one program at a time in the interpreter: any order "
                                        "of adds is the same order")
 def test_ordered_dq_repeats_bit_for_bit(monkeypatch):

@@ -173,16 +173,43 @@ def forward_phases(block_e, dtype_key, mask_kind=common.MASK_NONE):
 PHASE_KERNELS = {PHASE_FUSED: "fwd", PHASE_THRESHOLD: "fwd_threshold", PHASE_OUTPUT: "fwd_output"}
 
 
-def register_cap(kernel, block_e, dtype_key, mask_kind=common.MASK_NONE):
-    """maxnreg of `kernel` (a `launch_config` name), or None for none. A cap below what a
-    kernel wants trades spills for programs per SM (65536 registers per SM over
-    registers x threads per program). The threshold launch of the split forward: 128
-    (`forward_phases`; it spills 4-8 bytes there, and ran faster than without the cap).
-    General alpha spills 304 bytes at 128 and still ran 10 % faster than uncapped on an
-    H200 (docs/gpu.md, ninth session: L 4096, E 64, causal, 4.84 against 5.37 ms)."""
+def register_cap(kernel, block_e, dtype_key, mask_kind=common.MASK_NONE,
+                 need_grad=common.GRAD_NONE):
+    """maxnreg of `kernel` (a `launch_config` name) compiled with `need_grad` (the output
+    launch's accumulators depend on it), or None for none. A cap below what a kernel wants
+    trades spills for programs per SM (65536 registers per SM over registers x threads per
+    program). The threshold launch of the split forward: 128 (`forward_phases`; it spills
+    4-8 bytes there, and ran faster than without the cap). General alpha spills 304 bytes
+    at 128 and still ran 10 % faster than uncapped on an H200 (docs/gpu.md, ninth session:
+    L 4096, E 64, causal, 4.84 against 5.37 ms).
+
+    The other launches have no cap until a GPU decides (`bench/tune_attention.py --caps`).
+    Candidates at E 64 (sm_90, bf16, 4 warps, 64x64 tiles, triton 3.6; docs/gpu.md,
+    twentieth session), programs per SM uncapped -> capped: the output launch without
+    gradients at 128, 3 -> 4 (154 registers uncapped; no stack either way, its tile loop
+    9.2 -> 9.3 instructions per score), with them at 168, 2 -> 3 (223; 80 bytes of stack,
+    12.2 -> 12.4); dK/dV at 168, 2 -> 3 (255; its listed-tile loop 0.8-1.0 instructions
+    per score more, 13-22 of them spills per tile, alpha 1.5, 2, general); dQ at 128,
+    3 -> 4 (162; 9.0 -> 9.1). At E 128 dK/dV's shared memory (105 KiB) holds it at two
+    programs whatever the cap."""
     if kernel == "fwd_threshold":
         return 128
     return None
+
+
+def launch_options(maxnreg):
+    """The compile options of a launch with register cap `maxnreg` (`register_cap`), as
+    keywords of the launch and as the AOT check's "options"."""
+    return {} if maxnreg is None else {"maxnreg": maxnreg}
+
+
+def backward_launch(kernel, block_e, dtype_key):
+    """The launch keywords of a backward kernel ("dq" or "dkdv": num_warps, num_stages and
+    compile options) from `launch_config` and `register_cap`: what the launcher passes and
+    the AOT check compiles."""
+    num_warps, num_stages = launch_config(kernel, block_e, dtype_key)
+    return {"num_warps": num_warps, "num_stages": num_stages,
+            **launch_options(register_cap(kernel, block_e, dtype_key))}
 
 
 class ForwardLaunch(NamedTuple):
@@ -204,10 +231,11 @@ def forward_launches(block_e, dtype_key, mask_kind, need_grad):
     launches = []
     for phase in forward_phases(block_e, dtype_key, mask_kind):
         kernel = PHASE_KERNELS[phase]
+        launch_grad = common.GRAD_NONE if phase == PHASE_THRESHOLD else need_grad
         num_warps, num_stages = launch_config(kernel, block_e, dtype_key, mask_kind)
         launches.append(ForwardLaunch(
-            phase, kernel, common.GRAD_NONE if phase == PHASE_THRESHOLD else need_grad,
-            num_warps, num_stages, register_cap(kernel, block_e, dtype_key, mask_kind)))
+            phase, kernel, launch_grad, num_warps, num_stages,
+            register_cap(kernel, block_e, dtype_key, mask_kind, launch_grad)))
     return launches
 
 

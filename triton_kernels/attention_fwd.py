@@ -66,8 +66,9 @@ from .attention_common import (CANDIDATE_CHUNK_C, CAPTURE_MAX_COLUMN_SHARE_C, CO
                                STAT_TAU_C, SUBSET_STEPS_C, TAU_STEP_TOL_C, attention_signature,
                                block_sizes, candidate_slots, chunk_width, config_space,
                                config_suffix, dot, dropout_scale, forward_launches,
-                               full_tiles_end, gap, held_cols, held_rows, listed_tiles,
-                               log2_base, mask_specialisation, query_block, sensitivity,
+                               full_tiles_end, gap, held_cols, held_rows, launch_options,
+                               listed_tiles, log2_base, mask_specialisation, query_block,
+                               sensitivity,
                                sequence_bounds, shifted_scores, weights, weights_and_sensitivity)
 from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX, GRAD_ALPHA, GRAD_INPUTS
 from .support import count_and_smallest, positive_f16, store_above, support_bits
@@ -1156,7 +1157,7 @@ def aot_configs():
             suffix = config_suffix(dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout)
             configs.append({
                 "name": f"entmax_attn_{launch.kernel}_{suffix}_g{launch.need_grad}",
-                "options": {} if launch.maxnreg is None else {"maxnreg": launch.maxnreg},
+                "options": launch_options(launch.maxnreg),
                 "fn": entmax_attn_fwd_kernel,
                 "signature": attention_signature(entmax_attn_fwd_kernel, dtype_key, mask_kind),
                 "constexprs": constexprs,

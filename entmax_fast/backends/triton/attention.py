@@ -82,8 +82,9 @@ class _Geometry:
         else:
             self.block_m, self.block_n = attention_common.block_sizes(self.block_e, self.dtype_key,
                                                                       dropout)
-        # (num_warps, num_stages) of the backward kernels; the forward's depends on the mask
-        self.launch = {kernel: attention_common.launch_config(kernel, self.block_e, self.dtype_key)
+        # the launch keywords of the backward kernels; the forward's depend on the mask
+        self.launch = {kernel: attention_common.backward_launch(kernel, self.block_e,
+                                                                self.dtype_key)
                        for kernel in ("dq", "dkdv")}
         # head-dim chunks of the q.k and dO.v products, per kernel (also when interpreting,
         # so that the tests exercise the chunked loops)
@@ -172,7 +173,7 @@ def _launch_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is_c
     candidates = geo.candidate_scratch(slots, q.device)
     for launch in attention_common.forward_launches(geo.block_e, geo.dtype_key, mask_kind,
                                                     int(need_grad)):
-        options = {} if launch.maxnreg is None else {"maxnreg": launch.maxnreg}
+        options = attention_common.launch_options(launch.maxnreg)
         attention_fwd.entmax_attn_fwd_kernel[grid](
             q, k, v, out, dvec, stats, flags, tiles, candidates, mask, alpha, seed,
             cu_q if geo.varlen else cu_dummy, cu_k if geo.varlen else cu_dummy,
@@ -238,7 +239,7 @@ def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha
             BLOCK_EV=geo.block_ev, BLOCK_EC=geo.block_ec["dq"], ALPHA_KIND=alpha_kind,
             MASK_KIND=mask_kind, IS_VARLEN=geo.varlen,
             HAS_DROPOUT=dropout_p > 0.0, NEED_DALPHA=bool(need_alpha_grad),
-            num_warps=geo.launch["dq"][0], num_stages=geo.launch["dq"][1],
+            **geo.launch["dq"],
         )
         dq_acc = _placeholder(q.device, torch.float32)
         locks = turns = cu_dummy
@@ -267,7 +268,7 @@ def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha
         BLOCK_EC=geo.block_ec["dkdv"], ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind,
         IS_VARLEN=geo.varlen,
         HAS_DROPOUT=dropout_p > 0.0, DQ_MODE=dq_mode,
-        num_warps=geo.launch["dkdv"][0], num_stages=geo.launch["dkdv"][1],
+        **geo.launch["dkdv"],
     )
     if dq_mode != attention_common.DQ_KERNEL:
         # a row whose forward was NaN (its stored shift) gets NaN gradients, as in the dQ kernel
