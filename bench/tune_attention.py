@@ -24,7 +24,9 @@ models do when a batch has padding: the masked kernels (MASK_BOOL, MASK_ADDITIVE
 read the mask on every tile.
 
 Each candidate is a fresh compile of every kernel it runs (seconds each): narrow the lists
-to what a GPU session has time for. --forward-only times the forward without autograd and
+to what a GPU session has time for, or pass --jobs N to compile them in N processes first
+(each runs this script for one candidate at L 256, which fills Triton's cache), then time
+them one after the other in this process, alone on the GPU. --forward-only times the forward without autograd and
 compiles no backward kernel.
 """
 from __future__ import annotations
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import subprocess
 import sys
 
 import torch
@@ -147,7 +150,51 @@ def measure(dtype, head_dim, length, causal, tile_shape, fwd_launch, bwd_launch,
     return t_fwd, t_step
 
 
-def main(argv=None):
+def candidate_table(args):
+    """{head dim: [candidate, ...]} of parsed arguments, each candidate (tiles, forward
+    launch, backward launch, (phases, threshold cap), dQ mode, (caps text, caps)), the
+    caps varying fastest."""
+    forwards = [(phases, cap) for phases in args.phases
+                for cap in (args.threshold_caps if phases == "split" else [0])]
+    bwd_launches = [(0, 0)] if args.forward_only else _pairs(args.bwd_launch)
+    dq_modes = ["kernel"] if args.forward_only else args.dq
+    cap_sets = [(text, _caps(text)) for text in args.caps]
+    return {head_dim: list(itertools.product(_pairs(args.tiles), _pairs(args.fwd_launch),
+                                             bwd_launches, forwards, dq_modes, cap_sets))
+            for head_dim in args.head_dims}
+
+
+def candidate_argv(args, head_dim, candidate, length):
+    """This script's arguments that time `candidate` alone at `length`."""
+    tiles, fwd_launch, bwd_launch, (phases, cap), dq, (caps_text, _) = candidate
+    return (["--dtype", args.dtype, "--head-dims", str(head_dim), "--length", str(length),
+             "--alpha", str(args.alpha), "--mask", args.mask,
+             "--tiles", "x".join(map(str, tiles)), "--fwd-launch", "x".join(map(str, fwd_launch)),
+             "--bwd-launch", "x".join(map(str, bwd_launch)), "--phases", phases,
+             "--threshold-caps", str(cap), "--dq", dq, "--caps", caps_text]
+            + [flag for flag, on in (("--causal", args.causal),
+                                     ("--forward-only", args.forward_only),
+                                     ("--alpha-tensor", args.alpha_tensor)) if on])
+
+
+def compile_all(args, candidates, length=256):
+    """Fills Triton's cache with every candidate's kernels: one process each, at most
+    ``args.jobs`` at a time, at a short length (the compiled kernels are the same: lengths
+    and strides specialise only on divisibility by 16); their timings are discarded."""
+    commands = [[sys.executable, os.path.abspath(__file__)]
+                + candidate_argv(args, head_dim, candidate, length)
+                for head_dim, listed in candidates.items() for candidate in listed]
+    started = []
+    for command in commands:
+        while sum(process.poll() is None for process in started) >= args.jobs:
+            started[[process.poll() is None for process in started].index(True)].wait()
+        started.append(subprocess.Popen(command, stdout=subprocess.DEVNULL))
+    failed = sum(process.wait() != 0 for process in started)
+    if failed:
+        print(f"tune_attention: {failed} compile process(es) failed; timing anyway")
+
+
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
@@ -174,22 +221,25 @@ def main(argv=None):
     parser.add_argument("--caps", nargs="+", default=["table"],
                         help='register caps of the other launches: "table" or '
                              'LAUNCH=CAP,... (output, output_grad, dq, dkdv; 0: none)')
-    args = parser.parse_args(argv)
-    forwards = [(phases, cap) for phases in args.phases
-                for cap in (args.threshold_caps if phases == "split" else [0])]
-    bwd_launches = [(0, 0)] if args.forward_only else _pairs(args.bwd_launch)
-    dq_modes = ["kernel"] if args.forward_only else args.dq
-    cap_sets = [(text, _caps(text)) for text in args.caps]
+    parser.add_argument("--jobs", type=int, default=0,
+                        help="compile every candidate in this many processes first (0: no)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    candidates = candidate_table(args)
     if not torch.cuda.is_available():
         print("tune_attention: needs a CUDA device (none here); nothing measured")
         return 0
+    if args.jobs > 0:
+        compile_all(args, candidates)
     print(f"{torch.cuda.get_device_name()}, {args.dtype}, L={args.length}, causal={args.causal}, "
           f"alpha={args.alpha}{' (per-head tensor)' if args.alpha_tensor else ''}, mask={args.mask}")
     for head_dim in args.head_dims:
         rows = []
         for tiles, fwd_launch, bwd_launch, (phases, cap), dq, (caps_text, caps) in (
-                itertools.product(_pairs(args.tiles), _pairs(args.fwd_launch), bwd_launches,
-                                  forwards, dq_modes, cap_sets)):
+                candidates[head_dim]):
             label = f"{phases}" + (f" cap {cap}" if cap else "") + (
                 f" dq {dq}" if not args.forward_only else "") + (
                 f" caps {caps_text}" if caps else "")

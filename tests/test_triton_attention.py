@@ -726,16 +726,22 @@ def test_alpha_near_one(alpha):
         assert _err(got, want) <= 1e-4, name
 
 
-def test_forward_variants_still_edit_the_kernel(tmp_path):
-    """bench/bench_attention_variants.py times edited copies of the forward kernel; each
-    edit's anchor must still be in the kernel, or the variant would time nothing new."""
+def _bench_module(name):
+    """bench/<name>.py, imported (bench/ is not a package)."""
     import importlib.util
     import os
 
-    path = os.path.join(os.path.dirname(__file__), "..", "bench", "bench_attention_variants.py")
-    spec = importlib.util.spec_from_file_location("bench_attention_variants", path)
-    variants = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(variants)
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_forward_variants_still_edit_the_kernel(tmp_path):
+    """bench/bench_attention_variants.py times edited copies of the forward kernel; each
+    edit's anchor must still be in the kernel, or the variant would time nothing new."""
+    variants = _bench_module("bench_attention_variants")
     from entmax_fast.triton_kernels import attention_fwd
 
     for name, edits in variants.VARIANTS.items():
@@ -747,14 +753,28 @@ def test_forward_variants_still_edit_the_kernel(tmp_path):
 def _passes_emulation():
     """bench/bench_attention_passes.py: the float32 twin of the forward's threshold passes
     (`_update` is `_update_threshold` written with torch ops)."""
-    import importlib.util
-    import os
+    return _bench_module("bench_attention_passes")
 
-    path = os.path.join(os.path.dirname(__file__), "..", "bench", "bench_attention_passes.py")
-    spec = importlib.util.spec_from_file_location("bench_attention_passes", path)
-    passes = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(passes)
-    return passes
+
+def test_tune_compiles_each_candidate_as_it_is_timed():
+    """bench/tune_attention.py --jobs compiles every candidate in a process of its own,
+    which runs the script with that candidate's arguments: they must give back exactly
+    that candidate (an option left out would compile another configuration)."""
+    tune = _bench_module("tune_attention")
+    args = tune.parse_args([
+        "--head-dims", "64", "128", "--causal", "--alpha", "1.25", "--alpha-tensor",
+        "--tiles", "64x64", "128x32", "--fwd-launch", "4x3", "8x2", "--bwd-launch", "4x2",
+        "--phases", "fused", "split", "--threshold-caps", "0", "128", "--dq", "kernel",
+        "atomic", "--mask", "bool", "--caps", "table", "output=128,dq=128,dkdv=168"])
+    table = tune.candidate_table(args)
+    assert [len(listed) for listed in table.values()] == [48, 48]
+    for head_dim, listed in table.items():
+        for candidate in listed:
+            alone = tune.parse_args(tune.candidate_argv(args, head_dim, candidate, 256))
+            assert tune.candidate_table(alone) == {head_dim: [candidate]}
+            assert (alone.length, alone.causal, alone.alpha, alone.alpha_tensor, alone.mask,
+                    alone.dtype, alone.forward_only) == (256, True, 1.25, True, "bool",
+                                                         "bf16", False)
 
 
 def test_alpha_15_root_with_a_score_just_below_it_is_certified():
