@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -264,6 +263,8 @@ def time_backward_variant(module, length, head_dim, alpha, causal=True, heads=16
 def compile_all(args, length=1024):
     """Fills Triton's cache with every (variant, alpha) of ``args``: one process each, at
     most ``args.jobs`` at a time; their timings are discarded (they share the GPU)."""
+    from bench.common import run_processes
+
     commands = [[sys.executable, os.path.abspath(__file__), "--length", str(length),
                  "--head-dim", str(args.head_dim), "--alphas", str(alpha), "--variants", name]
                 + (["--backward"] if args.backward else [])
@@ -271,12 +272,7 @@ def compile_all(args, length=1024):
                 + (["--alpha-tensor"] if args.alpha_tensor else [])
                 + ["--score-scale", str(args.score_scale)]
                 for alpha in args.alphas for name in args.variants]
-    started = []
-    for command in commands:
-        while sum(process.poll() is None for process in started) >= args.jobs:
-            started[[process.poll() is None for process in started].index(True)].wait()
-        started.append(subprocess.Popen(command, stdout=subprocess.DEVNULL))
-    failed = sum(process.wait() != 0 for process in started)
+    failed = run_processes(commands, args.jobs)
     if failed:
         print(f"bench_attention_variants: {failed} compile process(es) failed; timing anyway")
 

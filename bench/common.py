@@ -47,6 +47,20 @@ def kernel_times(step, repeats: int = 3) -> dict:
     return times
 
 
+def run_processes(commands: list[list[str]], jobs: int) -> int:
+    """Runs every command, at most ``jobs`` at a time, their output discarded; returns how
+    many failed. The GPU scripts compile their kernels this way (one process per
+    configuration fills Triton's cache) before timing them alone."""
+    import subprocess
+
+    started = []
+    for command in commands:
+        while sum(process.poll() is None for process in started) >= jobs:
+            started[[process.poll() is None for process in started].index(True)].wait()
+        started.append(subprocess.Popen(command, stdout=subprocess.DEVNULL))
+    return sum(process.wait() != 0 for process in started)
+
+
 def _status_bytes(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:

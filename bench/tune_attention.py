@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import subprocess
 import sys
 
 import torch
@@ -181,15 +180,12 @@ def compile_all(args, candidates, length=256):
     """Fills Triton's cache with every candidate's kernels: one process each, at most
     ``args.jobs`` at a time, at a short length (the compiled kernels are the same: lengths
     and strides specialise only on divisibility by 16); their timings are discarded."""
+    from bench.common import run_processes
+
     commands = [[sys.executable, os.path.abspath(__file__)]
                 + candidate_argv(args, head_dim, candidate, length)
                 for head_dim, listed in candidates.items() for candidate in listed]
-    started = []
-    for command in commands:
-        while sum(process.poll() is None for process in started) >= args.jobs:
-            started[[process.poll() is None for process in started].index(True)].wait()
-        started.append(subprocess.Popen(command, stdout=subprocess.DEVNULL))
-    failed = sum(process.wait() != 0 for process in started)
+    failed = run_processes(commands, args.jobs)
     if failed:
         print(f"tune_attention: {failed} compile process(es) failed; timing anyway")
 
