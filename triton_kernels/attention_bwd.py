@@ -24,11 +24,10 @@ from .. import common
 from .attention_common import (DQ_KERNEL, DQ_KERNEL_C, DQ_MAX_POLLS_C, DQ_MODES, DQ_ORDERED_C,
                                NEAR_ONE_INV_AM1, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C,
                                STAT_TAU_C, attention_signature, backward_launch, block_sizes,
-                               chunk_width,
-                               config_space, config_suffix, dot, dot_rows, dropout_scale,
-                               full_tiles_end, gap, held_cols, held_rows, listed_tiles, load_rows,
-                               log2_base, mask_specialisation, query_block, sequence_bounds,
-                               shifted_scores)
+                               chunk_width, config_space, config_suffix, dot, dot_rows,
+                               dropout_scale, full_tiles_end, gap, held_cols, held_rows,
+                               listed_tiles, load_rows, log2_base, mask_specialisation,
+                               query_block, sequence_bounds, shifted_scores)
 from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX
 
 # rows of the backward's per-row buffer
@@ -527,11 +526,11 @@ def aot_configs():
         kernels += [("dkdv", entmax_attn_bwd_dkdv_kernel, {"DQ_MODE": mode},
                      "" if mode == DQ_KERNEL else f"_dq{name}") for name, mode in DQ_MODES.items()]
         for name, fn, switches, tag in kernels:
-            options = backward_launch(name, block_e, dtype_key)
+            keywords = backward_launch(name, block_e, dtype_key)
             configs.append({"name": f"entmax_attn_bwd_{name}_{suffix}{tag}", "fn": fn,
                             "signature": attention_signature(fn, dtype_key, mask_kind),
                             "constexprs": dict(constexprs, **switches,
                                                BLOCK_EC=chunk_width(name, block_e, dtype_key)),
-                            "num_warps": options.pop("num_warps"),
-                            "num_stages": options.pop("num_stages"), "options": options})
+                            "num_warps": keywords.pop("num_warps"),
+                            "num_stages": keywords.pop("num_stages"), "options": keywords})
     return configs
