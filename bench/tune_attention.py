@@ -25,9 +25,9 @@ read the mask on every tile.
 
 Each candidate is a fresh compile of every kernel it runs (seconds each): narrow the lists
 to what a GPU session has time for, or pass --jobs N to compile them in N processes first
-(each runs this script for one candidate at L 256, which fills Triton's cache), then time
-them one after the other in this process, alone on the GPU. --forward-only times the forward without autograd and
-compiles no backward kernel.
+(each runs this script for one candidate at L 256, which fills Triton's cache); they are
+then timed one after the other in this process, alone on the GPU. --forward-only times the
+forward without autograd and compiles no backward kernel.
 """
 from __future__ import annotations
 
