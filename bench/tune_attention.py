@@ -25,7 +25,7 @@ read the mask on every tile.
 
 Each candidate is a fresh compile of every kernel it runs (seconds each): narrow the lists
 to what a GPU session has time for, or pass --jobs N to compile them in N processes first
-(each runs this script for one candidate at L 256, which fills Triton's cache); they are
+(each runs this script for one candidate at L 2048, which fills Triton's cache); they are
 then timed one after the other in this process, alone on the GPU. --forward-only times the
 forward without autograd and compiles no backward kernel.
 """
@@ -176,12 +176,21 @@ def candidate_argv(args, head_dim, candidate, length):
                                      ("--alpha-tensor", args.alpha_tensor)) if on])
 
 
-def compile_all(args, candidates, length=256):
+def compile_length(length):
+    """A length at which a candidate compiles the kernels it runs at `length`, in less time.
+    Triton specialises an integer argument on whether it is 1 or divisible by 16: the
+    sequence lengths, the strides they enter and the tile counts L / BLOCK (BLOCK 16 to
+    128). 2048 gives every one of them the divisibility a multiple of 2048 gives (L / 128 =
+    16), so it serves 4096 and longer; another length compiles as itself."""
+    return 2048 if length % 2048 == 0 else length
+
+
+def compile_all(args, candidates):
     """Fills Triton's cache with every candidate's kernels: one process each, at most
-    ``args.jobs`` at a time, at a short length (the compiled kernels are the same: lengths
-    and strides specialise only on divisibility by 16); their timings are discarded."""
+    ``args.jobs`` at a time, at `compile_length`; their timings are discarded."""
     from bench.common import run_processes
 
+    length = compile_length(args.length)
     commands = [[sys.executable, os.path.abspath(__file__)]
                 + candidate_argv(args, head_dim, candidate, length)
                 for head_dim, listed in candidates.items() for candidate in listed]

@@ -770,11 +770,20 @@ def test_tune_compiles_each_candidate_as_it_is_timed():
     assert [len(listed) for listed in table.values()] == [48, 48]
     for head_dim, listed in table.items():
         for candidate in listed:
-            alone = tune.parse_args(tune.candidate_argv(args, head_dim, candidate, 256))
+            length = tune.compile_length(args.length)
+            alone = tune.parse_args(tune.candidate_argv(args, head_dim, candidate, length))
             assert tune.candidate_table(alone) == {head_dim: [candidate]}
             assert (alone.length, alone.causal, alone.alpha, alone.alpha_tensor, alone.mask,
-                    alone.dtype, alone.forward_only) == (256, True, 1.25, True, "bool",
+                    alone.dtype, alone.forward_only) == (2048, True, 1.25, True, "bool",
                                                          "bf16", False)
+    # what Triton specialises an integer on (1, divisible by 16), for the lengths and the
+    # tile counts: the same at the compile length as at the timed one, or the compiles
+    # would fill the cache with other kernels
+    def keys(length):
+        return [(n == 1, n % 16 == 0) for n in [length] + [length // b for b in (16, 32, 64, 128)]]
+
+    for length in (1000, 1024, 2048, 4096, 8192, 16384, 32768):
+        assert keys(tune.compile_length(length)) == keys(length), length
 
 
 def test_alpha_15_root_with_a_score_just_below_it_is_certified():
