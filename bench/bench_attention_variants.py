@@ -260,12 +260,14 @@ def time_backward_variant(module, length, head_dim, alpha, causal=True, heads=16
             setattr(attention_bwd, name, kernel)
 
 
-def compile_all(args, length=1024):
+def compile_all(args):
     """Fills Triton's cache with every (variant, alpha) of ``args``: one process each, at
-    most ``args.jobs`` at a time; their timings are discarded (they share the GPU)."""
-    from bench.common import run_processes
+    most ``args.jobs`` at a time, at `compile_length`; their timings are discarded (they
+    share the GPU)."""
+    from bench.common import compile_length, run_processes
 
-    commands = [[sys.executable, os.path.abspath(__file__), "--length", str(length),
+    commands = [[sys.executable, os.path.abspath(__file__), "--length",
+                 str(compile_length(args.length)),
                  "--head-dim", str(args.head_dim), "--alphas", str(alpha), "--variants", name]
                 + (["--backward"] if args.backward else [])
                 + (["--not-causal"] if args.not_causal else [])

@@ -176,19 +176,10 @@ def candidate_argv(args, head_dim, candidate, length):
                                      ("--alpha-tensor", args.alpha_tensor)) if on])
 
 
-def compile_length(length):
-    """A length at which a candidate compiles the kernels it runs at `length`, in less time.
-    Triton specialises an integer argument on whether it is 1 or divisible by 16: the
-    sequence lengths, the strides they enter and the tile counts L / BLOCK (BLOCK 16 to
-    128). 2048 gives every one of them the divisibility a multiple of 2048 gives (L / 128 =
-    16), so it serves 4096 and longer; another length compiles as itself."""
-    return 2048 if length % 2048 == 0 else length
-
-
 def compile_all(args, candidates):
     """Fills Triton's cache with every candidate's kernels: one process each, at most
     ``args.jobs`` at a time, at `compile_length`; their timings are discarded."""
-    from bench.common import run_processes
+    from bench.common import compile_length, run_processes
 
     length = compile_length(args.length)
     commands = [[sys.executable, os.path.abspath(__file__)]

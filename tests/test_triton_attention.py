@@ -760,7 +760,7 @@ def test_tune_compiles_each_candidate_as_it_is_timed():
     """bench/tune_attention.py --jobs compiles every candidate in a process of its own,
     which runs the script with that candidate's arguments: they must give back exactly
     that candidate (an option left out would compile another configuration)."""
-    tune = _bench_module("tune_attention")
+    tune, bench_common = _bench_module("tune_attention"), _bench_module("common")
     args = tune.parse_args([
         "--head-dims", "64", "128", "--causal", "--alpha", "1.25", "--alpha-tensor",
         "--tiles", "64x64", "128x32", "--fwd-launch", "4x3", "8x2", "--bwd-launch", "4x2",
@@ -770,7 +770,7 @@ def test_tune_compiles_each_candidate_as_it_is_timed():
     assert [len(listed) for listed in table.values()] == [48, 48]
     for head_dim, listed in table.items():
         for candidate in listed:
-            length = tune.compile_length(args.length)
+            length = bench_common.compile_length(args.length)
             alone = tune.parse_args(tune.candidate_argv(args, head_dim, candidate, length))
             assert tune.candidate_table(alone) == {head_dim: [candidate]}
             assert (alone.length, alone.causal, alone.alpha, alone.alpha_tensor, alone.mask,
@@ -783,7 +783,7 @@ def test_tune_compiles_each_candidate_as_it_is_timed():
         return [(n == 1, n % 16 == 0) for n in [length] + [length // b for b in (16, 32, 64, 128)]]
 
     for length in (1000, 1024, 2048, 4096, 8192, 16384, 32768):
-        assert keys(tune.compile_length(length)) == keys(length), length
+        assert keys(bench_common.compile_length(length)) == keys(length), length
 
 
 def test_alpha_15_root_with_a_score_just_below_it_is_certified():
