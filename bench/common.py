@@ -4,6 +4,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import subprocess
 import time
 
 import torch
@@ -47,12 +48,12 @@ def kernel_times(step, repeats: int = 3) -> dict:
     return times
 
 
-def compile_length(length):
+def compile_length(length: int) -> int:
     """A length at which a GPU script's compile run builds the kernels it times at `length`,
-    in less time. Triton specialises an integer argument on whether it is 1 or divisible by 16: the
-    sequence lengths, the strides they enter and the tile counts L / BLOCK (BLOCK 16 to
-    128). 2048 gives every one of them the divisibility a multiple of 2048 gives (L / 128 =
-    16), so it serves 4096 and longer; another length compiles as itself."""
+    in less time. Triton specialises an integer argument on whether it is 1 or divisible by
+    16: the sequence lengths, the strides they enter and the tile counts L / BLOCK (BLOCK 16
+    to 128). At 2048 every one of them has the divisibility it has at any multiple of 2048
+    (L / 128 = 16), so 2048 serves 4096 and longer; another length compiles as itself."""
     return 2048 if length % 2048 == 0 else length
 
 
@@ -60,8 +61,6 @@ def run_processes(commands: list[list[str]], jobs: int) -> int:
     """Runs every command, at most ``jobs`` at a time, their output discarded; returns how
     many failed. The GPU scripts compile their kernels this way (one process per
     configuration fills Triton's cache) before timing them alone."""
-    import subprocess
-
     started = []
     for command in commands:
         while sum(process.poll() is None for process in started) >= jobs:
