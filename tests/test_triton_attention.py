@@ -768,9 +768,9 @@ def test_tune_compiles_each_candidate_as_it_is_timed():
         "atomic", "--mask", "bool", "--caps", "table", "output=128,dq=128,dkdv=168"])
     table = tune.candidate_table(args)
     assert [len(listed) for listed in table.values()] == [48, 48]
+    length = bench_common.compile_length(args.length)
     for head_dim, listed in table.items():
         for candidate in listed:
-            length = bench_common.compile_length(args.length)
             alone = tune.parse_args(tune.candidate_argv(args, head_dim, candidate, length))
             assert tune.candidate_table(alone) == {head_dim: [candidate]}
             assert (alone.length, alone.causal, alone.alpha, alone.alpha_tensor, alone.mask,

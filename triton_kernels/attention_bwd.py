@@ -48,9 +48,9 @@ def _row_weights(b_u, b_thr, b_l, am1, inv_am1, ALPHA_KIND: tl.constexpr,
     s = [g > 0] needs no l; general alpha adds (alpha - 2) log2 l to the exponent of
     s = base^(e-1) l^(alpha-2) and takes p = base^e / l = s base l^(1-alpha), a factor per
     row (`weights_and_sensitivity`). That spares a multiply per score and weight, and
-    libdevice's log2 and a division per row, which the dK/dV loop
-    paid on every tile (its rows change with the tile). The g returned (alpha 1.5's
-    scaled) is read only for general alpha's d(alpha)."""
+    libdevice's log2 and a division per row, which the dK/dV loop paid on every tile (its
+    rows change with the tile). The g returned (alpha 1.5's scaled) is read only for
+    general alpha's d(alpha)."""
     if ALPHA_KIND == ALPHA_ENTMAX15:
         b_c = tl.math.rsqrt(b_l)
         b_g = tl.maximum(tl.fma(b_u, b_c[:, None], -(b_thr * b_c)[:, None]), 0.0)

@@ -589,9 +589,9 @@ def weights_and_sensitivity(b_g, inv_am1, ALPHA_KIND: tl.constexpr,
     """(`weights`, `sensitivity`) of one `gap`. General alpha takes p = s * base: a multiply
     instead of a second exp2, which runs on the special-function unit (16 results per clock
     per SM against 128 multiply-adds), and the base's rounding is not amplified by
-    1/(alpha - 1) as an error of its log would be. Off the support s is
-    0 and the base, clamped at 0 (masked scores' -inf; a NaN gap, whose s is 0, gives 0 as
-    tl.maximum ignores NaN), keeps p at 0."""
+    1/(alpha - 1) as an error of its log would be. Off the support s is 0 and the base,
+    clamped at 0 (masked scores' -inf; a NaN gap, whose s is 0, gives 0 as tl.maximum
+    ignores NaN), keeps p at 0."""
     b_s = sensitivity(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)
     if ALPHA_KIND == ALPHA_GENERAL:
         b_p = b_s * tl.maximum(1.0 + b_g, 0.0)

@@ -68,8 +68,8 @@ from .attention_common import (CANDIDATE_CHUNK_C, CAPTURE_MAX_COLUMN_SHARE_C, CO
                                config_suffix, dot, dropout_scale, forward_launches,
                                full_tiles_end, gap, held_cols, held_rows, launch_options,
                                listed_tiles, log2_base, mask_specialisation, query_block,
-                               sensitivity,
-                               sequence_bounds, shifted_scores, weights, weights_and_sensitivity)
+                               sensitivity, sequence_bounds, shifted_scores, weights,
+                               weights_and_sensitivity)
 from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX, GRAD_ALPHA, GRAD_INPUTS
 from .support import count_and_smallest, positive_f16, store_above, support_bits
 
