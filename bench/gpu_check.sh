@@ -38,6 +38,12 @@
 #              the CPU's figure, timed where the project is built without a GPU).
 # STEPS picks and orders them (default: tests train hf attention rowwise structured). The exit
 # status is the number of failed steps.
+# A call bounded from outside (a lent GPU's command limit) gives DEADLINE, seconds since the
+# epoch, or BUDGET, seconds from now: a step's limit is cut to what is left before it (less
+# the 20 s of a cut step's grace and a margin for the summary), and a step with under 30 s
+# left is skipped and named, so that the call ends with every log and summary.txt written.
+# Several calls in one command share a DEADLINE. DRY_RUN=1 prints each step's limit and
+# command instead of running it, on any machine (tests/test_gpu_check.py).
 #
 #   bash bench/gpu_check.sh                           # outputs in bench/out/gpu
 #   STEPS="attention profile" QUICK=1 bash bench/gpu_check.sh
@@ -46,13 +52,16 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT_DIR:-bench/out/gpu}"
-if ! python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+if [ "${DRY_RUN:-0}" != "1" ] && ! python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
   echo "gpu_check: needs a CUDA device (none here); nothing run"
   exit 1
 fi
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1
 failed=0
+if [ -z "${DEADLINE:-}" ] && [ -n "${BUDGET:-}" ]; then
+  DEADLINE=$(( $(date +%s) + BUDGET ))
+fi
 
 # step NAME SECONDS COMMAND...: runs COMMAND in its own process group, logged to
 # $OUT_DIR/NAME.log. At the limit the whole group gets SIGINT (pytest still prints its
@@ -60,7 +69,17 @@ failed=0
 # workers) is killed when it ends, so that it cannot slow the next step's timings.
 step() {
   local name="$1" limit="$2"; shift 2
+  if [ -n "${DEADLINE:-}" ]; then
+    local left=$(( DEADLINE - $(date +%s) - 30 ))
+    if [ "$left" -lt 30 ]; then
+      echo "=== $name: skipped (${left} s left before DEADLINE)"
+      skipped="${skipped:-}$name "
+      return
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   echo "=== $name (limit ${limit} s): $*"
+  [ "${DRY_RUN:-0}" = "1" ] && return
   local start=$SECONDS status
   # job control on for one launch: the step gets a process group of its own, and (unlike
   # a plain background job) does not ignore SIGINT
@@ -83,7 +102,7 @@ step() {
   fi
 }
 
-python - <<'PY' | tee "$OUT_DIR/device.txt"
+[ "${DRY_RUN:-0}" = "1" ] || python - <<'PY' | tee "$OUT_DIR/device.txt"
 import datetime, importlib.metadata, subprocess, torch
 versions = []
 for package in ("torch", "triton", "adasplash", "flash-attn", "entmax", "transformers"):
@@ -148,5 +167,6 @@ done
 for file in "$OUT_DIR"/device.txt "$OUT_DIR"/*.log "$OUT_DIR"/*.md; do
   [ -f "$file" ] && [ "$file" != "$OUT_DIR/summary.txt" ] && { echo "##### $(basename "$file")"; tail -c 20000 "$file"; }
 done > "$OUT_DIR/summary.txt"
+[ -n "${skipped:-}" ] && echo "gpu_check: skipped at the deadline: ${skipped}" | tee -a "$OUT_DIR/summary.txt"
 echo "gpu_check: $failed step(s) failed; outputs in $OUT_DIR (all logs in summary.txt)"
 exit "$failed"

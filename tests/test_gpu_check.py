@@ -1,0 +1,65 @@
+"""bench/gpu_check.sh bounded by a deadline, read from its dry run (DRY_RUN=1 prints each
+step's limit and command instead of running it, so it needs no GPU): a machine lent for a
+fixed time cuts the run off from outside, and whatever the run has not written by then is
+lost, so the script itself must fit its steps into the time it is given."""
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "bench" / "gpu_check.sh"
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def dry_run(tmp_path, **env):
+    """The limits the dry run prints, {step: seconds}, the steps it skips and its exit
+    status."""
+    environment = {**os.environ, "DRY_RUN": "1", "OUT_DIR": str(tmp_path),
+                   "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    environment.pop("DEADLINE", None)
+    environment.pop("BUDGET", None)
+    environment.update(env)
+    result = subprocess.run(["bash", str(SCRIPT)], env=environment, capture_output=True,
+                            text=True, timeout=120)
+    limits = {name: int(seconds) for name, seconds
+              in re.findall(r"^=== (\S+) \(limit (\d+) s\)", result.stdout, re.MULTILINE)}
+    skipped = re.findall(r"^=== (\S+): skipped \(", result.stdout, re.MULTILINE)
+    return limits, skipped, result.returncode
+
+
+def test_without_a_deadline_each_step_keeps_its_own_limit(tmp_path):
+    limits, skipped, status = dry_run(tmp_path, STEPS="tests tune rowwise", TESTS_LIMIT="150",
+                                      TUNE_LIMIT="120")
+    assert limits == {"tests": 150, "tune": 120, "rowwise": 120}
+    assert skipped == [] and status == 0
+
+
+def test_a_budget_cuts_the_limits_to_the_time_left(tmp_path):
+    # 30 s stay free for a cut step's grace period and the summary
+    limits, skipped, status = dry_run(tmp_path, STEPS="tests tune", TESTS_LIMIT="150",
+                                      TUNE_LIMIT="40", BUDGET="130")
+    assert skipped == [] and status == 0
+    assert 95 <= limits["tests"] <= 100
+    assert limits["tune"] == 40
+
+
+def test_a_step_that_no_longer_fits_is_skipped_and_named(tmp_path):
+    limits, skipped, status = dry_run(tmp_path, STEPS="tests rowwise", BUDGET="55")
+    assert limits == {} and skipped == ["tests", "rowwise"]
+    assert "skipped at the deadline: tests rowwise" in (tmp_path / "summary.txt").read_text()
+    assert status == 0
+
+
+def test_a_deadline_in_the_past_runs_nothing(tmp_path):
+    limits, skipped, _ = dry_run(tmp_path, STEPS="attention", DEADLINE="1")
+    assert limits == {} and skipped == ["attention"]
+
+
+def test_an_unknown_step_fails_the_run(tmp_path):
+    _, _, status = dry_run(tmp_path, STEPS="tests no_such_step")
+    assert status == 1
