@@ -872,6 +872,39 @@ DQ_CASES = [
 ]
 
 
+def test_dq_takes_the_head_dim_chunk_of_its_architecture(monkeypatch):
+    """dQ's products at E 128 in fp16/bf16 go whole on sm_90 and in two chunks elsewhere
+    (`attention_common._ARCH_CHUNKS`); the launcher chooses for its device what the AOT
+    check compiles for that sm, and the whole-width dQ matches float64 as closely as torch
+    ops in the same dtype do (without a GPU the launcher is told it runs on sm_90)."""
+    from entmax_fast.triton_kernels import aot, attention_bwd
+
+    assert [attention_common.chunk_width("dq", 128, "bf16", arch) for arch in (None, 80, 90)] \
+        == [64, 64, 128]
+    assert attention_common.chunk_width("dq", 256, "fp16", 90) == 64
+    for cfg in attention_bwd.aot_configs():
+        kernel, dtype_key = cfg["name"].split("_")[3:5]
+        for arch in (80, 90):
+            assert aot.arch_constexprs(cfg, arch)["BLOCK_EC"] == attention_common.chunk_width(
+                kernel, cfg["constexprs"]["BLOCK_E"], dtype_key, arch), (cfg["name"], arch)
+    if not ON_GPU:
+        monkeypatch.setattr(tri, "_arch", lambda device: 90)
+    dtype = LOW_PRECISION[-1]
+    q, k, v = _inputs(1, 2, 2, 40, 40, 128, dtype)
+    grad_out = torch.randn(1, 2, 40, 128).to(dtype)
+    dtype_key = "bf16" if dtype == torch.bfloat16 else "fp16"
+    assert tri._Geometry(q, k, v, None, None, 0, 0, False).block_ec["dq"] == \
+        attention_common.chunk_width("dq", 128, dtype_key, tri._arch(q.device))
+    _, grads = _grads(lambda *t: _triton_attention(*t, is_causal=True, alpha=1.5), [q, k, v],
+                      grad_out)
+    _, base_grads = _grads(lambda *t: _plain_torch_attention(*t, True, 1.5), [q, k, v],
+                           grad_out)
+    _, ref_grads = _grads(lambda *t: reference_attention(*t, is_causal=True, alpha=1.5),
+                          [t.double() for t in (q, k, v)], grad_out)
+    for name, got, base, want in zip(("dq", "dk", "dv"), grads, base_grads, ref_grads):
+        assert _err(got, want) <= 2.0 * _err(base, want), name
+
+
 @pytest.mark.parametrize("dq_mode", DQ_FUSED)
 @pytest.mark.parametrize("b,h,hkv,lq,lk,e,alpha,is_causal,mask_spec,chunk", DQ_CASES)
 def test_dq_in_the_dkdv_kernel(monkeypatch, dq_mode, b, h, hkv, lq, lk, e, alpha, is_causal,

@@ -2,8 +2,9 @@
 
 Each kernel module listed in KERNEL_MODULES exposes ``aot_configs() -> list[dict]`` with
 keys name, fn, signature, constexprs, num_warps, num_stages (and optionally options: further
-compile options such as maxnreg, as the launcher passes them): every configuration its
-launcher can choose. This module compiles each of them for every arch in ARCHS without a
+compile options such as maxnreg, as the launcher passes them; arch_constexprs: {arch:
+constexprs} that replace some of constexprs when compiling for sm_<arch>, as the launcher
+chooses them on that architecture): every configuration its launcher can choose. This module compiles each of them for every arch in ARCHS without a
 GPU, reads the cubin's resource usage with the ``cuobjdump`` shipped in the triton wheel,
 and fails on compile errors and shared memory above SHARED_LIMIT_BYTES (A100's 163 KB, the
 smallest of the targets). Register spills (LOCAL or STACK > 0), warps, programs per SM and
@@ -131,14 +132,19 @@ def runtime_attrs(signature: dict) -> dict:
             if kind.startswith("*") or name.startswith("stride_") or name in _CONTIGUOUS_EXTENTS}
 
 
+def arch_constexprs(cfg: dict, arch: int) -> dict:
+    """The constexprs of one entry of an `aot_configs()` list compiled for sm_<arch>."""
+    return dict(cfg["constexprs"], **cfg.get("arch_constexprs", {}).get(arch, {}))
+
+
 def compile_config(cfg: dict, arch: int):
     """`triton.compile` of one entry of an `aot_configs()` list for sm_<arch>."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    src = ASTSource(fn=cfg["fn"], signature=cfg["signature"], constexprs=cfg["constexprs"],
-                    attrs=runtime_attrs(cfg["signature"]))
+    src = ASTSource(fn=cfg["fn"], signature=cfg["signature"],
+                    constexprs=arch_constexprs(cfg, arch), attrs=runtime_attrs(cfg["signature"]))
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
                                    **cfg.get("options", {})})

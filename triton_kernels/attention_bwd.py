@@ -23,9 +23,9 @@ import triton.language as tl
 from .. import common
 from .attention_common import (DQ_KERNEL, DQ_KERNEL_C, DQ_MAX_POLLS_C, DQ_MODES, DQ_ORDERED_C,
                                NEAR_ONE_INV_AM1, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C,
-                               STAT_TAU_C, attention_signature, backward_launch, block_sizes,
-                               chunk_width, config_space, config_suffix, dot, dot_rows,
-                               dropout_scale, full_tiles_end, gap, held_cols, held_rows,
+                               STAT_TAU_C, arch_chunks, attention_signature, backward_launch,
+                               block_sizes, chunk_width, config_space, config_suffix, dot,
+                               dot_rows, dropout_scale, full_tiles_end, gap, held_cols, held_rows,
                                listed_tiles, load_rows, log2_base, mask_specialisation,
                                query_block, sequence_bounds, shifted_scores)
 from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX
@@ -531,6 +531,7 @@ def aot_configs():
                             "signature": attention_signature(fn, dtype_key, mask_kind),
                             "constexprs": dict(constexprs, **switches,
                                                BLOCK_EC=chunk_width(name, block_e, dtype_key)),
+                            "arch_constexprs": arch_chunks(name, block_e, dtype_key),
                             "num_warps": keywords.pop("num_warps"),
                             "num_stages": keywords.pop("num_stages"), "options": keywords})
     return configs

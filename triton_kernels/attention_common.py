@@ -278,6 +278,7 @@ def launch_config(kernel, block_e, dtype_key, mask_kind=common.MASK_NONE):
 # head dim; head dims not listed are not chunked. Chosen by compiling every configuration
 # for sm_80/sm_90 (triton_kernels/aot.py): chunk only where the whole head dim leaves a
 # stack frame, and no finer than needed, since each chunk reloads its operands from cache.
+# This table holds for every architecture that `_ARCH_CHUNKS` does not name.
 _CHUNKS = {
     ("fwd", "fp32"): {256: 32},
     ("dq", "fp32"): {32: 16, 64: 32, 128: 32, 256: 32},
@@ -285,11 +286,38 @@ _CHUNKS = {
     ("dq", "bf16"): {128: 64, 256: 64},
     ("dkdv", "fp32"): {64: 32, 128: 32, 256: 32},
 }
+# The entries an architecture compiles otherwise, by sm number. sm_90's warpgroup products
+# read both operands from shared memory, so dQ holds a whole 128-wide head dim without a
+# stack frame there, where sm_80 spills 368 bytes; chunked, each key tile's products go
+# through two rounds of shared-memory stores and barriers (sm_90 SASS, triton 3.6, bf16, 4
+# warps, 64x64 tiles, the listed-tile loop in instructions per score, chunked -> whole:
+# alpha 1.5 21.0 -> 11.1, alpha 2 21.9 -> 12.1, general 26.0 -> 16.1, with d(alpha) 41.6 ->
+# 24.9 and 360 -> 144 bytes of stack; barriers per tile 8 -> 2; 255 registers and two
+# programs per SM either way, 32 -> 96 KiB of shared memory each; docs/gpu.md,
+# twenty-first session). At E 256 the whole head dim spills on sm_90 too.
+_ARCH_CHUNKS = {
+    90: {("dq", "fp16"): {128: 128}, ("dq", "bf16"): {128: 128}},
+}
 
 
-def chunk_width(kernel, block_e, dtype_key):
-    """BLOCK_EC of `kernel` ("fwd", "dq" or "dkdv"): block_e itself when not chunked."""
-    return _CHUNKS.get((kernel, dtype_key), {}).get(block_e, block_e)
+def chunk_width(kernel, block_e, dtype_key, arch=None):
+    """BLOCK_EC of `kernel` ("fwd", "dq" or "dkdv") compiled for sm_`arch` (80, 90, ...;
+    None where no GPU's architecture applies, as in the interpreter): block_e itself when
+    not chunked."""
+    for table in (_ARCH_CHUNKS.get(arch, {}), _CHUNKS):
+        widths = table.get((kernel, dtype_key), {})
+        if block_e in widths:
+            return widths[block_e]
+    return block_e
+
+
+def arch_chunks(kernel, block_e, dtype_key):
+    """{arch: {"BLOCK_EC": width}} for the architectures whose chunk of `kernel` differs
+    from `chunk_width`'s default: what an AOT configuration compiles for sm_<arch>
+    (its "arch_constexprs", triton_kernels/aot.py)."""
+    default = chunk_width(kernel, block_e, dtype_key)
+    return {arch: {"BLOCK_EC": width} for arch in _ARCH_CHUNKS
+            if (width := chunk_width(kernel, block_e, dtype_key, arch)) != default}
 
 
 # Where the backward forms dQ (`backward_dq`): in a kernel of its own, one program per query

@@ -20,7 +20,7 @@ from torch import Tensor
 from ... import common
 from ...triton_kernels import attention_bwd, attention_common, attention_fwd
 from ...triton_kernels.signature import DTYPE_KEYS
-from . import interpreting
+from . import _capability, interpreting
 
 __all__ = ["attention_forward", "attention_backward", "attention_varlen_forward",
            "attention_varlen_backward"]
@@ -34,6 +34,15 @@ def _block_e(dim):
 
 def _cdiv(a, b):
     return -(-a // b)
+
+
+def _arch(device):
+    """The sm number the kernels compile for on `device` (90 for compute capability 9.0),
+    None for the interpreter's CPU tensors."""
+    if device.type != "cuda":
+        return None
+    major, minor = _capability(device)
+    return 10 * major + minor
 
 
 # (device, dtype) -> a one-element tensor for the pointer arguments a launch does not read
@@ -86,9 +95,11 @@ class _Geometry:
         self.launch = {kernel: attention_common.backward_launch(kernel, self.block_e,
                                                                 self.dtype_key)
                        for kernel in ("dq", "dkdv")}
-        # head-dim chunks of the q.k and dO.v products, per kernel (also when interpreting,
-        # so that the tests exercise the chunked loops)
-        self.block_ec = {kernel: attention_common.chunk_width(kernel, self.block_e, self.dtype_key)
+        # head-dim chunks of the q.k and dO.v products, per kernel and architecture (also
+        # when interpreting, so that the tests exercise the chunked loops)
+        arch = _arch(q.device)
+        self.block_ec = {kernel: attention_common.chunk_width(kernel, self.block_e,
+                                                              self.dtype_key, arch)
                          for kernel in ("fwd", "dq", "dkdv")}
         self.n_qblocks = _cdiv(max(self.seqlen_q, 1), self.block_m)
         self.n_kblocks = _cdiv(max(self.seqlen_k, 1), self.block_n)
