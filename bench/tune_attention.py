@@ -7,7 +7,7 @@ they lose. Needs a CUDA device.
         [--tiles 64x64 128x64] [--fwd-launch 4x3 8x2] [--bwd-launch 8x2] [--forward-only]
         [--phases fused split] [--threshold-caps 0 128] [--mask none bool additive]
         [--alpha 1.5] [--alpha-tensor] [--dq kernel atomic ordered]
-        [--caps table output=128,output_grad=168,dq=128,dkdv=168]
+        [--caps table output=128,output_grad=168,dq=128,dkdv=168] [--dq-chunks table 64]
 
 --phases: the forward as one launch or as the threshold and output launches
 (`attention_common.forward_phases`); --threshold-caps: maxnreg of the threshold launch
@@ -18,6 +18,8 @@ unordered or in key-block order); a learned alpha (--alpha-tensor) always takes 
 list of LAUNCH=CAP (0: none) over the table's (`attention_common.register_cap`), LAUNCH one
 of output (the output launch without gradients: the timed forward), output_grad (with
 them: the training step's), dq, dkdv.
+--dq-chunks: the head-dim chunk (BLOCK_EC) of the dQ kernel's products, "table" (this
+architecture's, `attention_common.chunk_width`) or a width.
 --fwd-launch applies to every forward launch. --mask passes the causal mask as an (L, L)
 attn_mask instead of is_causal (bool: True attends; additive: 0 / -inf), as transformers'
 models do when a batch has padding: the masked kernels (MASK_BOOL, MASK_ADDITIVE), which
@@ -105,9 +107,22 @@ def _register_caps(table, threshold_cap, caps):
     return register_cap
 
 
+def _chunk_width(table, dq_chunk):
+    """`attention_common.chunk_width` with the dQ kernel's chunk `dq_chunk` ("table": as
+    it is)."""
+    if dq_chunk == "table":
+        return table
+
+    def chunk_width(kernel, block_e, dtype_key, arch=None):
+        if kernel == "dq":
+            return min(int(dq_chunk), block_e)
+        return table(kernel, block_e, dtype_key, arch)
+    return chunk_width
+
+
 def measure(dtype, head_dim, length, causal, tile_shape, fwd_launch, bwd_launch, alpha=1.5,
             forward_only=False, phases="fused", threshold_cap=0, mask="none", alpha_tensor=False,
-            dq="kernel", caps=None):
+            dq="kernel", caps=None, dq_chunk="table"):
     import entmax_fast
     from entmax_fast.triton_kernels import attention_common as tiles
 
@@ -121,12 +136,13 @@ def measure(dtype, head_dim, length, causal, tile_shape, fwd_launch, bwd_launch,
         # a learned alpha: one per head, differentiated in the training step (the general kind)
         alpha = torch.full((16,), alpha, device="cuda", requires_grad=not forward_only)
     saved = (tiles.block_sizes, tiles.launch_config, tiles.forward_phases, tiles.register_cap,
-             tiles.backward_dq)
+             tiles.backward_dq, tiles.chunk_width)
     tiles.block_sizes = lambda block_e, dtype_key, dropout=False: tile_shape
     tiles.launch_config = lambda kernel, *_: fwd_launch if kernel.startswith("fwd") else bwd_launch
     tiles.forward_phases = lambda *_: _phases(phases)
     tiles.register_cap = _register_caps(tiles.register_cap, threshold_cap, caps or {})
     tiles.backward_dq = lambda *_: tiles.DQ_MODES[dq]
+    tiles.chunk_width = _chunk_width(tiles.chunk_width, dq_chunk)
     try:
         with entmax_fast.use_backend("triton"):
             with torch.no_grad():
@@ -145,32 +161,35 @@ def measure(dtype, head_dim, length, causal, tile_shape, fwd_launch, bwd_launch,
             t_step = _time(step)
     finally:
         (tiles.block_sizes, tiles.launch_config, tiles.forward_phases, tiles.register_cap,
-         tiles.backward_dq) = saved
+         tiles.backward_dq, tiles.chunk_width) = saved
     return t_fwd, t_step
 
 
 def candidate_table(args):
     """{head dim: [candidate, ...]} of parsed arguments, each candidate (tiles, forward
-    launch, backward launch, (phases, threshold cap), dQ mode, (caps text, caps)), the
-    caps varying fastest."""
+    launch, backward launch, (phases, threshold cap), dQ mode, (caps text, caps), dQ
+    chunk), the dQ chunks varying fastest, then the caps."""
     forwards = [(phases, cap) for phases in args.phases
                 for cap in (args.threshold_caps if phases == "split" else [0])]
     bwd_launches = [(0, 0)] if args.forward_only else _pairs(args.bwd_launch)
     dq_modes = ["kernel"] if args.forward_only else args.dq
     cap_sets = [(text, _caps(text)) for text in args.caps]
+    dq_chunks = ["table"] if args.forward_only else args.dq_chunks
     return {head_dim: list(itertools.product(_pairs(args.tiles), _pairs(args.fwd_launch),
-                                             bwd_launches, forwards, dq_modes, cap_sets))
+                                             bwd_launches, forwards, dq_modes, cap_sets,
+                                             dq_chunks))
             for head_dim in args.head_dims}
 
 
 def candidate_argv(args, head_dim, candidate, length):
     """This script's arguments that time `candidate` alone at `length`."""
-    tiles, fwd_launch, bwd_launch, (phases, cap), dq, (caps_text, _) = candidate
+    tiles, fwd_launch, bwd_launch, (phases, cap), dq, (caps_text, _), dq_chunk = candidate
     return (["--dtype", args.dtype, "--head-dims", str(head_dim), "--length", str(length),
              "--alpha", str(args.alpha), "--mask", args.mask,
              "--tiles", "x".join(map(str, tiles)), "--fwd-launch", "x".join(map(str, fwd_launch)),
              "--bwd-launch", "x".join(map(str, bwd_launch)), "--phases", phases,
-             "--threshold-caps", str(cap), "--dq", dq, "--caps", caps_text]
+             "--threshold-caps", str(cap), "--dq", dq, "--caps", caps_text,
+             "--dq-chunks", dq_chunk]
             + [flag for flag, on in (("--causal", args.causal),
                                      ("--forward-only", args.forward_only),
                                      ("--alpha-tensor", args.alpha_tensor)) if on])
@@ -217,6 +236,8 @@ def parse_args(argv=None):
     parser.add_argument("--caps", nargs="+", default=["table"],
                         help='register caps of the other launches: "table" or '
                              'LAUNCH=CAP,... (output, output_grad, dq, dkdv; 0: none)')
+    parser.add_argument("--dq-chunks", nargs="+", default=["table"],
+                        help='head-dim chunk of the dQ kernel\'s products: "table" or a width')
     parser.add_argument("--jobs", type=int, default=0,
                         help="compile every candidate in this many processes first (0: no)")
     return parser.parse_args(argv)
@@ -234,16 +255,17 @@ def main(argv=None):
           f"alpha={args.alpha}{' (per-head tensor)' if args.alpha_tensor else ''}, mask={args.mask}")
     for head_dim in args.head_dims:
         rows = []
-        for tiles, fwd_launch, bwd_launch, (phases, cap), dq, (caps_text, caps) in (
+        for tiles, fwd_launch, bwd_launch, (phases, cap), dq, (caps_text, caps), dq_chunk in (
                 candidates[head_dim]):
             label = f"{phases}" + (f" cap {cap}" if cap else "") + (
                 f" dq {dq}" if not args.forward_only else "") + (
-                f" caps {caps_text}" if caps else "")
+                f" caps {caps_text}" if caps else "") + (
+                f" dq chunk {dq_chunk}" if dq_chunk != "table" else "")
             try:
                 t_fwd, t_step = measure(DTYPES[args.dtype], head_dim, args.length, args.causal,
                                         tiles, fwd_launch, bwd_launch, args.alpha,
                                         args.forward_only, phases, cap, args.mask, args.alpha_tensor,
-                                        dq, caps)
+                                        dq, caps, dq_chunk)
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: skip the config
                 print(f"E={head_dim} {tiles} fwd{fwd_launch} {label} bwd{bwd_launch}: "
                       f"{type(exc).__name__}: {str(exc)[:120]}")

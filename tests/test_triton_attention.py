@@ -756,6 +756,20 @@ def _passes_emulation():
     return _bench_module("bench_attention_passes")
 
 
+def test_tune_replaces_the_dq_chunk_alone():
+    """tune_attention.py --dq-chunks W times the dQ kernel's products in chunks of W
+    (never wider than the head dim) and leaves every other kernel's chunk as the table
+    has it; "table" leaves the table as it is."""
+    tune = _bench_module("tune_attention")
+    table = attention_common.chunk_width
+    assert tune._chunk_width(table, "table") is table
+    chunk_width = tune._chunk_width(table, "64")
+    assert [chunk_width("dq", e, "bf16", 90) for e in (32, 128, 256)] == [32, 64, 64]
+    for kernel, e, dtype_key, arch in (("fwd", 256, "fp32", None), ("dkdv", 128, "fp32", 90),
+                                       ("dkdv", 128, "bf16", 90)):
+        assert chunk_width(kernel, e, dtype_key, arch) == table(kernel, e, dtype_key, arch)
+
+
 def test_tune_compiles_each_candidate_as_it_is_timed():
     """bench/tune_attention.py --jobs compiles every candidate in a process of its own,
     which runs the script with that candidate's arguments: they must give back exactly
@@ -765,9 +779,10 @@ def test_tune_compiles_each_candidate_as_it_is_timed():
         "--head-dims", "64", "128", "--causal", "--alpha", "1.25", "--alpha-tensor",
         "--tiles", "64x64", "128x32", "--fwd-launch", "4x3", "8x2", "--bwd-launch", "4x2",
         "--phases", "fused", "split", "--threshold-caps", "0", "128", "--dq", "kernel",
-        "atomic", "--mask", "bool", "--caps", "table", "output=128,dq=128,dkdv=168"])
+        "atomic", "--mask", "bool", "--caps", "table", "output=128,dq=128,dkdv=168",
+        "--dq-chunks", "table", "64"])
     table = tune.candidate_table(args)
-    assert [len(listed) for listed in table.values()] == [48, 48]
+    assert [len(listed) for listed in table.values()] == [96, 96]
     length = bench_common.compile_length(args.length)
     for head_dim, listed in table.items():
         for candidate in listed:
