@@ -7,7 +7,7 @@ they lose. Needs a CUDA device.
         [--tiles 64x64 128x64] [--fwd-launch 4x3 8x2] [--bwd-launch 8x2] [--forward-only]
         [--phases fused split] [--threshold-caps 0 128] [--mask none bool additive]
         [--alpha 1.5] [--alpha-tensor] [--dq kernel atomic ordered]
-        [--caps table output=128,output_grad=168,dq=128,dkdv=168] [--dq-chunks table 64]
+        [--caps table output=128,output_grad=168,dq=128,dkdv=168] [--chunks table dq=64]
 
 --phases: the forward as one launch or as the threshold and output launches
 (`attention_common.forward_phases`); --threshold-caps: maxnreg of the threshold launch
@@ -18,8 +18,10 @@ unordered or in key-block order); a learned alpha (--alpha-tensor) always takes 
 list of LAUNCH=CAP (0: none) over the table's (`attention_common.register_cap`), LAUNCH one
 of output (the output launch without gradients: the timed forward), output_grad (with
 them: the training step's), dq, dkdv.
---dq-chunks: the head-dim chunk (BLOCK_EC) of the dQ kernel's products, "table" (this
-architecture's, `attention_common.chunk_width`) or a width.
+--chunks: head-dim chunks (BLOCK_EC) of the kernels' q.k and dO.v products, each candidate
+"table" (this architecture's, `attention_common.chunk_width`) or a comma list of
+KERNEL=WIDTH over the table's, KERNEL one of fwd, dq, dkdv (a width at least the head dim:
+whole).
 --fwd-launch applies to every forward launch. --mask passes the causal mask as an (L, L)
 attn_mask instead of is_causal (bool: True attends; additive: 0 / -inf), as transformers'
 models do when a batch has padding: the masked kernels (MASK_BOOL, MASK_ADDITIVE), which
@@ -107,22 +109,39 @@ def _register_caps(table, threshold_cap, caps):
     return register_cap
 
 
-def _chunk_width(table, dq_chunk):
-    """`attention_common.chunk_width` with the dQ kernel's chunk `dq_chunk` ("table": as
-    it is)."""
-    if dq_chunk == "table":
+CHUNK_KERNELS = ("fwd", "dq", "dkdv")
+
+
+def _chunks(text):
+    """{kernel: width} of one --chunks candidate."""
+    if text == "table":
+        return {}
+    chunks = {}
+    for item in text.split(","):
+        kernel, _, width = item.partition("=")
+        if kernel not in CHUNK_KERNELS or not width.isdigit():
+            raise SystemExit(f"tune_attention: --chunks takes KERNEL=WIDTH with KERNEL one of "
+                             f"{', '.join(CHUNK_KERNELS)}, not {item!r}")
+        chunks[kernel] = int(width)
+    return chunks
+
+
+def _chunk_width(table, chunks):
+    """`attention_common.chunk_width` with the widths of `chunks` ({kernel: width}) in
+    place of the table's, never wider than the head dim."""
+    if not chunks:
         return table
 
     def chunk_width(kernel, block_e, dtype_key, arch=None):
-        if kernel == "dq":
-            return min(int(dq_chunk), block_e)
+        if kernel in chunks:
+            return min(chunks[kernel], block_e)
         return table(kernel, block_e, dtype_key, arch)
     return chunk_width
 
 
 def measure(dtype, head_dim, length, causal, tile_shape, fwd_launch, bwd_launch, alpha=1.5,
             forward_only=False, phases="fused", threshold_cap=0, mask="none", alpha_tensor=False,
-            dq="kernel", caps=None, dq_chunk="table"):
+            dq="kernel", caps=None, chunks=None):
     import entmax_fast
     from entmax_fast.triton_kernels import attention_common as tiles
 
@@ -142,7 +161,7 @@ def measure(dtype, head_dim, length, causal, tile_shape, fwd_launch, bwd_launch,
     tiles.forward_phases = lambda *_: _phases(phases)
     tiles.register_cap = _register_caps(tiles.register_cap, threshold_cap, caps or {})
     tiles.backward_dq = lambda *_: tiles.DQ_MODES[dq]
-    tiles.chunk_width = _chunk_width(tiles.chunk_width, dq_chunk)
+    tiles.chunk_width = _chunk_width(tiles.chunk_width, chunks or {})
     try:
         with entmax_fast.use_backend("triton"):
             with torch.no_grad():
@@ -167,29 +186,30 @@ def measure(dtype, head_dim, length, causal, tile_shape, fwd_launch, bwd_launch,
 
 def candidate_table(args):
     """{head dim: [candidate, ...]} of parsed arguments, each candidate (tiles, forward
-    launch, backward launch, (phases, threshold cap), dQ mode, (caps text, caps), dQ
-    chunk), the dQ chunks varying fastest, then the caps."""
+    launch, backward launch, (phases, threshold cap), dQ mode, (caps text, caps), (chunks
+    text, chunks)), the chunks varying fastest, then the caps."""
     forwards = [(phases, cap) for phases in args.phases
                 for cap in (args.threshold_caps if phases == "split" else [0])]
     bwd_launches = [(0, 0)] if args.forward_only else _pairs(args.bwd_launch)
     dq_modes = ["kernel"] if args.forward_only else args.dq
     cap_sets = [(text, _caps(text)) for text in args.caps]
-    dq_chunks = ["table"] if args.forward_only else args.dq_chunks
+    chunk_sets = [(text, _chunks(text)) for text in args.chunks]
     return {head_dim: list(itertools.product(_pairs(args.tiles), _pairs(args.fwd_launch),
                                              bwd_launches, forwards, dq_modes, cap_sets,
-                                             dq_chunks))
+                                             chunk_sets))
             for head_dim in args.head_dims}
 
 
 def candidate_argv(args, head_dim, candidate, length):
     """This script's arguments that time `candidate` alone at `length`."""
-    tiles, fwd_launch, bwd_launch, (phases, cap), dq, (caps_text, _), dq_chunk = candidate
+    tiles, fwd_launch, bwd_launch, (phases, cap), dq, (caps_text, _), (chunks_text, _) = (
+        candidate)
     return (["--dtype", args.dtype, "--head-dims", str(head_dim), "--length", str(length),
              "--alpha", str(args.alpha), "--mask", args.mask,
              "--tiles", "x".join(map(str, tiles)), "--fwd-launch", "x".join(map(str, fwd_launch)),
              "--bwd-launch", "x".join(map(str, bwd_launch)), "--phases", phases,
              "--threshold-caps", str(cap), "--dq", dq, "--caps", caps_text,
-             "--dq-chunks", dq_chunk]
+             "--chunks", chunks_text]
             + [flag for flag, on in (("--causal", args.causal),
                                      ("--forward-only", args.forward_only),
                                      ("--alpha-tensor", args.alpha_tensor)) if on])
@@ -236,8 +256,9 @@ def parse_args(argv=None):
     parser.add_argument("--caps", nargs="+", default=["table"],
                         help='register caps of the other launches: "table" or '
                              'LAUNCH=CAP,... (output, output_grad, dq, dkdv; 0: none)')
-    parser.add_argument("--dq-chunks", nargs="+", default=["table"],
-                        help='head-dim chunk of the dQ kernel\'s products: "table" or a width')
+    parser.add_argument("--chunks", nargs="+", default=["table"],
+                        help='head-dim chunks of the products: "table" or KERNEL=WIDTH,... '
+                             '(fwd, dq, dkdv)')
     parser.add_argument("--jobs", type=int, default=0,
                         help="compile every candidate in this many processes first (0: no)")
     return parser.parse_args(argv)
@@ -255,17 +276,17 @@ def main(argv=None):
           f"alpha={args.alpha}{' (per-head tensor)' if args.alpha_tensor else ''}, mask={args.mask}")
     for head_dim in args.head_dims:
         rows = []
-        for tiles, fwd_launch, bwd_launch, (phases, cap), dq, (caps_text, caps), dq_chunk in (
-                candidates[head_dim]):
+        for (tiles, fwd_launch, bwd_launch, (phases, cap), dq, (caps_text, caps),
+             (chunks_text, chunks)) in candidates[head_dim]:
             label = f"{phases}" + (f" cap {cap}" if cap else "") + (
                 f" dq {dq}" if not args.forward_only else "") + (
                 f" caps {caps_text}" if caps else "") + (
-                f" dq chunk {dq_chunk}" if dq_chunk != "table" else "")
+                f" chunks {chunks_text}" if chunks else "")
             try:
                 t_fwd, t_step = measure(DTYPES[args.dtype], head_dim, args.length, args.causal,
                                         tiles, fwd_launch, bwd_launch, args.alpha,
                                         args.forward_only, phases, cap, args.mask, args.alpha_tensor,
-                                        dq, caps, dq_chunk)
+                                        dq, caps, chunks)
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: skip the config
                 print(f"E={head_dim} {tiles} fwd{fwd_launch} {label} bwd{bwd_launch}: "
                       f"{type(exc).__name__}: {str(exc)[:120]}")

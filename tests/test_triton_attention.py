@@ -756,18 +756,20 @@ def _passes_emulation():
     return _bench_module("bench_attention_passes")
 
 
-def test_tune_replaces_the_dq_chunk_alone():
-    """tune_attention.py --dq-chunks W times the dQ kernel's products in chunks of W
-    (never wider than the head dim) and leaves every other kernel's chunk as the table
-    has it; "table" leaves the table as it is."""
+def test_tune_replaces_the_chunks_it_names_alone():
+    """tune_attention.py --chunks KERNEL=WIDTH times that kernel's products in chunks of
+    WIDTH (never wider than the head dim) and leaves every other kernel's chunk as the
+    table has it; "table" leaves the table as it is."""
     tune = _bench_module("tune_attention")
     table = attention_common.chunk_width
-    assert tune._chunk_width(table, "table") is table
-    chunk_width = tune._chunk_width(table, "64")
+    assert tune._chunks("table") == {} and tune._chunk_width(table, {}) is table
+    chunk_width = tune._chunk_width(table, tune._chunks("dq=64,dkdv=256"))
     assert [chunk_width("dq", e, "bf16", 90) for e in (32, 128, 256)] == [32, 64, 64]
-    for kernel, e, dtype_key, arch in (("fwd", 256, "fp32", None), ("dkdv", 128, "fp32", 90),
-                                       ("dkdv", 128, "bf16", 90)):
-        assert chunk_width(kernel, e, dtype_key, arch) == table(kernel, e, dtype_key, arch)
+    assert [chunk_width("dkdv", e, "fp32", None) for e in (64, 256)] == [64, 256]
+    for e, dtype_key, arch in ((256, "fp32", None), (256, "fp32", 90), (128, "bf16", 90)):
+        assert chunk_width("fwd", e, dtype_key, arch) == table("fwd", e, dtype_key, arch)
+    with pytest.raises(SystemExit, match="KERNEL=WIDTH"):
+        tune._chunks("dkv=64")
 
 
 def test_tune_compiles_each_candidate_as_it_is_timed():
@@ -780,7 +782,7 @@ def test_tune_compiles_each_candidate_as_it_is_timed():
         "--tiles", "64x64", "128x32", "--fwd-launch", "4x3", "8x2", "--bwd-launch", "4x2",
         "--phases", "fused", "split", "--threshold-caps", "0", "128", "--dq", "kernel",
         "atomic", "--mask", "bool", "--caps", "table", "output=128,dq=128,dkdv=168",
-        "--dq-chunks", "table", "64"])
+        "--chunks", "table", "dq=64,dkdv=32"])
     table = tune.candidate_table(args)
     assert [len(listed) for listed in table.values()] == [96, 96]
     length = bench_common.compile_length(args.length)
