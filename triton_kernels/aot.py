@@ -3,14 +3,15 @@
 Each kernel module listed in KERNEL_MODULES exposes ``aot_configs() -> list[dict]`` with
 keys name, fn, signature, constexprs, num_warps, num_stages (and optionally options: further
 compile options such as maxnreg, as the launcher passes them; arch_constexprs: {arch:
-constexprs} that replace some of constexprs when compiling for sm_<arch>, as the launcher
-chooses them on that architecture): every configuration its launcher can choose. This module compiles each of them for every arch in ARCHS without a
-GPU, reads the cubin's resource usage with the ``cuobjdump`` shipped in the triton wheel,
-and fails on compile errors and shared memory above SHARED_LIMIT_BYTES (A100's 163 KB, the
-smallest of the targets). Register spills (LOCAL or STACK > 0), warps, programs per SM and
-the loops Triton software-pipelined are reported beside them as diagnostics: time on a GPU
-is the measure of speed. Kernels compile with the specialisation an aligned launch gets
-(`runtime_attrs`), so that the table describes the kernels that run.
+constexprs} that replace some of constexprs for sm_<arch>, as the launcher chooses them on
+that architecture): every configuration its launcher can choose. This module compiles each
+of them for every arch in ARCHS without a GPU, reads the cubin's resource usage with the
+``cuobjdump`` shipped in the triton wheel, and fails on compile errors and shared memory
+above SHARED_LIMIT_BYTES (A100's 163 KB, the smallest of the targets). Register spills
+(LOCAL or STACK > 0), warps, programs per SM and the loops Triton software-pipelined are
+reported beside them as diagnostics: time on a GPU is the measure of speed. Kernels
+compile with the specialisation an aligned launch gets (`runtime_attrs`), so that the
+table describes the kernels that run.
 
     python -m entmax_fast.triton_kernels.aot      # or: python triton_kernels/aot.py
 

@@ -288,8 +288,8 @@ _CHUNKS = {
 }
 # The entries an architecture compiles otherwise, by sm number. sm_90's warpgroup products
 # read both operands from shared memory, so dQ holds a whole 128-wide head dim without a
-# stack frame there, where sm_80 spills 368 bytes; chunked, each key tile's products go
-# through two rounds of shared-memory stores and barriers (sm_90 SASS, triton 3.6, bf16, 4
+# stack frame there, where sm_80 spills 368 bytes; chunked, each chunk of a key tile
+# reloads its operands and has barriers of its own (sm_90 SASS, triton 3.6, bf16, 4
 # warps, 64x64 tiles, the listed-tile loop in instructions per score, chunked -> whole:
 # alpha 1.5 21.0 -> 11.1, alpha 2 21.9 -> 12.1, general 26.0 -> 16.1, with d(alpha) 41.6 ->
 # 24.9 and 360 -> 144 bytes of stack; barriers per tile 8 -> 2; 255 registers and two
