@@ -77,6 +77,21 @@ def _causal_mask(kind, length, dtype):
     return torch.zeros(length, length, dtype=dtype, device="cuda").masked_fill(~keep, float("-inf"))
 
 
+def _assignments(text, option, names):
+    """{names[NAME]: VALUE} of one candidate of `option` ("table", or NAME=VALUE,... with
+    integer values): the entries it sets over the table."""
+    if text == "table":
+        return {}
+    values = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name not in names or not value.isdigit():
+            raise SystemExit(f"tune_attention: {option} takes NAME=VALUE with NAME one of "
+                             f"{', '.join(names)}, not {item!r}")
+        values[names[name]] = int(value)
+    return values
+
+
 # --caps' launch names: (table key, whether the launch is compiled with gradients)
 CAP_LAUNCHES = {"output": ("fwd_output", False), "output_grad": ("fwd_output", True),
                 "dq": ("dq", False), "dkdv": ("dkdv", False)}
@@ -84,16 +99,7 @@ CAP_LAUNCHES = {"output": ("fwd_output", False), "output_grad": ("fwd_output", T
 
 def _caps(text):
     """{(table key, with gradients): cap} of one --caps candidate."""
-    if text == "table":
-        return {}
-    caps = {}
-    for item in text.split(","):
-        name, _, cap = item.partition("=")
-        if name not in CAP_LAUNCHES or not cap.isdigit():
-            raise SystemExit(f"tune_attention: --caps takes LAUNCH=CAP with LAUNCH one of "
-                             f"{sorted(CAP_LAUNCHES)}, got {item!r}")
-        caps[CAP_LAUNCHES[name]] = int(cap)
-    return caps
+    return _assignments(text, "--caps", CAP_LAUNCHES)
 
 
 def _register_caps(table, threshold_cap, caps):
@@ -109,21 +115,13 @@ def _register_caps(table, threshold_cap, caps):
     return register_cap
 
 
-CHUNK_KERNELS = ("fwd", "dq", "dkdv")
+# --chunks' kernel names: the table's
+CHUNK_KERNELS = {kernel: kernel for kernel in ("fwd", "dq", "dkdv")}
 
 
 def _chunks(text):
     """{kernel: width} of one --chunks candidate."""
-    if text == "table":
-        return {}
-    chunks = {}
-    for item in text.split(","):
-        kernel, _, width = item.partition("=")
-        if kernel not in CHUNK_KERNELS or not width.isdigit():
-            raise SystemExit(f"tune_attention: --chunks takes KERNEL=WIDTH with KERNEL one of "
-                             f"{', '.join(CHUNK_KERNELS)}, not {item!r}")
-        chunks[kernel] = int(width)
-    return chunks
+    return _assignments(text, "--chunks", CHUNK_KERNELS)
 
 
 def _chunk_width(table, chunks):

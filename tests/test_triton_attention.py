@@ -768,8 +768,10 @@ def test_tune_replaces_the_chunks_it_names_alone():
     assert [chunk_width("dkdv", e, "fp32", None) for e in (64, 256)] == [64, 256]
     for e, dtype_key, arch in ((256, "fp32", None), (256, "fp32", 90), (128, "bf16", 90)):
         assert chunk_width("fwd", e, dtype_key, arch) == table("fwd", e, dtype_key, arch)
-    with pytest.raises(SystemExit, match="KERNEL=WIDTH"):
+    with pytest.raises(SystemExit, match="--chunks takes NAME=VALUE with NAME one of fwd, dq"):
         tune._chunks("dkv=64")
+    with pytest.raises(SystemExit, match="--caps takes NAME=VALUE"):
+        tune._caps("dq=many")
 
 
 def test_tune_compiles_each_candidate_as_it_is_timed():
