@@ -911,9 +911,8 @@ def test_dq_takes_the_head_dim_chunk_of_its_architecture(monkeypatch):
     dtype = LOW_PRECISION[-1]
     q, k, v = _inputs(1, 2, 2, 40, 40, 128, dtype)
     grad_out = torch.randn(1, 2, 40, 128).to(dtype)
-    dtype_key = "bf16" if dtype == torch.bfloat16 else "fp16"
     assert tri._Geometry(q, k, v, None, None, 0, 0, False).block_ec["dq"] == \
-        attention_common.chunk_width("dq", 128, dtype_key, tri._arch(q.device))
+        attention_common.chunk_width("dq", 128, tri.DTYPE_KEYS[dtype], tri._arch(q.device))
     _, grads = _grads(lambda *t: _triton_attention(*t, is_causal=True, alpha=1.5), [q, k, v],
                       grad_out)
     _, base_grads = _grads(lambda *t: _plain_torch_attention(*t, True, 1.5), [q, k, v],
@@ -1021,7 +1020,7 @@ class _LaunchRecorder:
 
 def test_backward_launches_take_the_register_caps_the_aot_check_compiles(monkeypatch):
     """A register cap of the table (`attention_common.register_cap`, what
-    bench/tune_attention.py --bwd-caps tries) reaches the backward's launches and the AOT
+    bench/tune_attention.py --caps tries) reaches the backward's launches and the AOT
     check's configurations alike, and the capped backward still matches float64."""
     from entmax_fast.triton_kernels import attention_bwd
 
