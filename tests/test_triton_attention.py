@@ -1004,18 +1004,67 @@ def test_dq_kernel_kept_for_a_learned_alpha_and_deterministic_algorithms(monkeyp
 
 
 class _LaunchRecorder:
-    """Stands in for a @triton.jit kernel: launches it and records each launch's maxnreg."""
+    """Stands in for a @triton.jit kernel: launches it and records each launch's grid and
+    maxnreg."""
 
     def __init__(self, kernel):
-        self.kernel, self.maxnreg = kernel, []
+        self.kernel, self.grids, self.maxnreg = kernel, [], []
 
     def __getitem__(self, grid):
         launch = self.kernel[grid]
 
         def run(*args, **kwargs):
+            self.grids.append(tuple(grid))
             self.maxnreg.append(kwargs.get("maxnreg"))
             return launch(*args, **kwargs)
         return run
+
+
+def test_launches_put_the_heads_first(monkeypatch):
+    """Every attention launch has the (batch x) heads along the grid's first dimension and
+    the blocks along its second (`attention_common.launch_grid`: the GPU starts the first
+    dimension fastest, so every head's longest causal blocks start first), and the kernels
+    read it so: a causal GQA call with as many heads as blocks nowhere matches float64
+    forward and backward."""
+    from entmax_fast.triton_kernels import attention_bwd, attention_fwd
+
+    recorders = {"fwd": _LaunchRecorder(attention_fwd.entmax_attn_fwd_kernel),
+                 "dq": _LaunchRecorder(attention_bwd.entmax_attn_bwd_dq_kernel),
+                 "dkdv": _LaunchRecorder(attention_bwd.entmax_attn_bwd_dkdv_kernel)}
+    monkeypatch.setattr(attention_fwd, "entmax_attn_fwd_kernel", recorders["fwd"])
+    monkeypatch.setattr(attention_bwd, "entmax_attn_bwd_dq_kernel", recorders["dq"])
+    monkeypatch.setattr(attention_bwd, "entmax_attn_bwd_dkdv_kernel", recorders["dkdv"])
+    q, k, v = _inputs(2, 4, 2, 70, 90, 16, torch.float32)
+    geo = tri._Geometry(q, k, v, None, None, 0, 0, False)
+    assert 2 * 4 != geo.n_qblocks and 2 * 2 != geo.n_kblocks
+    grad_out = torch.randn(2, 4, 70, 16)
+    out, grads = _grads(lambda *t: _triton_attention(*t, is_causal=True, enable_gqa=True,
+                                                     alpha=1.5), [q, k, v], grad_out)
+    ref_out, ref_grads = _grads(lambda *t: reference_attention(*t, is_causal=True,
+                                                               enable_gqa=True, alpha=1.5),
+                                [t.double() for t in (q, k, v)], grad_out)
+    assert set(recorders["fwd"].grids) == {(2 * 4, geo.n_qblocks)}
+    assert recorders["dq"].grids == [(2 * 4, geo.n_qblocks)]
+    assert recorders["dkdv"].grids == [(2 * 2, geo.n_kblocks)]
+    assert _err(out, ref_out) <= 1e-5
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert _err(got, want) <= 1e-4, name
+
+
+@pytest.mark.parametrize("side", ["query", "key"])
+def test_sequences_longer_than_a_grid_holds_are_refused(side):
+    """More blocks per sequence than a CUDA grid's second dimension holds (65535) is a
+    clear error naming the side and the length, not a failed launch."""
+    block_m, block_n = attention_common.INTERPRETER_BLOCKS if not ON_GPU else \
+        attention_common.block_sizes(16, "fp32")
+    block = block_m if side == "query" else block_n
+    long = attention_common.MAX_GRID_BLOCKS * block + 1
+    lq, lk = (long, 8) if side == "query" else (8, long)
+    # expanded: the launcher reads shapes and strides before it allocates anything
+    q = torch.randn(1, 1, 1, 16).expand(1, 1, lq, 16)
+    k = torch.randn(1, 1, 1, 16).expand(1, 1, lk, 16)
+    with pytest.raises(ValueError, match=f"at most {long - 1} {side} positions .* got {long}"):
+        _triton_attention(q, k, k, alpha=1.5)
 
 
 def test_backward_launches_take_the_register_caps_the_aot_check_compiles(monkeypatch):

@@ -169,8 +169,8 @@ def entmax_attn_bwd_dq_kernel(
     NEED_DALPHA, the per-row d(alpha) terms, is a compile-time switch: as a run-time flag
     its terms (a log per score) held 250 registers in every dQ launch on sm_90 (bf16,
     E 64, alpha 1.5), against 162 without them."""
-    pid_m = query_block(tl.program_id(0), n_qblocks, is_causal)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(0)
+    pid_m = query_block(tl.program_id(1), n_qblocks, is_causal)
     i_b = (pid_bh // n_heads).to(tl.int64)
     i_h = (pid_bh % n_heads).to(tl.int64)
     i_hk = i_h // kv_group
@@ -401,11 +401,11 @@ def entmax_attn_bwd_dkdv_kernel(
     are numbered from the last key block, so that a program only waits on programs
     launched before it (locks_ptr: a counter per query tile of each head; turns_ptr: each
     flagged tile's turn, laid out like flags_ptr)."""
+    pid_bhk = tl.program_id(0)
     if DQ_MODE == DQ_ORDERED_C:
-        pid_n = tl.num_programs(0) - 1 - tl.program_id(0)
+        pid_n = tl.num_programs(1) - 1 - tl.program_id(1)
     else:
-        pid_n = tl.program_id(0)
-    pid_bhk = tl.program_id(1)
+        pid_n = tl.program_id(1)
     i_b = (pid_bhk // n_kv_heads).to(tl.int64)
     i_hk = (pid_bhk % n_kv_heads).to(tl.int64)
     q_start, q_len, k_start, k_len = sequence_bounds(cu_q_ptr, cu_k_ptr, i_b, seqlen_q,

@@ -143,6 +143,32 @@ def block_sizes(block_e, dtype_key, dropout=False):
     return block_m, block_n
 
 
+# A CUDA grid holds at most this many programs along its second dimension (the first:
+# 2^31 - 1).
+MAX_GRID_BLOCKS = 65535
+
+
+def launch_grid(n_blocks, n_heads):
+    """The grid of an attention launch over `n_blocks` query (or key) blocks of each of
+    `n_heads` (batch x heads) sequences: the heads along its first dimension, the blocks
+    along its second.
+
+    A GPU starts a grid's programs in the order of their linear index, the first dimension
+    fastest. Heads first, one block index starts in every head before the next, and since
+    the kernels number a head's blocks longest first (`query_block`; dK/dV's key blocks in
+    ascending order), a causal launch ends on every head's shortest programs. Blocks first
+    (the layout until the twenty-second session) the heads start one after another and a
+    launch ends on the last heads' long programs while SMs idle: in a list-scheduling
+    model (bench/model_launch_order.py; a program's time its tile count, 132 SMs at each
+    launch's programs per SM), 7-15 % over an even spread at L 4096 (B 4, H 16) and
+    23-63 % at the Llama model's shapes (B 4, L 2048, 4 key/value heads), under 3 % heads
+    first. An estimate of the tail's share, not a timing: a program alone on an SM runs
+    faster, which shrinks the tail. The heads' dimension also holds every B x H a tensor
+    can have, where 65535 was the limit along the second; the launcher refuses more than
+    MAX_GRID_BLOCKS blocks."""
+    return (n_heads, n_blocks)
+
+
 def forward_phases(block_e, dtype_key, mask_kind=common.MASK_NONE):
     """The forward's launches, in order: (PHASE_FUSED,), one kernel for every pass, or
     (PHASE_THRESHOLD, PHASE_OUTPUT), the passes that find the threshold in one launch and
@@ -483,8 +509,10 @@ def shifted_scores(b_q, b_kt, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_b
 
 @triton.jit
 def query_block(pid, n_qblocks, is_causal):
-    """The query block a program handles. Causal, the last blocks see the most keys: they
-    are launched first, so that the grid does not end on a few long programs."""
+    """The query block a program handles, from its index along the grid's blocks
+    (`launch_grid`). Causal, the last blocks see the most keys: they are launched first,
+    for every head before any shorter block, so that the grid does not end on a few long
+    programs."""
     if is_causal != 0:
         pid = n_qblocks - 1 - pid
     return pid

@@ -1016,8 +1016,8 @@ def entmax_attn_fwd_kernel(
     MASK_KIND: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     NEED_GRAD: tl.constexpr, PHASE: tl.constexpr, CANDIDATES: tl.constexpr,
 ):
-    pid_m = query_block(tl.program_id(0), n_qblocks, is_causal)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(0)
+    pid_m = query_block(tl.program_id(1), n_qblocks, is_causal)
     i_b = (pid_bh // n_heads).to(tl.int64)
     i_h = (pid_bh % n_heads).to(tl.int64)
     i_hk = i_h // kv_group

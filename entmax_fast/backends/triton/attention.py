@@ -103,6 +103,21 @@ class _Geometry:
                          for kernel in ("fwd", "dq", "dkdv")}
         self.n_qblocks = _cdiv(max(self.seqlen_q, 1), self.block_m)
         self.n_kblocks = _cdiv(max(self.seqlen_k, 1), self.block_n)
+        for name, length, block, blocks in (("query", self.seqlen_q, self.block_m, self.n_qblocks),
+                                            ("key", self.seqlen_k, self.block_n, self.n_kblocks)):
+            if blocks > attention_common.MAX_GRID_BLOCKS:
+                raise ValueError(f"the Triton attention takes at most "
+                                 f"{attention_common.MAX_GRID_BLOCKS * block} {name} positions "
+                                 f"per sequence ({attention_common.MAX_GRID_BLOCKS} blocks of "
+                                 f"{block}, a CUDA grid's limit), got {length}")
+
+    def query_grid(self):
+        """The grid of the forward and dQ launches: a program per query block of each head."""
+        return attention_common.launch_grid(self.n_qblocks, self.batch * self.n_heads)
+
+    def key_grid(self):
+        """The grid of the dK/dV launch: a program per key block of each key/value head."""
+        return attention_common.launch_grid(self.n_kblocks, self.batch * self.n_kv_heads)
 
     def tile_lists(self, device):
         """Scratch of the kernels' lists of flagged tiles (attention_common.listed_tiles):
@@ -178,7 +193,7 @@ def _launch_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is_c
     cu_dummy = _placeholder(q.device, torch.int32)
     if geo.batch * geo.n_heads == 0 or geo.seqlen_q == 0:
         return out.zero_(), stats, dvec.zero_(), flags
-    grid = (geo.n_qblocks, geo.batch * geo.n_heads)
+    grid = geo.query_grid()
     tiles = geo.tile_lists(q.device)
     slots = attention_common.candidate_slots(alpha_kind)
     candidates = geo.candidate_scratch(slots, q.device)
@@ -239,7 +254,7 @@ def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha
     dq_mode = _dq_mode(geo, need_alpha_grad)
     if dq_mode == attention_common.DQ_KERNEL:
         # dq first: it writes delta = dO . D per row, which the dk/dv kernel reads
-        attention_bwd.entmax_attn_bwd_dq_kernel[(geo.n_qblocks, geo.batch * geo.n_heads)](
+        attention_bwd.entmax_attn_bwd_dq_kernel[geo.query_grid()](
             q, k, v, o, do, dq, dvec, stats, rows, flags, tiles, mask, alpha, seed, cu_q_arg,
             cu_k_arg,
             *geo.q_strides, *geo.k_strides, *geo.v_strides, *geo.token_strides(o),
@@ -265,7 +280,7 @@ def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha
             # a flagged tile's turn: the flagged tiles after it in its query tile's row
             after = flags.flip(-1).cumsum(-1, dtype=torch.int32).flip(-1)
             turns = (after - flags).contiguous()
-    attention_bwd.entmax_attn_bwd_dkdv_kernel[(geo.n_kblocks, geo.batch * geo.n_kv_heads)](
+    attention_bwd.entmax_attn_bwd_dkdv_kernel[geo.key_grid()](
         q, k, v, do, dk, dv, stats, rows, flags, tiles, mask, alpha, seed, cu_q_arg, cu_k_arg,
         dq_acc, locks, turns,
         *geo.q_strides, *geo.k_strides, *geo.v_strides, *geo.token_strides(o),
