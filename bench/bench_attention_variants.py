@@ -54,6 +54,13 @@ _EXTRA_POINT = [
      + "    b_a0 += tl.where(b_a1 + b_b1 + b_c1 + b_n1 == -1.2345, 1e-30, 0.0)\n"),
 ]
 
+# The programs of a query block as before the twenty-second session: the blocks along the
+# grid's first dimension, the heads along its second (GRIDS gives the launcher's side).
+_HEADS_FIRST = ("    pid_bh = tl.program_id(0)\n"
+                "    pid_m = query_block(tl.program_id(1), n_qblocks, is_causal)\n")
+_BLOCKS_FIRST = ("    pid_m = query_block(tl.program_id(0), n_qblocks, is_causal)\n"
+                 "    pid_bh = tl.program_id(1)\n")
+
 # name: [(anchor, replacement[, count])]: count is how often the anchor must occur (1 when
 # not given), every occurrence replaced. A cap of 1 folds the pass loop away, which triton
 # 3.6 fails to compile: the smallest cap is 2.
@@ -140,6 +147,9 @@ VARIANTS = {
         (_SUPPORT_BITS, "        b_neg = tl.where(b_g > 0, 0, -1)\n"
                         "        b_low = tl.where(b_g > 0, b_g.to(tl.uint32, bitcast=True) - 1,"
                         " 0xFFFFFFFF)\n")],
+    # the heads along the grid's second dimension (`attention_common.launch_grid`): what
+    # starting every head's longest causal blocks first saves
+    "blocks_first": [(_HEADS_FIRST, _BLOCKS_FIRST)],
 }
 
 
@@ -158,7 +168,20 @@ BACKWARD_VARIANTS = {
          "        b_s = sensitivity(b_g, inv_am1, ALPHA_KIND) * tl.exp2((am1 - 1.0) * "
          "tl.log2(b_l))[:, None]\n"
          "    elif ALPHA_KIND == ALPHA_ENTMAX15:\n        b_c = tl.math.rsqrt(b_l)\n")],
+    # every launch with the heads along the grid's second dimension (the forward too: the
+    # launcher's grid is one function)
+    "blocks_first": [
+        (_HEADS_FIRST, _BLOCKS_FIRST),
+        ("    pid_bhk = tl.program_id(0)\n    if DQ_MODE == DQ_ORDERED_C:\n"
+         "        pid_n = tl.num_programs(1) - 1 - tl.program_id(1)\n    else:\n"
+         "        pid_n = tl.program_id(1)\n",
+         "    pid_bhk = tl.program_id(1)\n    if DQ_MODE == DQ_ORDERED_C:\n"
+         "        pid_n = tl.num_programs(0) - 1 - tl.program_id(0)\n    else:\n"
+         "        pid_n = tl.program_id(0)\n")],
 }
+
+# variants that also change the launcher's grid (attention_common.launch_grid)
+GRIDS = {"blocks_first": lambda n_blocks, n_heads: (n_blocks, n_heads)}
 
 
 def variant_module(name, directory, backward=False):
@@ -203,11 +226,12 @@ SLOTS = {"no_capture": lambda alpha_kind: 0, "cap2_no_capture": lambda alpha_kin
 
 
 def time_variant(kernel, length, head_dim, alpha, causal=True, heads=16, tokens=16384,
-                 alpha_tensor=False, slots=None, score_scale=1.0):
+                 alpha_tensor=False, slots=None, score_scale=1.0, grid=None):
     """Median ms of the forward without gradients (bf16) with `kernel` launched in place of
-    the forward kernel. alpha_tensor: alpha as a per-head tensor (a learned alpha's kind,
-    the general one, whatever its value). score_scale multiplies q: the scores' standard
-    deviation (flatter rows below 1 hold more scores near their threshold)."""
+    the forward kernel (and `grid` in place of attention_common.launch_grid). alpha_tensor:
+    alpha as a per-head tensor (a learned alpha's kind, the general one, whatever its
+    value). score_scale multiplies q: the scores' standard deviation (flatter rows below 1
+    hold more scores near their threshold)."""
     import entmax_fast
     from entmax_fast.triton_kernels import attention_common, attention_fwd
     from triton.testing import do_bench
@@ -218,8 +242,10 @@ def time_variant(kernel, length, head_dim, alpha, causal=True, heads=16, tokens=
     if alpha_tensor:
         alpha = torch.full((heads,), alpha, device="cuda")
     saved, saved_slots = attention_fwd.entmax_attn_fwd_kernel, attention_common.candidate_slots
+    saved_grid = attention_common.launch_grid
     attention_fwd.entmax_attn_fwd_kernel = kernel
     attention_common.candidate_slots = slots or saved_slots
+    attention_common.launch_grid = grid or saved_grid
     try:
         with entmax_fast.use_backend("triton"), torch.no_grad():
             return do_bench(lambda: entmax_fast.entmax_attention(q, k, v, is_causal=causal,
@@ -228,13 +254,16 @@ def time_variant(kernel, length, head_dim, alpha, causal=True, heads=16, tokens=
     finally:
         attention_fwd.entmax_attn_fwd_kernel = saved
         attention_common.candidate_slots = saved_slots
+        attention_common.launch_grid = saved_grid
 
 
 def time_backward_variant(module, length, head_dim, alpha, causal=True, heads=16,
-                          tokens=16384, alpha_tensor=False):
-    """Median ms of forward and backward (bf16) with the backward kernels of `module`."""
+                          tokens=16384, alpha_tensor=False, forward_kernel=None, grid=None):
+    """Median ms of forward and backward (bf16) with the backward kernels of `module` (and
+    `forward_kernel`, `grid` in place of the forward kernel and of
+    attention_common.launch_grid)."""
     import entmax_fast
-    from entmax_fast.triton_kernels import attention_bwd
+    from entmax_fast.triton_kernels import attention_bwd, attention_common, attention_fwd
     from triton.testing import do_bench
 
     shape = (max(1, tokens // length), heads, length, head_dim)
@@ -245,8 +274,11 @@ def time_backward_variant(module, length, head_dim, alpha, causal=True, heads=16
         alpha = torch.full((heads,), alpha, device="cuda", requires_grad=True)
     names = ("entmax_attn_bwd_dq_kernel", "entmax_attn_bwd_dkdv_kernel")
     saved = [getattr(attention_bwd, name) for name in names]
+    saved_forward, saved_grid = attention_fwd.entmax_attn_fwd_kernel, attention_common.launch_grid
     for name in names:
         setattr(attention_bwd, name, getattr(module, name))
+    attention_fwd.entmax_attn_fwd_kernel = forward_kernel or saved_forward
+    attention_common.launch_grid = grid or saved_grid
 
     def step():
         with entmax_fast.use_backend("triton"):
@@ -258,6 +290,8 @@ def time_backward_variant(module, length, head_dim, alpha, causal=True, heads=16
     finally:
         for name, kernel in zip(names, saved):
             setattr(attention_bwd, name, kernel)
+        attention_fwd.entmax_attn_fwd_kernel = saved_forward
+        attention_common.launch_grid = saved_grid
 
 
 def compile_all(args):
@@ -318,14 +352,16 @@ def main(argv=None):
             base = None
             for name, module in modules.items():
                 if args.backward:
+                    forward = variant_kernel(name, directory) if name in GRIDS else None
                     ms = time_backward_variant(module, args.length, args.head_dim, alpha,
                                                not args.not_causal,
-                                               alpha_tensor=args.alpha_tensor)
+                                               alpha_tensor=args.alpha_tensor,
+                                               forward_kernel=forward, grid=GRIDS.get(name))
                 else:
                     ms = time_variant(module.entmax_attn_fwd_kernel, args.length,
                                       args.head_dim, alpha, not args.not_causal,
                                       alpha_tensor=args.alpha_tensor, slots=SLOTS.get(name),
-                                      score_scale=args.score_scale)
+                                      score_scale=args.score_scale, grid=GRIDS.get(name))
                 base = ms if base is None else base
                 print(f"alpha={alpha}{' (tensor)' if args.alpha_tensor else ''} {name:22s} {ms:8.3f} ms ({ms / base:5.2f}x the first)",
                       flush=True)

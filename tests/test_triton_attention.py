@@ -750,6 +750,32 @@ def test_forward_variants_still_edit_the_kernel(tmp_path):
         assert (kernel is attention_fwd.entmax_attn_fwd_kernel) == (not edits), name
 
 
+def test_blocks_first_variant_computes_what_the_kernels_do(tmp_path, monkeypatch):
+    """bench_attention_variants.py's "blocks_first" (the grid's layout before the heads
+    went first) must differ only in launch order: with its kernels and its grid, forward
+    and backward still match float64."""
+    variants = _bench_module("bench_attention_variants")
+    from entmax_fast.triton_kernels import attention_bwd, attention_fwd
+
+    assert set(variants.GRIDS) <= set(variants.VARIANTS) & set(variants.BACKWARD_VARIANTS)
+    backward = variants.variant_module("blocks_first", str(tmp_path), backward=True)
+    monkeypatch.setattr(attention_fwd, "entmax_attn_fwd_kernel",
+                        variants.variant_kernel("blocks_first", str(tmp_path)))
+    for name in ("entmax_attn_bwd_dq_kernel", "entmax_attn_bwd_dkdv_kernel"):
+        monkeypatch.setattr(attention_bwd, name, getattr(backward, name))
+    monkeypatch.setattr(attention_common, "launch_grid", variants.GRIDS["blocks_first"])
+    q, k, v = _inputs(2, 4, 2, 70, 90, 16, torch.float32)
+    grad_out = torch.randn(2, 4, 70, 16)
+    out, grads = _grads(lambda *t: _triton_attention(*t, is_causal=True, enable_gqa=True,
+                                                     alpha=2.0), [q, k, v], grad_out)
+    ref_out, ref_grads = _grads(lambda *t: reference_attention(*t, is_causal=True,
+                                                               enable_gqa=True, alpha=2.0),
+                                [t.double() for t in (q, k, v)], grad_out)
+    assert _err(out, ref_out) <= 1e-5
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert _err(got, want) <= 1e-4, name
+
+
 def _passes_emulation():
     """bench/bench_attention_passes.py: the float32 twin of the forward's threshold passes
     (`_update` is `_update_threshold` written with torch ops)."""
