@@ -129,11 +129,15 @@ def block_sizes(block_e, dtype_key, dropout=False):
     backward, so both tile the same way. fp16/bf16 use the 64x64 tiles measured fastest on
     an H200 (docs/gpu.md: 7x faster than the 32x32 tiles with 8 warps and a 255-register
     cap it replaces, same kernel); E = 256 halves BLOCK_N. fp32 runs its products as three
-    TF32 products and takes smaller tiles. Dropout's Philox state halves BLOCK_M.
-    bench/tune_attention.py re-measures the choice on a GPU.
+    TF32 products and takes narrower tiles: 64x32 up to E = 64, where 32x32 (chosen by
+    spills) cost 1.7-3.3x the instructions per score at the same 255 registers (sm_90
+    SASS, triton 3.6: forward passes ~89 -> ~27, dQ 167 -> 73, dK/dV 242 -> 138 at alpha
+    1.5; sm_80 1.5-1.9x; docs/gpu.md, twenty-second session; untimed), and 16x32 at
+    E = 128, where wider tiles spill hundreds of bytes. Dropout's Philox state halves
+    BLOCK_M. bench/tune_attention.py re-measures the choice on a GPU.
     """
     if dtype_key == "fp32":
-        block_m, block_n = (32, 32) if block_e <= 64 else (16, 32)
+        block_m, block_n = (64, 32) if block_e <= 64 else (16, 32)
     elif block_e <= 128:
         block_m, block_n = 64, 64
     else:
