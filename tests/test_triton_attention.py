@@ -750,6 +750,22 @@ def test_forward_variants_still_edit_the_kernel(tmp_path):
         assert (kernel is attention_fwd.entmax_attn_fwd_kernel) == (not edits), name
 
 
+def _check_causal_gqa(alpha):
+    """Forward and backward of a causal GQA call (B 2, H 4, Hkv 2, Lq 70, Lk 90, E 16: as
+    many heads as blocks on neither grid) against float64; returns its launch geometry."""
+    q, k, v = _inputs(2, 4, 2, 70, 90, 16, torch.float32)
+    grad_out = torch.randn(2, 4, 70, 16)
+    out, grads = _grads(lambda *t: _triton_attention(*t, is_causal=True, enable_gqa=True,
+                                                     alpha=alpha), [q, k, v], grad_out)
+    ref_out, ref_grads = _grads(lambda *t: reference_attention(*t, is_causal=True,
+                                                               enable_gqa=True, alpha=alpha),
+                                [t.double() for t in (q, k, v)], grad_out)
+    assert _err(out, ref_out) <= 1e-5
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert _err(got, want) <= 1e-4, name
+    return tri._Geometry(q, k, v, None, None, 0, 0, False)
+
+
 def test_blocks_first_variant_computes_what_the_kernels_do(tmp_path, monkeypatch):
     """bench_attention_variants.py's "blocks_first" (the grid's layout before the heads
     went first) must differ only in launch order: with its kernels and its grid, forward
@@ -764,16 +780,7 @@ def test_blocks_first_variant_computes_what_the_kernels_do(tmp_path, monkeypatch
     for name in ("entmax_attn_bwd_dq_kernel", "entmax_attn_bwd_dkdv_kernel"):
         monkeypatch.setattr(attention_bwd, name, getattr(backward, name))
     monkeypatch.setattr(attention_common, "launch_grid", variants.GRIDS["blocks_first"])
-    q, k, v = _inputs(2, 4, 2, 70, 90, 16, torch.float32)
-    grad_out = torch.randn(2, 4, 70, 16)
-    out, grads = _grads(lambda *t: _triton_attention(*t, is_causal=True, enable_gqa=True,
-                                                     alpha=2.0), [q, k, v], grad_out)
-    ref_out, ref_grads = _grads(lambda *t: reference_attention(*t, is_causal=True,
-                                                               enable_gqa=True, alpha=2.0),
-                                [t.double() for t in (q, k, v)], grad_out)
-    assert _err(out, ref_out) <= 1e-5
-    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
-        assert _err(got, want) <= 1e-4, name
+    _check_causal_gqa(alpha=2.0)
 
 
 def _passes_emulation():
@@ -1060,21 +1067,11 @@ def test_launches_put_the_heads_first(monkeypatch):
     monkeypatch.setattr(attention_fwd, "entmax_attn_fwd_kernel", recorders["fwd"])
     monkeypatch.setattr(attention_bwd, "entmax_attn_bwd_dq_kernel", recorders["dq"])
     monkeypatch.setattr(attention_bwd, "entmax_attn_bwd_dkdv_kernel", recorders["dkdv"])
-    q, k, v = _inputs(2, 4, 2, 70, 90, 16, torch.float32)
-    geo = tri._Geometry(q, k, v, None, None, 0, 0, False)
+    geo = _check_causal_gqa(alpha=1.5)
     assert 2 * 4 != geo.n_qblocks and 2 * 2 != geo.n_kblocks
-    grad_out = torch.randn(2, 4, 70, 16)
-    out, grads = _grads(lambda *t: _triton_attention(*t, is_causal=True, enable_gqa=True,
-                                                     alpha=1.5), [q, k, v], grad_out)
-    ref_out, ref_grads = _grads(lambda *t: reference_attention(*t, is_causal=True,
-                                                               enable_gqa=True, alpha=1.5),
-                                [t.double() for t in (q, k, v)], grad_out)
     assert set(recorders["fwd"].grids) == {(2 * 4, geo.n_qblocks)}
     assert recorders["dq"].grids == [(2 * 4, geo.n_qblocks)]
     assert recorders["dkdv"].grids == [(2 * 2, geo.n_kblocks)]
-    assert _err(out, ref_out) <= 1e-5
-    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
-        assert _err(got, want) <= 1e-4, name
 
 
 @pytest.mark.parametrize("side", ["query", "key"])
