@@ -55,10 +55,13 @@ _EXTRA_POINT = [
 ]
 
 # The programs of a query block as before the twenty-second session: the blocks along the
-# grid's first dimension, the heads along its second (GRIDS gives the launcher's side).
+# grid's first dimension, the heads along its second (GRIDS gives the launcher's side), the
+# last block first only with the causal flag.
 _HEADS_FIRST = ("    pid_bh = tl.program_id(0)\n"
-                "    pid_m = query_block(tl.program_id(1), n_qblocks, is_causal)\n")
-_BLOCKS_FIRST = ("    pid_m = query_block(tl.program_id(0), n_qblocks, is_causal)\n"
+                "    pid_m = query_block(tl.program_id(1), n_qblocks)\n")
+_BLOCKS_FIRST = ("    pid_m = tl.program_id(0)\n"
+                 "    if is_causal != 0:\n"
+                 "        pid_m = n_qblocks - 1 - pid_m\n"
                  "    pid_bh = tl.program_id(1)\n")
 
 # name: [(anchor, replacement[, count])]: count is how often the anchor must occur (1 when

@@ -5,11 +5,12 @@ A GPU starts a grid's programs in the order of their linear index (the first gri
 dimension fastest), each as soon as an SM has room for one. On a causal pattern the
 programs differ in length: query block i of the forward and of dQ visits i + 1 key tiles,
 key block j of dK/dV visits n - j query tiles. The kernels start each head's longest
-blocks first (`attention_common.query_block`; dK/dV's key blocks ascending). With the
-blocks as the first grid dimension (the layout before the twenty-second session) the
-programs start head after head, and a launch ends on the last heads' long programs while
-the other slots idle; with the heads first (`attention_common.launch_grid`) every head's
-longest programs start before anyone's shorter ones, so the launch ends on short ones.
+blocks first (`attention_common.query_block`, which until the twenty-second session did so
+only for the causal flag, not for a causal mask; dK/dV's key blocks ascending). With the
+blocks as the first grid dimension (the layout before that session) the programs start
+head after head, and a launch ends on the last heads' long programs while the other slots
+idle; with the heads first (`attention_common.launch_grid`) every head's longest programs
+start before anyone's shorter ones, so the launch ends on short ones.
 
 The model: `slots` programs run at once (SMs x programs per SM, from each launch's
 registers: docs/gpu.md, twentieth session), a program takes its tile count plus
@@ -26,23 +27,29 @@ from __future__ import annotations
 import argparse
 import heapq
 
-# (label, blocks per head, heads of the grid, programs per SM, the tiles of block b)
-# at B 4 H 16 (the issue's grid at L 4096), B 1 H 16 (L 16384), B 16 H 16 (L 1024) and the
-# Llama-style model of bench/bench_hf_training.py (B 4, L 2048, 16 query and 4 key/value
-# heads: a dK/dV program sums its 4 query heads).
+# (label, blocks per head, heads of the grid, programs per SM, the tiles of block b, whether
+# the blocks started longest first before) at B 4 H 16 (the issue's grid at L 4096), B 1
+# H 16 (L 16384), B 16 H 16 (L 1024) and the Llama-style model of bench/bench_hf_training.py
+# (B 4, L 2048, 16 query and 4 key/value heads: a dK/dV program sums its 4 query heads).
+# A causal mask given as a bool attn_mask (a padded batch's, in transformers) had the query
+# blocks in ascending order (only the causal flag reversed them); its tiles here are the
+# causal flag's, an upper bound, since the max pass reads every tile of a masked row.
 CASES = [
-    ("L 4096 B 4 H 16, forward threshold launch", 64, 64, 4, lambda b, n: b + 1),
-    ("L 4096 B 4 H 16, forward output launch", 64, 64, 3, lambda b, n: b + 1),
-    ("L 4096 B 4 H 16, dQ", 64, 64, 3, lambda b, n: b + 1),
-    ("L 4096 B 4 H 16, dK/dV", 64, 64, 2, lambda b, n: n - b),
-    ("L 16384 B 1 H 16, forward threshold launch", 256, 16, 4, lambda b, n: b + 1),
-    ("L 16384 B 1 H 16, dK/dV", 256, 16, 2, lambda b, n: n - b),
-    ("L 1024 B 16 H 16, forward threshold launch", 16, 256, 4, lambda b, n: b + 1),
-    ("L 1024 B 16 H 16, dK/dV", 16, 256, 2, lambda b, n: n - b),
-    ("Llama L 2048 B 4 H 16, forward threshold launch", 32, 64, 4, lambda b, n: b + 1),
-    ("Llama L 2048 B 4 H 16, forward output launch", 32, 64, 3, lambda b, n: b + 1),
-    ("Llama L 2048 B 4 H 16, dQ", 32, 64, 3, lambda b, n: b + 1),
-    ("Llama L 2048 B 4 Hkv 4, dK/dV", 32, 16, 2, lambda b, n: 4 * (n - b)),
+    ("L 4096 B 4 H 16, forward threshold launch", 64, 64, 4, lambda b, n: b + 1, True),
+    ("L 4096 B 4 H 16, forward output launch", 64, 64, 3, lambda b, n: b + 1, True),
+    ("L 4096 B 4 H 16, dQ", 64, 64, 3, lambda b, n: b + 1, True),
+    ("L 4096 B 4 H 16, dK/dV", 64, 64, 2, lambda b, n: n - b, True),
+    ("L 16384 B 1 H 16, forward threshold launch", 256, 16, 4, lambda b, n: b + 1, True),
+    ("L 16384 B 1 H 16, dK/dV", 256, 16, 2, lambda b, n: n - b, True),
+    ("L 1024 B 16 H 16, forward threshold launch", 16, 256, 4, lambda b, n: b + 1, True),
+    ("L 1024 B 16 H 16, dK/dV", 16, 256, 2, lambda b, n: n - b, True),
+    ("Llama L 2048 B 4 H 16, forward threshold launch", 32, 64, 4, lambda b, n: b + 1, True),
+    ("Llama L 2048 B 4 H 16, forward output launch", 32, 64, 3, lambda b, n: b + 1, True),
+    ("Llama L 2048 B 4 H 16, dQ", 32, 64, 3, lambda b, n: b + 1, True),
+    ("Llama L 2048 B 4 Hkv 4, dK/dV", 32, 16, 2, lambda b, n: 4 * (n - b), True),
+    ("Llama L 2048 B 4 H 16, causal bool mask, forward threshold launch", 32, 64, 4,
+     lambda b, n: b + 1, False),
+    ("Llama L 2048 B 4 H 16, causal bool mask, dQ", 32, 64, 3, lambda b, n: b + 1, False),
 ]
 
 
@@ -54,13 +61,15 @@ def makespan(durations, slots: int) -> float:
     return max(free_at)
 
 
-def launch_orders(n_blocks: int, n_heads: int, tiles, fixed: float):
-    """The programs' durations in launch order: blocks first (head after head), heads first.
-    Both number the blocks longest first, as the kernels do."""
+def launch_orders(n_blocks: int, n_heads: int, tiles, fixed: float, longest_first_before: bool):
+    """The programs' durations in launch order: before (blocks first, head after head, each
+    head's blocks longest first or in ascending order) and now (heads first, longest first,
+    as the kernels number them)."""
     longest_first = sorted(range(n_blocks), key=lambda b: -tiles(b, n_blocks))
-    blocks_first = [tiles(b, n_blocks) + fixed for _ in range(n_heads) for b in longest_first]
-    heads_first = [tiles(b, n_blocks) + fixed for b in longest_first for _ in range(n_heads)]
-    return blocks_first, heads_first
+    order_before = longest_first if longest_first_before else range(n_blocks)
+    before = [tiles(b, n_blocks) + fixed for _ in range(n_heads) for b in order_before]
+    now = [tiles(b, n_blocks) + fixed for b in longest_first for _ in range(n_heads)]
+    return before, now
 
 
 def main() -> None:
@@ -68,14 +77,15 @@ def main() -> None:
     parser.add_argument("--sms", type=int, default=132, help="SMs (H100 / H200: 132)")
     parser.add_argument("--fixed", type=float, default=0.5, help="a program's set-up, in tiles")
     args = parser.parse_args()
-    print(f"launch (causal), {args.sms} SMs | programs | slots | over ideal, blocks first | "
-          "over ideal, heads first | time saved")
-    for label, n_blocks, n_heads, per_sm, tiles in CASES:
+    print(f"launch (causal), {args.sms} SMs | programs | slots | over ideal, before | "
+          "over ideal, now (heads first, longest first) | time saved")
+    for label, n_blocks, n_heads, per_sm, tiles, longest_first_before in CASES:
         slots = per_sm * args.sms
-        blocks_first, heads_first = launch_orders(n_blocks, n_heads, tiles, args.fixed)
-        ideal = sum(blocks_first) / slots
-        before, after = makespan(blocks_first, slots), makespan(heads_first, slots)
-        print(f"{label} | {len(blocks_first)} | {slots} | {before / ideal - 1:+.1%} | "
+        order_before, order_now = launch_orders(n_blocks, n_heads, tiles, args.fixed,
+                                                longest_first_before)
+        ideal = sum(order_before) / slots
+        before, after = makespan(order_before, slots), makespan(order_now, slots)
+        print(f"{label} | {len(order_before)} | {slots} | {before / ideal - 1:+.1%} | "
               f"{after / ideal - 1:+.1%} | {1 - after / before:.1%}")
 
 

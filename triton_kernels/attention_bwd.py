@@ -170,7 +170,7 @@ def entmax_attn_bwd_dq_kernel(
     its terms (a log per score) held 250 registers in every dQ launch on sm_90 (bf16,
     E 64, alpha 1.5), against 162 without them."""
     pid_bh = tl.program_id(0)
-    pid_m = query_block(tl.program_id(1), n_qblocks, is_causal)
+    pid_m = query_block(tl.program_id(1), n_qblocks)
     i_b = (pid_bh // n_heads).to(tl.int64)
     i_h = (pid_bh % n_heads).to(tl.int64)
     i_hk = i_h // kv_group

@@ -512,14 +512,14 @@ def shifted_scores(b_q, b_kt, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_b
 
 
 @triton.jit
-def query_block(pid, n_qblocks, is_causal):
+def query_block(pid, n_qblocks):
     """The query block a program handles, from its index along the grid's blocks
-    (`launch_grid`). Causal, the last blocks see the most keys: they are launched first,
-    for every head before any shorter block, so that the grid does not end on a few long
-    programs."""
-    if is_causal != 0:
-        pid = n_qblocks - 1 - pid
-    return pid
+    (`launch_grid`): the last first. On a causal pattern, the flag's or a mask's (a padded
+    batch's causal mask comes as a bool mask), the last blocks see the most keys: launched
+    first, in every head before any shorter block, they keep the grid from ending on a few
+    long programs (bench/model_launch_order.py). Where every block sees the same keys the
+    order costs nothing."""
+    return n_qblocks - 1 - pid
 
 
 @triton.jit

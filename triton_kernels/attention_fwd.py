@@ -1017,7 +1017,7 @@ def entmax_attn_fwd_kernel(
     NEED_GRAD: tl.constexpr, PHASE: tl.constexpr, CANDIDATES: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
-    pid_m = query_block(tl.program_id(1), n_qblocks, is_causal)
+    pid_m = query_block(tl.program_id(1), n_qblocks)
     i_b = (pid_bh // n_heads).to(tl.int64)
     i_h = (pid_bh % n_heads).to(tl.int64)
     i_hk = i_h // kv_group
