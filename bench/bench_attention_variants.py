@@ -351,15 +351,18 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as directory:
         modules = {name: variant_module(name, directory, args.backward)
                    for name in args.variants}
+        # a backward variant that changes the grid needs its forward kernel read it alike
+        forwards = {name: variant_kernel(name, directory)
+                    for name in args.variants if args.backward and name in GRIDS}
         for alpha in args.alphas:
             base = None
             for name, module in modules.items():
                 if args.backward:
-                    forward = variant_kernel(name, directory) if name in GRIDS else None
                     ms = time_backward_variant(module, args.length, args.head_dim, alpha,
                                                not args.not_causal,
                                                alpha_tensor=args.alpha_tensor,
-                                               forward_kernel=forward, grid=GRIDS.get(name))
+                                               forward_kernel=forwards.get(name),
+                                               grid=GRIDS.get(name))
                 else:
                     ms = time_variant(module.entmax_attn_fwd_kernel, args.length,
                                       args.head_dim, alpha, not args.not_causal,
