@@ -1078,9 +1078,9 @@ def test_launches_put_the_heads_first(monkeypatch):
 def test_sequences_longer_than_a_grid_holds_are_refused(side):
     """More blocks per sequence than a CUDA grid's second dimension holds (65535) is a
     clear error naming the side and the length, not a failed launch."""
-    block_m, block_n = attention_common.INTERPRETER_BLOCKS if not ON_GPU else \
-        attention_common.block_sizes(16, "fp32")
-    block = block_m if side == "query" else block_n
+    small = torch.randn(1, 1, 8, 16)
+    geo = tri._Geometry(small, small, small, None, None, 0, 0, False)
+    block = geo.block_m if side == "query" else geo.block_n
     long = attention_common.MAX_GRID_BLOCKS * block + 1
     lq, lk = (long, 8) if side == "query" else (8, long)
     # expanded: the launcher reads shapes and strides before it allocates anything
