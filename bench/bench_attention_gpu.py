@@ -15,7 +15,12 @@ key tiles hold no weight) at L ≥ 16384, and the peak memory of one training st
 Writes attention_gpu.md (tables with ratios to SDPA), attention_gpu.csv and
 attention_gpu.png into --out. Needs a CUDA device; exits with a message otherwise.
 
-    python bench/bench_attention_gpu.py --out bench/out/gpu [--quick]
+    python bench/bench_attention_gpu.py --out bench/out/gpu [--quick] [--jobs 8]
+
+--jobs N first compiles entmax_fast's kernels in N processes at once, one per kernel class
+and method (`compile_commands`), so that the grid's time goes to timing: in this process
+Triton would compile them one after the other where each is first timed (the quick grid's
+took about 270 s of a 2-core VM's CPU: docs/gpu.md, twenty-third session).
 """
 from __future__ import annotations
 
@@ -36,9 +41,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 GRID = [(4096, 64, True), (1024, 64, True), (4096, 64, False), (4096, 128, True),
         (16384, 64, True), (1024, 64, False), (16384, 64, False), (16384, 128, True),
         (32768, 64, True)]
-QUICK_GRID = [(1024, 64, True), (4096, 64, False), (4096, 64, True), (4096, 128, True)]
+# GRID's order: L 1024 causal shares the first cell's kernels (it compiles nothing more)
+QUICK_GRID = [(4096, 64, True), (1024, 64, True), (4096, 64, False), (4096, 128, True)]
 HEADS = 16
 TOKENS = 16384
+# the methods whose kernels are Triton's and compile per cell's kernel class (`compile_cells`);
+# the baselines compile their own (AdaSplash autotunes per shape), SDPA none
+ENTMAX_METHODS = ("entmax_fast a=1.5", "entmax_fast a=2", "entmax_fast a=learned 1.5")
 
 
 def _versions() -> str:
@@ -51,20 +60,19 @@ def _versions() -> str:
     return ", ".join(parts)
 
 
-def _methods() -> dict:
+def _methods(device="cuda") -> dict:
     """name -> callable(q, k, v, causal) in (B, H, L, E) layout."""
     import entmax_fast
 
     # learned alpha: one per head, a leaf that the training step differentiates (the
     # general kind of the kernels, with d(alpha))
-    learned_alpha = torch.full((HEADS,), 1.5, device="cuda", requires_grad=True)
+    learned_alpha = torch.full((HEADS,), 1.5, device=device, requires_grad=True)
+    alpha_15, alpha_2, alpha_learned = ENTMAX_METHODS
     methods = {
         "sdpa": lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c),
-        "entmax_fast a=1.5": lambda q, k, v, c: entmax_fast.entmax_attention(
-            q, k, v, is_causal=c, alpha=1.5),
-        "entmax_fast a=2": lambda q, k, v, c: entmax_fast.entmax_attention(
-            q, k, v, is_causal=c, alpha=2.0),
-        "entmax_fast a=learned 1.5": lambda q, k, v, c: entmax_fast.entmax_attention(
+        alpha_15: lambda q, k, v, c: entmax_fast.entmax_attention(q, k, v, is_causal=c, alpha=1.5),
+        alpha_2: lambda q, k, v, c: entmax_fast.entmax_attention(q, k, v, is_causal=c, alpha=2.0),
+        alpha_learned: lambda q, k, v, c: entmax_fast.entmax_attention(
             q, k, v, is_causal=c, alpha=learned_alpha),
     }
     try:
@@ -86,14 +94,14 @@ def _methods() -> dict:
     return methods
 
 
-def _inputs(batch, length, head_dim, local, grad):
+def _inputs(batch, length, head_dim, local, grad, device="cuda"):
     torch.manual_seed(0)
     shape = (batch, HEADS, length, head_dim)
-    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16) for _ in range(3))
     if local:
         # q_i . k_j large only for |i - j| small: smooth random walks along the sequence,
         # scaled so that a query's scores fall by several units within ~100 positions
-        walk = torch.randn(batch, HEADS, length, head_dim, device="cuda").cumsum(2)
+        walk = torch.randn(batch, HEADS, length, head_dim, device=device).cumsum(2)
         walk = walk / walk.std(dim=2, keepdim=True)
         k = (walk * 3).to(torch.bfloat16)
         q = (walk * 3 + 0.3 * torch.randn_like(walk)).to(torch.bfloat16)
@@ -227,18 +235,74 @@ def _plot(rows, path):
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None):
+def compile_cells(grid) -> list[tuple[int, int, bool]]:
+    """One (L, E, causal) per kernel class of ``grid``, at the length its kernels compile at.
+
+    A method compiles its kernels per head dim and causal flag (an integer argument equal to
+    1 is a compile-time constant to Triton, 0 is not) and per divisibility of the integer
+    arguments: the lengths, the tile counts and the strides they enter, which
+    `compile_length` keeps (with 64-row tiles L 1024 has the divisibility of every multiple
+    of 2048; the batch enters no argument). The local input's cells use the random ones'
+    kernels."""
+    from bench.common import compile_length
+
+    cells = {}
+    for length, head_dim, causal in grid:
+        cells.setdefault((head_dim, causal), compile_length(length))
+    return [(length, head_dim, causal) for (head_dim, causal), length in cells.items()]
+
+
+def compile_commands(grid) -> list[list[str]]:
+    """This script's compile runs for ``grid``: one process per kernel class and entmax_fast
+    method (`compile_only`)."""
+    return [[sys.executable, os.path.abspath(__file__), "--compile-only",
+             f"{length}x{head_dim}x{int(causal)}", "--method", name]
+            for length, head_dim, causal in compile_cells(grid) for name in ENTMAX_METHODS]
+
+
+def compile_only(cell: str, name: str, device="cuda") -> None:
+    """Compiles ``name``'s kernels for the cell "LxExC" (C: 1 causal): a forward without
+    autograd and a training step at B = 1, nothing timed."""
+    length, head_dim, causal = (int(value) for value in cell.split("x"))
+    method = _methods(device)[name]
+    q, k, v = _inputs(1, length, head_dim, local=False, grad=True, device=device)
+    with torch.no_grad():
+        method(q, k, v, bool(causal))
+    method(q, k, v, bool(causal)).backward(torch.randn_like(q))
+    if q.is_cuda:
+        torch.cuda.synchronize()
+
+
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join("bench", "out", "gpu"))
     parser.add_argument("--quick", action="store_true", help="four cells of the grid only")
     parser.add_argument("--baseline-budget", type=float, default=math.inf, metavar="SECONDS",
                         help="stop timing AdaSplash/FlashAttention after this many seconds")
-    args = parser.parse_args(argv)
+    parser.add_argument("--jobs", type=int, default=0,
+                        help="first compile entmax_fast's kernels in this many processes at once "
+                             "(0: each where it is first timed)")
+    parser.add_argument("--compile-only", metavar="LxExC", default=None,
+                        help="compile --method's kernels for one cell and exit (a --jobs process)")
+    parser.add_argument("--method", choices=ENTMAX_METHODS, default=ENTMAX_METHODS[0])
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_attention_gpu: needs a CUDA device (none here); nothing measured")
         return 0
+    if args.compile_only:
+        compile_only(args.compile_only, args.method)
+        return 0
     print(f"{torch.cuda.get_device_name()}; {_versions()}")
-    run(QUICK_GRID if args.quick else GRID, args.out, args.baseline_budget)
+    grid = QUICK_GRID if args.quick else GRID
+    if args.jobs > 0:
+        from bench.common import precompile
+
+        precompile(compile_commands(grid), args.jobs, "bench_attention_gpu")
+    run(grid, args.out, args.baseline_budget)
     return 0
 
 

@@ -301,7 +301,7 @@ def compile_all(args):
     """Fills Triton's cache with every (variant, alpha) of ``args``: one process each, at
     most ``args.jobs`` at a time, at `compile_length`; their timings are discarded (they
     share the GPU)."""
-    from bench.common import compile_length, run_processes
+    from bench.common import compile_length, precompile
 
     commands = [[sys.executable, os.path.abspath(__file__), "--length",
                  str(compile_length(args.length)),
@@ -311,9 +311,7 @@ def compile_all(args):
                 + (["--alpha-tensor"] if args.alpha_tensor else [])
                 + ["--score-scale", str(args.score_scale)]
                 for alpha in args.alphas for name in args.variants]
-    failed = run_processes(commands, args.jobs)
-    if failed:
-        print(f"bench_attention_variants: {failed} compile process(es) failed; timing anyway")
+    precompile(commands, args.jobs, "bench_attention_variants")
 
 
 def main(argv=None):

@@ -12,6 +12,9 @@ built from its config.
     python bench/bench_hf_training.py                      # on a GPU: the table above
     python bench/bench_hf_training.py --tiny --device cpu  # a dry run of the script
 
+--jobs N compiles each entmax_fast implementation's kernels first, in processes of its own
+(N at once), instead of one implementation after the other in the warm-up steps.
+
 Ratios are against SDPA timed in the same process; each implementation's steps are
 CUDA-event timed after --warmup steps (Triton's compiles), medians of --steps.
 """
@@ -30,6 +33,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench.common import machine, print_table, write_csv  # noqa: E402
 
 IMPLEMENTATIONS = ("sdpa", "entmax", "sparsemax")
+# attn_implementation names whose attention compiles nothing (transformers' own)
+TORCH_IMPLEMENTATIONS = ("sdpa", "eager")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -116,6 +121,20 @@ def time_training(config, implementation: str, args, device, dtype) -> dict:
             "attention_backend": backend, "parameters": parameters}
 
 
+def compile_commands(args) -> list[list[str]]:
+    """Compile runs of the implementations that compile kernels: this script with one
+    implementation, one layer, a small vocabulary and one warm-up and one timed step.
+    The attention launches, and so the kernels, are the full model's: the same heads, head
+    dim, grouped-query group, length and dtype in every layer."""
+    shared = ["--device", args.device, "--dtype", args.dtype, "--batch", str(args.batch),
+              "--length", str(args.length), "--layers", "1", "--hidden", str(args.hidden),
+              "--heads", str(args.heads), "--kv-heads", str(args.kv_heads),
+              "--intermediate", str(args.intermediate), "--vocab", "1024", "--steps", "1",
+              "--warmup", "1"]
+    return [[sys.executable, os.path.abspath(__file__), "--implementations", name] + shared
+            for name in args.implementations if name not in TORCH_IMPLEMENTATIONS]
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -136,6 +155,9 @@ def parse_args(argv=None):
     parser.add_argument("--tiny", action="store_true",
                         help="a 2-layer model on 2 x 128 tokens in float32: a dry run of the script")
     parser.add_argument("--out", default=None, help="folder for hf_training.md and .csv")
+    parser.add_argument("--jobs", type=int, default=0,
+                        help="first compile each implementation's kernels in a process of its own, "
+                             "this many at once (0: in the warm-up steps, one after the other)")
     args = parser.parse_args(argv)
     if args.tiny:
         args.batch, args.length, args.layers, args.hidden = 2, 128, 2, 64
@@ -157,6 +179,10 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_hf_training: --device cuda, but no CUDA device here")
     config = llama_config(args)
+    if args.jobs > 0 and device.type == "cuda":
+        from bench.common import precompile
+
+        precompile(compile_commands(args), args.jobs, "bench_hf_training")
     rows = []
     for implementation in args.implementations:
         rows.append(time_training(config, implementation, args, device, dtype))

@@ -17,9 +17,13 @@ Inputs are N(0, 1) scores (the issue's measurement). Writes rowwise_gpu.md and
 rowwise_gpu.csv into --out. Needs a CUDA device; on a machine without one it says so and
 exits with status 0, measuring nothing.
 
-    python bench/bench_rowwise_gpu.py --out bench/out/gpu
+    python bench/bench_rowwise_gpu.py --out bench/out/gpu [--jobs 8]
     python bench/bench_rowwise_gpu.py --sweep      # also time the neighbours of each
                                                    # configuration of triton_kernels/rowwise.tile_config
+
+--jobs N first compiles the table's kernels in N processes at once (`compile_commands`):
+in this process Triton compiles each where it is first timed, one after the other, about
+2 s each for the table's 32 or so.
 """
 from __future__ import annotations
 
@@ -263,19 +267,60 @@ def sweep(lengths=SWEEP_LENGTHS, alphas=SWEEP_ALPHAS):
                     print(f"{'':>54}subset off: {ms:.4f} ms", flush=True)
 
 
-def main(argv=None):
+def compile_commands() -> list[list[str]]:
+    """This script's compile runs of the table: one process per shape, dtype and
+    entmax_fast mapping (`compile_only`). The row-wise kernels compile at the timed shape
+    itself (one call takes microseconds)."""
+    names = [name for name, (_, ours, _) in _methods(1, "cpu").items() if ours]
+    return [[sys.executable, os.path.abspath(__file__), "--compile-only",
+             f"{n_rows}x{n_cols}", "--dtype", str(dtype).replace("torch.", ""), "--method", name]
+            for n_rows, n_cols in SHAPES for dtype in DTYPES for name in names]
+
+
+def compile_only(shape: str, dtype: str, name: str, device="cuda") -> None:
+    """Compiles mapping ``name``'s kernels for rows of ``shape`` ("RxC") in ``dtype``: a
+    forward without autograd and a training step, nothing timed."""
+    n_rows, n_cols = (int(value) for value in shape.split("x"))
+    fn = _methods(n_rows, device)[name][0]
+    x = torch.randn(n_rows, n_cols, device=device).to(getattr(torch, dtype))
+    with torch.no_grad():
+        fn(x)
+    fn(x.detach().clone().requires_grad_(True)).backward(torch.randn_like(x))
+    if x.is_cuda:
+        torch.cuda.synchronize()
+
+
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join("bench", "out", "gpu"))
     parser.add_argument("--sweep", action="store_true", help="also time neighbours of each table configuration")
     parser.add_argument("--sweep-lengths", type=int, nargs="+", default=list(SWEEP_LENGTHS))
-    args = parser.parse_args(argv)
+    parser.add_argument("--jobs", type=int, default=0,
+                        help="first compile the table's kernels in this many processes at once "
+                             "(0: each where it is first timed)")
+    parser.add_argument("--compile-only", metavar="RxC", default=None,
+                        help="compile --method's kernels for one shape and --dtype, and exit")
+    parser.add_argument("--dtype", default="float32", choices=[str(d).replace("torch.", "") for d in DTYPES])
+    parser.add_argument("--method", default="ef entmax15")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_rowwise_gpu: needs a CUDA device (none here); nothing measured")
         return 0
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("bench_rowwise_gpu: TRITON_INTERPRET is set; unset it to time the compiled kernels")
         return 1
+    if args.compile_only:
+        compile_only(args.compile_only, args.dtype, args.method)
+        return 0
     print(f"{torch.cuda.get_device_name()}; {_versions()}")
+    if args.jobs > 0:
+        from bench.common import precompile
+
+        precompile(compile_commands(), args.jobs, "bench_rowwise_gpu")
     run(args.out)
     if args.sweep:
         sweep(args.sweep_lengths)

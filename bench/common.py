@@ -69,6 +69,24 @@ def run_processes(commands: list[list[str]], jobs: int) -> int:
     return sum(process.wait() != 0 for process in started)
 
 
+def precompile(commands: list[list[str]], jobs: int, label: str) -> int:
+    """`run_processes` for a GPU script's compile runs, then one line saying how many
+    processes took how long and how many failed (a failed one leaves its kernels to be
+    compiled where they are timed). Returns the count of failures.
+
+    Triton compiles a kernel when it is first launched, in the launching process, one after
+    the other: the attention forward's threshold launch took 12-31 s on this project's
+    2-core VM (docs/gpu.md, twenty-third session), and a GPU script that meets its kernels
+    cold spends its step's limit compiling. The printed time says what the compiles cost a
+    lent machine's lease."""
+    started = time.perf_counter()
+    failed = run_processes(commands, jobs)
+    print(f"{label}: {len(commands)} compile processes, {jobs} at a time, took "
+          f"{time.perf_counter() - started:.0f} s" + (f"; {failed} failed, timing anyway"
+                                                     if failed else ""), flush=True)
+    return failed
+
+
 def _status_bytes(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:

@@ -37,7 +37,8 @@
 #              then the GPU table of bench/bench_structured.py (--gpu-only: its CPU table is
 #              the CPU's figure, timed where the project is built without a GPU).
 # STEPS picks and orders them (default: tests train hf attention rowwise structured). The exit
-# status is the number of failed steps.
+# status is the number of failed steps. COMPILE_JOBS (default 8) is how many processes the
+# attention, rowwise and hf steps compile their kernels in before timing them.
 # A call bounded from outside (a lent GPU's command limit) gives DEADLINE, seconds since the
 # epoch, or BUDGET, seconds from now: a step's limit is cut to what is left before it (less
 # the 20 s of a cut step's grace and a margin for the summary), and a step with under 30 s
@@ -115,6 +116,10 @@ print(f"{datetime.date.today()} {torch.cuda.get_device_name()} (CUDA {torch.vers
       f"{', '.join(versions)}; entmax_fast at {commit or 'unknown commit'}")
 PY
 
+# the attention, rowwise and hf steps compile their kernels first in this many processes
+# at once (a cold Triton cache otherwise spends their limits compiling, one kernel after
+# the other); the variants steps take 8, tune the --jobs of its TUNE_ARGS
+compile_jobs="${COMPILE_JOBS:-8}"
 workers=()
 if python -c "import xdist" 2>/dev/null; then
   workers=(-n "${TEST_WORKERS:-8}")
@@ -129,14 +134,15 @@ for name in ${STEPS:-tests train hf attention rowwise structured}; do
              tests/test_triton_attention.py tests/test_triton_rowwise.py ;;
     train) CUDA_LAUNCH_BLOCKING=1 step train "${TRAIN_LIMIT:-120}" python -m entmax_fast.train --quick \
              --device cuda --no-progress --out "$OUT_DIR/train" ;;
-    hf) step hf "${HF_LIMIT:-180}" python bench/bench_hf_training.py --out "$OUT_DIR" ${HF_ARGS:-} ;;
+    hf) step hf "${HF_LIMIT:-180}" python bench/bench_hf_training.py --out "$OUT_DIR" \
+          --jobs "$compile_jobs" ${HF_ARGS:-} ;;
     attention)
       if [ "${QUICK:-0}" = "1" ]; then
         step attention "${ATTENTION_LIMIT:-300}" python bench/bench_attention_gpu.py --quick \
-          --out "$OUT_DIR" ${ATTENTION_ARGS:---baseline-budget 120}
+          --out "$OUT_DIR" --jobs "$compile_jobs" ${ATTENTION_ARGS:---baseline-budget 120}
       else
         step attention "${ATTENTION_LIMIT:-300}" python bench/bench_attention_gpu.py \
-          --out "$OUT_DIR" ${ATTENTION_ARGS:---baseline-budget 120}
+          --out "$OUT_DIR" --jobs "$compile_jobs" ${ATTENTION_ARGS:---baseline-budget 120}
       fi ;;
     profile) step profile "${PROFILE_LIMIT:-120}" python bench/profile_attention_gpu.py --causal ;;
     tune) step tune "${TUNE_LIMIT:-300}" python bench/tune_attention.py --causal ${TUNE_ARGS:-} ;;
@@ -149,7 +155,8 @@ for name in ${STEPS:-tests train hf attention rowwise structured}; do
              --jobs 8 --backward ${BWD_VARIANTS_ARGS:---variants kernel norm_per_score} ;;
     extension) MAX_JOBS="${MAX_JOBS:-16}" step extension "${EXTENSION_LIMIT:-600}" \
              python setup.py build_ext --inplace ;;
-    rowwise) step rowwise "${ROWWISE_LIMIT:-120}" python bench/bench_rowwise_gpu.py --out "$OUT_DIR" ;;
+    rowwise) step rowwise "${ROWWISE_LIMIT:-120}" python bench/bench_rowwise_gpu.py --out "$OUT_DIR" \
+               --jobs "$compile_jobs" ;;
     sweep) step sweep "${SWEEP_LIMIT:-300}" python bench/bench_rowwise_gpu.py --sweep --out "$OUT_DIR" \
              --sweep-lengths ${SWEEP_LENGTHS:-1024 4096} ;;
     structured)

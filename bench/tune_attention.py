@@ -216,15 +216,13 @@ def candidate_argv(args, head_dim, candidate, length):
 def compile_all(args, candidates):
     """Fills Triton's cache with every candidate's kernels: one process each, at most
     ``args.jobs`` at a time, at `compile_length`; their timings are discarded."""
-    from bench.common import compile_length, run_processes
+    from bench.common import compile_length, precompile
 
     length = compile_length(args.length)
     commands = [[sys.executable, os.path.abspath(__file__)]
                 + candidate_argv(args, head_dim, candidate, length)
                 for head_dim, listed in candidates.items() for candidate in listed]
-    failed = run_processes(commands, args.jobs)
-    if failed:
-        print(f"tune_attention: {failed} compile process(es) failed; timing anyway")
+    precompile(commands, args.jobs, "tune_attention")
 
 
 def parse_args(argv=None):

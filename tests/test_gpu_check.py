@@ -63,3 +63,18 @@ def test_a_deadline_in_the_past_runs_nothing(tmp_path):
 def test_an_unknown_step_fails_the_run(tmp_path):
     _, _, status = dry_run(tmp_path, STEPS="tests no_such_step")
     assert status == 1
+
+
+def test_the_timing_steps_compile_their_kernels_first_in_parallel(tmp_path):
+    """The attention, rowwise and hf steps meet their kernels cold on a fresh machine:
+    each passes COMPILE_JOBS to its script's --jobs, so that its limit goes to timing."""
+    environment = {**os.environ, "DRY_RUN": "1", "OUT_DIR": str(tmp_path), "QUICK": "1",
+                   "STEPS": "attention rowwise hf", "COMPILE_JOBS": "5"}
+    environment.pop("DEADLINE", None)
+    environment.pop("BUDGET", None)
+    result = subprocess.run(["bash", str(SCRIPT)], env=environment, capture_output=True,
+                            text=True, timeout=120)
+    commands = dict(re.findall(r"^=== (\S+) \(limit \d+ s\): (.*)$", result.stdout, re.MULTILINE))
+    assert set(commands) == {"attention", "rowwise", "hf"}
+    for name, command in commands.items():
+        assert "--jobs 5" in command, (name, command)

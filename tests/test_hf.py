@@ -207,3 +207,26 @@ def test_training_benchmark_dry_run(tmp_path):
     for name in ("entmax", "sparsemax"):
         assert math.isfinite(float(rows[name][1])) and math.isfinite(float(rows[name][3]))
         assert rows[name][4] in ("cpp", "reference", "triton")
+
+
+def test_training_benchmark_compile_runs_launch_the_full_models_attention():
+    """bench_hf_training.py --jobs compiles each entmax_fast implementation's kernels in a
+    process of its own, on a one-layer model with a small vocabulary: every argument the
+    attention launches depend on (heads, key/value heads, head dim through the hidden size,
+    batch, length, dtype, device) must be the full model's, or the timed run compiles
+    again; transformers' own implementations compile nothing."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "bench_hf_training.py"
+    spec = importlib.util.spec_from_file_location("bench_hf_training", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = bench.parse_args(["--jobs", "3", "--implementations", "sdpa", "entmax", "sparsemax",
+                             "eager", "--length", "1024", "--kv-heads", "8"])
+    runs = [bench.parse_args(command[2:]) for command in bench.compile_commands(args)]
+    assert [run.implementations for run in runs] == [["entmax"], ["sparsemax"]]
+    for run in runs:
+        for name in ("device", "dtype", "batch", "length", "hidden", "heads", "kv_heads"):
+            assert getattr(run, name) == getattr(args, name), name
+        assert (run.layers, run.steps, run.warmup, run.jobs, run.out) == (1, 1, 1, 0, None)

@@ -838,6 +838,38 @@ def test_tune_compiles_each_candidate_as_it_is_timed():
         assert keys(bench_common.compile_length(length)) == keys(length), length
 
 
+def test_the_grid_compiles_every_cell_it_times_before_timing():
+    """bench/bench_attention_gpu.py --jobs compiles each entmax_fast method once per kernel
+    class of the grid, in a process of its own at B 1: the class of every timed cell must
+    be among them, at a length whose integer arguments Triton specialises as the cell's
+    (1, or divisible by 16: the lengths, the tile counts and the strides they enter; the
+    batch enters none), or the timed process compiles again. The compile run itself is
+    run here on CPU tensors (the cpp backend) for each method."""
+    grid_bench = _bench_module("bench_attention_gpu")
+
+    def keys(length, head_dim):
+        block_m, block_n = attention_common.block_sizes(head_dim, "bf16")
+        values = [length, length // block_m, length // block_n, length * head_dim,
+                  grid_bench.HEADS * length, grid_bench.HEADS * length * head_dim]
+        return [(n == 1, n % 16 == 0) for n in values]
+
+    for grid in (grid_bench.GRID, grid_bench.QUICK_GRID):
+        runs = [grid_bench.parse_args(command[2:]) for command in grid_bench.compile_commands(grid)]
+        compiled = {}
+        for run in runs:
+            length, head_dim, causal = (int(v) for v in run.compile_only.split("x"))
+            compiled.setdefault((head_dim, bool(causal)), []).append((length, run.method))
+        assert {(e, c) for _, e, c in grid} == set(compiled)
+        for length, head_dim, causal in grid:
+            (compile_length,) = {at for at, _ in compiled[(head_dim, causal)]}
+            assert keys(compile_length, head_dim) == keys(length, head_dim), (length, head_dim)
+            assert sorted(name for _, name in compiled[(head_dim, causal)]) == sorted(
+                grid_bench.ENTMAX_METHODS)
+    assert grid_bench.QUICK_GRID[0] == grid_bench.GRID[0]
+    for name in grid_bench.ENTMAX_METHODS:
+        grid_bench.compile_only("16x8x1", name, device="cpu")
+
+
 def test_alpha_15_root_with_a_score_just_below_it_is_certified():
     """alpha 1.5: a score of the support at t sits just below the closed-form root, so the
     exact certificate (no score between t and the root) fails by a hair while the root is

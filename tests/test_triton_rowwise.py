@@ -740,3 +740,25 @@ def test_grid_covers_every_row(monkeypatch, n_rows):
         rowwise.entmax_backward(x, x, 1.3, False, config=config)
         rows = 1 if config is None else 4
         assert grids[-2:] == [(triton.cdiv(n_rows, rows),)] * 2
+
+
+def test_the_rowwise_table_compiles_every_cell_it_times_before_timing():
+    """bench/bench_rowwise_gpu.py --jobs compiles each entmax_fast mapping's kernels for
+    every shape and dtype of the table, each in a process of its own at the timed shape:
+    every timed cell of entmax_fast's must be among them, once. The compile run itself is
+    run here on CPU tensors for each mapping."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "bench_rowwise_gpu.py")
+    spec = importlib.util.spec_from_file_location("bench_rowwise_gpu", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ours = [name for name, (_, is_ours, _) in bench._methods(1, "cpu").items() if is_ours]
+    assert len(ours) == 4
+    runs = [bench.parse_args(command[2:]) for command in bench.compile_commands()]
+    cells = [(run.compile_only, run.dtype, run.method) for run in runs]
+    assert sorted(cells) == sorted((f"{n_rows}x{n_cols}", str(dtype).replace("torch.", ""), name)
+                                   for n_rows, n_cols in bench.SHAPES for dtype in bench.DTYPES
+                                   for name in ours)
+    for name in ours:
+        bench.compile_only("4x40", "bfloat16", name, device="cpu")
