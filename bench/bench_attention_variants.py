@@ -236,6 +236,7 @@ def time_variant(kernel, length, head_dim, alpha, causal=True, heads=16, tokens=
     value). score_scale multiplies q: the scores' standard deviation (flatter rows below 1
     hold more scores near their threshold)."""
     import entmax_fast
+    from bench.common import replaced
     from entmax_fast.triton_kernels import attention_common, attention_fwd
     from triton.testing import do_bench
 
@@ -244,20 +245,13 @@ def time_variant(kernel, length, head_dim, alpha, causal=True, heads=16, tokens=
     q = q * score_scale
     if alpha_tensor:
         alpha = torch.full((heads,), alpha, device="cuda")
-    saved, saved_slots = attention_fwd.entmax_attn_fwd_kernel, attention_common.candidate_slots
-    saved_grid = attention_common.launch_grid
-    attention_fwd.entmax_attn_fwd_kernel = kernel
-    attention_common.candidate_slots = slots or saved_slots
-    attention_common.launch_grid = grid or saved_grid
-    try:
+    with replaced((attention_fwd, "entmax_attn_fwd_kernel", kernel),
+                  (attention_common, "candidate_slots", slots),
+                  (attention_common, "launch_grid", grid)):
         with entmax_fast.use_backend("triton"), torch.no_grad():
             return do_bench(lambda: entmax_fast.entmax_attention(q, k, v, is_causal=causal,
                                                                  alpha=alpha),
                             warmup=5, rep=60)
-    finally:
-        attention_fwd.entmax_attn_fwd_kernel = saved
-        attention_common.candidate_slots = saved_slots
-        attention_common.launch_grid = saved_grid
 
 
 def time_backward_variant(module, length, head_dim, alpha, causal=True, heads=16,
@@ -266,6 +260,7 @@ def time_backward_variant(module, length, head_dim, alpha, causal=True, heads=16
     `forward_kernel`, `grid` in place of the forward kernel and of
     attention_common.launch_grid)."""
     import entmax_fast
+    from bench.common import replaced
     from entmax_fast.triton_kernels import attention_bwd, attention_common, attention_fwd
     from triton.testing import do_bench
 
@@ -275,26 +270,17 @@ def time_backward_variant(module, length, head_dim, alpha, causal=True, heads=16
     grad_out = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     if alpha_tensor:
         alpha = torch.full((heads,), alpha, device="cuda", requires_grad=True)
-    names = ("entmax_attn_bwd_dq_kernel", "entmax_attn_bwd_dkdv_kernel")
-    saved = [getattr(attention_bwd, name) for name in names]
-    saved_forward, saved_grid = attention_fwd.entmax_attn_fwd_kernel, attention_common.launch_grid
-    for name in names:
-        setattr(attention_bwd, name, getattr(module, name))
-    attention_fwd.entmax_attn_fwd_kernel = forward_kernel or saved_forward
-    attention_common.launch_grid = grid or saved_grid
 
     def step():
         with entmax_fast.use_backend("triton"):
             out = entmax_fast.entmax_attention(q, k, v, is_causal=causal, alpha=alpha)
         out.backward(grad_out)
 
-    try:
+    with replaced(*((attention_bwd, name, getattr(module, name))
+                    for name in ("entmax_attn_bwd_dq_kernel", "entmax_attn_bwd_dkdv_kernel")),
+                  (attention_fwd, "entmax_attn_fwd_kernel", forward_kernel),
+                  (attention_common, "launch_grid", grid)):
         return do_bench(step, warmup=5, rep=60, grad_to_none=[q, k, v])
-    finally:
-        for name, kernel in zip(names, saved):
-            setattr(attention_bwd, name, kernel)
-        attention_fwd.entmax_attn_fwd_kernel = saved_forward
-        attention_common.launch_grid = saved_grid
 
 
 def compile_all(args):

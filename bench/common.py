@@ -1,6 +1,7 @@
 """Shared measuring tools for bench/ scripts: timing, peak memory, tables, machine info."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import platform
@@ -46,6 +47,23 @@ def kernel_times(step, repeats: int = 3) -> dict:
         if device_us > 0:
             times[event.key] = device_us / 1000 / repeats
     return times
+
+
+@contextlib.contextmanager
+def replaced(*edits):
+    """For the block: each (module, name, value) of ``edits`` set, a value of None leaving
+    the attribute as it is; every attribute restored after. The GPU scripts time edited
+    kernels and tables this way in the process that imports the real ones."""
+    saved = [(module, name, getattr(module, name)) for module, name, value in edits
+             if value is not None]
+    for module, name, value in edits:
+        if value is not None:
+            setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
 
 
 def compile_length(length: int) -> int:

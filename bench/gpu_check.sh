@@ -137,13 +137,10 @@ for name in ${STEPS:-tests train hf attention rowwise structured}; do
     hf) step hf "${HF_LIMIT:-180}" python bench/bench_hf_training.py --out "$OUT_DIR" \
           --jobs "$compile_jobs" ${HF_ARGS:-} ;;
     attention)
-      if [ "${QUICK:-0}" = "1" ]; then
-        step attention "${ATTENTION_LIMIT:-300}" python bench/bench_attention_gpu.py --quick \
-          --out "$OUT_DIR" --jobs "$compile_jobs" ${ATTENTION_ARGS:---baseline-budget 120}
-      else
-        step attention "${ATTENTION_LIMIT:-300}" python bench/bench_attention_gpu.py \
-          --out "$OUT_DIR" --jobs "$compile_jobs" ${ATTENTION_ARGS:---baseline-budget 120}
-      fi ;;
+      quick=()
+      [ "${QUICK:-0}" = "1" ] && quick=(--quick)
+      step attention "${ATTENTION_LIMIT:-300}" python bench/bench_attention_gpu.py "${quick[@]}" \
+        --out "$OUT_DIR" --jobs "$compile_jobs" ${ATTENTION_ARGS:---baseline-budget 120} ;;
     profile) step profile "${PROFILE_LIMIT:-120}" python bench/profile_attention_gpu.py --causal ;;
     tune) step tune "${TUNE_LIMIT:-300}" python bench/tune_attention.py --causal ${TUNE_ARGS:-} ;;
     masked) step masked "${MASKED_LIMIT:-400}" python bench/tune_attention.py --causal --mask bool \

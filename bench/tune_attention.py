@@ -141,6 +141,7 @@ def measure(dtype, head_dim, length, causal, tile_shape, fwd_launch, bwd_launch,
             forward_only=False, phases="fused", threshold_cap=0, mask="none", alpha_tensor=False,
             dq="kernel", caps=None, chunks=None):
     import entmax_fast
+    from bench.common import replaced
     from entmax_fast.triton_kernels import attention_common as tiles
 
     batch = max(1, 16384 // length)
@@ -152,33 +153,28 @@ def measure(dtype, head_dim, length, causal, tile_shape, fwd_launch, bwd_launch,
     if alpha_tensor:
         # a learned alpha: one per head, differentiated in the training step (the general kind)
         alpha = torch.full((16,), alpha, device="cuda", requires_grad=not forward_only)
-    saved = (tiles.block_sizes, tiles.launch_config, tiles.forward_phases, tiles.register_cap,
-             tiles.backward_dq, tiles.chunk_width)
-    tiles.block_sizes = lambda block_e, dtype_key, dropout=False: tile_shape
-    tiles.launch_config = lambda kernel, *_: fwd_launch if kernel.startswith("fwd") else bwd_launch
-    tiles.forward_phases = lambda *_: _phases(phases)
-    tiles.register_cap = _register_caps(tiles.register_cap, threshold_cap, caps or {})
-    tiles.backward_dq = lambda *_: tiles.DQ_MODES[dq]
-    tiles.chunk_width = _chunk_width(tiles.chunk_width, chunks or {})
-    try:
-        with entmax_fast.use_backend("triton"):
-            with torch.no_grad():
-                t_fwd = _time(lambda: entmax_fast.entmax_attention(
-                    q, k, v, attn_mask=attn_mask, is_causal=is_causal, alpha=alpha))
-            if forward_only:
-                return t_fwd, float("nan")
+    edits = ((tiles, "block_sizes", lambda block_e, dtype_key, dropout=False: tile_shape),
+             (tiles, "launch_config",
+              lambda kernel, *_: fwd_launch if kernel.startswith("fwd") else bwd_launch),
+             (tiles, "forward_phases", lambda *_: _phases(phases)),
+             (tiles, "register_cap", _register_caps(tiles.register_cap, threshold_cap, caps or {})),
+             (tiles, "backward_dq", lambda *_: tiles.DQ_MODES[dq]),
+             (tiles, "chunk_width", _chunk_width(tiles.chunk_width, chunks or {})))
+    with replaced(*edits), entmax_fast.use_backend("triton"):
+        with torch.no_grad():
+            t_fwd = _time(lambda: entmax_fast.entmax_attention(
+                q, k, v, attn_mask=attn_mask, is_causal=is_causal, alpha=alpha))
+        if forward_only:
+            return t_fwd, float("nan")
 
-            def step():
-                for t in (q, k, v, alpha):
-                    if isinstance(t, torch.Tensor):
-                        t.grad = None
-                entmax_fast.entmax_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
-                                             alpha=alpha).backward(grad_out)
+        def step():
+            for t in (q, k, v, alpha):
+                if isinstance(t, torch.Tensor):
+                    t.grad = None
+            entmax_fast.entmax_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                         alpha=alpha).backward(grad_out)
 
-            t_step = _time(step)
-    finally:
-        (tiles.block_sizes, tiles.launch_config, tiles.forward_phases, tiles.register_cap,
-         tiles.backward_dq, tiles.chunk_width) = saved
+        t_step = _time(step)
     return t_fwd, t_step
 
 

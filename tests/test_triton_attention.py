@@ -807,6 +807,23 @@ def test_tune_replaces_the_chunks_it_names_alone():
         tune._caps("dq=many")
 
 
+def test_bench_edits_are_undone_even_when_the_timing_fails():
+    """bench.common.replaced, through which the variants and tune scripts swap kernels and
+    table functions for a timing: a value of None keeps the attribute, and every attribute
+    is restored after the block, also after an exception (a later timing would otherwise
+    run the edited kernel)."""
+    replaced = _bench_module("common").replaced
+    launch_grid, candidate_slots = attention_common.launch_grid, attention_common.candidate_slots
+    with pytest.raises(RuntimeError, match="timing failed"):
+        with replaced((attention_common, "launch_grid", "edited"),
+                      (attention_common, "candidate_slots", None)):
+            assert attention_common.launch_grid == "edited"
+            assert attention_common.candidate_slots is candidate_slots
+            raise RuntimeError("timing failed")
+    assert attention_common.launch_grid is launch_grid
+    assert attention_common.candidate_slots is candidate_slots
+
+
 def test_tune_compiles_each_candidate_as_it_is_timed():
     """bench/tune_attention.py --jobs compiles every candidate in a process of its own,
     which runs the script with that candidate's arguments: they must give back exactly
