@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP="python -m pip --disable-pip-version-check -q"
 # triton 3.9.0 is the version whose interpreter and compiler were checked here.
-REQUIREMENTS=("triton==3.9.0" "entmax==1.3" "transformers==5.24.0" pytest numpy scipy ninja matplotlib tqdm)
+REQUIREMENTS=("triton==3.9.0" "entmax==1.3" "transformers==5.24.0" pytest "pytest-xdist==3.8.0" numpy scipy ninja matplotlib tqdm)
 FINGERPRINT_FILE=build/entmax_fast_C.fingerprint
 
 # Prints the requirements (arguments) that are not installed at the pinned version; reads

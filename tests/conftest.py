@@ -5,6 +5,8 @@
   compiled kernels on CUDA tensors (tests/devices.py).
 - `torch.empty`/`torch.empty_like` return NaN-filled float tensors, so an output a kernel
   or launcher forgets to write fails loudly instead of passing on lucky zeros.
+- Tests marked with an `xdist_group` (the ahead-of-time compiles) are collected first: the
+  longest unit of work starts first when pytest-xdist spreads the suite over the cores.
 """
 import os
 
@@ -43,3 +45,12 @@ def nan_filled_empty(monkeypatch):
 def seeded():
     torch.manual_seed(0)
     yield
+
+
+def pytest_configure(config):
+    # pytest-xdist defines the marker; declared here too for runs without it.
+    config.addinivalue_line("markers", "xdist_group(name): tests that run in one pytest-xdist worker")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)

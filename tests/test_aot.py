@@ -1,15 +1,18 @@
 """Triton kernel configurations compile ahead of time for sm_80 and sm_90 within A100's
 shared memory (triton_kernels/aot.py, docs/checking.md item 2); spills are printed as a
-diagnostic, not failed (time on a GPU is the measure, docs/gpu.md).
+diagnostic, not failed (time on a GPU is the measure of speed).
 
-One test per kernel module, so a module that fails or hangs does not hide the others.
-The modules list 330 (row-wise) and 936 + 840 (attention) configurations, so CI compiles
-a covering sample in which every option value (dtype, head dim, alpha kind, mask kind,
-varlen, dropout, ...) occurs at least once; ENTMAX_FAST_AOT_SAMPLE=pairs covers every pair
-of values, ENTMAX_FAST_AOT_FULL=1 compiles everything.
+The modules list 366 (row-wise) and 1008 + 1560 (attention) configurations, so the suite
+compiles a covering sample in which every option value (dtype, head dim, alpha kind, mask
+kind, varlen, dropout, ...) occurs at least once, around the configurations whose loops
+must be pipelined: once per run, in parallel processes, one test per kernel module reading
+its rows, so that a module that fails does not hide the others.
+ENTMAX_FAST_AOT_SAMPLE=pairs covers every pair of values, ENTMAX_FAST_AOT_FULL=1 compiles
+everything, ENTMAX_FAST_AOT_JOBS sets the processes (default: one per core).
 """
 import importlib
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -37,20 +40,78 @@ FULL = os.environ.get("ENTMAX_FAST_AOT_FULL") == "1"
 # CI compiles every option value once (the attention kernels take 20-120 s per compile
 # here); ENTMAX_FAST_AOT_SAMPLE=pairs compiles every pair of values.
 SAMPLE = os.environ.get("ENTMAX_FAST_AOT_SAMPLE", "values")
+# Compiles run in this many processes (ptxas is single-threaded).
+JOBS = int(os.environ.get("ENTMAX_FAST_AOT_JOBS", "0")) or os.cpu_count() or 1
+
+# The forward's loops over key tiles (the max pass's two, the threshold passes' two, the
+# output pass's: 5 fused, 4 + 1 split) and each backward kernel's loop over the flagged
+# tiles load their tiles unconditionally, so that Triton pipelines them. A loop that tests
+# a tile's flag before loading it is not pipelined.
+PIPELINED_AT_LEAST = {
+    ("attention_fwd", "entmax_attn_fwd_bf16_e128_a2_m1_g1"): 5,
+    ("attention_fwd", "entmax_attn_fwd_threshold_bf16_e64_a2_m0_g0"): 4,
+    ("attention_fwd", "entmax_attn_fwd_threshold_bf16_e64_a2_m1_g0"): 4,
+    ("attention_fwd", "entmax_attn_fwd_output_fp16_e128_a0_m0_g2"): 1,
+    ("attention_bwd", "entmax_attn_bwd_dq_bf16_e64_a2_m0_da0"): 1,
+    ("attention_bwd", "entmax_attn_bwd_dkdv_bf16_e64_a2_m0"): 1,
+}
+
+# The tests that read the compiled sample run in one pytest-xdist worker (scripts/test.sh
+# distributes by group), so that the sample is compiled once per run, in JOBS processes.
+COMPILES = pytest.mark.xdist_group("aot_compile")
 
 
+def _present_modules():
+    return tuple(m for m in aot.KERNEL_MODULES if (ROOT / "triton_kernels" / f"{m}.py").exists())
+
+
+@pytest.fixture(scope="session")
+def compiled_rows(tmp_path_factory):
+    """Every kernel module's sample (or, with ENTMAX_FAST_AOT_FULL=1, every configuration)
+    and the configurations PIPELINED_AT_LEAST names, compiled once for sm_80 and sm_90.
+    Under pytest-xdist the rows are kept in the run's shared temporary folder, so that a
+    worker that did not compile them reads them instead of compiling again."""
+    def compile_rows():
+        return aot.check(modules=_present_modules(), sample=False if FULL else SAMPLE,
+                         include=tuple(name for _, name in PIPELINED_AT_LEAST), jobs=JOBS)
+
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return compile_rows()
+    import filelock
+
+    cache = tmp_path_factory.getbasetemp().parent / f"aot_rows_{SAMPLE}_{int(FULL)}.json"
+    with filelock.FileLock(f"{cache}.lock"):
+        if cache.is_file():
+            return json.loads(cache.read_text())
+        rows = compile_rows()
+        cache.write_text(json.dumps(rows))
+        return rows
+
+
+@COMPILES
 @pytest.mark.parametrize("module_name", aot.KERNEL_MODULES)
-def test_module_compiles(module_name):
+def test_module_compiles(module_name, compiled_rows):
     """No compile error, shared memory within A100's; spills printed."""
     if not (ROOT / "triton_kernels" / f"{module_name}.py").exists():
         pytest.skip(f"triton_kernels/{module_name}.py does not exist yet")
-    rows = aot.check(modules=(module_name,), sample=False if FULL else SAMPLE)
+    rows = [row for row in compiled_rows if row["module"] == module_name]
     print(aot.format_table(rows))
     print("\n".join(aot.spills(rows)))
     assert rows, f"{module_name}.aot_configs() listed no configuration"
     assert {row["arch"] for row in rows if not row["error"]} >= {"sm_80", "sm_90"}
     found = aot.problems(rows)
     assert not found, "\n".join(found)
+
+
+@COMPILES
+@pytest.mark.parametrize("module_name", ("attention_fwd", "attention_bwd"))
+def test_tile_loops_are_pipelined(module_name, compiled_rows):
+    names = [name for module, name in PIPELINED_AT_LEAST if module == module_name]
+    rows = [row for row in compiled_rows if row["module"] == module_name and row["config"] in names]
+    assert len(rows) == 2 * len(names) and not aot.problems(rows), rows
+    for row in rows:
+        pipelined, loops = (int(n) for n in row["PIPELINED"].split("/"))
+        assert pipelined >= PIPELINED_AT_LEAST[(module_name, row["config"])], row
 
 
 @pytest.mark.parametrize("module_name", aot.KERNEL_MODULES)
@@ -85,36 +146,25 @@ def test_covering_sample_keeps_every_pair_of_options():
     assert covered == pairs and len(sample) < len(names)
 
 
+def test_covering_sample_is_taken_around_included_configurations():
+    def config(name):
+        return {"name": name, "fn": test_covering_sample_is_taken_around_included_configurations}
+
+    names = [f"k_{d}_{e}" for d in ("fp32", "fp16", "bf16") for e in ("e64", "e128")]
+    configs = [config(n) for n in names]
+    included = [cfg for cfg in configs if cfg["name"] in ("k_fp16_e64", "k_bf16_e128")]
+    sample = aot.covering_sample(configs, pairs=False, covered=included)
+    tokens = {t for n in names for t in n.split("_")}
+    together = {t for c in sample + included for t in c["name"].split("_")}
+    assert together == tokens and not {c["name"] for c in sample} & {c["name"] for c in included}
+    assert len(sample) == 1, "fp32 is the one value the included configurations miss"
+
+
 def test_programs_per_sm_from_registers_and_shared_memory():
     # 255 registers x 4 warps: two programs fit the 64K register file
     assert aot.programs_per_sm(90, 255, 4, 16384) == 2
     # shared memory limits first: 100 KB per program on sm_80's 164 KB
     assert aot.programs_per_sm(80, 32, 4, 100 * 1024) == 1
-
-
-# The forward's loops over key tiles (the max pass's two, the threshold passes' two, the
-# output pass's: 5 fused, 4 + 1 split) and each backward kernel's loop over the flagged
-# tiles load their tiles unconditionally, so that Triton pipelines them. A loop that tests
-# a tile's flag before loading it is not pipelined: until the tile lists, only the max
-# pass was.
-PIPELINED_AT_LEAST = {
-    ("attention_fwd", "entmax_attn_fwd_bf16_e128_a2_m1_g1"): 5,
-    ("attention_fwd", "entmax_attn_fwd_threshold_bf16_e64_a2_m0_g0"): 4,
-    ("attention_fwd", "entmax_attn_fwd_threshold_bf16_e64_a2_m1_g0"): 4,
-    ("attention_fwd", "entmax_attn_fwd_output_fp16_e128_a0_m0_g2"): 1,
-    ("attention_bwd", "entmax_attn_bwd_dq_bf16_e64_a2_m0_da0"): 1,
-    ("attention_bwd", "entmax_attn_bwd_dkdv_bf16_e64_a2_m0"): 1,
-}
-
-
-@pytest.mark.parametrize("module_name", ("attention_fwd", "attention_bwd"))
-def test_tile_loops_are_pipelined(module_name):
-    names = [name for module, name in PIPELINED_AT_LEAST if module == module_name]
-    rows = aot.check(archs=(80, 90), modules=(module_name,), names=names)
-    assert len(rows) == 2 * len(names) and not aot.problems(rows), rows
-    for row in rows:
-        pipelined, loops = (int(n) for n in row["PIPELINED"].split("/"))
-        assert pipelined >= PIPELINED_AT_LEAST[(module_name, row["config"])], row
 
 
 def test_pipelined_loops_counts_the_loops_that_issue_async_copies():
@@ -132,47 +182,3 @@ def test_pipelined_loops_counts_the_loops_that_issue_async_copies():
     }
     """
     assert aot.pipelined_loops(ttgir) == (2, 3)
-
-
-def test_kernel_loops_reads_loops_from_backward_branches():
-    """bench/kernel_loops.py's parser: a loop is a backward branch, its body the
-    instructions from the target to the branch; forward branches and short loops are not
-    loops to report, and predicates do not change an opcode."""
-    path = Path(__file__).resolve().parent.parent / "bench" / "kernel_loops.py"
-    spec = importlib.util.spec_from_file_location("kernel_loops", path)
-    kernel_loops = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(kernel_loops)
-    sass = """
-        /*0000*/                   MOV R1, c[0x0][0x28] ;
-        /*0010*/                   FADD R2, R2, R3 ;
-        /*0020*/               @P0 FFMA R4, R2, R2, R4 ;
-        /*0030*/              @!P1 FFMA R5, R2, R2, R5 ;
-        /*0040*/               @P2 BRA 0x60 ;
-        /*0050*/                   FMNMX R6, R6, R2, !PT ;
-        /*0060*/               @P3 BRA 0x10 ;
-        /*0070*/                   EXIT ;
-    """
-    loops = kernel_loops.sass_loops(sass, min_instructions=2)
-    assert [(loop["start"], loop["end"], loop["instructions"]) for loop in loops] == [(0x10, 0x60, 6)]
-    assert loops[0]["opcodes"]["FFMA"] == 2 and loops[0]["opcodes"]["BRA"] == 2
-    assert loops[0]["skips"] == [(0x40, 1)], "the FMNMX the forward branch jumps over"
-    assert kernel_loops.sass_loops(sass, min_instructions=7) == []
-    # a backward branch that also tests a predicate (the general-alpha pass loop's form)
-    predicated = sass.replace("@P3 BRA 0x10", "@P1 BRA P2, 0x10")
-    assert [(loop["start"], loop["end"]) for loop in kernel_loops.sass_loops(predicated, 2)] == [(0x10, 0x60)]
-
-
-def test_every_attention_variant_applies_to_the_kernel_source(tmp_path):
-    """bench/bench_attention_variants.py edits attention_fwd.py's (and, for --backward,
-    attention_bwd.py's) source by anchors: each must still be there exactly once, or the
-    GPU call that times the variants fails."""
-    path = Path(__file__).resolve().parent.parent / "bench" / "bench_attention_variants.py"
-    spec = importlib.util.spec_from_file_location("bench_attention_variants", path)
-    variants = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(variants)
-    for name in variants.VARIANTS:
-        assert callable(variants.variant_kernel(name, str(tmp_path))), name
-    assert set(variants.SLOTS) <= set(variants.VARIANTS)
-    for name in variants.BACKWARD_VARIANTS:
-        module = variants.variant_module(name, str(tmp_path), backward=True)
-        assert callable(module.entmax_attn_bwd_dkdv_kernel), name

@@ -15,10 +15,11 @@ table describes the kernels that run.
 
     python -m entmax_fast.triton_kernels.aot      # or: python triton_kernels/aot.py
 
-prints the table and exits 1 on any problem. `check()` is the library form used by
-tests/test_aot.py and the bench. Compiling needs real `@triton.jit` functions, which triton
-does not create under TRITON_INTERPRET=1 (set by the test suite's conftest), so `check()`
-compiles each module in a subprocess with that variable removed, under a time limit.
+prints the table and exits 1 on any problem (``--jobs N`` compiles in N processes).
+`check()` is the library form used by tests/test_aot.py and tools/. Compiling needs real
+`@triton.jit` functions, which triton does not create under TRITON_INTERPRET=1 (set by the
+test suite's conftest), so `check()` compiles in a subprocess with that variable removed,
+under a time limit.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -35,7 +37,7 @@ from pathlib import Path
 KERNEL_MODULES = ("rowwise", "attention_fwd", "attention_bwd")
 ARCHS = (80, 90)
 SHARED_LIMIT_BYTES = 163 * 1024
-MODULE_TIMEOUT_S = 1800.0
+MODULE_TIMEOUT_S = 3600.0
 _FIELDS = ("REG", "SHARED", "LOCAL", "STACK")
 
 
@@ -91,7 +93,7 @@ def _resource_usage(cubin: bytes, kernel_name: str) -> dict:
     return {field: int(usage.get(field, 0)) for field in _FIELDS}
 
 
-def covering_sample(configs: list[dict], pairs: bool = True) -> list[dict]:
+def covering_sample(configs: list[dict], pairs: bool = True, covered=()) -> list[dict]:
     """A subset of ``configs`` in which every pair of option values that occurs together
     in some config still occurs together (pairwise coverage), or, without ``pairs``, in
     which every option value occurs at least once.
@@ -100,18 +102,21 @@ def covering_sample(configs: list[dict], pairs: bool = True) -> list[dict]:
     per kernel function, configs are taken greedily by how many not yet covered token pairs
     (dtype × head dim, head dim × variant, ...) they add. Used where the full cross product
     is too slow to compile on every CI run; interactions of three options may be missed.
+    What the configs in ``covered`` hold counts as covered already (they are not returned).
     """
+    def tokens_covered(cfg):
+        tokens = sorted(set(cfg["name"].split("_")))
+        return ({(a, b) for i, a in enumerate(tokens) for b in tokens[i:]} if pairs
+                else {(a, a) for a in tokens})
+
     chosen = []
     by_kernel: dict[str, list[dict]] = {}
     for cfg in configs:
         by_kernel.setdefault(cfg["fn"].__name__, []).append(cfg)
     for group in by_kernel.values():
-        covers = []
-        for cfg in group:
-            tokens = sorted(set(cfg["name"].split("_")))
-            covers.append({(a, b) for i, a in enumerate(tokens) for b in tokens[i:]}
-                          if pairs else {(a, a) for a in tokens})
-        uncovered = set().union(*covers)
+        covers = [tokens_covered(cfg) for cfg in group]
+        uncovered = set().union(*covers).difference(
+            *(tokens_covered(cfg) for cfg in covered if cfg["fn"].__name__ == group[0]["fn"].__name__))
         while uncovered:
             best = max(range(len(group)), key=lambda i: (len(covers[i] & uncovered), -i))
             chosen.append(group[best])
@@ -171,46 +176,104 @@ def pipelined_loops(ttgir: str) -> tuple[int, int]:
     return pipelined, loops
 
 
-def compile_all(archs=ARCHS, modules=KERNEL_MODULES, on_event=None, sample=False,
-                names=None) -> list[dict]:
-    """Compiles every config (or, with ``sample`` "pairs" or "values", that
-    ``covering_sample``; with ``names``, the configs so named) in this process;
-    one row per (module, config, arch).
+def select_configs(module_name: str, sample=False, names=None, include=()) -> list[dict]:
+    """The entries of `module_name`'s `aot_configs()` to compile: all of them, or with
+    ``sample`` ("pairs" or "values") that ``covering_sample``, or with ``names`` those so
+    named; with ``include``, the configurations so named are added, and the covering sample
+    is taken around them (they count as covering what they hold), so that a check that
+    needs particular configurations compiles nothing twice."""
+    module = _import_kernel_module(module_name)
+    if module is None:
+        return []
+    configs = module.aot_configs()
+    if names:
+        return [cfg for cfg in configs if cfg["name"] in names]
+    included = [cfg for cfg in configs if cfg["name"] in include]
+    if not sample:
+        return configs
+    chosen = covering_sample(configs, pairs=_sample_mode(sample) == "pairs", covered=included)
+    return included + [cfg for cfg in chosen if cfg["name"] not in include]
 
-    `on_event(row)` is called before each compile (row with "compiling": True) and after.
+
+def compile_row(module_name: str, cfg: dict, arch: int) -> dict:
+    """Compiles one configuration for sm_<arch>: its row of the report (resources, programs
+    per SM, pipelined loops, or the error)."""
+    row = {"module": module_name, "kernel": cfg["fn"].__name__, "config": cfg["name"],
+           "arch": f"sm_{arch}", "error": None, "WARPS": cfg["num_warps"]}
+    try:
+        compiled = compile_config(cfg, arch)
+        usage = _resource_usage(compiled.asm["cubin"], compiled.metadata.name)
+        # Triton's shared memory is dynamic: the cubin's SHARED omits it.
+        usage["SHARED"] = max(usage["SHARED"], int(compiled.metadata.shared))
+        row.update(usage)
+        row["PROGS/SM"] = programs_per_sm(arch, usage["REG"], cfg["num_warps"], usage["SHARED"])
+        row["PIPELINED"] = "{}/{}".format(*pipelined_loops(compiled.asm["ttgir"]))
+    except Exception as exc:  # noqa: BLE001 - every failure is a row of the report
+        row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+    return row
+
+
+def _compile_task(module_name: str, config_name: str, arch: int) -> dict:
+    """One compile in a worker process of `compile_all`: the configuration by name (a
+    worker imports each kernel module once). Announces the compile on stdout first, so
+    that a check cut by its time limit can name what was compiling."""
+    module = _import_kernel_module(module_name)
+    cfg = next(cfg for cfg in module.aot_configs() if cfg["name"] == config_name)
+    _emit({"module": module_name, "kernel": cfg["fn"].__name__, "config": config_name,
+           "arch": f"sm_{arch}", "compiling": True})
+    return compile_row(module_name, cfg, arch)
+
+
+def _emit(row: dict) -> None:
+    """One JSON line on stdout in one write: the workers and their parent share the pipe,
+    and a write of under PIPE_BUF bytes is not interleaved with another's."""
+    os.write(sys.stdout.fileno(), (json.dumps(row) + "\n").encode())
+
+
+def compile_all(archs=ARCHS, modules=KERNEL_MODULES, on_event=None, sample=False,
+                names=None, include=(), jobs: int = 1) -> list[dict]:
+    """Compiles every config (or, with ``sample`` "pairs" or "values", that
+    ``covering_sample``; with ``names``, the configs so named; ``include``: see
+    `select_configs`) in this process, or in ``jobs`` worker processes; one row per
+    (module, config, arch), in the order of the configs.
+
+    `on_event(row)` is called before each compile (row with "compiling": True; in this
+    process only, a worker announces its own on stdout) and after.
     """
     if interpreting():
         raise RuntimeError("compile_all cannot run with TRITON_INTERPRET set; use check()")
-    rows = []
-    for module_name in modules:
-        module = _import_kernel_module(module_name)
-        if module is None:
-            continue
-        configs = module.aot_configs()
-        if names:
-            configs = [cfg for cfg in configs if cfg["name"] in names]
-        for cfg in (covering_sample(configs, pairs=_sample_mode(sample) == "pairs") if sample
-                    else configs):
-            for arch in archs:
-                row = {"module": module_name, "kernel": cfg["fn"].__name__, "config": cfg["name"],
-                       "arch": f"sm_{arch}", "error": None, "WARPS": cfg["num_warps"]}
-                if on_event:
-                    on_event(dict(row, compiling=True))
-                try:
-                    compiled = compile_config(cfg, arch)
-                    usage = _resource_usage(compiled.asm["cubin"], compiled.metadata.name)
-                    # Triton's shared memory is dynamic: the cubin's SHARED omits it.
-                    usage["SHARED"] = max(usage["SHARED"], int(compiled.metadata.shared))
-                    row.update(usage)
-                    row["PROGS/SM"] = programs_per_sm(arch, usage["REG"], cfg["num_warps"],
-                                                      usage["SHARED"])
-                    row["PIPELINED"] = "{}/{}".format(*pipelined_loops(compiled.asm["ttgir"]))
-                except Exception as exc:  # noqa: BLE001 - every failure is a row of the report
-                    row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
-                rows.append(row)
-                if on_event:
-                    on_event(row)
-    return rows
+    tasks = [(module_name, cfg, arch) for module_name in modules
+             for cfg in select_configs(module_name, sample, names, include) for arch in archs]
+    if jobs <= 1:
+        rows = []
+        for module_name, cfg, arch in tasks:
+            if on_event:
+                on_event({"module": module_name, "kernel": cfg["fn"].__name__, "config": cfg["name"],
+                          "arch": f"sm_{arch}", "compiling": True})
+            rows.append(compile_row(module_name, cfg, arch))
+            if on_event:
+                on_event(rows[-1])
+        return rows
+    import concurrent.futures
+    import multiprocessing
+
+    # Workers are spawned, not forked: each imports triton and the kernels afresh, as the
+    # one-process path does, whatever this process has imported.
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+                                                initializer=_bind_worker) as pool:
+        futures = [pool.submit(_compile_task, module_name, cfg["name"], arch)
+                   for module_name, cfg, arch in tasks]
+        if on_event:
+            for future in concurrent.futures.as_completed(futures):
+                on_event(future.result())
+        return [future.result() for future in futures]
+
+
+def _bind_worker() -> None:
+    """A spawned worker imports this file as a plain module: bind the kernels' package as
+    the parent did."""
+    if not __package__:
+        _bind_this_folder()
 
 
 # Per SM on sm_80 / sm_90: 64K 32-bit registers, shared memory, resident programs (CTAs).
@@ -243,8 +306,8 @@ def problems(rows: list[dict]) -> list[str]:
 
 def spills(rows: list[dict]) -> list[str]:
     """One line per configuration that spills registers (LOCAL or STACK > 0). Reported, not
-    failed: spills, registers and occupancy are proxies for speed. A table chosen to avoid
-    them ran 7x slower on an H200 than plain 64x64 tiles (docs/gpu.md)."""
+    failed: spills, registers and occupancy are proxies for speed, and a tile table chosen
+    to avoid spills can be slower than one that spills a little; a GPU timing decides."""
     return [f"{row['module']}:{row['config']}@{row['arch']}: spills (LOCAL={row['LOCAL']}, "
             f"STACK={row['STACK']})" for row in rows
             if not row["error"] and (row["LOCAL"] > 0 or row["STACK"] > 0)]
@@ -255,34 +318,39 @@ def _sample_mode(sample) -> str:
 
 
 def check(archs=ARCHS, modules=KERNEL_MODULES, timeout_s: float = MODULE_TIMEOUT_S, sample=False,
-          names=None) -> list[dict]:
-    """compile_all, one subprocess per module (without TRITON_INTERPRET) and a time limit.
+          names=None, include=(), jobs: int = 1) -> list[dict]:
+    """compile_all in a subprocess (without TRITON_INTERPRET), in ``jobs`` worker processes
+    there, under a time limit.
 
-    A module that runs past `timeout_s` (e.g. ptxas stuck on one config) keeps the rows it
-    finished and gets one error row naming the config that was compiling.
+    A run past `timeout_s` (ptxas stuck on one config, say) keeps the rows it finished and
+    gets one error row for each config that was still compiling.
     """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    rows = []
-    for module_name in modules:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--jsonl",
-               "--archs", ",".join(str(a) for a in archs), "--modules", module_name]
-        cmd += ["--sample", _sample_mode(sample)] if sample else []
-        cmd += ["--names", ",".join(names)] if names else []
-        try:
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-            out, failed = done.stdout, done.returncode != 0
-            reason = f"subprocess exit {done.returncode}: {done.stderr.strip()[-500:]}"
-        except subprocess.TimeoutExpired as exc:
-            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-            failed, reason = True, f"timeout after {timeout_s:.0f} s"
-        module_rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-        compiling = [r for r in module_rows if r.get("compiling")]
-        module_rows = [r for r in module_rows if not r.get("compiling")]
-        if failed:
-            last = compiling[-1] if compiling else {"config": "?", "arch": "?", "kernel": "?"}
-            module_rows.append({"module": module_name, "kernel": last["kernel"], "config": last["config"],
-                                "arch": last["arch"], "error": reason})
-        rows.extend(module_rows)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--jsonl", "--jobs", str(jobs),
+           "--archs", ",".join(str(a) for a in archs), "--modules", ",".join(modules)]
+    cmd += ["--sample", _sample_mode(sample)] if sample else []
+    cmd += ["--names", ",".join(names)] if names else []
+    cmd += ["--include", ",".join(include)] if include else []
+    # Its own process group, so that a run cut by the limit takes its workers with it.
+    process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=timeout_s)
+        failed = process.returncode != 0
+        reason = f"subprocess exit {process.returncode}: {err.strip()[-500:]}"
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, _ = process.communicate()
+        failed, reason = True, f"timeout after {timeout_s:.0f} s"
+    events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    rows = [r for r in events if not r.get("compiling")]
+    if failed:
+        key = lambda r: (r["module"], r["config"], r["arch"])  # noqa: E731
+        finished = {key(r) for r in rows}
+        unfinished = [r for r in events if r.get("compiling") and key(r) not in finished]
+        for row in unfinished or [{"module": ",".join(modules), "config": "?", "arch": "?", "kernel": "?"}]:
+            rows.append({"module": row["module"], "kernel": row["kernel"], "config": row["config"],
+                         "arch": row["arch"], "error": reason})
     return rows
 
 
@@ -307,6 +375,10 @@ def main(argv=None) -> int:
     parser.add_argument("--modules", default=",".join(KERNEL_MODULES))
     parser.add_argument("--names", default="",
                         help="only the configurations of these names (comma-separated)")
+    parser.add_argument("--include", default="",
+                        help="with --sample, these configurations too (comma-separated); the "
+                             "sample is taken around them")
+    parser.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
     parser.add_argument("--sample", nargs="?", const="pairs", choices=("pairs", "values"),
                         help="only a covering sample of each module's configs: every pair of "
                              "option values (default) or every value once")
@@ -314,11 +386,12 @@ def main(argv=None) -> int:
     archs = tuple(int(a) for a in args.archs.split(","))
     modules = tuple(m for m in args.modules.split(",") if m)
     names = tuple(n for n in args.names.split(",") if n)
+    include = tuple(n for n in args.include.split(",") if n)
     if args.jsonl:
-        compile_all(archs, modules, on_event=lambda row: print(json.dumps(row), flush=True),
-                    sample=args.sample, names=names)
+        compile_all(archs, modules, on_event=_emit,
+                    sample=args.sample, names=names, include=include, jobs=args.jobs)
         return 0
-    rows = check(archs, modules, sample=args.sample, names=names)
+    rows = check(archs, modules, sample=args.sample, names=names, include=include, jobs=args.jobs)
     print(format_table(rows))
     found = problems(rows)
     for line in found:
