@@ -1,7 +1,7 @@
-"""Shared measuring tools for bench/ scripts: timing, peak memory, tables, machine info."""
+"""Shared measuring helpers of the bench/ scripts (tools/ uses them too): timing, peak memory,
+compile runs, tables, machine info."""
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import platform
@@ -49,23 +49,6 @@ def kernel_times(step, repeats: int = 3) -> dict:
     return times
 
 
-@contextlib.contextmanager
-def replaced(*edits):
-    """For the block: each (module, name, value) of ``edits`` set, a value of None leaving
-    the attribute as it is; every attribute restored after. The GPU scripts time edited
-    kernels and tables this way in the process that imports the real ones."""
-    saved = [(module, name, getattr(module, name)) for module, name, value in edits
-             if value is not None]
-    for module, name, value in edits:
-        if value is not None:
-            setattr(module, name, value)
-    try:
-        yield
-    finally:
-        for module, name, value in saved:
-            setattr(module, name, value)
-
-
 def compile_length(length: int) -> int:
     """A length at which a GPU script's compile run builds the kernels it times at `length`,
     in less time. Triton specialises an integer argument on whether it is 1 or divisible by
@@ -93,10 +76,10 @@ def precompile(commands: list[list[str]], jobs: int, label: str) -> int:
     compiled where they are timed). Returns the count of failures.
 
     Triton compiles a kernel when it is first launched, in the launching process, one after
-    the other: the attention forward's threshold launch took 12-31 s on this project's
-    2-core VM (docs/gpu.md, twenty-third session), and a GPU script that meets its kernels
-    cold spends its step's limit compiling. The printed time says what the compiles cost a
-    lent machine's lease."""
+    the other: the quick attention grid's kernels took about 270 s compiled so (the forward's
+    threshold launch 12-31 s each, the others 1-5 s; triton 3.6, sm_90, an empty cache, a
+    2-core host; commit 8f7af03), and a GPU script that meets its kernels cold spends its
+    time limit compiling. The printed time is what the compiles cost."""
     started = time.perf_counter()
     failed = run_processes(commands, jobs)
     print(f"{label}: {len(commands)} compile processes, {jobs} at a time, took "

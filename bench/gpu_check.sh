@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The one GPU check (needs one CUDA GPU, torch with CUDA, triton >= 3.6, pytest; about 6
 # minutes from a cold Triton cache). Each step is logged under $OUT_DIR and bounded by its
-# own time limit (a step past it is interrupted, reported, and the next one runs):
+# own time limit (a step past it is interrupted, reported, and the next one runs).
+# The default steps:
 #   tests      the Triton tests on CUDA (tests/conftest.py runs the compiled kernels, bf16
-#              too), in parallel workers when pytest-xdist is installed;
+#              too) and the tools' tests (tests/test_tools.py: the edited kernels of
+#              tools/attention_variants.py among them), in parallel workers when
+#              pytest-xdist is installed;
 #   train      the quick training run on the GPU (python -m entmax_fast.train --quick
 #              --device cuda), with CUDA_LAUNCH_BLOCKING=1 so a failing kernel is named;
 #   hf         a Llama-style model (155M parameters, B 4 L 2048, bf16) trained through
@@ -14,42 +17,43 @@
 #              inputs); QUICK=1 times four cells only; ATTENTION_ARGS replaces the
 #              default "--baseline-budget 120" (AdaSplash autotunes for about a minute per
 #              shape: past 120 s it is no longer timed);
-#   profile    per-kernel time of a training step and the compiled kernels' resources
-#              (bench/profile_attention_gpu.py);
-#   tune       a small sweep of the attention tile table (bench/tune_attention.py);
-#   masked     the masked forward's launch: 8 warps and 2 stages against 4 warps and 3,
-#              fused or split with the threshold launch capped at 128 (the table: split at
-#              4 warps up to E 64, fused at 8 above),
-#              the causal mask passed as a bool attn_mask (tune_attention.py --mask bool);
-#              MASKED_ARGS replaces "--head-dims 64";
-#   variants   what each part of a forward pass costs (bench/bench_attention_variants.py:
-#              edited copies of the forward kernel compiled in 8 processes, then timed
-#              alone); VARIANTS_ARGS picks them (e.g. "--variants kernel cap2 cap3");
-#   bwd_variants  the same for the backward (--backward: forward and backward timed, the
-#              backward kernels edited); BWD_VARIANTS_ARGS picks them;
-#   extension  builds the C++/CUDA extension in place (MAX_JOBS, default 16 jobs), so
-#              that the structured step has CUDA kernels to time; not in the default list;
 #   rowwise    the row-wise mappings (bench/bench_rowwise_gpu.py);
-#   sweep      the row-wise tile table's neighbours (bench_rowwise_gpu.py --sweep) at
-#              SWEEP_LENGTHS (default "1024 4096");
 #   structured fusedmax/oscarmax, when the extension is built for CUDA: the CUDA ops
 #              against the float64 reference (tests/test_structured.py -k cuda_ops),
 #              then the GPU table of bench/bench_structured.py (--gpu-only: its CPU table is
 #              the CPU's figure, timed where the project is built without a GPU).
+# Steps run only when STEPS names them:
+#   extension  builds the C++/CUDA extension in place (MAX_JOBS, default 16 jobs), so
+#              that the structured step has CUDA kernels to time;
+#   sweep      the row-wise tile table's neighbours (bench/bench_rowwise_gpu.py --sweep)
+#              at SWEEP_LENGTHS (default "1024 4096");
+# and the kernel-development tools (tools/README.md):
+#   profile    per-kernel time of a training step and the compiled kernels' resources
+#              (tools/profile_attention_gpu.py);
+#   tune       a small sweep of the attention tile table (tools/tune_attention.py);
+#   masked     the masked forward's launch: 8 warps and 2 stages against 4 warps and 3,
+#              fused or split with the threshold launch capped at 128 (the table: split at
+#              4 warps up to E 64, fused at 8 above), the causal mask passed as a bool
+#              attn_mask (tools/tune_attention.py --mask bool); MASKED_ARGS replaces
+#              "--head-dims 64";
+#   variants   what each part of a forward pass costs (tools/attention_variants.py:
+#              edited copies of the forward kernel compiled in 8 processes, then timed
+#              alone); VARIANTS_ARGS picks them (e.g. "--variants kernel cap2 cap3");
+#   bwd_variants  the same for the backward (--backward: forward and backward timed, the
+#              backward kernels edited); BWD_VARIANTS_ARGS picks them.
 # STEPS picks and orders them (default: tests train hf attention rowwise structured). The exit
 # status is the number of failed steps. COMPILE_JOBS (default 8) is how many processes the
 # attention, rowwise and hf steps compile their kernels in before timing them.
-# A call bounded from outside (a lent GPU's command limit) gives DEADLINE, seconds since the
-# epoch, or BUDGET, seconds from now: a step's limit is cut to what is left before it (less
-# the 20 s of a cut step's grace and a margin for the summary), and a step with under 30 s
-# left is skipped and named, so that the call ends with every log and summary.txt written.
+# A caller with a fixed time limit gives DEADLINE, seconds since the epoch, or BUDGET,
+# seconds from now: a step's limit is cut to what is left before it (less the 20 s of a cut
+# step's grace and a margin for the summary), and a step with under 30 s left is skipped
+# and named, so that the call ends with every log and summary.txt written.
 # Several calls in one command share a DEADLINE. DRY_RUN=1 prints each step's limit and
 # command instead of running it, on any machine (tests/test_gpu_check.py).
 #
 #   bash bench/gpu_check.sh                           # outputs in bench/out/gpu
 #   STEPS="attention profile" QUICK=1 bash bench/gpu_check.sh
-#   STEPS="tests variants masked sweep" bash bench/gpu_check.sh   # the open decisions
-#                                                     # (docs/gpu.md, fourth session)
+#   STEPS="tests variants masked sweep" bash bench/gpu_check.sh   # with the tools' steps
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT_DIR:-bench/out/gpu}"
@@ -131,7 +135,7 @@ has_cuda_extension() {
 for name in ${STEPS:-tests train hf attention rowwise structured}; do
   case "$name" in
     tests) step tests "${TESTS_LIMIT:-300}" python -m pytest -q -p no:cacheprovider "${workers[@]}" \
-             tests/test_triton_attention.py tests/test_triton_rowwise.py ;;
+             tests/test_triton_attention.py tests/test_triton_rowwise.py tests/test_tools.py ;;
     train) CUDA_LAUNCH_BLOCKING=1 step train "${TRAIN_LIMIT:-120}" python -m entmax_fast.train --quick \
              --device cuda --no-progress --out "$OUT_DIR/train" ;;
     hf) step hf "${HF_LIMIT:-180}" python bench/bench_hf_training.py --out "$OUT_DIR" \
@@ -141,14 +145,14 @@ for name in ${STEPS:-tests train hf attention rowwise structured}; do
       [ "${QUICK:-0}" = "1" ] && quick=(--quick)
       step attention "${ATTENTION_LIMIT:-300}" python bench/bench_attention_gpu.py "${quick[@]}" \
         --out "$OUT_DIR" --jobs "$compile_jobs" ${ATTENTION_ARGS:---baseline-budget 120} ;;
-    profile) step profile "${PROFILE_LIMIT:-120}" python bench/profile_attention_gpu.py --causal ;;
-    tune) step tune "${TUNE_LIMIT:-300}" python bench/tune_attention.py --causal ${TUNE_ARGS:-} ;;
-    masked) step masked "${MASKED_LIMIT:-400}" python bench/tune_attention.py --causal --mask bool \
+    profile) step profile "${PROFILE_LIMIT:-120}" python tools/profile_attention_gpu.py --causal ;;
+    tune) step tune "${TUNE_LIMIT:-300}" python tools/tune_attention.py --causal ${TUNE_ARGS:-} ;;
+    masked) step masked "${MASKED_LIMIT:-400}" python tools/tune_attention.py --causal --mask bool \
              ${MASKED_ARGS:---head-dims 64} --tiles 64x64 --fwd-launch 8x2 4x3 --bwd-launch 4x2 \
              --phases fused split --threshold-caps 128 ;;
-    variants) step variants "${VARIANTS_LIMIT:-300}" python bench/bench_attention_variants.py \
+    variants) step variants "${VARIANTS_LIMIT:-300}" python tools/attention_variants.py \
              --jobs 8 ${VARIANTS_ARGS:---variants kernel predicated_moments cap2 cap3 cap3_no_dmin} ;;
-    bwd_variants) step bwd_variants "${VARIANTS_LIMIT:-300}" python bench/bench_attention_variants.py \
+    bwd_variants) step bwd_variants "${VARIANTS_LIMIT:-300}" python tools/attention_variants.py \
              --jobs 8 --backward ${BWD_VARIANTS_ARGS:---variants kernel norm_per_score} ;;
     extension) MAX_JOBS="${MAX_JOBS:-16}" step extension "${EXTENSION_LIMIT:-600}" \
              python setup.py build_ext --inplace ;;

@@ -191,13 +191,9 @@ def test_training_benchmark_dry_run(tmp_path):
     """bench/bench_hf_training.py (the GPU check's end-to-end step) on its tiny CPU model:
     every implementation trains through its own attention (entmax_fast's for the two it
     registers), with finite losses, into the table the GPU check hands back."""
-    import importlib.util
-    from pathlib import Path
+    from test_tools import load_script
 
-    path = Path(__file__).resolve().parent.parent / "bench" / "bench_hf_training.py"
-    spec = importlib.util.spec_from_file_location("bench_hf_training", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench/bench_hf_training.py")
     assert bench.main(["--tiny", "--device", "cpu", "--steps", "2", "--out", str(tmp_path)]) == 0
     table = (tmp_path / "hf_training.md").read_text().splitlines()
     rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
@@ -215,13 +211,9 @@ def test_training_benchmark_compile_runs_launch_the_full_models_attention():
     attention launches depend on (heads, key/value heads, head dim through the hidden size,
     batch, length, dtype, device) must be the full model's, or the timed run compiles
     again; transformers' own implementations compile nothing."""
-    import importlib.util
-    from pathlib import Path
+    from test_tools import load_script
 
-    path = Path(__file__).resolve().parent.parent / "bench" / "bench_hf_training.py"
-    spec = importlib.util.spec_from_file_location("bench_hf_training", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench/bench_hf_training.py")
     args = bench.parse_args(["--jobs", "3", "--implementations", "sdpa", "entmax", "sparsemax",
                              "eager", "--length", "1024", "--kv-heads", "8"])
     runs = [bench.parse_args(command[2:]) for command in bench.compile_commands(args)]

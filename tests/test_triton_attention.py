@@ -726,30 +726,6 @@ def test_alpha_near_one(alpha):
         assert _err(got, want) <= 1e-4, name
 
 
-def _bench_module(name):
-    """bench/<name>.py, imported (bench/ is not a package)."""
-    import importlib.util
-    import os
-
-    path = os.path.join(os.path.dirname(__file__), "..", "bench", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_forward_variants_still_edit_the_kernel(tmp_path):
-    """bench/bench_attention_variants.py times edited copies of the forward kernel; each
-    edit's anchor must still be in the kernel, or the variant would time nothing new."""
-    variants = _bench_module("bench_attention_variants")
-    from entmax_fast.triton_kernels import attention_fwd
-
-    for name, edits in variants.VARIANTS.items():
-        kernel = variants.variant_kernel(name, str(tmp_path))
-        assert type(kernel) is type(attention_fwd.entmax_attn_fwd_kernel), name
-        assert (kernel is attention_fwd.entmax_attn_fwd_kernel) == (not edits), name
-
-
 def _check_causal_gqa(alpha):
     """Forward and backward of a causal GQA call (B 2, H 4, Hkv 2, Lq 70, Lk 90, E 16: as
     many heads as blocks on neither grid) against float64; returns its launch geometry."""
@@ -766,95 +742,6 @@ def _check_causal_gqa(alpha):
     return tri._Geometry(q, k, v, None, None, 0, 0, False)
 
 
-def test_blocks_first_variant_computes_what_the_kernels_do(tmp_path, monkeypatch):
-    """bench_attention_variants.py's "blocks_first" (the grid's layout before the heads
-    went first) must differ only in launch order: with its kernels and its grid, forward
-    and backward still match float64."""
-    variants = _bench_module("bench_attention_variants")
-    from entmax_fast.triton_kernels import attention_bwd, attention_fwd
-
-    assert set(variants.GRIDS) <= set(variants.VARIANTS) & set(variants.BACKWARD_VARIANTS)
-    backward = variants.variant_module("blocks_first", str(tmp_path), backward=True)
-    monkeypatch.setattr(attention_fwd, "entmax_attn_fwd_kernel",
-                        variants.variant_kernel("blocks_first", str(tmp_path)))
-    for name in ("entmax_attn_bwd_dq_kernel", "entmax_attn_bwd_dkdv_kernel"):
-        monkeypatch.setattr(attention_bwd, name, getattr(backward, name))
-    monkeypatch.setattr(attention_common, "launch_grid", variants.GRIDS["blocks_first"])
-    _check_causal_gqa(alpha=2.0)
-
-
-def _passes_emulation():
-    """bench/bench_attention_passes.py: the float32 twin of the forward's threshold passes
-    (`_update` is `_update_threshold` written with torch ops)."""
-    return _bench_module("bench_attention_passes")
-
-
-def test_tune_replaces_the_chunks_it_names_alone():
-    """tune_attention.py --chunks KERNEL=WIDTH times that kernel's products in chunks of
-    WIDTH (never wider than the head dim) and leaves every other kernel's chunk as the
-    table has it; "table" leaves the table as it is."""
-    tune = _bench_module("tune_attention")
-    table = attention_common.chunk_width
-    assert tune._chunks("table") == {} and tune._chunk_width(table, {}) is table
-    chunk_width = tune._chunk_width(table, tune._chunks("dq=64,dkdv=256"))
-    assert [chunk_width("dq", e, "bf16", 90) for e in (32, 128, 256)] == [32, 64, 64]
-    assert [chunk_width("dkdv", e, "fp32", None) for e in (64, 256)] == [64, 256]
-    for e, dtype_key, arch in ((256, "fp32", None), (256, "fp32", 90), (128, "bf16", 90)):
-        assert chunk_width("fwd", e, dtype_key, arch) == table("fwd", e, dtype_key, arch)
-    with pytest.raises(SystemExit, match="--chunks takes NAME=VALUE with NAME one of fwd, dq"):
-        tune._chunks("dkv=64")
-    with pytest.raises(SystemExit, match="--caps takes NAME=VALUE"):
-        tune._caps("dq=many")
-
-
-def test_bench_edits_are_undone_even_when_the_timing_fails():
-    """bench.common.replaced, through which the variants and tune scripts swap kernels and
-    table functions for a timing: a value of None keeps the attribute, and every attribute
-    is restored after the block, also after an exception (a later timing would otherwise
-    run the edited kernel)."""
-    replaced = _bench_module("common").replaced
-    launch_grid, candidate_slots = attention_common.launch_grid, attention_common.candidate_slots
-    with pytest.raises(RuntimeError, match="timing failed"):
-        with replaced((attention_common, "launch_grid", "edited"),
-                      (attention_common, "candidate_slots", None)):
-            assert attention_common.launch_grid == "edited"
-            assert attention_common.candidate_slots is candidate_slots
-            raise RuntimeError("timing failed")
-    assert attention_common.launch_grid is launch_grid
-    assert attention_common.candidate_slots is candidate_slots
-
-
-def test_tune_compiles_each_candidate_as_it_is_timed():
-    """bench/tune_attention.py --jobs compiles every candidate in a process of its own,
-    which runs the script with that candidate's arguments: they must give back exactly
-    that candidate (an option left out would compile another configuration)."""
-    tune, bench_common = _bench_module("tune_attention"), _bench_module("common")
-    args = tune.parse_args([
-        "--head-dims", "64", "128", "--causal", "--alpha", "1.25", "--alpha-tensor",
-        "--tiles", "64x64", "128x32", "--fwd-launch", "4x3", "8x2", "--bwd-launch", "4x2",
-        "--phases", "fused", "split", "--threshold-caps", "0", "128", "--dq", "kernel",
-        "atomic", "--mask", "bool", "--caps", "table", "output=128,dq=128,dkdv=168",
-        "--chunks", "table", "dq=64,dkdv=32"])
-    table = tune.candidate_table(args)
-    assert [len(listed) for listed in table.values()] == [96, 96]
-    length = bench_common.compile_length(args.length)
-    for head_dim, listed in table.items():
-        for candidate in listed:
-            alone = tune.parse_args(tune.candidate_argv(args, head_dim, candidate, length))
-            assert tune.candidate_table(alone) == {head_dim: [candidate]}
-            assert (alone.length, alone.causal, alone.alpha, alone.alpha_tensor, alone.mask,
-                    alone.dtype, alone.forward_only) == (2048, True, 1.25, True, "bool",
-                                                         "bf16", False)
-    # what Triton specialises an integer on (1, divisible by 16), for the lengths and the
-    # tile counts: the same at the compile length as at the timed one, or the compiles
-    # would fill the cache with other kernels
-    def keys(length):
-        return [(n == 1, n % 16 == 0) for n in [length] + [length // b for b in (16, 32, 64, 128)]]
-
-    for length in (1000, 1024, 2048, 4096, 8192, 16384, 32768):
-        assert keys(bench_common.compile_length(length)) == keys(length), length
-
-
 def test_the_grid_compiles_every_cell_it_times_before_timing():
     """bench/bench_attention_gpu.py --jobs compiles each entmax_fast method once per kernel
     class of the grid, in a process of its own at B 1: the class of every timed cell must
@@ -862,7 +749,9 @@ def test_the_grid_compiles_every_cell_it_times_before_timing():
     (1, or divisible by 16: the lengths, the tile counts and the strides they enter; the
     batch enters none), or the timed process compiles again. The compile run itself is
     run here on CPU tensors (the cpp backend) for each method."""
-    grid_bench = _bench_module("bench_attention_gpu")
+    from test_tools import load_script
+
+    grid_bench = load_script("bench/bench_attention_gpu.py")
 
     def keys(length, head_dim):
         block_m, block_n = attention_common.block_sizes(head_dim, "bf16")
@@ -885,71 +774,6 @@ def test_the_grid_compiles_every_cell_it_times_before_timing():
     assert grid_bench.QUICK_GRID[0] == grid_bench.GRID[0]
     for name in grid_bench.ENTMAX_METHODS:
         grid_bench.compile_only("16x8x1", name, device="cpu")
-
-
-def test_alpha_15_root_with_a_score_just_below_it_is_certified():
-    """alpha 1.5: a score of the support at t sits just below the closed-form root, so the
-    exact certificate (no score between t and the root) fails by a hair while the root is
-    tau to 1e-12; `_update_threshold` takes it (docs/attention.md, "Certificates"), in
-    float64 against the oracle, while a score far below the root is still refused."""
-    passes = _passes_emulation()
-    with torch.device("cpu"):
-        # a few scores near the top and the rest out of reach: no other score near tau
-        u = torch.full((8, 200), -3.0, dtype=torch.float64)
-        u[:, :4] = -torch.rand(8, 4, dtype=torch.float64) * 0.2
-        u[:, 0] = 0.0
-        u[:, 1] = -3.0   # the planted score's place
-        tau = passes.exact_tau(u, 1.5)
-        rows = u.shape[0]
-        no = torch.zeros(rows, dtype=torch.bool)
-        for below, certified in ((1e-9, True), (3e-2, False)):
-            near = u.clone()
-            near[:, 1] = tau - below   # weight 0 at tau: tau stays the oracle's
-            t = tau - 0.05
-            sums = passes._sums_at(near, t, 1.5)
-            assert bool((sums[3] < near[:, 1] - t + 1e-12).all())   # it is in the support at t
-            lo, hi, got, done = passes._update(t, sums, torch.full((rows,), -1.0, dtype=torch.float64),
-                                               torch.zeros(rows, dtype=torch.float64),
-                                               torch.full((rows,), -1.0, dtype=torch.float64),
-                                               no, no, 1.5)[:4]
-            assert bool(done.all()) == certified, below
-            if certified:
-                assert float((got - tau).abs().max()) <= 1e-6
-
-
-@pytest.mark.parametrize("alpha", [1.5, 1.25])
-def test_trial_points_inside_the_bracket_stay_exact(alpha):
-    """Long rows of random scores: blocks need three or more threshold passes, and the
-    passes after the second evaluate rows inside the bracket rather than at its lower end
-    (`_trial_point`: alpha 1.5 near its closed-form upper bound, general alpha at its
-    model's root), points that may lie right of tau. The float32 emulation of the passes
-    (bench/bench_attention_passes.py) confirms that these scores take that path; the
-    kernel's forward and gradients must match float64."""
-    lq, lk, e = 64, 1024, 16
-    q = torch.randn(1, 2, lq, e) * 2.0
-    k, v = torch.randn(1, 2, lk, e), torch.randn(1, 2, lk, e)
-    passes = _passes_emulation()
-    y = (alpha - 1.0) * (q[0, 0] @ k[0, 0].T).cpu() * 0.25
-    u = y - y.amax(-1, keepdim=True)
-    moved = []
-    trial_point = passes._trial_point
-
-    def recording_trial_point(lo, hi, done, *rest):
-        t = trial_point(lo, hi, done, *rest)
-        moved.append(bool((t != lo).any()))
-        return t
-
-    passes._trial_point = recording_trial_point
-    with torch.device("cpu"):  # the emulation runs on the CPU whatever DEVICE is
-        assert passes.emulate_block(u, alpha)[1] >= 3 and any(moved)
-
-    grad_out = torch.randn(1, 2, lq, e)
-    out, grads = _grads(lambda *t: _triton_attention(*t, alpha=alpha), [q, k, v], grad_out)
-    _, ref_grads = _grads(lambda *t: reference_attention(*t, alpha=alpha),
-                          [t.double() for t in (q, k, v)], grad_out)
-    assert _err(out, oracle_attention(q, k, v, alpha=alpha)) <= 1e-5
-    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
-        assert _err(got, want) <= 1e-4, name
 
 
 DQ_FUSED = [pytest.param(attention_common.DQ_ATOMIC, id="atomic"),

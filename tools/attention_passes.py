@@ -16,24 +16,34 @@ in the Triton interpreter on a small case, and prints per alpha and row length:
 - the fraction of blocks that capture (the general kind only where its rows are likely to
   fit, `capture_fits`), the first pass's compactions per block, and the fraction of blocks
   that took the passes over the tiles after it;
-- an estimate of the forward's per-score work in units of one fp32 CUDA-core operation:
+- a model of the forward's per-score work in units of one fp32 CUDA-core operation:
   the q.k product counts QK_COST per pass (one bf16 QK^T entry at E = 64 costs about as
   much as 5 fp32 operations on H100/H200), each threshold evaluation OPS_PER_EVAL, the
   output pass OUTPUT_OPS + QK_COST + PV_COST on the tiles it visits, the capturing first
   pass RUNNING_OPS + QK_COST per tile visit and COMPACT_UNITS per compaction; a softmax
-  forward (FlashAttention) is about SOFTMAX_UNITS. These are estimates from operation
-  counts, not timings: docs/gpu.md has the measured figures.
+  forward (FlashAttention) is about SOFTMAX_UNITS. The model counts operations, it does
+  not time them: docs/performance.md has the measured figures.
 - the fraction of (query block, key block) tiles visited by the first threshold pass (those
   the max pass flags) and by the passes after it.
 
-Usage: python bench/bench_attention_passes.py [--blocks 16] [--csv out.csv]
+Run as a script, it sets TRITON_INTERPRET=1 (the kernel check runs in the interpreter);
+imported, it leaves the environment to the importer.
+
+    python tools/attention_passes.py [--blocks 16] [--lengths 1024 4096] [--csv out.csv]
+
+Public functions (tests/test_tools.py calls them): `emulate_block`, `exact_tau`, `scores`,
+`sums_at` (the moments of shifted rows at a trial point), `update_threshold` (the float32
+twin of `_update_threshold`), `trial_point` (of `_trial_point`; `emulate_block` calls it
+through this module's name), `capture_slots`, `capture_fits`, `check_against_kernel`,
+`table` and `main(argv)`.
 """
 import argparse
 import csv
 import os
 import sys
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if __name__ == "__main__":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
@@ -77,7 +87,7 @@ def _moments(d, alpha):
     return a, b, c, dmin
 
 
-def _update(t, sums, lo, hi, tau, done, tight, alpha):
+def update_threshold(t, sums, lo, hi, tau, done, tight, alpha):
     """float32 twin of attention_fwd._update_threshold; returns (lo, hi, tau, done, tight)."""
     a, b, c, dmin = sums
     f = a - 1.0
@@ -132,7 +142,7 @@ def _model_root(t, sums, alpha):
     return torch.where(fit, t + a_safe / torch.where(fit, b, torch.ones_like(b)) * shrink, t)
 
 
-def _trial_point(lo, hi, done, tight, guess, alpha):
+def trial_point(lo, hi, done, tight, guess, alpha):
     """float32 twin of attention_fwd._trial_point."""
     if alpha not in (1.5, 2.0):
         return torch.where(done, lo, torch.minimum(torch.maximum(guess, lo), hi))
@@ -141,10 +151,11 @@ def _trial_point(lo, hi, done, tight, guess, alpha):
 
 def _pass(t, sums, lo, hi, tau, done, tight, alpha):
     """The update from a threshold pass's sums at t, and the pass's `_model_root`."""
-    return (*_update(t, sums, lo, hi, tau, done, tight, alpha), _model_root(t, sums, alpha))
+    return (*update_threshold(t, sums, lo, hi, tau, done, tight, alpha),
+            _model_root(t, sums, alpha))
 
 
-def _sums_at(u, t, alpha):
+def sums_at(u, t, alpha):
     """`_moments` of the shifted rows u at every row's trial point t."""
     return _moments((u - t[:, None]).clamp(min=0), alpha)
 
@@ -180,8 +191,8 @@ def _subset_bound(u_sub, alpha, lo, hi, done, steps):
     lo_s, hi_s, tau_s, done_s = lo, hi, lo, done
     tight_s, guess = torch.zeros_like(done), lo
     for _ in range(steps):
-        t = _trial_point(lo_s, hi_s, done_s, tight_s, guess, alpha)
-        lo_s, hi_s, tau_s, done_s, tight_s, guess = _pass(t, _sums_at(u_sub, t, alpha), lo_s,
+        t = trial_point(lo_s, hi_s, done_s, tight_s, guess, alpha)
+        lo_s, hi_s, tau_s, done_s, tight_s, guess = _pass(t, sums_at(u_sub, t, alpha), lo_s,
                                                           hi_s, tau_s, done_s, tight_s, alpha)
     return torch.where(done, lo, torch.maximum(lo, lo_s))
 
@@ -283,8 +294,8 @@ def emulate_block(u, alpha):
             fell_back = False
             u_c = torch.where(stored, u, torch.full_like(u, -float("inf")))
             while not bool(done.all()) and passes < attention_common.MAX_TAU_PASSES:
-                t = _trial_point(lo, hi, done, tight, guess, alpha)
-                lo, hi, tau, done, tight, guess = _pass(t, _sums_at(u_c, t, alpha), lo, hi,
+                t = trial_point(lo, hi, done, tight, guess, alpha)
+                lo, hi, tau, done, tight, guess = _pass(t, sums_at(u_c, t, alpha), lo, hi,
                                                         tau, done, tight, alpha)
                 passes += 1
                 captured += 1
@@ -292,7 +303,7 @@ def emulate_block(u, alpha):
     if fell_back:
         mid = 0.5 * (lo + hi)
         first = lo
-        s0, s1 = _sums_at(u, first, alpha), _sums_at(u, mid, alpha)
+        s0, s1 = sums_at(u, first, alpha), sums_at(u, mid, alpha)
         lo, hi, tau, done, tight, guess_lo = _pass(first, s0, lo, hi, tau, done, tight, alpha)
         lo, hi, tau, done, tight, guess_mid = _pass(mid, s1, lo, hi, tau, done, tight, alpha)
         guess = torch.where(s1[0] >= 1.0, guess_mid, guess_lo)
@@ -312,8 +323,8 @@ def emulate_block(u, alpha):
                 open_count = torch.where(done, 0, (u > lo[:, None]).sum(-1))
                 fits = slots > 0 and int(open_count.max()) <= slots
             closed_form_reflag = reflag and alpha in (1.5, 2.0)
-            t = lo if closed_form_reflag else _trial_point(lo, hi, done, tight, guess, alpha)
-            lo, hi, tau, done, tight, guess = _pass(t, _sums_at(u, t, alpha), lo, hi, tau,
+            t = lo if closed_form_reflag else trial_point(lo, hi, done, tight, guess, alpha)
+            lo, hi, tau, done, tight, guess = _pass(t, sums_at(u, t, alpha), lo, hi, tau,
                                                     done, tight, alpha)
             passes += 1
     tau = torch.where(done, tau, lo)
@@ -340,7 +351,7 @@ def scores(kind, n, sigma, start):
 
 def block_units(n, alpha, first, visit, passes, captured, compactions, running_visits,
                 fell_back, capturing):
-    """Estimated work per score of one block's forward (units of one fp32 operation);
+    """Modelled work per score of one block's forward (units of one fp32 operation);
     `capturing`: the block captured (`emulate_block`)."""
     key = alpha if alpha in OPS_PER_EVAL else "general"
     eval_ops = OPS_PER_EVAL[key]
@@ -391,7 +402,7 @@ def table(alphas, lengths, blocks, sigma):
                              "first_pass_tiles_visited": mean(firsts),
                              "later_tiles_visited": mean(visits),
                              "units_per_score": mean(units),
-                             "x_softmax_fwd_est": mean(units) / SOFTMAX_UNITS})
+                             "x_softmax_fwd_model": mean(units) / SOFTMAX_UNITS})
     return rows
 
 
@@ -429,7 +440,7 @@ def main(argv=None):
     print("alpha | n | scores | passes mean | of which over captured scores | max | "
           "max tau err | blocks capturing | compactions | blocks over the tiles | "
           "pass-1 tiles visited | "
-          "later tiles visited | units/score (est.) | x softmax fwd (est.)")
+          "later tiles visited | units/score (model) | x softmax fwd (model)")
     for r in rows:
         print(f"{r['alpha']:5g} | {r['n']:5d} | {r['scores']:6s} | {r['passes_mean']:5.2f} | "
               f"{r['captured_passes_mean']:5.2f} | "
@@ -437,7 +448,7 @@ def main(argv=None):
               f"{r['compactions_mean']:4.1f} | "
               f"{r['fell_back']:.2f} | "
               f"{r['first_pass_tiles_visited']:.2f} | {r['later_tiles_visited']:.2f} | "
-              f"{r['units_per_score']:6.1f} | {r['x_softmax_fwd_est']:.1f}")
+              f"{r['units_per_score']:6.1f} | {r['x_softmax_fwd_model']:.1f}")
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -5,17 +5,22 @@ source (written to a temporary module), against the kernel as it is. Needs a CUD
 The variants are measuring instruments, not alternatives: a cap on the threshold passes
 gives wrong thresholds, a forward that writes no tile flags breaks the backward. Timing
 them is how the cost of a threshold pass (the difference between two caps) and of the
-flag writes (a reduction across the block's warps on every tile) were measured
-(docs/gpu.md, "Where a forward pass's time goes"). An edit whose anchor text is no longer
-in the kernel fails with the variant's name: update the anchor with the kernel.
+flag writes (a reduction across the block's warps on every tile) are measured
+(docs/performance.md has the figures). An edit whose anchor text is no longer in the
+kernel fails with the variant's name: update the anchor with the kernel.
 
-    python bench/bench_attention_variants.py [--length 4096] [--head-dim 64]
-        [--alphas 1.5 2] [--variants kernel cap2 cap3 no_reflag]
+    python tools/attention_variants.py [--length 4096] [--head-dim 64]
+        [--alphas 1.5 2] [--variants kernel cap2 cap3 no_reflag] [--backward] [--jobs 8]
 
 Each variant is a fresh compile (about 20 s each). ``--jobs N`` first compiles every
 (variant, alpha) in up to N processes at once (each runs this script at a short length,
 which fills Triton's cache), then times them one after the other in this process, alone
 on the GPU.
+
+Public names (tests/test_tools.py and tools/kernel_loops.py use them): VARIANTS and
+BACKWARD_VARIANTS ({name: edits}), GRIDS and SLOTS (the launcher's grid and capture slots a
+variant replaces), `variant_module(name, directory, backward=False)`,
+`variant_kernel(name, directory)`, `time_variant`, `time_backward_variant` and `main(argv)`.
 """
 from __future__ import annotations
 
@@ -54,9 +59,9 @@ _EXTRA_POINT = [
      + "    b_a0 += tl.where(b_a1 + b_b1 + b_c1 + b_n1 == -1.2345, 1e-30, 0.0)\n"),
 ]
 
-# The programs of a query block as before the twenty-second session: the blocks along the
-# grid's first dimension, the heads along its second (GRIDS gives the launcher's side), the
-# last block first only with the causal flag.
+# The grid with the blocks along its first dimension and the heads along its second (GRIDS
+# gives the launcher's side), the last block first only with the causal flag; the kernels
+# take the heads along the first (`attention_common.launch_grid`).
 _HEADS_FIRST = ("    pid_bh = tl.program_id(0)\n"
                 "    pid_m = query_block(tl.program_id(1), n_qblocks)\n")
 _BLOCKS_FIRST = ("    pid_m = tl.program_id(0)\n"
@@ -75,16 +80,16 @@ VARIANTS = {
     # (nothing captured either: the passes over captured scores would see none)
     "no_reflag": [(anchor, anchor.replace("True", "False").replace("CANDIDATES,", "0,"))
                   for anchor in _REFLAG],
-    # every later pass at the lower bound, as before `_trial_point`: what the trial point
-    # near alpha 1.5's tight upper bound saves
+    # every later pass at the lower bound instead of at `_trial_point`: what the trial
+    # point near alpha 1.5's tight upper bound saves
     "lower_bound_trials": [("_trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND),",
                             "b_lo,")],
     # general alpha's second pass (the one that rewrites the flags) at the lower bound, as
     # alpha 2 and 1.5 keep it: what its trial point there saves
     "reflag_at_lower_bound": [
         ("b_t2 = _trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND)", "b_t2 = b_lo")],
-    # alpha 1.5's roots certified only when no score lies between t and them, as before
-    # the near-exact certificate (`_update_threshold`)
+    # alpha 1.5's roots certified only when no score lies between t and them, without the
+    # near-exact certificate (`_update_threshold`): what that certificate saves
     "exact_certificate_only": [
         ("b_c * b_gap * b_gap <= 2.0 * TAU_STEP_TOL_C * (b_b - b_c * (b_root - b_t)))",
          "b_gap <= 0.0)")],
@@ -107,28 +112,27 @@ VARIANTS = {
     "capture_unused": [("        if n_cand <= CANDIDATES:\n", "        if n_cand < 0:\n", 2)],
     "cap2_no_capture": [(_CAP, "(n_pass < 2)", 2), (_CAP_CAPTURED, "(2 > n_pass)")],
     # the first threshold pass without the capture above a rising lower bound: two points
-    # over the tiles, then a capture at the lower bound they found, as before 2026-11-28
-    # (attention_fwd._running_capture_pass): what that pass saves per alpha kind
+    # over the tiles, then a capture at the lower bound they found: what
+    # attention_fwd._running_capture_pass saves per alpha kind
     "no_running_capture": [("    if capture:\n        b_lo, b_ncand = _running_capture_pass(",
                             "    if False:\n        b_lo, b_ncand = _running_capture_pass(")],
-    # the capture's indicator and count as before 2026-11-28 (session 19): the indicator
-    # converted to fp16 by LLVM (a predicate, a select and a permute per pair) and the
-    # row's count by its own sum of the comparisons rather than the rank's row maximum:
-    # what `support.positive_f16` and the inclusive rank save
-    "capture_before": [("tl.dot(positive_f16(b_key), b_upto,",
+    # the capture's indicator converted to fp16 by LLVM (a predicate, a select and a
+    # permute per pair) and the row's count by its own sum of the comparisons rather than
+    # the rank's row maximum: what `support.positive_f16` and the inclusive rank save
+    "capture_cast_sum": [("tl.dot(positive_f16(b_key), b_upto,",
                         "tl.dot((b_key > 0.0).to(tl.float16), b_upto,"),
                        ("    b_count = tl.max(b_rank, 1)\n",
                         "    b_count = tl.sum((b_key > 0.0).to(tl.float32), 1)\n")],
-    # compactions when a row holds half its slots, as before 2026-11-28 (session 19), not
+    # compactions when a row holds half its slots rather than
     # attention_common.COMPACT_FILL of them
     "compact_at_half": [("(n_most > CANDIDATES * COMPACT_FILL_C)", "(n_most > CANDIDATES * 0.5)")],
-    # the threshold passes from the bracket's lower end, as before 2026-11-29 (session 22):
-    # no column maxima in the max pass (one max per score) and no lower bound from them
+    # the threshold passes from the bracket's lower end: no column maxima in the max pass
+    # (one max per score) and no lower bound from them (`_subset_bound`)
     "no_subset_bound": [("    b_ycol = tl.maximum(b_ycol, b_y)\n", ""),
                         ("    b_lo = _subset_bound(b_ysub, am1, inv_am1, b_lo, b_hi, m_done, ALPHA_KIND, "
                          "NEAR_ONE)\n", "")],
-    # the slots read with a masked load per entry, as before 2026-11-28 (session 19), not
-    # as whole chunks (`_candidate_pass`, `_compact`)
+    # the slots read with a masked load per entry rather than as whole chunks
+    # (`_candidate_pass`, `_compact`)
     "masked_slot_loads": [
         ("        b_u = tl.load(p_cand + tl.arange(0, BLOCK_M)[:, None] * CANDIDATES + o_c[None, :])\n"
          "        b_u = tl.where(o_c[None, :] < b_ncand[:, None], b_u, float(\"-inf\"))\n",
@@ -141,11 +145,11 @@ VARIANTS = {
     # every general-alpha block captures, whether its rows are likely to fit or not
     # (attention_fwd._capture_fits)
     "no_capture_gate": [(_CAPTURE_GATE, "capture = True")],
-    # the general kind's gate before 2026-12-01: heads from alpha 1.5 up capture, whatever
-    # their scores
+    # a gate on alpha alone in place of `_capture_fits`: heads from alpha 1.5 up capture,
+    # whatever their scores
     "alpha_gate": [(_CAPTURE_GATE, "capture = am1 >= 0.5")],
-    # the count and the certificate from the predicate `d > 0`, as the kernel had them
-    # (LLVM packs those predicates into bit masks): what `support.support_bits` saves
+    # the count and the certificate from the predicate `d > 0` (LLVM packs those
+    # predicates into bit masks): what `support.support_bits` saves
     "predicated_moments": [
         (_SUPPORT_BITS, "        b_neg = tl.where(b_g > 0, 0, -1)\n"
                         "        b_low = tl.where(b_g > 0, b_g.to(tl.uint32, bitcast=True) - 1,"
@@ -160,7 +164,7 @@ VARIANTS = {
 # of triton_kernels/attention_bwd.py.
 BACKWARD_VARIANTS = {
     "kernel": [],
-    # p and s normalised per score, as before the row factors of `_row_weights`
+    # p and s normalised per score rather than by the row factors of `_row_weights`
     "norm_per_score": [
         (" sequence_bounds, shifted_scores)\n",
          " sequence_bounds, shifted_scores, sensitivity, weights)\n"),
@@ -236,7 +240,7 @@ def time_variant(kernel, length, head_dim, alpha, causal=True, heads=16, tokens=
     value). score_scale multiplies q: the scores' standard deviation (flatter rows below 1
     hold more scores near their threshold)."""
     import entmax_fast
-    from bench.common import replaced
+    from tools.common import replaced
     from entmax_fast.triton_kernels import attention_common, attention_fwd
     from triton.testing import do_bench
 
@@ -260,7 +264,7 @@ def time_backward_variant(module, length, head_dim, alpha, causal=True, heads=16
     `forward_kernel`, `grid` in place of the forward kernel and of
     attention_common.launch_grid)."""
     import entmax_fast
-    from bench.common import replaced
+    from tools.common import replaced
     from entmax_fast.triton_kernels import attention_bwd, attention_common, attention_fwd
     from triton.testing import do_bench
 
@@ -297,7 +301,7 @@ def compile_all(args):
                 + (["--alpha-tensor"] if args.alpha_tensor else [])
                 + ["--score-scale", str(args.score_scale)]
                 for alpha in args.alphas for name in args.variants]
-    precompile(commands, args.jobs, "bench_attention_variants")
+    precompile(commands, args.jobs, "attention_variants")
 
 
 def main(argv=None):
@@ -325,7 +329,7 @@ def main(argv=None):
         parser.error(f"--variants: {unknown} are not {'backward' if args.backward else 'forward'}"
                      f" variants ({', '.join(table)})")
     if not torch.cuda.is_available():
-        print("bench_attention_variants: needs a CUDA device (none here); nothing measured")
+        print("attention_variants: needs a CUDA device (none here); nothing measured")
         return 0
     if args.jobs > 0:
         compile_all(args)

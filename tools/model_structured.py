@@ -13,15 +13,16 @@ count (summed over the stages that barriers separate) is the latency in steps.
 
 Rows are randn of the given lengths, scaled as the kernels do (by 2^-e so that |v| < 1; TV
 also shifted by the scaled maximum; the regulariser scaled with them), threads as the
-forward's launch plan picks them (one per 16 entries for TV, 8 for OSCAR; a power of two,
+forward's `plan_launch` picks them (one per 16 entries for TV, 8 for OSCAR; a power of two,
 32 to 1024).
 
-Usage: python bench/model_structured.py [--op tv pav] [--rows 20] [--lengths 512 1024 65536]
+Usage: python tools/model_structured.py [--op tv pav] [--rows 20] [--lengths 512 1024 65536]
            [--lams 0.01 0.1 1 3 30] [--betas 1e-4 1e-3 1e-2]
 """
 import argparse
 import copy
 import math
+import sys
 
 import numpy as np
 
@@ -205,7 +206,7 @@ def pav_chunked(values, threads):
     return blocks.levels(m), critical
 
 
-def plan_threads(n, per_thread):
+def launch_threads(n, per_thread):
     return min(1024, max(32, 1 << math.ceil(math.log2(-(-n // per_thread)))))
 
 
@@ -234,14 +235,14 @@ def pav_row(rng, n, beta, threads):
     return critical, steps
 
 
-def main():
-    parser = argparse.ArgumentParser()
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--op", nargs="+", choices=["tv", "pav"], default=["tv", "pav"])
     parser.add_argument("--rows", type=int, default=20)
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 65536])
     parser.add_argument("--lams", type=float, nargs="+", default=[0.01, 0.1, 1.0, 3.0, 30.0])
     parser.add_argument("--betas", type=float, nargs="+", default=[1e-4, 1e-3, 1e-2])
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     for op in args.op:
         per_thread, regs, name = (16, args.lams, "lam") if op == "tv" else (8, args.betas, "beta")
@@ -249,7 +250,7 @@ def main():
             "steps/thread", "one thread", "ratio"]
         print(f"{op}: " + " ".join(f"{c:>12}" for c in columns))
         for n in args.lengths:
-            threads = plan_threads(n, per_thread)
+            threads = launch_threads(n, per_thread)
             rows = args.rows if n <= 4096 else max(1, args.rows // 10)
             for reg in regs:
                 if op == "tv":
@@ -262,7 +263,8 @@ def main():
                 cells = [f"{n:12d}", f"{threads:12d}", f"{reg:12g}"] + counts + [
                     f"{critical:12.0f}", f"{steps:12.0f}", f"{steps / critical:12.1f}"]
                 print(f"{op}: " + " ".join(cells))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -17,7 +17,7 @@ beside it): many short blocks, so that on a shared machine some of them run undi
 torch.softmax on the same tensor is timed in the same run as a yardstick: the ratio column
 compares machines and runs, the microseconds alone do not.
 
-    python bench/bench_host_overhead.py [--shape 16x1024] [--dtype float32] [--calls 500] [--repeats 21]
+    python tools/host_overhead.py [--shape 16x1024] [--dtype float32] [--calls 500] [--repeats 21]
 
 The attention rows call entmax_attention on (1, 4, 128, 16) queries and (1, 2, 128, 16)
 keys and values (causal, grouped-query), the shape of a decoding model's small calls, where
@@ -34,7 +34,7 @@ import time
 # The interpreter is what lets CPU tensors take the Triton path; it must be chosen before
 # triton is first imported.
 if os.environ.setdefault("TRITON_INTERPRET", "1") != "1":
-    sys.exit("bench_host_overhead.py needs TRITON_INTERPRET=1 (CPU tensors on the Triton path)")
+    sys.exit("host_overhead.py needs TRITON_INTERPRET=1 (CPU tensors on the Triton path)")
 
 import torch  # noqa: E402
 
@@ -83,14 +83,14 @@ def _triton_row(label: str, fn, op: str, stub: _StubKernel, calls: int, repeats:
     return (label, stub.launches, *_per_call_us(fn, calls, repeats))
 
 
-def main() -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="16x1024", help="rows x columns (default 16x1024)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16"),
                         help="bfloat16 is refused on CPU tensors by the Triton backend")
     parser.add_argument("--calls", type=int, default=500, help="calls per timed block (default 500)")
     parser.add_argument("--repeats", type=int, default=21, help="timed blocks; the least is kept (default 21)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     # One thread: softmax's CPU compute is the yardstick, and it should not vary with the
     # machine's core count.
@@ -162,7 +162,8 @@ def main() -> None:
     for label, launches, cpu_us, wall_us in rows:
         print(f"{label:52s} {'' if launches is None else launches:>8} {cpu_us:8.2f} {wall_us:8.2f} "
               f"{cpu_us / softmax_cpu:9.2f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -3,7 +3,7 @@ time (torch.profiler) for one shape, SDPA's beside it, and the resources of ever
 attention kernel (registers, spills, warps, stages, shared memory) read from Triton's cache.
 Needs a CUDA device.
 
-    python bench/profile_attention_gpu.py [--length 4096] [--head-dim 64] [--causal]
+    python tools/profile_attention_gpu.py [--length 4096] [--head-dim 64] [--causal]
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from common import kernel_times  # noqa: E402
+from bench.common import kernel_times  # noqa: E402
 
 
 def _print_times(label, times, top=8):

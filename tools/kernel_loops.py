@@ -1,6 +1,6 @@
-"""Instructions per loop iteration of compiled Triton kernels, read from their SASS: the
-proxy to reason with where no GPU is at hand (docs/gpu.md, "What a pass costs": the
-threshold passes are bound by the instructions each score costs, not by memory).
+"""Instructions per loop iteration of compiled Triton kernels, read from their SASS: a
+proxy for time where no GPU is at hand (the threshold passes are bound by the instructions
+each score costs, not by memory).
 
 Compiles configurations of the AOT tables (`aot_configs()` of triton_kernels/attention_fwd.py,
 attention_bwd.py, rowwise.py) for one architecture, without a GPU, disassembles them with the
@@ -8,10 +8,10 @@ cuobjdump of the triton wheel and prints every loop (a backward branch) of at le
 --min-instructions instructions: its length, the instructions per element of a tile
 (length x threads / (BLOCK_M x BLOCK_N) scores for attention, / (ROWS x BLOCK) entries for
 the row-wise kernels) and the most frequent opcodes.
-`--variants` also compiles the forward variants of bench/bench_attention_variants.py, so
-that an edit's effect is read in one run:
+`--variants` also compiles the forward variants of tools/attention_variants.py, so that an
+edit's effect is read in one run:
 
-    python bench/kernel_loops.py entmax_attn_fwd_threshold_bf16_e64_a2_m0_g0 \\
+    python tools/kernel_loops.py entmax_attn_fwd_threshold_bf16_e64_a2_m0_g0 \\
         --variants kernel predicated_moments
 
 Counts are static: a run-time branch inside a loop counts whether a launch takes it or
@@ -22,6 +22,9 @@ score; the other attention launches compile it apart). Compiling needs real
 `@triton.jit` functions: run it without TRITON_INTERPRET.
 Instruction counts are not time (latency, occupancy and the tensor cores overlap
 differently); a GPU decides.
+
+Public functions: `sass_loops(sass, min_instructions)` (the parser, tests/test_tools.py),
+`disassemble`, `configurations`, `report` and `main(argv)`.
 """
 from __future__ import annotations
 
@@ -125,7 +128,7 @@ def main(argv=None):
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--min-instructions", type=int, default=100)
     parser.add_argument("--variants", nargs="+", default=None,
-                        help="forward variants of bench_attention_variants.py (fwd configs)")
+                        help="forward variants of tools/attention_variants.py (fwd configs)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("kernel_loops: unset TRITON_INTERPRET (it compiles the kernels)")
@@ -133,9 +136,8 @@ def main(argv=None):
     if not args.variants:
         for cfg in cfgs:
             report(cfg, args.arch, args.min_instructions, cfg["name"])
-        return
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import bench_attention_variants as variants
+        return 0
+    from tools import attention_variants as variants
 
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.variants:
@@ -143,7 +145,8 @@ def main(argv=None):
             for cfg in cfgs:
                 report(dict(cfg, fn=kernel), args.arch, args.min_instructions,
                        f"{cfg['name']} [{name}]")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

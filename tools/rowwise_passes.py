@@ -13,16 +13,16 @@ reports its pass count per row (the max pass + one per evaluation; the output pa
 counted). Each row's stopping point is re-checked in float64: the threshold c the kernel
 stopped at, plugged into the exact map, must give |Σp − 1| ≤ 1e-6 (column `max|F64|`).
 
-    python bench/bench_rowwise_passes.py [--rows 8] [--no-aot] [--csv out.csv]
+    python tools/rowwise_passes.py [--rows 8] [--no-aot] [--csv out.csv]
 
 Then prints the AOT register/shared-memory table of every kernel config (triton_kernels/aot.py;
 --aot-modules to add the attention kernels).
 
-    python bench/bench_rowwise_passes.py --gpu
+    python tools/rowwise_passes.py --gpu
 
 (on a machine with a CUDA GPU) instead times the compiled forward: resident rows vs the
 chunked sweep per row length (the evidence for RESIDENT_MAX_COLS), against torch.softmax
-and entmax 1.3.
+and entmax 1.3. Run as a script without --gpu, it sets TRITON_INTERPRET=1 first.
 """
 import argparse
 import csv
@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-if "--gpu" not in sys.argv:
+if __name__ == "__main__" and "--gpu" not in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
@@ -46,7 +46,7 @@ def _load(name):
     try:
         return importlib.import_module(f"entmax_fast.triton_kernels.{name}")
     except ModuleNotFoundError:
-        spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "triton_kernels" / f"{name}.py")
+        spec = importlib.util.spec_from_file_location(f"_tools_{name}", ROOT / "triton_kernels" / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module

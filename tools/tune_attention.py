@@ -3,7 +3,7 @@ and a training step under each candidate (BLOCK_M, BLOCK_N, warps and stages per
 and print the fastest, to replace `attention_common.block_sizes` / `launch_config` where
 they lose. Needs a CUDA device.
 
-    python bench/tune_attention.py [--dtype bf16] [--head-dims 64 128] [--length 4096]
+    python tools/tune_attention.py [--dtype bf16] [--head-dims 64 128] [--length 4096]
         [--tiles 64x64 128x64] [--fwd-launch 4x3 8x2] [--bwd-launch 8x2] [--forward-only]
         [--phases fused split] [--threshold-caps 0 128] [--mask none bool additive]
         [--alpha 1.5] [--alpha-tensor] [--dq kernel atomic ordered]
@@ -28,10 +28,15 @@ models do when a batch has padding: the masked kernels (MASK_BOOL, MASK_ADDITIVE
 read the mask on every tile.
 
 Each candidate is a fresh compile of every kernel it runs (seconds each): narrow the lists
-to what a GPU session has time for, or pass --jobs N to compile them in N processes first
-(each runs this script for one candidate at L 2048, which fills Triton's cache); they are
-then timed one after the other in this process, alone on the GPU. --forward-only times the
-forward without autograd and compiles no backward kernel.
+to the time at hand, or pass --jobs N to compile them in N processes first (each runs this
+script for one candidate at L 2048, which fills Triton's cache); they are then timed one
+after the other in this process, alone on the GPU. --forward-only times the forward
+without autograd and compiles no backward kernel.
+
+Public functions (tests/test_tools.py calls them): `parse_args(argv)`, `candidate_table`,
+`candidate_argv`, `parse_caps` and `parse_chunks` (one --caps / --chunks candidate),
+`chunk_width_over(table, chunks)` (the chunk-width table with those chunks over it),
+`measure` and `main(argv)`.
 """
 from __future__ import annotations
 
@@ -97,7 +102,7 @@ CAP_LAUNCHES = {"output": ("fwd_output", False), "output_grad": ("fwd_output", T
                 "dq": ("dq", False), "dkdv": ("dkdv", False)}
 
 
-def _caps(text):
+def parse_caps(text):
     """{(table key, with gradients): cap} of one --caps candidate."""
     return _assignments(text, "--caps", CAP_LAUNCHES)
 
@@ -119,12 +124,12 @@ def _register_caps(table, threshold_cap, caps):
 CHUNK_KERNELS = {kernel: kernel for kernel in ("fwd", "dq", "dkdv")}
 
 
-def _chunks(text):
+def parse_chunks(text):
     """{kernel: width} of one --chunks candidate."""
     return _assignments(text, "--chunks", CHUNK_KERNELS)
 
 
-def _chunk_width(table, chunks):
+def chunk_width_over(table, chunks):
     """`attention_common.chunk_width` with the widths of `chunks` ({kernel: width}) in
     place of the table's, never wider than the head dim."""
     if not chunks:
@@ -141,7 +146,7 @@ def measure(dtype, head_dim, length, causal, tile_shape, fwd_launch, bwd_launch,
             forward_only=False, phases="fused", threshold_cap=0, mask="none", alpha_tensor=False,
             dq="kernel", caps=None, chunks=None):
     import entmax_fast
-    from bench.common import replaced
+    from tools.common import replaced
     from entmax_fast.triton_kernels import attention_common as tiles
 
     batch = max(1, 16384 // length)
@@ -159,7 +164,7 @@ def measure(dtype, head_dim, length, causal, tile_shape, fwd_launch, bwd_launch,
              (tiles, "forward_phases", lambda *_: _phases(phases)),
              (tiles, "register_cap", _register_caps(tiles.register_cap, threshold_cap, caps or {})),
              (tiles, "backward_dq", lambda *_: tiles.DQ_MODES[dq]),
-             (tiles, "chunk_width", _chunk_width(tiles.chunk_width, chunks or {})))
+             (tiles, "chunk_width", chunk_width_over(tiles.chunk_width, chunks or {})))
     with replaced(*edits), entmax_fast.use_backend("triton"):
         with torch.no_grad():
             t_fwd = _time(lambda: entmax_fast.entmax_attention(
@@ -186,8 +191,8 @@ def candidate_table(args):
                 for cap in (args.threshold_caps if phases == "split" else [0])]
     bwd_launches = [(0, 0)] if args.forward_only else _pairs(args.bwd_launch)
     dq_modes = ["kernel"] if args.forward_only else args.dq
-    cap_sets = [(text, _caps(text)) for text in args.caps]
-    chunk_sets = [(text, _chunks(text)) for text in args.chunks]
+    cap_sets = [(text, parse_caps(text)) for text in args.caps]
+    chunk_sets = [(text, parse_chunks(text)) for text in args.chunks]
     return {head_dim: list(itertools.product(_pairs(args.tiles), _pairs(args.fwd_launch),
                                              bwd_launches, forwards, dq_modes, cap_sets,
                                              chunk_sets))
