@@ -1,13 +1,12 @@
 """A Llama-style model trained through ``attn_implementation``: ms per training step with
-``"sdpa"`` against ``"entmax"`` (α 1.5) and ``"sparsemax"`` (α 2), the fused-attention
-issue's end-to-end figure (goal: a step within 1.5× of SDPA's).
+``"sdpa"`` against ``"entmax"`` (α 1.5) and ``"sparsemax"`` (α 2): the fused attention's
+cost in a whole training step.
 
-The default model is the one the first H200 run trained (docs/gpu.md; its figures: 34.3
-ms per step with SDPA, 180.5 with entmax): 8 layers, hidden 1024, 16 query heads and 4
-key/value heads (E 64, grouped-query attention), MLP 2816, vocabulary 32000 (about 155M
-parameters), batch 4 × 2048 tokens, bf16 weights, AdamW, random tokens. Every
-implementation gets the same initial weights and batches. No download: the model is
-built from its config.
+The default model (docs/performance.md, "Models", has its measured figures): 8 layers,
+hidden 1024, 16 query heads and 4 key/value heads (E 64, grouped-query attention), MLP
+2816, vocabulary 32000 (about 155M parameters), batch 4 × 2048 tokens, bf16 weights, AdamW,
+random tokens. Every implementation gets the same initial weights and batches. No
+download: the model is built from its config.
 
     python bench/bench_hf_training.py                      # on a GPU: the table above
     python bench/bench_hf_training.py --tiny --device cpu  # a dry run of the script

@@ -1,4 +1,5 @@
-"""Row-wise mappings on a GPU: the table of the row-wise issue (#14), in one run.
+"""Row-wise mappings on a GPU against torch.softmax (and AdaSplash, entmax 1.3): one table,
+in one run.
 
 For each shape (16384×1024 and 1024×32768) and dtype (fp32, bf16), times with
 `triton.testing.do_bench` (median ms), as called and replayed from a CUDA graph (the GPU's
@@ -13,7 +14,7 @@ GB/s count one read and one write of the rows for the forward, and three reads a
 writes (x, p, grad, dx) for forward + backward. Each entmax_fast row also gets its largest
 error against the float64 reference (max |p − p64|) on the same input.
 
-Inputs are N(0, 1) scores (the issue's measurement). Writes rowwise_gpu.md and
+Inputs are N(0, 1) scores. Writes rowwise_gpu.md and
 rowwise_gpu.csv into --out. Needs a CUDA device; on a machine without one it says so and
 exits with status 0, measuring nothing.
 
@@ -111,10 +112,11 @@ def _graph_ms(fn) -> float:
 def _times(fn, x, grad):
     """Median ms of the forward and of a training step (forward + backward), each as
     called and replayed from a CUDA graph. The graph's is the GPU's time alone: where the
-    kernels take less time than the host needs to issue a call through the Python layers
-    (and autograd's), `do_bench` times the host (the eighth session's 16384×1024 forwards
-    moved by 2× between runs, softmax's did not; the ninth's training steps were 3–6×
-    softmax's there); NaN when the call cannot be captured."""
+    kernels take less time than the host needs to make a call through the Python layers
+    (and autograd's), `do_bench` times the host (H200, 9aba691: the 16384×1024 fp32
+    forwards of sparsemax and entmax15 took 2.3-2.9× longer in one run than in the next,
+    softmax's the same, and their training steps 3–6× softmax's; docs/performance.md);
+    NaN when the call cannot be captured."""
     import triton
 
     def forward():
@@ -210,8 +212,8 @@ def _sweep_candidates(n_cols: int, base: dict) -> list[dict]:
     resident limit), each kind's choice: resident on 16 warps up to the longest resident
     row, chunked on 4 and 8 warps. Warps ×¼: at 1024 entries one warp per row needs no
     barrier in a pass's reductions, and its sm_90 SASS holds 11.5 instructions per entry
-    and pass (entmax15) against 24.6 at the table's 4 warps (`bench/kernel_loops.py`,
-    docs/gpu.md, fourth session). Resident tiles hold at most as many entries per thread
+    and pass (entmax15) against 24.6 at the table's 4 warps (`tools/kernel_loops.py`).
+    Resident tiles hold at most as many entries per thread
     as the table's largest."""
     from entmax_fast.triton_kernels.rowwise import CHUNK_BLOCK, RESIDENT_MAX_COLS, tile_config
 
@@ -243,7 +245,7 @@ def sweep(lengths=SWEEP_LENGTHS, alphas=SWEEP_ALPHAS):
     (`candidate_slots`: "capture off"), and one that starts from a subset from c = 1
     (`start_subset`: "subset off"), so that each one's effect is read in one run. Each
     forward is replayed from a CUDA graph (`_graph_ms`): at this size a kernel takes
-    about as long as the host needs to issue a call, and `do_bench` would time the host
+    about as long as the host needs to make a call, and `do_bench` would time the host
     alike for every configuration."""
     from entmax_fast import common
     from entmax_fast.backends.triton import rowwise

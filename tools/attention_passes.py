@@ -64,7 +64,8 @@ CAPTURE_OPS = 12.0     # the capture of the scores above lo in the passes over t
                        # later pass)
 # the first threshold pass, which captures above a rising lower bound (sm_90 SASS, bf16,
 # E 64: 15.2, 15.5 and 19.4 instructions per score at alpha 2, 1.5 and general, the
-# product's share included; 19.3, 19.7 and 24.4 before the rank gave the counts)
+# product's share included; 19.3, 19.7 and 24.4 with the counts from a sum of the
+# comparisons instead of the rank: attention_variants.py's capture_cast_sum)
 RUNNING_OPS = {2.0: 11.0, 1.5: 12.0, "general": 15.0}
 COMPACT_UNITS = 2800.0 * 128   # one compaction of 128 slots: ~2800 instructions per thread
 SOFTMAX_UNITS = QK_COST + PV_COST + 7.0
