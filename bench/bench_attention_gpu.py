@@ -22,6 +22,10 @@ attention_gpu.png into --out. Needs a CUDA device; exits with a message otherwis
 and method (`compile_commands`), so that the grid's time goes to timing: in this process
 Triton would compile them one after the other where each is first timed (the quick grid's
 take about 270 s so: triton 3.6, an empty cache, a 2-core host, commit 8f7af03).
+
+Public names (tests/test_triton_attention.py uses them): GRID, QUICK_GRID, HEADS,
+ENTMAX_METHODS, `compile_cells`, `compile_commands`, `compile_only`, `parse_args(argv)`,
+`run` and `main(argv)`.
 """
 from __future__ import annotations
 

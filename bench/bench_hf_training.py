@@ -16,6 +16,9 @@ download: the model is built from its config.
 
 Ratios are against SDPA timed in the same process; each implementation's steps are
 CUDA-event timed after --warmup steps (Triton's compiles), medians of --steps.
+
+Public names (tests/test_hf.py uses them): `parse_args(argv)`, `compile_commands(args)`,
+`llama_config`, `build_model`, `time_training` and `main(argv)`.
 """
 from __future__ import annotations
 

@@ -25,6 +25,10 @@ exits with status 0, measuring nothing.
 --jobs N first compiles the table's kernels in N processes at once (`compile_commands`):
 in this process Triton compiles each where it is first timed, one after the other, about
 2 s each for the table's 32 or so.
+
+Public names (tests/test_triton_rowwise.py uses them): SHAPES, DTYPES, `methods(n_rows,
+device)`, `compile_commands()`, `compile_only`, `parse_args(argv)`, `run`, `sweep` and
+`main(argv)`.
 """
 from __future__ import annotations
 
@@ -52,7 +56,7 @@ def _versions() -> str:
     return ", ".join(parts)
 
 
-def _methods(n_rows: int, device) -> dict:
+def methods(n_rows: int, device) -> dict:
     """name -> (callable(x) -> p, whether it is entmax_fast's, α for the reference)."""
     import entmax_fast
 
@@ -87,6 +91,9 @@ def _methods(n_rows: int, device) -> dict:
     except ImportError:
         pass
     return methods
+
+
+_methods = methods  # the name tests/test_triton_rowwise.py calls it by
 
 
 def _max_error(fn, x, alpha) -> float:
@@ -143,7 +150,7 @@ def run(out_dir: str) -> list[dict]:
             grad = torch.randn(n_rows, n_cols, device="cuda", generator=gen).to(dtype)
             row_bytes = n_rows * n_cols * x.element_size()
             soft_fwd = soft_step = soft_graph = soft_step_graph = None
-            for name, (fn, ours, alpha) in _methods(n_rows, x.device).items():
+            for name, (fn, ours, alpha) in methods(n_rows, x.device).items():
                 entry = {"shape": f"{n_rows}x{n_cols}", "dtype": str(dtype).replace("torch.", ""), "method": name}
                 try:
                     fwd_ms, graph_ms, step_ms, step_graph_ms = _times(fn, x, grad)
@@ -273,7 +280,7 @@ def compile_commands() -> list[list[str]]:
     """This script's compile runs of the table: one process per shape, dtype and
     entmax_fast mapping (`compile_only`). The row-wise kernels compile at the timed shape
     itself (one call takes microseconds)."""
-    names = [name for name, (_, ours, _) in _methods(1, "cpu").items() if ours]
+    names = [name for name, (_, ours, _) in methods(1, "cpu").items() if ours]
     return [[sys.executable, os.path.abspath(__file__), "--compile-only",
              f"{n_rows}x{n_cols}", "--dtype", str(dtype).replace("torch.", ""), "--method", name]
             for n_rows, n_cols in SHAPES for dtype in DTYPES for name in names]
@@ -283,7 +290,7 @@ def compile_only(shape: str, dtype: str, name: str, device="cuda") -> None:
     """Compiles mapping ``name``'s kernels for rows of ``shape`` ("RxC") in ``dtype``: a
     forward without autograd and a training step, nothing timed."""
     n_rows, n_cols = (int(value) for value in shape.split("x"))
-    fn = _methods(n_rows, device)[name][0]
+    fn = methods(n_rows, device)[name][0]
     x = torch.randn(n_rows, n_cols, device=device).to(getattr(torch, dtype))
     with torch.no_grad():
         fn(x)

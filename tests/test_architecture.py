@@ -144,3 +144,119 @@ def test_cpp_kinds_mirror_common():
               for name, value in vars(common).items()
               if name.split("_")[0] in prefixes and isinstance(value, int) and name.isupper()}
     assert python and python == _cpp_kinds()
+
+
+# bench/ (the user benchmarks) and tools/ (the kernel-development tools): scripts, not
+# packages. bench/ stands without tools/; the tests reach either only through public names.
+SCRIPT_DIRS = {"bench": ROOT / "bench", "tools": ROOT / "tools"}
+
+
+def _scripts(folder: str) -> list[pathlib.Path]:
+    return sorted(SCRIPT_DIRS[folder].glob("*.py"))
+
+
+def _imports_of_tools(source: str) -> list[str]:
+    """The imports in ``source`` of a tools/ module: as tools.X, or by the bare name of one
+    of its files (a script that put tools/ on sys.path)."""
+    stems = {path.stem for path in _scripts("tools")}
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        found += [f"line {node.lineno}: {name}" for name in names
+                  if name.split(".")[0] == "tools"
+                  or (name in stems and name != "common" and not (SCRIPT_DIRS["bench"] / f"{name}.py").exists())]
+    return found
+
+
+def test_bench_never_imports_tools():
+    """A user's benchmark runs without the kernel-development tools (bench/gpu_check.sh may
+    still run them as steps)."""
+    found = [f"{path.relative_to(ROOT)} {where}" for path in _scripts("bench")
+             for where in _imports_of_tools(path.read_text())]
+    assert not found, "bench/ imports tools/:\n" + "\n".join(found)
+
+
+def _private_names() -> set[str]:
+    """The top-level names starting with _ that the bench/ and tools/ scripts define."""
+    names = set()
+    for folder in SCRIPT_DIRS:
+        for path in _scripts(folder):
+            for node in ast.parse(path.read_text()).body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    names.add(node.name)
+                elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    names |= {target.id for target in targets if isinstance(target, ast.Name)}
+    return {name for name in names if name.startswith("_") and not name.startswith("__")}
+
+
+def _private_uses(source: str, private: set[str]) -> list[str]:
+    """Where ``source`` uses a private name of a bench/ or tools/ script: imported from one
+    (bench.X, tools.X), or read, set or patched on a name the file binds by assignment (a
+    script loaded from its file) or on a call naming a bench/ or tools/ path. Names a file
+    binds by importing a package module (entmax_fast's) are not scripts."""
+    tree = ast.parse(source)
+    assigned = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                assigned |= {name.id for name in ast.walk(target) if isinstance(name, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            module = node.module if isinstance(node, ast.ImportFrom) else None
+            for alias in node.names:
+                origin = (module or alias.name).split(".")[0]
+                if origin in SCRIPT_DIRS:
+                    assigned.add((alias.asname or alias.name).split(".")[0])
+
+    def is_script(value) -> bool:
+        if isinstance(value, ast.Name):
+            return value.id in assigned
+        return isinstance(value, ast.Call) and any(
+            isinstance(arg, ast.Constant) and isinstance(arg.value, str)
+            and arg.value.split("/")[0] in SCRIPT_DIRS for arg in value.args)
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in SCRIPT_DIRS:
+            found += [f"line {node.lineno}: from {node.module} import {alias.name}"
+                      for alias in node.names if alias.name in private]
+        elif isinstance(node, ast.Attribute) and node.attr in private and is_script(node.value):
+            found.append(f"line {node.lineno}: .{node.attr}")
+        elif (isinstance(node, ast.Call) and len(node.args) >= 2 and is_script(node.args[0])
+              and isinstance(node.args[1], ast.Constant) and node.args[1].value in private
+              and (getattr(node.func, "id", None) in ("getattr", "setattr", "hasattr", "delattr")
+                   or getattr(node.func, "attr", None) in ("setattr", "delattr"))):
+            found.append(f"line {node.lineno}: {node.args[1].value!r}")
+    return found
+
+
+def test_tests_use_no_private_name_of_bench_or_tools():
+    """A test reaches a benchmark or a tool through the public functions its docstring lists
+    or its main(argv), so that the scripts' internals can change without the tests."""
+    private = _private_names()
+    found = [f"{path.relative_to(ROOT)} {where}" for path in sorted((ROOT / "tests").glob("*.py"))
+             for where in _private_uses(path.read_text(), private)]
+    assert not found, "tests using private names of bench/ or tools/ scripts:\n" + "\n".join(found)
+
+
+def test_the_checkers_see_a_tools_import_and_a_private_use():
+    """The two checks above fail on the faults they are for, and pass the allowed forms."""
+    assert _imports_of_tools("from tools.common import replaced\n")
+    assert _imports_of_tools("def f():\n    import tune_attention\n")
+    assert not _imports_of_tools("from bench.common import precompile\nfrom common import machine\n")
+    private = {"_chunks", "_methods"}
+    assert _private_uses("tune = load_script('tools/tune_attention.py')\ntune._chunks('table')\n",
+                         private)
+    assert _private_uses("load_script('bench/bench_rowwise_gpu.py')._methods(1, 'cpu')\n", private)
+    assert _private_uses("def t(monkeypatch):\n    bench = load('x')\n"
+                         "    monkeypatch.setattr(bench, '_methods', None)\n", private)
+    assert _private_uses("from tools.tune_attention import _chunks\n", private)
+    assert not _private_uses("from entmax_fast.backends.triton import rowwise\n"
+                             "rowwise._methods(1)\ntune = load('t')\ntune.parse_chunks('x')\n",
+                             private)
