@@ -1,7 +1,8 @@
-"""bench/gpu_check.sh bounded by a deadline, read from its dry run (DRY_RUN=1 prints each
-step's limit and command instead of running it, so it needs no GPU): a machine lent for a
-fixed time cuts the run off from outside, and whatever the run has not written by then is
-lost, so the script itself must fit its steps into the time it is given."""
+"""bench/gpu_check.sh read from its dry run (DRY_RUN=1 prints each step's limit and command
+instead of running it, so it needs no GPU): bounded by a deadline (a caller with a fixed
+time limit cuts the run off from outside, and whatever the run has not written by then is
+lost, so the script itself must fit its steps into the time it is given), and running the
+benchmarks of bench/ and the tools of tools/ where they are."""
 import os
 import pathlib
 import re
@@ -78,3 +79,32 @@ def test_the_timing_steps_compile_their_kernels_first_in_parallel(tmp_path):
     assert set(commands) == {"attention", "rowwise", "hf"}
     for name, command in commands.items():
         assert "--jobs 5" in command, (name, command)
+
+
+ALL_STEPS = ("tests train hf attention rowwise sweep extension profile tune masked variants "
+             "bwd_variants structured")
+
+
+def test_every_step_runs_a_file_that_is_there(tmp_path):
+    """Each step's command names scripts and test files that exist: the user benchmarks
+    under bench/, the kernel-development tools (profile, tune, masked, variants,
+    bwd_variants) under tools/, and the tests step runs the tools' tests too."""
+    environment = {**os.environ, "DRY_RUN": "1", "OUT_DIR": str(tmp_path), "STEPS": ALL_STEPS}
+    environment.pop("DEADLINE", None)
+    environment.pop("BUDGET", None)
+    result = subprocess.run(["bash", str(SCRIPT)], env=environment, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    commands = dict(re.findall(r"^=== (\S+) \(limit \d+ s\): (.*)$", result.stdout, re.MULTILINE))
+    assert set(ALL_STEPS.split()) - {"structured"} <= set(commands)
+    root = SCRIPT.parent.parent
+    for name, command in commands.items():
+        for path in re.findall(r"(?:^|\s)((?:bench|tools|tests)/\S+\.py)\b", command):
+            assert (root / path).is_file(), (name, path)
+    folders = {name: re.search(r"python ((?:bench|tools)/)\S+\.py", command)
+               for name, command in commands.items()}
+    for name in ("profile", "tune", "masked", "variants", "bwd_variants"):
+        assert folders[name].group(1) == "tools/", (name, commands[name])
+    for name in ("hf", "attention", "rowwise", "sweep"):
+        assert folders[name].group(1) == "bench/", (name, commands[name])
+    assert "tests/test_tools.py" in commands["tests"]
