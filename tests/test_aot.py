@@ -116,7 +116,7 @@ def test_tile_loops_are_pipelined(module_name, compiled_rows):
 
 @pytest.mark.parametrize("module_name", aot.KERNEL_MODULES)
 def test_configuration_names_are_unique(module_name):
-    """A name is a configuration's key (`check(names=...)`, bench/kernel_loops.py) and its
+    """A name is a configuration's key (`check(names=...)`, tools/kernel_loops.py) and its
     tokens are what the covering sample covers: two configurations may not share one."""
     if not (ROOT / "triton_kernels" / f"{module_name}.py").exists():
         pytest.skip(f"triton_kernels/{module_name}.py does not exist yet")
