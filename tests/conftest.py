@@ -5,6 +5,8 @@
   compiled kernels on CUDA tensors (tests/devices.py).
 - `torch.empty`/`torch.empty_like` return NaN-filled float tensors, so an output a kernel
   or launcher forgets to write fails loudly instead of passing on lucky zeros.
+- Under pytest-xdist each worker takes its share of the cores for torch's threads, so that
+  the workers' thread pools do not oversubscribe the machine.
 - Tests marked with an `xdist_group` (the ahead-of-time compiles) are collected first: the
   longest unit of work starts first when pytest-xdist spreads the suite over the cores.
 """
@@ -15,6 +17,9 @@ import torch  # importing torch does not import triton
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 _empty = torch.empty
 _empty_like = torch.empty_like
