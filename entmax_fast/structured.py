@@ -89,7 +89,9 @@ def _structured(name: str, X, reg, reg_name: str, dim: int, lengths):
     _reference.check_mapping_args(name, X, reg, reg_name, dim, lengths, check_values=False)
     if X.dim() == 2 and dim % 2 == 1 and X.dtype == compute_dtype(X.dtype):
         # Rows already: each view below would be one more autograd node, and on a GPU a
-        # small call's time is the host's (docs/gpu.md, seventh session).
+        # small call's time is the host's (fusedmax 1024x512 fp32 on an H100, commit
+        # 4a08cac: 0.088 ms forward, 0.255 ms forward+backward, against ~65 and ~200 us
+        # of Python layers on a CPU; skipping the views takes those to ~35 and ~138 us).
         return StructuredFunction.apply(X.contiguous(), float(reg), lengths, name)
     moved = X.movedim(dim, -1)
     rows = moved.reshape(-1, moved.shape[-1]).to(compute_dtype(X.dtype)).contiguous()

@@ -1,4 +1,4 @@
-"""No silent wrong answers (issue 13): large finite scores, NaN/±inf, double backward, bad
+"""No silent wrong answers: large finite scores, NaN/±inf, double backward, bad
 targets, bad varlen offsets, zero-size dims, scalar tensors, backend/dtype refusals.
 
 The rules (README "Behaviour on bad input"):
@@ -332,7 +332,8 @@ def test_second_alpha_derivative_at_alpha_one(backend):
 
 @pytest.mark.parametrize("backend", _backend_params("double_backward"))
 def test_hvp_through_entmax15_counts_the_mapping(backend):
-    """The issue's example: the HVP must include entmax's own second derivative."""
+    """A Hessian-vector product through entmax15 must include the mapping's own second
+    derivative."""
     device = _device_for(backend)
     dtype = torch.float64 if backend != "triton" else torch.float32
     X = torch.tensor([[0.3, -0.2, 0.8, 1.1]], dtype=dtype, device=device)

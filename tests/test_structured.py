@@ -63,10 +63,10 @@ def ragged_scores(rows: int, n: int, dtype, generator_seed: int = 0, scale: floa
 
 
 # ---------------------------------------------------------------------------------------
-# Values from the issue and docs/maths.md, "fusedmax and oscarmax".
+# Values from docs/maths.md, "fusedmax and oscarmax".
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_issue_check_value(backend):
+def test_fusedmax_check_value(backend):
     x = torch.tensor([1.0, 2.1, 1.9], dtype=torch.float64)
     p = mapping("fused", backend)(x, 0.1)
     torch.testing.assert_close(p, torch.tensor([0.0, 0.5, 0.5], dtype=torch.float64), atol=1e-12, rtol=0)
@@ -105,8 +105,9 @@ def test_large_regularisation_is_uniform_over_valid(kind, backend):
 # Against the oracle.
 
 def test_oracle_is_sound():
-    # Hand-solved cases: the issue's prox; OSCAR z = [3, 1], beta = 1: v = |z| − w = [2, 1]
-    # is already non-increasing, y = [2, 1]; z = [3, −1], beta = 2: v = [1, 1] pools to 1.
+    # Hand-solved cases: the fused lasso prox of test_fusedmax_check_value; OSCAR z = [3, 1],
+    # beta = 1: v = |z| − w = [2, 1] is already non-increasing, y = [2, 1]; z = [3, −1],
+    # beta = 2: v = [1, 1] pools to 1.
     np.testing.assert_allclose(oracle_tv_prox(np.array([1.0, 2.1, 1.9]), 0.1), [1.1, 1.95, 1.95], atol=1e-12)
     np.testing.assert_allclose(oracle_oscar_prox(np.array([3.0, 1.0]), 1.0), [2.0, 1.0], atol=1e-12)
     np.testing.assert_allclose(oracle_oscar_prox(np.array([3.0, -1.0]), 2.0), [1.0, -1.0], atol=1e-12)
@@ -344,7 +345,7 @@ def test_nan_or_posinf_gives_a_nan_row_like_softmax(kind, bad, backend):
 
 
 # ---------------------------------------------------------------------------------------
-# Large scores (issue 13 item 2): finite inputs give finite weights in fp32 and fp64.
+# Large scores: finite inputs give finite weights in fp32 and fp64.
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", MAPPINGS)
@@ -1033,7 +1034,7 @@ def test_emulated_cuda_launch_plan(emulated_cuda):
 
 
 def test_emulated_cuda_oscar_forward_residency(emulated_cuda):
-    # The OSCAR forward at 1024 entries is latency-bound (docs/gpu.md): its shared memory per
+    # The OSCAR forward at 1024 entries is latency-bound: its shared memory per
     # block decides how many blocks an SM holds. sm_90 has 228 KiB per SM and reserves 1 KiB
     # per block: 8 blocks (the most its 64 registers a thread allow at 128 threads), where the
     # magnitudes in rank order, PAV's start flags and the sort's entries beside PAV's blocks

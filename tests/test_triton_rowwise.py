@@ -324,7 +324,7 @@ def test_threshold_per_row_alpha():
 
 
 # Worst passes (max pass + iterations) on N(0, σ²) rows, σ² ∈ {1, 6}, n = 2000, as
-# measured by bench/bench_rowwise_passes.py; one more is allowed. α > 2 has kinks of
+# measured by tools/rowwise_passes.py; one more is allowed. α > 2 has kinks of
 # infinite slope and falls back to bisection near them.
 PASS_LIMITS = {0.7: 6, 1.25: 7, 1.5: 6, 2.0: 7, 3.0: 24}
 
@@ -618,7 +618,7 @@ def test_config_table_by_kind():
     """Up to 8192 entries every kind takes one configuration. Above, sparsemax and entmax15
     rows stay resident on 16 warps up to 32768 entries and are chunked by 4 warps beyond;
     general-kind rows are chunked by 4 warps up to WIDE_CHUNK_COLS and by 8 beyond, softmax
-    rows by 4 (docs/gpu.md, eighth and ninth sessions: the H200 sweeps at 16384 and 32768)."""
+    rows by 4 (`rowwise.tile_config`: the H200 sweeps at 16384 and 32768 entries)."""
     for n in range(1, 8193):
         assert all(kernels.tile_config(n, kind) == kernels.tile_config(n, common.ALPHA_GENERAL) for kind in KINDS)
     chunked = {"ROWS": 1, "BLOCK": kernels.CHUNK_BLOCK, "RESIDENT": False}

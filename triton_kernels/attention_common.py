@@ -42,7 +42,7 @@ CANDIDATE_CHUNK_C = tl.constexpr(CANDIDATE_CHUNK)
 # much as a few tiles; a block that needs more, as on flat scores, takes the passes over
 # the tiles). The float32 emulation of 64-row blocks (N(0, 1) scores, L 4096, causal,
 # alpha 1.5): 2.3 compactions and 32 tile visits for 30 tiles per block, none past the
-# slots. At 3/4 rather than 1/2 of the slots (`bench/bench_attention_passes.py
+# slots. At 3/4 rather than 1/2 of the slots (`tools/attention_passes.py
 # --compact-fill`, rows of 4096 / 16384 keys, N(0, 1)): alpha 1.5 2.0 / 3.0 compactions per
 # block instead of 3.5 / 6.0, alpha 2 0.2 / 1.0 instead of 0.8 / 1.0, about 0.75 more passes
 # over the slots after the pass; at sigma 0.5 and 16384 keys half the alpha 1.5 blocks take
@@ -62,15 +62,15 @@ COMPACT_TILES_C = tl.constexpr(8)
 # The general kind's blocks capture only where their rows are likely to fit their slots:
 # where no open row has more than CAPTURE_MAX_COLUMN_SHARE of the max pass's column maxima
 # (`_subset_bound`'s subset) above the lower bound that subset gave. A block whose rows do
-# not fit pays the capture and then the passes over the tiles: timed (bf16, L 4096 E 64
-# causal; docs/gpu.md, eleventh session), every head capturing in its second pass made
+# not fit pays the capture and then the passes over the tiles: timed (H100 and H200, bf16,
+# L 4096 E 64 causal, commit 8716bcd), every head capturing in its second pass made
 # alpha 1.25 (hundreds of scores per row above lo) 1.30-1.38x slower and alpha 1.5 (tens)
-# 1.08-1.10x faster, which a gate at alpha 1.5 kept until the first pass captured above a
-# rising bound. With it, whether a row fits depends on the spread of its scores as much
-# as on alpha; the count of columns tells them apart (a row with S scores above lo spread
-# over BLOCK_N columns occupies about BLOCK_N (1 - exp(-S / BLOCK_N)) of them: 60 of 64 is
-# S ~ 180). The float32 emulation (bench/bench_attention_passes.py, 64-row blocks of
-# N(0, sigma^2) and local scores, L 1024-16384, alpha 1.25-2, sigma 0.5-3): blocks that
+# 1.08-1.10x faster. With the first pass capturing above a rising bound, whether a row
+# fits depends on the spread of its scores as much as on alpha; the count of columns tells
+# them apart (a row with S scores above lo spread over BLOCK_N columns occupies about
+# BLOCK_N (1 - exp(-S / BLOCK_N)) of them: 60 of 64 is S ~ 180). The float32 emulation
+# (tools/attention_passes.py, 64-row blocks of N(0, sigma^2) and local scores,
+# L 1024-16384, alpha 1.25-2, sigma 0.5-3): blocks that
 # overflowed had 57-64 of their 64 columns above lo, those that fit 5-61; between 55 and
 # 61 both occur, about two in three fitting, where a fit saves ~50 units of work per score
 # and an overflow costs ~55, so capturing there is still the better bet. Alpha 1.4 at
@@ -86,18 +86,17 @@ def candidate_slots(alpha_kind):
     later passes run over the captured scores alone (attention_fwd._find_threshold): after
     the first threshold pass, which captures above a lower bound it raises as it goes
     (`_running_capture_pass`), or after the second pass over the tiles. The figures below
-    are the second pass's (before the first captured, 2026-11-28).
+    are the second pass's, with no capture in the first pass.
 
     After the first pass, rows of N(0, 1) scores hold tens of scores above the lower bound
-    (the float32 emulation, bench/bench_attention_passes.py: at most 73 per block of 64
+    (the float32 emulation, tools/attention_passes.py: at most 73 per block of 64
     rows at L 4096 and 98 at L 16384 at alpha 1.5, 22 and 23 at alpha 2, 78 and 103 for the
     general kind at 1.5), hundreds at alpha 1.25 or on flatter scores (those blocks keep the
-    passes over the tiles). Timed (docs/gpu.md, eleventh session; L 4096 E 64 causal, bf16
-    forward, `no_capture` of bench/bench_attention_variants.py): 4 % faster at alpha 1.5 on
-    an H100 and an H200, 1-6 % at alpha 2, 9-10 % for a learned alpha at 1.5; the general
-    kind's blocks whose rows are unlikely to fit do not capture (CAPTURE_MAX_COLUMN_SHARE).
-    The estimate had been a tenth and a third. 128 slots take 512 bytes of scratch per
-    query row for the duration of the forward call."""
+    passes over the tiles). Timed (commit 8716bcd; L 4096 E 64 causal, bf16 forward,
+    `no_capture` of tools/attention_variants.py): 4 % faster at alpha 1.5 on an H100
+    and an H200, 1-6 % at alpha 2, 9-10 % for a learned alpha at 1.5; the general kind's
+    blocks whose rows are unlikely to fit do not capture (CAPTURE_MAX_COLUMN_SHARE). 128
+    slots take 512 bytes of scratch per query row for the duration of the forward call."""
     return CANDIDATE_SLOTS
 
 # Row statistics stored per query row, stacked along the first dimension of `stats`.
@@ -127,14 +126,14 @@ def block_sizes(block_e, dtype_key, dropout=False):
 
     Shared by forward and backward: the tile flags written by the forward are read by the
     backward, so both tile the same way. fp16/bf16 use the 64x64 tiles measured fastest on
-    an H200 (docs/gpu.md: 7x faster than the 32x32 tiles with 8 warps and a 255-register
-    cap it replaces, same kernel); E = 256 halves BLOCK_N. fp32 runs its products as three
+    an H200 (7x faster than the 32x32 tiles with 8 warps and a 255-register cap it
+    replaces, same kernel); E = 256 halves BLOCK_N. fp32 runs its products as three
     TF32 products and takes narrower tiles: 64x32 up to E = 64, where 32x32 (chosen by
     spills) cost 1.7-3.3x the instructions per score at the same 255 registers (sm_90
     SASS, triton 3.6: forward passes ~89 -> ~27, dQ 167 -> 73, dK/dV 242 -> 138 at alpha
-    1.5; sm_80 1.5-1.9x; docs/gpu.md, twenty-second session; untimed), and 16x32 at
+    1.5; sm_80 1.5-1.9x; commit 89cdb13; not timed), and 16x32 at
     E = 128, where wider tiles spill hundreds of bytes. Dropout's Philox state halves
-    BLOCK_M. bench/tune_attention.py re-measures the choice on a GPU.
+    BLOCK_M. tools/tune_attention.py re-measures the choice on a GPU.
     """
     if dtype_key == "fp32":
         block_m, block_n = (64, 32) if block_e <= 64 else (16, 32)
@@ -160,13 +159,13 @@ def launch_grid(n_blocks, n_heads):
     A GPU starts a grid's programs in the order of their linear index, the first dimension
     fastest. Heads first, one block index starts in every head before the next, and since
     the kernels number a head's blocks longest first (`query_block`; dK/dV's key blocks in
-    ascending order), a causal launch ends on every head's shortest programs. Blocks first
-    (the layout until the twenty-second session) the heads start one after another and a
-    launch ends on the last heads' long programs while SMs idle: in a list-scheduling
-    model (bench/model_launch_order.py; a program's time its tile count, 132 SMs at each
+    ascending order), a causal launch ends on every head's shortest programs. Blocks first,
+    the heads would start one after another and a launch would end on the last heads' long
+    programs while SMs idle: in a list-scheduling
+    model (tools/model_launch_order.py; a program's time its tile count, 132 SMs at each
     launch's programs per SM), 7-15 % over an even spread at L 4096 (B 4, H 16) and
     23-63 % at the Llama model's shapes (B 4, L 2048, 4 key/value heads), under 3 % heads
-    first. An estimate of the tail's share, not a timing: a program alone on an SM runs
+    first. A model of the tail's share, not a timing: a program alone on an SM runs
     faster, which shrinks the tail. The heads' dimension also holds every B x H a tensor
     can have, where 65535 was the limit along the second; the launcher refuses more than
     MAX_GRID_BLOCKS blocks."""
@@ -182,17 +181,17 @@ def forward_phases(block_e, dtype_key, mask_kind=common.MASK_NONE):
     with: two programs per SM), though those passes hold one score tile and a few row sums.
     Split, the threshold launch runs at 128 (`register_cap`): four programs per SM.
 
-    Measured on an H100 (docs/gpu.md, third session; bf16, L 4096, causal, B·L 16384, 4
-    warps, 3 stages): forward without gradients 3.33 ms fused, 3.18 split, 3.06 split with
-    the threshold launch capped at 128 registers (96: 3.17), training step 4.99 / 5.07 /
-    4.94; alpha 2: 2.96 / 2.93 / 2.73 and 4.80 / 4.83 / 4.71. Over the grid the forward
-    gained 5-9 % on random scores (E 128 at L 16384: 2 % slower) and 19-24 % on local ones,
-    a training step 0-4 %. A forward that reads an attn_mask (seventh session, the causal
-    mask as a bool tensor, α 1.5, E 64): 8.54 ms fused at 8 warps (the table until then),
-    6.02 fused at 4 warps and 3 stages, 4.81 split so (training step 11.11 / 8.53 / 7.11),
-    though split at 4 warps the threshold launch spills (sm_90, bf16: 16 bytes with a bool
-    mask, 104 with a float one; the output launch none). Masked at E 128, fp32
-    and E 256 forwards are not timed split: they stay fused.
+    Measured on an H100 (commit cac942d; bf16, L 4096, causal, B·L 16384, 4 warps, 3
+    stages): forward without gradients 3.33 ms fused, 3.18 split, 3.06 split with the
+    threshold launch capped at 128 registers (96: 3.17), training step 4.99 / 5.07 / 4.94;
+    alpha 2: 2.96 / 2.93 / 2.73 and 4.80 / 4.83 / 4.71. Over the grid the forward gained
+    5-9 % on random scores (E 128 at L 16384: 2 % slower) and 19-24 % on local ones, a
+    training step 0-4 %. A forward that reads an attn_mask (H100, commit 4a08cac, the
+    causal mask as a bool tensor, α 1.5, E 64): 8.54 ms fused at 8 warps, 6.02 fused at 4
+    warps and 3 stages, 4.81 split so (training step 11.11 / 8.53 / 7.11), though split at
+    4 warps the threshold launch spills (sm_90, bf16: 16 bytes with a bool mask, 104 with a
+    float one; the output launch none). Masked at E 128, fp32 and E 256 forwards are not
+    timed split: they stay fused.
     """
     if dtype_key != "fp32" and (block_e <= 64 or (block_e <= 128 and mask_kind == common.MASK_NONE)):
         return (PHASE_THRESHOLD, PHASE_OUTPUT)
@@ -210,12 +209,12 @@ def register_cap(kernel, block_e, dtype_key, mask_kind=common.MASK_NONE,
     trades spills for programs per SM (65536 registers per SM over registers x threads per
     program). The threshold launch of the split forward: 128 (`forward_phases`; it spills
     4-8 bytes there, and ran faster than without the cap). General alpha spills 304 bytes
-    at 128 and still ran 10 % faster than uncapped on an H200 (docs/gpu.md, ninth session:
-    L 4096, E 64, causal, 4.84 against 5.37 ms).
+    at 128 and still ran 10 % faster than uncapped on an H200 (commit 9aba691: L 4096,
+    E 64, causal, 4.84 against 5.37 ms).
 
-    The other launches have no cap until a GPU decides (`bench/tune_attention.py --caps`).
-    Candidates at E 64 (sm_90, bf16, 4 warps, 64x64 tiles, triton 3.6; docs/gpu.md,
-    twentieth session), programs per SM uncapped -> capped: the output launch without
+    The other launches have no cap: none has been timed with one (`tools/tune_attention.py
+    --caps` times them). Candidates at E 64 (sm_90, bf16, 4 warps, 64x64 tiles, triton
+    3.6), programs per SM uncapped -> capped: the output launch without
     gradients at 128, 3 -> 4 (154 registers uncapped; no stack either way, its tile loop
     9.2 -> 9.3 instructions per score), with them at 168, 2 -> 3 (223; 80 bytes of stack,
     12.2 -> 12.4); dK/dV at 168, 2 -> 3 (255; its listed-tile loop 0.8-1.0 instructions
@@ -273,7 +272,7 @@ def launch_config(kernel, block_e, dtype_key, mask_kind=common.MASK_NONE):
     """(num_warps, num_stages) of `kernel` ("fwd", "fwd_threshold", "fwd_output" (the
     `forward_phases` launches), "dq" or "dkdv").
 
-    Measured on an H100 (docs/gpu.md, bench/tune_attention.py; B·L 16384, H 16, L 4096,
+    Measured on an H100 (tools/tune_attention.py, commit 9ece455; B·L 16384, H 16, L 4096,
     causal, bf16, 64x64 tiles): 4 warps beat 8 in every kernel although 8 halve each
     thread's share of the [BM, BN] tiles it holds (a row's reductions then cross warps).
     Forward, 4 warps and 3 stages: 3.55 ms at E 64 (2 stages 3.71, 8 warps 7.0; 2 warps on
@@ -282,7 +281,7 @@ def launch_config(kernel, block_e, dtype_key, mask_kind=common.MASK_NONE):
     training step 5.27 ms at E 64 (1 stage 5.41, 3 stages 5.27, 8 warps 7.0), 8.12 at E
     128 (1 stage 8.09).
     A forward that reads an attn_mask, E 64: 4 warps and 3 stages as without one, split
-    (`forward_phases`, measured). Not timed yet: a masked forward at E 128 (8 warps, one
+    (`forward_phases`, measured). Not timed: a masked forward at E 128 (8 warps, one
     launch: chosen when the AOT check compiled it with a variable stride_mk, where 4 warps
     left a 1.8 KB stack frame on sm_90; compiled as it runs (`mask_specialisation`),
     bf16/fp16 E 128 leaves 0-280 bytes at 8 warps fused, more split at 4 warps:
@@ -323,8 +322,8 @@ _CHUNKS = {
 # warps, 64x64 tiles, the listed-tile loop in instructions per score, chunked -> whole:
 # alpha 1.5 21.0 -> 11.1, alpha 2 21.9 -> 12.1, general 26.0 -> 16.1, with d(alpha) 41.6 ->
 # 24.9 and 360 -> 144 bytes of stack; barriers per tile 8 -> 2; 255 registers and two
-# programs per SM either way, 32 -> 96 KiB of shared memory each; docs/gpu.md,
-# twenty-first session). At E 256 the whole head dim spills on sm_90 too.
+# programs per SM either way, 32 -> 96 KiB of shared memory each; commit e917481). At
+# E 256 the whole head dim spills on sm_90 too.
 _ARCH_CHUNKS = {
     90: {("dq", "fp16"): {128: 128}, ("dq", "bf16"): {128: 128}},
 }
@@ -376,8 +375,8 @@ def backward_dq(block_e, dtype_key, need_alpha_grad):
     64x64 tiles, 4 warps): dK/dV 14.0 + dQ 9.0 instructions per score against 17.7 fused
     with atomic adds, 17.0 ordered; 7 score-sized products against 5. Stacks: 168 bytes
     (dK/dV alone) against 264 / 104 at E 64, but 744 against 1024 (ordered) at E 128, 1640
-    on sm_80. Untimed: DQ_KERNEL stays until a GPU decides (`bench/tune_attention.py
-    --dq`, docs/gpu.md). A learned alpha keeps the dQ kernel, which sums the rows'
+    on sm_80. Not timed: DQ_KERNEL is the default (`tools/tune_attention.py --dq` times
+    the modes). A learned alpha keeps the dQ kernel, which sums the rows'
     d(alpha) terms; so does `torch.use_deterministic_algorithms`, whatever the table says,
     for DQ_ATOMIC."""
     return DQ_KERNEL
@@ -517,7 +516,7 @@ def query_block(pid, n_qblocks):
     (`launch_grid`): the last first. On a causal pattern, the flag's or a mask's (a padded
     batch's causal mask comes as a bool mask), the last blocks see the most keys: launched
     first, in every head before any shorter block, they keep the grid from ending on a few
-    long programs (bench/model_launch_order.py). Where every block sees the same keys the
+    long programs (tools/model_launch_order.py). Where every block sees the same keys the
     order costs nothing."""
     return n_qblocks - 1 - pid
 

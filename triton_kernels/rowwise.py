@@ -935,8 +935,8 @@ def tile_config(n_cols: int, alpha_kind: int) -> dict:
     8192 entries every kind takes the same configuration.
 
     The α kind sets the resident limit and the chunked warps because a pass costs different
-    work per entry. The eighth session's sweep (H200, docs/gpu.md; forward of 512 fp32 rows
-    of 32768 entries, ms):
+    work per entry. Forward of 512 fp32 rows of 32768 entries on an H200 (commit 4642e72,
+    ms):
 
         α 1.5 (entmax15):        chunked 4 warps 0.166, resident 16 warps 0.106,
                                  resident 32 warps 0.116, chunked 8 warps 0.159;
@@ -946,18 +946,17 @@ def tile_config(n_cols: int, alpha_kind: int) -> dict:
     A chunked row is read again on every pass (64 MB a pass there, more than the H200's L2
     holds); a resident one once. The closed forms' pass is a few operations per entry, so
     resident on 16 warps wins although it spills at 32768 (AOT, sm_90: 296 bytes of stack
-    in the entmax15 forward, 64 in sparsemax's; none at 16384). The ninth session timed
-    the candidates at 16384 and 32768 in fp32 and bf16, forward and backward (H200,
-    docs/gpu.md): resident beats chunked on forward + backward for both closed forms at
-    both lengths and dtypes (sparsemax's fp32 forward 3.3× at 32768), although entmax15's
-    bf16 forward alone is 4-20 % slower resident. The general kind's pass (a log2 and an
-    exp2 per entry, the threshold as an fp32 pair) spills 872 bytes of stack resident on
-    16 warps and ran 2.8× slower than chunked, so it stays chunked above 8192; on 8 warps
-    above 16384 (forward + backward 0.275 against 0.335 ms at 32768 fp32), on 4 at 16384,
-    where 8 warps were 9 % slower. Softmax (one pass, no iteration) was not timed and
-    keeps the table it had. Forward and backward share the entry (the launchers key both
-    on length and kind). `bench/bench_rowwise_gpu.py --sweep` times the neighbours of each
-    entry on a GPU.
+    in the entmax15 forward, 64 in sparsemax's; none at 16384). Timed at 16384 and 32768 in
+    fp32 and bf16, forward and backward (H200, commit 11185a4): resident beats chunked on
+    forward + backward for both closed forms at both lengths and dtypes (sparsemax's fp32
+    forward 3.3× at 32768), although entmax15's bf16 forward alone is 4-20 % slower
+    resident. The general kind's pass (a log2 and an exp2 per entry, the threshold as an
+    fp32 pair) spills 872 bytes of stack resident on 16 warps and ran 2.8× slower than
+    chunked, so it stays chunked above 8192; on 8 warps above 16384 (forward + backward
+    0.275 against 0.335 ms at 32768 fp32), on 4 at 16384, where 8 warps were 9 % slower.
+    Softmax (one pass, no iteration) was not timed and keeps the table it had. Forward and
+    backward share the entry (the launchers key both on length and kind).
+    `bench/bench_rowwise_gpu.py --sweep` times the neighbours of each entry on a GPU.
     """
     if n_cols > RESIDENT_MAX_COLS[alpha_kind]:
         wide = alpha_kind == common.ALPHA_GENERAL and n_cols > WIDE_CHUNK_COLS
@@ -971,7 +970,7 @@ def tile_config(n_cols: int, alpha_kind: int) -> dict:
         # flags), replicated over the threads that hold it; 4+ rows per program spilled
         # (AOT: up to 312 bytes of stack), and 2 rows left an 8-byte stack frame on sm_90
         # for blocks of 128–512. At 1024 the table's 4 warps spent a pass on cross-warp
-        # reductions: on an H100 (docs/gpu.md, seventh session) 16384×1024 fp32 forwards
+        # reductions: on an H100 (commit 4a08cac) 16384×1024 fp32 forwards
         # took 0.0582 ms at 2 warps, 0.0596 at 1, 0.0755 at 4 (α 1.5), and 0.282 / 0.326 /
         # 0.310 ms at α 1.3.
         return {"ROWS": 1, "BLOCK": block, "RESIDENT": True, "num_warps": max(1, min(block // 256, 2))}

@@ -81,9 +81,10 @@ def support_bits(b_d):
 
     No predicate per entry: compiled from `d > 0`, LLVM packed a thread's comparisons into
     integer bit masks and unpacked them for each use, 3-4 integer operations per entry
-    (docs/gpu.md, fourth session). d >= 0 orders like its bit pattern; minus one, d = +0
-    becomes -1, whose sign bit counts the zeros and whose unsigned value is the largest, so
-    the unsigned minimum is the smallest positive d."""
+    (sm_90 SASS, triton 3.6, bf16 E 64: a later threshold pass 17.2 -> 13.4 instructions
+    per score at alpha 1.5, 15.8 -> 12.1 at alpha 2). d >= 0 orders like its bit pattern;
+    minus one, d = +0 becomes -1, whose sign bit counts the zeros and whose unsigned value
+    is the largest, so the unsigned minimum is the smallest positive d."""
     b_bits = b_d.to(tl.int32, bitcast=True) - 1
     return b_bits >> 31, b_bits.to(tl.uint32, bitcast=True)
 

@@ -634,7 +634,7 @@ __device__ void segment_means(int count, IsStart is_start, Value value, int* gro
 // stood at its chunk's end, the next round's carried scan, with chunks twice as long.
 // Rows with short segments finish in one round of about chunk + a few steps per thread
 // (lam 0.1 on randn rows, the benchmark's case); a row fused into a few segments takes
-// about 1.4 times the steps of the sequential scan, in rounds (bench/model_structured.py).
+// about 1.4 times the steps of the sequential scan, in rounds (tools/model_structured.py).
 // The result is the sequential scan's, bit for bit.
 template <typename T>
 __device__ void block_tv_prox(const T* in, T* out, uint8_t* restart, structured::TvScan<T, int>* carried, int m,
