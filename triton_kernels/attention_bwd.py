@@ -21,13 +21,15 @@ import triton
 import triton.language as tl
 
 from .. import common
+# sequence_bounds is not called here (`program_sequence` is): tools/attention_variants.py's
+# backward variants extend this list of names at its end.
 from .attention_common import (DQ_KERNEL, DQ_KERNEL_C, DQ_MAX_POLLS_C, DQ_MODES, DQ_ORDERED_C,
                                NEAR_ONE_INV_AM1, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C,
                                STAT_TAU_C, arch_chunks, attention_signature, backward_launch,
                                block_sizes, chunk_width, config_space, config_suffix, dot,
                                dot_rows, dropout_scale, full_tiles_end, gap, held_cols, held_rows,
                                listed_tiles, load_rows, log2_base, mask_specialisation,
-                               query_block, sequence_bounds, shifted_scores)
+                               program_sequence, query_block, sequence_bounds, shifted_scores)
 from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX
 
 # rows of the backward's per-row buffer
@@ -171,11 +173,8 @@ def entmax_attn_bwd_dq_kernel(
     E 64, alpha 1.5), against 162 without them."""
     pid_bh = tl.program_id(0)
     pid_m = query_block(tl.program_id(1), n_qblocks)
-    i_b = (pid_bh // n_heads).to(tl.int64)
-    i_h = (pid_bh % n_heads).to(tl.int64)
-    i_hk = i_h // kv_group
-    q_start, q_len, k_start, k_len = sequence_bounds(cu_q_ptr, cu_k_ptr, i_b, seqlen_q,
-                                                     seqlen_k, IS_VARLEN)
+    i_b, i_h, i_hk, q_start, q_len, k_start, k_len = program_sequence(
+        pid_bh, n_heads, kv_group, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, IS_VARLEN, False)
     start_m = pid_m * BLOCK_M
     if start_m >= q_len:
         return
@@ -406,10 +405,8 @@ def entmax_attn_bwd_dkdv_kernel(
         pid_n = tl.num_programs(1) - 1 - tl.program_id(1)
     else:
         pid_n = tl.program_id(1)
-    i_b = (pid_bhk // n_kv_heads).to(tl.int64)
-    i_hk = (pid_bhk % n_kv_heads).to(tl.int64)
-    q_start, q_len, k_start, k_len = sequence_bounds(cu_q_ptr, cu_k_ptr, i_b, seqlen_q,
-                                                     seqlen_k, IS_VARLEN)
+    i_b, _, i_hk, q_start, q_len, k_start, k_len = program_sequence(
+        pid_bhk, n_kv_heads, kv_group, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, IS_VARLEN, True)
     start_n = pid_n * BLOCK_N
     if start_n >= k_len:
         return

@@ -400,6 +400,39 @@ def sequence_bounds(cu_q_ptr, cu_k_ptr, i_b, seqlen_q, seqlen_k, IS_VARLEN: tl.c
 
 
 @triton.jit
+def program_sequence(pid_head, n_heads, kv_group, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k,
+                     IS_VARLEN: tl.constexpr, KEY_BLOCKS: tl.constexpr):
+    """The batch entry, heads and sequence bounds of an attention program, from its index
+    pid_head along the grid's heads (`launch_grid`): the set-up every attention kernel
+    opens with.
+
+    A query-block program (the forward, dQ) works on one (batch entry, query head) pair,
+    pid_head = i_b * n_heads + i_h; its keys and values are those of key/value head
+    i_h // kv_group (GQA). A key-block program (dK/dV, KEY_BLOCKS) works on one (batch
+    entry, key/value head) pair: n_heads counts key/value heads there, and i_h is the first
+    query head of the group.
+
+    Returns (i_b, i_h, i_hk, q_start, q_len, k_start, k_len), the bounds those of
+    `sequence_bounds`. The kernels take their block's first row, return when it lies past
+    the sequence, and only then form their row offsets and pointers. Formed here, before
+    that return, those are live from the kernel's start and the register allocation of the
+    launches that spill changes (sm_90 SASS, triton 3.6, bf16, E 64, tile loops: with the
+    pointers the threshold launch's 1-12 instructions longer or shorter and dQ's varlen
+    one by 1, with the row offsets too dK/dV's by 1-4); the block's first row formed here
+    reorders the kernel's constants (the same counts in other registers)."""
+    i_b = (pid_head // n_heads).to(tl.int64)
+    if KEY_BLOCKS:
+        i_hk = (pid_head % n_heads).to(tl.int64)
+        i_h = i_hk * kv_group
+    else:
+        i_h = (pid_head % n_heads).to(tl.int64)
+        i_hk = i_h // kv_group
+    q_start, q_len, k_start, k_len = sequence_bounds(cu_q_ptr, cu_k_ptr, i_b, seqlen_q,
+                                                     seqlen_k, IS_VARLEN)
+    return i_b, i_h, i_hk, q_start, q_len, k_start, k_len
+
+
+@triton.jit
 def load_rows(p_base, stride, o_rows, n_rows, width, BLOCK_E: tl.constexpr,
               MASK_ROWS: tl.constexpr):
     """Rows o_rows (< n_rows) of a row-major [*, width] matrix, zero-padded to [., BLOCK_E].

@@ -67,8 +67,8 @@ from .attention_common import (CANDIDATE_CHUNK_C, CAPTURE_MAX_COLUMN_SHARE_C, CO
                                attention_signature, block_sizes, candidate_slots, chunk_width,
                                config_space, config_suffix, dot, dropout_scale, forward_launches,
                                full_tiles_end, gap, held_cols, held_rows, launch_options,
-                               listed_tiles, log2_base, mask_specialisation, query_block,
-                               sensitivity, sequence_bounds, shifted_scores, weights,
+                               listed_tiles, log2_base, mask_specialisation, program_sequence,
+                               query_block, sensitivity, shifted_scores, weights,
                                weights_and_sensitivity)
 from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX, GRAD_ALPHA, GRAD_INPUTS
 from .support import count_and_smallest, positive_f16, store_above, support_bits
@@ -1018,11 +1018,8 @@ def entmax_attn_fwd_kernel(
 ):
     pid_bh = tl.program_id(0)
     pid_m = query_block(tl.program_id(1), n_qblocks)
-    i_b = (pid_bh // n_heads).to(tl.int64)
-    i_h = (pid_bh % n_heads).to(tl.int64)
-    i_hk = i_h // kv_group
-    q_start, q_len, k_start, k_len = sequence_bounds(cu_q_ptr, cu_k_ptr, i_b, seqlen_q,
-                                                     seqlen_k, IS_VARLEN)
+    i_b, i_h, i_hk, q_start, q_len, k_start, k_len = program_sequence(
+        pid_bh, n_heads, kv_group, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, IS_VARLEN, False)
     start_m = pid_m * BLOCK_M
     if start_m >= q_len:
         return
