@@ -93,7 +93,6 @@ def methods(n_rows: int, device) -> dict:
     return methods
 
 
-_methods = methods  # the name tests/test_triton_rowwise.py calls it by
 
 
 def _max_error(fn, x, alpha) -> float:

@@ -148,12 +148,13 @@ SPLIT = (attention_common.PHASE_THRESHOLD, attention_common.PHASE_OUTPUT)
 def test_split_forward_matches_the_oracle_and_the_fused_one(monkeypatch, b, h, hkv, lq, lk, e,
                                                             alpha_spec, is_causal, mask_spec):
     """The forward as two launches (`forward_phases`: threshold, then output): against the
-    float64 oracle forward and backward, and against the one-launch forward on the same
-    inputs: the same statistics (the backward's inputs) and tile flags."""
+    float64 oracle, and against the one-launch forward on the same inputs: the same output,
+    statistics and tile flags. Those are all the backward reads, so its gradients are the
+    one-launch forward's, which test_fp32_forward_and_backward checks against float64 on
+    the same cases."""
     q, k, v = _inputs(b, h, hkv, lq, lk, e, torch.float32)
     alpha = _alpha(alpha_spec, h)
     mask = _mask(mask_spec, b, h, lq, lk)
-    grad_out = torch.randn(b, h, lq, e)
 
     def forward(phases, q_):
         monkeypatch.setattr(attention_common, "forward_phases", lambda *_: phases)
@@ -170,21 +171,14 @@ def test_split_forward_matches_the_oracle_and_the_fused_one(monkeypatch, b, h, h
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6, equal_nan=True, msg=name)
     assert torch.isnan(split[0][0, 0, 2]).all()
     assert torch.equal(split[3], fused[3])
-
-    monkeypatch.setattr(attention_common, "forward_phases", lambda *_: SPLIT)
-    inputs = [q, k, v] + ([alpha] if isinstance(alpha, torch.Tensor) else [])
-
-    def run(fn, q_, k_, v_, *a):
-        return fn(q_, k_, v_, attn_mask=mask, is_causal=is_causal, enable_gqa=True,
-                  alpha=a[0] if a else alpha)
-
-    out, grads = _grads(lambda *t: run(_triton_attention, *t), inputs, grad_out)
-    _, ref_grads = _grads(lambda *t: run(reference_attention, *t),
-                          [t.to(torch.float64) for t in inputs], grad_out)
+    # A NaN query reaches its own row only: every other row is the oracle's on q.
     expected = oracle_attention(q, k, v, attn_mask=mask, is_causal=is_causal, alpha=alpha)
-    assert _err(out, expected) <= 1e-5
-    for name, got, want in zip(("dq", "dk", "dv", "dalpha"), grads, ref_grads):
-        assert _err(got, want) <= 1e-4, name
+    others = torch.ones(lq, dtype=torch.bool)
+    others[2] = False
+    assert not torch.isnan(split[0][0, 0, others]).any()
+    got = split[0].clone()
+    got[0, 0, 2] = expected[0, 0, 2].to(got.dtype)
+    assert _err(got, expected) <= 1e-5
 
 
 class _PlainTorchEntmax(torch.autograd.Function):
@@ -687,15 +681,21 @@ def test_few_capture_slots_stay_exact(monkeypatch, slots, alpha, length):
     and keeps only those above it (attention_fwd._compact). With few slots (not a multiple
     of the compaction's chunk) its blocks compact often and capture segments again after
     overflowing them; with two, every block overflows them and takes the passes over the
-    tiles. Forward and gradients stay exact."""
+    tiles. The forward stays exact; so do the gradients, checked at 2 and 40 slots for each
+    alpha kind (the backward reads the forward's statistics and tile flags, not its slots:
+    at 56 the exact output is what there is to check)."""
     monkeypatch.setattr(attention_common, "candidate_slots", lambda alpha_kind: slots)
     q, k, v = _inputs(1, 2, 2, length, length, 16, torch.float32)
+    expected = oracle_attention(q, k, v, is_causal=True, alpha=alpha)
+    if slots == 56:
+        assert _err(_triton_attention(q, k, v, is_causal=True, alpha=alpha), expected) <= 1e-5
+        return
     grad_out = torch.randn(1, 2, length, 16)
     out, grads = _grads(lambda *t: _triton_attention(*t, is_causal=True, alpha=alpha),
                         [q, k, v], grad_out)
     _, ref_grads = _grads(lambda *t: reference_attention(*t, is_causal=True, alpha=alpha),
                           [t.double() for t in (q, k, v)], grad_out)
-    assert _err(out, oracle_attention(q, k, v, is_causal=True, alpha=alpha)) <= 1e-5
+    assert _err(out, expected) <= 1e-5
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert _err(got, want) <= 1e-4, name
 
@@ -965,7 +965,7 @@ def test_sequences_longer_than_a_grid_holds_are_refused(side):
 
 def test_backward_launches_take_the_register_caps_the_aot_check_compiles(monkeypatch):
     """A register cap of the table (`attention_common.register_cap`, what
-    bench/tune_attention.py --caps tries) reaches the backward's launches and the AOT
+    tools/tune_attention.py --caps tries) reaches the backward's launches and the AOT
     check's configurations alike, and the capped backward still matches float64."""
     from entmax_fast.triton_kernels import attention_bwd
 

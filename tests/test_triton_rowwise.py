@@ -753,7 +753,7 @@ def test_the_rowwise_table_compiles_every_cell_it_times_before_timing():
     spec = importlib.util.spec_from_file_location("bench_rowwise_gpu", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    ours = [name for name, (_, is_ours, _) in bench._methods(1, "cpu").items() if is_ours]
+    ours = [name for name, (_, is_ours, _) in bench.methods(1, "cpu").items() if is_ours]
     assert len(ours) == 4
     runs = [bench.parse_args(command[2:]) for command in bench.compile_commands()]
     cells = [(run.compile_only, run.dtype, run.method) for run in runs]
