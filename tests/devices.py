@@ -3,9 +3,26 @@ Triton interpreter on CPU tensors (tests/conftest.py sets TRITON_INTERPRET=1 the
 
 The interpreter computes bf16 arithmetic wrongly, so bf16 cases run only on CUDA.
 """
+import contextlib
+
 import torch
+
+import entmax_fast
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"
 # dtypes whose kernel arithmetic can be checked here
 LOW_PRECISION = (torch.float16, torch.bfloat16) if ON_GPU else (torch.float16,)
+
+
+@contextlib.contextmanager
+def on_test_device():
+    """Every tensor made inside lives on DEVICE."""
+    with torch.device(DEVICE):
+        yield
+
+
+def triton_attention(*args, **kwargs):
+    """entmax_fast.entmax_attention with the Triton backend forced."""
+    with entmax_fast.use_backend("triton"):
+        return entmax_fast.entmax_attention(*args, **kwargs)

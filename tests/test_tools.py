@@ -15,10 +15,9 @@ import pathlib
 import pytest
 import torch
 
-import entmax_fast
 from entmax_fast.reference.attention import entmax_attention as reference_attention
 from entmax_fast.triton_kernels import attention_common
-from devices import DEVICE
+from devices import on_test_device, triton_attention
 from oracle import oracle_attention
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -37,15 +36,13 @@ def load_script(path: str):
 
 
 @pytest.fixture
-def on_test_device():
+def on_device():
     """Every tensor the test makes lives on DEVICE (CUDA when there is one)."""
-    with torch.device(DEVICE):
+    with on_test_device():
         yield
 
 
-def _triton_attention(*args, **kwargs):
-    with entmax_fast.use_backend("triton"):
-        return entmax_fast.entmax_attention(*args, **kwargs)
+_triton_attention = triton_attention
 
 
 def _grads(fn, inputs, grad_out):
@@ -182,7 +179,7 @@ def test_forward_variants_still_edit_the_kernel(tmp_path):
         assert (kernel is attention_fwd.entmax_attn_fwd_kernel) == (not edits), name
 
 
-@pytest.mark.usefixtures("on_test_device")
+@pytest.mark.usefixtures("on_device")
 def test_blocks_first_variant_computes_what_the_kernels_do(tmp_path, monkeypatch):
     """attention_variants.py's "blocks_first" (the grid with the blocks along its first
     dimension, the heads along its second) must differ only in launch order: with its
@@ -307,7 +304,7 @@ def test_alpha_15_root_with_a_score_just_below_it_is_certified():
                 assert float((got - tau).abs().max()) <= 1e-6
 
 
-@pytest.mark.usefixtures("on_test_device")
+@pytest.mark.usefixtures("on_device")
 @pytest.mark.parametrize("alpha", [1.5, 1.25])
 def test_trial_points_inside_the_bracket_stay_exact(alpha, monkeypatch):
     """Long rows of random scores: blocks need three or more threshold passes, and the

@@ -23,23 +23,20 @@ from entmax_fast.backends.triton import attention as tri
 from entmax_fast.reference.attention import entmax_attention as reference_attention
 from entmax_fast.reference.mappings import entmax_backward, entmax_forward
 from entmax_fast.triton_kernels import attention_common
-from devices import DEVICE, LOW_PRECISION, ON_GPU
+from devices import DEVICE, LOW_PRECISION, ON_GPU, on_test_device, triton_attention
 from oracle import oracle_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 
 @pytest.fixture(autouse=True)
-def on_test_device():
+def on_device():
     """Every tensor a test makes lives on DEVICE (CUDA when there is one)."""
-    with torch.device(DEVICE):
+    with on_test_device():
         yield
 
 
-def _triton_attention(*args, **kwargs):
-    """entmax_fast.entmax_attention with the Triton backend forced."""
-    with entmax_fast.use_backend("triton"):
-        return entmax_fast.entmax_attention(*args, **kwargs)
+_triton_attention = triton_attention
 
 
 def _triton_attention_varlen(*args, **kwargs):
