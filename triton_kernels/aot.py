@@ -32,6 +32,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 KERNEL_MODULES = ("rowwise", "attention_fwd", "attention_bwd")
@@ -200,6 +201,7 @@ def compile_row(module_name: str, cfg: dict, arch: int) -> dict:
     per SM, pipelined loops, or the error)."""
     row = {"module": module_name, "kernel": cfg["fn"].__name__, "config": cfg["name"],
            "arch": f"sm_{arch}", "error": None, "WARPS": cfg["num_warps"]}
+    started = time.perf_counter()
     try:
         compiled = compile_config(cfg, arch)
         usage = _resource_usage(compiled.asm["cubin"], compiled.metadata.name)
@@ -210,6 +212,8 @@ def compile_row(module_name: str, cfg: dict, arch: int) -> dict:
         row["PIPELINED"] = "{}/{}".format(*pipelined_loops(compiled.asm["ttgir"]))
     except Exception as exc:  # noqa: BLE001 - every failure is a row of the report
         row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+    # Compile time (a cache hit when Triton's cache holds the kernel): what a sample costs.
+    row["SECONDS"] = round(time.perf_counter() - started, 1)
     return row
 
 
@@ -355,7 +359,7 @@ def check(archs=ARCHS, modules=KERNEL_MODULES, timeout_s: float = MODULE_TIMEOUT
 
 
 def format_table(rows: list[dict]) -> str:
-    columns = _FIELDS + ("WARPS", "PROGS/SM", "PIPELINED")
+    columns = _FIELDS + ("WARPS", "PROGS/SM", "PIPELINED", "SECONDS")
     header = ("module", "config", "arch") + columns + ("error",)
     lines = [[row["module"], row["config"], row["arch"]]
              + [str(row.get(field, "-")) for field in columns] + [row["error"] or ""]
