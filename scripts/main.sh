@@ -5,7 +5,7 @@
 #   3. attention: time and memory vs scaled_dot_product_attention (+ bench/out/attention.png);
 #   4. training: a short associative-recall run with softmax, sparsemax, 1.5-entmax and
 #      learned-α attention (+ bench/out/train/attention_heatmaps.png).
-# About 10 minutes on a 2-core CPU; outputs in bench/out/.
+# About 4 minutes on an idle 2-core CPU after setup; outputs in bench/out/
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
