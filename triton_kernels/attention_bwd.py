@@ -21,15 +21,13 @@ import triton
 import triton.language as tl
 
 from .. import common
-# sequence_bounds is not called here (`program_sequence` is): tools/attention_variants.py's
-# backward variants extend this list of names at its end.
 from .attention_common import (DQ_KERNEL, DQ_KERNEL_C, DQ_MAX_POLLS_C, DQ_MODES, DQ_ORDERED_C,
                                NEAR_ONE_INV_AM1, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C,
                                STAT_TAU_C, arch_chunks, attention_signature, backward_launch,
                                block_sizes, chunk_width, config_space, config_suffix, dot,
                                dot_rows, dropout_scale, full_tiles_end, gap, held_cols, held_rows,
                                listed_tiles, load_rows, log2_base, mask_specialisation,
-                               program_sequence, query_block, sequence_bounds, shifted_scores)
+                               program_sequence, query_block, shifted_scores)
 from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX
 
 # rows of the backward's per-row buffer
