@@ -23,6 +23,7 @@ under a time limit.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import json
@@ -189,18 +190,23 @@ def select_configs(module_name: str, sample=False, names=None, include=()) -> li
     configs = module.aot_configs()
     if names:
         return [cfg for cfg in configs if cfg["name"] in names]
-    included = [cfg for cfg in configs if cfg["name"] in include]
     if not sample:
         return configs
+    included = [cfg for cfg in configs if cfg["name"] in include]
     chosen = covering_sample(configs, pairs=_sample_mode(sample) == "pairs", covered=included)
     return included + [cfg for cfg in chosen if cfg["name"] not in include]
+
+
+def _row_key(module_name: str, cfg: dict, arch: int) -> dict:
+    """What names a row of the report: one configuration compiled for sm_<arch>."""
+    return {"module": module_name, "kernel": cfg["fn"].__name__, "config": cfg["name"],
+            "arch": f"sm_{arch}"}
 
 
 def compile_row(module_name: str, cfg: dict, arch: int) -> dict:
     """Compiles one configuration for sm_<arch>: its row of the report (resources, programs
     per SM, pipelined loops, or the error)."""
-    row = {"module": module_name, "kernel": cfg["fn"].__name__, "config": cfg["name"],
-           "arch": f"sm_{arch}", "error": None, "WARPS": cfg["num_warps"]}
+    row = dict(_row_key(module_name, cfg, arch), error=None, WARPS=cfg["num_warps"])
     started = time.perf_counter()
     try:
         compiled = compile_config(cfg, arch)
@@ -217,14 +223,18 @@ def compile_row(module_name: str, cfg: dict, arch: int) -> dict:
     return row
 
 
+@functools.lru_cache(maxsize=None)
+def _configs_by_name(module_name: str) -> dict:
+    """A kernel module's `aot_configs()` by name, listed once per worker process."""
+    return {cfg["name"]: cfg for cfg in _import_kernel_module(module_name).aot_configs()}
+
+
 def _compile_task(module_name: str, config_name: str, arch: int) -> dict:
-    """One compile in a worker process of `compile_all`: the configuration by name (a
-    worker imports each kernel module once). Announces the compile on stdout first, so
-    that a check cut by its time limit can name what was compiling."""
-    module = _import_kernel_module(module_name)
-    cfg = next(cfg for cfg in module.aot_configs() if cfg["name"] == config_name)
-    _emit({"module": module_name, "kernel": cfg["fn"].__name__, "config": config_name,
-           "arch": f"sm_{arch}", "compiling": True})
+    """One compile in a worker process of `compile_all`: the configuration by name.
+    Announces the compile on stdout first, so that a check cut by its time limit can name
+    what was compiling."""
+    cfg = _configs_by_name(module_name)[config_name]
+    _emit(dict(_row_key(module_name, cfg, arch), compiling=True))
     return compile_row(module_name, cfg, arch)
 
 
@@ -252,8 +262,7 @@ def compile_all(archs=ARCHS, modules=KERNEL_MODULES, on_event=None, sample=False
         rows = []
         for module_name, cfg, arch in tasks:
             if on_event:
-                on_event({"module": module_name, "kernel": cfg["fn"].__name__, "config": cfg["name"],
-                          "arch": f"sm_{arch}", "compiling": True})
+                on_event(dict(_row_key(module_name, cfg, arch), compiling=True))
             rows.append(compile_row(module_name, cfg, arch))
             if on_event:
                 on_event(rows[-1])
