@@ -42,9 +42,6 @@ def on_device():
         yield
 
 
-_triton_attention = triton_attention
-
-
 def _grads(fn, inputs, grad_out):
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
     out = fn(*leaves)
@@ -62,7 +59,7 @@ def _err(got, expected):
 def _check_attention(q, k, v, grad_out, alpha, **kwargs):
     """The Triton backend's forward and gradients against the reference run in float64;
     returns the forward's output."""
-    out, grads = _grads(lambda *t: _triton_attention(*t, alpha=alpha, **kwargs), [q, k, v],
+    out, grads = _grads(lambda *t: triton_attention(*t, alpha=alpha, **kwargs), [q, k, v],
                         grad_out)
     ref_out, ref_grads = _grads(lambda *t: reference_attention(*t, alpha=alpha, **kwargs),
                                 [t.double() for t in (q, k, v)], grad_out)

@@ -36,9 +36,6 @@ def on_device():
         yield
 
 
-_triton_attention = triton_attention
-
-
 def _triton_attention_varlen(*args, **kwargs):
     """entmax_fast.entmax_attention_varlen with the Triton backend forced."""
     with entmax_fast.use_backend("triton"):
@@ -117,8 +114,8 @@ def test_fp32_forward_and_backward(b, h, hkv, lq, lk, e, alpha_spec, is_causal, 
     inputs = [q, k, v] + ([alpha] if learn_alpha else [])
 
     def kernel(q_, k_, v_, *a):
-        return _triton_attention(q_, k_, v_, attn_mask=mask, is_causal=is_causal,
-                                 enable_gqa=True, alpha=a[0] if a else alpha)
+        return triton_attention(q_, k_, v_, attn_mask=mask, is_causal=is_causal,
+                                enable_gqa=True, alpha=a[0] if a else alpha)
 
     def reference(q_, k_, v_, *a):
         return reference_attention(q_, k_, v_, attn_mask=mask, is_causal=is_causal,
@@ -215,8 +212,8 @@ def _plain_torch_attention(q, k, v, is_causal, alpha, attn_mask=None):
 def test_low_precision_error_at_most_twice_plain_torch(lq, lk, e, alpha, is_causal, dtype, ratio):
     q, k, v = _inputs(1, 2, 2, lq, lk, e, dtype)
     grad_out = torch.randn(1, 2, lq, e).to(dtype)
-    out, grads = _grads(lambda *t: _triton_attention(*t, is_causal=is_causal,
-                                                     alpha=alpha), [q, k, v], grad_out)
+    out, grads = _grads(lambda *t: triton_attention(*t, is_causal=is_causal,
+                                                    alpha=alpha), [q, k, v], grad_out)
     base_out, base_grads = _grads(lambda *t: _plain_torch_attention(*t, is_causal, alpha),
                                   [q, k, v], grad_out)
     ref_out, ref_grads = _grads(lambda *t: reference_attention(*t, is_causal=is_causal,
@@ -234,7 +231,7 @@ def test_huge_and_offset_scores_stay_finite(dtype, ratio):
     q, k, v = _inputs(1, 1, 1, 63, 63, 16, dtype)
     q = (q * 40).to(dtype)  # scores in the hundreds: rounding of the scores dominates
     mask = (torch.full((63, 63), -1000.0).triu(1) + 500.0).to(dtype)
-    out, grads = _grads(lambda *t: _triton_attention(*t, attn_mask=mask, alpha=1.5),
+    out, grads = _grads(lambda *t: triton_attention(*t, attn_mask=mask, alpha=1.5),
                         [q, k, v], torch.randn(1, 1, 63, 16))
     expected = oracle_attention(q, k, v, attn_mask=mask, alpha=1.5)
     baseline = _plain_torch_attention(q, k, v, False, 1.5, attn_mask=mask)
@@ -246,7 +243,7 @@ def test_fully_masked_rows_and_batches_give_zeros():
     q, k, v = _inputs(2, 2, 2, 63, 63, 16, torch.float32)
     keep = torch.ones(2, 1, 1, 63, dtype=torch.bool)
     keep[1] = False  # every key of the second batch element is padding
-    out, (dq, dk, dv) = _grads(lambda *t: _triton_attention(*t, attn_mask=keep),
+    out, (dq, dk, dv) = _grads(lambda *t: triton_attention(*t, attn_mask=keep),
                                [q, k, v], torch.randn(2, 2, 63, 16))
     for t in (out[1], dq[1], dk[1], dv[1]):
         assert torch.equal(t, torch.zeros_like(t))
@@ -294,7 +291,7 @@ def test_dropout_mask_is_regenerated_in_backward():
     q, k, v = _inputs(b, h, h, lq, lk, e, torch.float32)
     grad_out = torch.randn(b, h, lq, e)
     torch.manual_seed(7)
-    out, grads = _grads(lambda q_, k_, v_, a_: _triton_attention(
+    out, grads = _grads(lambda q_, k_, v_, a_: triton_attention(
         q_, k_, v_, dropout_p=dropout_p, alpha=a_), [q, k, v, alpha], grad_out)
     torch.manual_seed(7)
     seed = tri._seed(dropout_p, q.device)
@@ -369,7 +366,7 @@ def test_no_lq_by_lk_allocation():
     lq = lk = 257
     q, k, v = (t.requires_grad_() for t in _inputs(1, 1, 1, lq, lk, 16, torch.float32))
     with _LargestAllocation() as mode:
-        out = _triton_attention(q, k, v, is_causal=True)
+        out = triton_attention(q, k, v, is_causal=True)
         out.backward(torch.ones_like(out))
     assert 0 < mode.largest <= lq * 16 < lq * lk // 8
 
@@ -415,7 +412,7 @@ def test_gpu_tiling_table(monkeypatch, dtype, fwd_tol, grad_tol):
     def run(fn, *t):
         return fn(*t, attn_mask=keep, is_causal=True, scale=scale, enable_gqa=True, alpha=1.5)
 
-    out, grads = _grads(lambda *t: run(_triton_attention, *t), [q, k, v], grad_out)
+    out, grads = _grads(lambda *t: run(triton_attention, *t), [q, k, v], grad_out)
     _, ref_grads = _grads(lambda *t: run(reference_attention, *t),
                           [t.double() for t in (q, k, v)], grad_out)
     expected = oracle_attention(q, k, v, attn_mask=keep, is_causal=True, scale=scale)
@@ -441,7 +438,7 @@ def test_head_dim_chunks(monkeypatch, chunk, dtype, fwd_tol, grad_tol):
     def run(fn, q_, k_, v_, a_):
         return fn(q_, k_, v_, attn_mask=mask, enable_gqa=True, alpha=a_)
 
-    out, grads = _grads(lambda *t: run(_triton_attention, *t), [q, k, v, alpha],
+    out, grads = _grads(lambda *t: run(triton_attention, *t), [q, k, v, alpha],
                         grad_out)
     _, ref_grads = _grads(lambda *t: run(reference_attention, *t),
                           [t.double() for t in (q, k, v, alpha)], grad_out)
@@ -457,7 +454,7 @@ def test_strided_inputs_and_gradients():
     q, k, v = (torch.randn(1, n, 2, 16).transpose(1, 2) for n in (63, 40, 40))
     assert not q.is_contiguous()
     grad_out = torch.randn(1, 1, 1, 16).expand(1, 2, 63, 16)
-    out, grads = _grads(lambda *t: _triton_attention(*t, alpha=2.0), [q, k, v],
+    out, grads = _grads(lambda *t: triton_attention(*t, alpha=2.0), [q, k, v],
                         grad_out)
     _, ref_grads = _grads(lambda *t: reference_attention(*t, alpha=2.0),
                           [t.double() for t in (q, k, v)], grad_out)
@@ -479,7 +476,7 @@ def test_slices_of_a_fused_projection():
     q = split(qkv)[0]
     assert torch.empty_like(q).stride() != q.stride()
     grad_out = torch.randn(b, h, length, e)
-    out, (grad,) = _grads(lambda t: _triton_attention(*split(t), is_causal=True, alpha=1.5),
+    out, (grad,) = _grads(lambda t: triton_attention(*split(t), is_causal=True, alpha=1.5),
                           [qkv], grad_out)
     _, (ref_grad,) = _grads(lambda t: reference_attention(*split(t), is_causal=True, alpha=1.5),
                             [qkv.double()], grad_out)
@@ -511,7 +508,7 @@ def test_mask_requiring_grad_is_rejected():
     assert "attn_mask" in triton_backend.supports("attention", request)
     q, k, v = _inputs(1, 1, 1, 5, 5, 16, torch.float32)
     with pytest.raises(dispatch.BackendUnavailableError, match="attn_mask"):
-        _triton_attention(q, k, v, attn_mask=torch.zeros(5, 5, requires_grad=True))
+        triton_attention(q, k, v, attn_mask=torch.zeros(5, 5, requires_grad=True))
 
 
 def test_gpus_before_ampere_are_refused_with_the_reason(monkeypatch):
@@ -529,7 +526,7 @@ def test_gpus_before_ampere_are_refused_with_the_reason(monkeypatch):
 def test_gqa_without_enable_gqa_is_rejected():
     q, k, v = _inputs(1, 4, 2, 5, 5, 16, torch.float32)
     with pytest.raises(ValueError, match="enable_gqa"):
-        _triton_attention(q, k, v)
+        triton_attention(q, k, v)
 
 
 @pytest.mark.parametrize("alpha", [1.5, 2.0, 1.3])
@@ -542,7 +539,7 @@ def test_nan_and_inf_scores_follow_softmax_rule(alpha):
     mask = torch.zeros(1, 1, 40, 70)
     mask[..., 7, 3] = float("inf")             # row 7: one +inf score
     mask[..., 9, :30] = float("-inf")          # row 9: 30 keys masked out
-    out = _triton_attention(q, k, v, attn_mask=mask, is_causal=True, alpha=alpha)
+    out = triton_attention(q, k, v, attn_mask=mask, is_causal=True, alpha=alpha)
     nan_rows = torch.isnan(out[0, 0]).all(-1)
     # causal: key 60 is seen by no query (Lq = 40 < 60)
     assert nan_rows.tolist() == [i in (5, 7) for i in range(40)]
@@ -554,7 +551,7 @@ def test_nan_and_inf_scores_follow_softmax_rule(alpha):
     expected = oracle_attention(q.nan_to_num(), k.nan_to_num(), v, attn_mask=clean_mask,
                                 is_causal=True, alpha=alpha)
     assert _err(out[0, 0][keep], expected[0, 0][keep]) <= 1e-5
-    full = _triton_attention(q, k, v, alpha=alpha)  # not causal: every row sees key 60
+    full = triton_attention(q, k, v, alpha=alpha)  # not causal: every row sees key 60
     assert torch.isnan(full).all()
 
 
@@ -575,7 +572,7 @@ def test_far_keys_within_the_bracket_keep_their_weight(alpha, is_causal):
     last = rows if is_causal else torch.full_like(rows, lk - 1)
     mask[:, :, rows, last] = 0.0
     mask[:, :, rows, 0] = (-0.6 * width).view(-1, 1)
-    out = _triton_attention(q, k, v, attn_mask=mask, is_causal=is_causal, alpha=alpha_h)
+    out = triton_attention(q, k, v, attn_mask=mask, is_causal=is_causal, alpha=alpha_h)
     expected = oracle_attention(q, k, v, attn_mask=mask, is_causal=is_causal, alpha=alpha_h)
     assert _err(out, expected) <= 1e-5
 
@@ -594,7 +591,7 @@ def test_large_score_offsets(alpha, offset):
         torch.log2(offset))))
     ranks = torch.stack([torch.randperm(64)[:50] for _ in range(33)]).float()
     scores = step * ranks
-    out = _triton_attention(q * 0, k, v, attn_mask=offset + scores, alpha=alpha)
+    out = triton_attention(q * 0, k, v, attn_mask=offset + scores, alpha=alpha)
     expected = oracle_attention(q * 0, k, v, attn_mask=scores, alpha=alpha)
     assert torch.isfinite(out).all()
     assert _err(out, expected) <= 1e-5
@@ -610,7 +607,7 @@ def test_local_scores_skip_tiles_exactly(alpha):
     position = torch.arange(lq, dtype=torch.float32)
     bias = -(position[:, None] - position[None, :]).abs() / 2.0   # [Lq, Lk]
     grad_out = torch.randn(1, 2, lq, 16)
-    out, grads = _grads(lambda *t: _triton_attention(*t, attn_mask=bias, alpha=alpha),
+    out, grads = _grads(lambda *t: triton_attention(*t, attn_mask=bias, alpha=alpha),
                         [q, k, v], grad_out)
     _, (_, _, flags, _) = tri.attention_forward(
         q, k, v, bias, alpha, scale=0.25, is_causal=False, dropout_p=0.0, enable_gqa=False,
@@ -685,10 +682,10 @@ def test_few_capture_slots_stay_exact(monkeypatch, slots, alpha, length):
     q, k, v = _inputs(1, 2, 2, length, length, 16, torch.float32)
     expected = oracle_attention(q, k, v, is_causal=True, alpha=alpha)
     if slots == 56:
-        assert _err(_triton_attention(q, k, v, is_causal=True, alpha=alpha), expected) <= 1e-5
+        assert _err(triton_attention(q, k, v, is_causal=True, alpha=alpha), expected) <= 1e-5
         return
     grad_out = torch.randn(1, 2, length, 16)
-    out, grads = _grads(lambda *t: _triton_attention(*t, is_causal=True, alpha=alpha),
+    out, grads = _grads(lambda *t: triton_attention(*t, is_causal=True, alpha=alpha),
                         [q, k, v], grad_out)
     _, ref_grads = _grads(lambda *t: reference_attention(*t, is_causal=True, alpha=alpha),
                           [t.double() for t in (q, k, v)], grad_out)
@@ -704,7 +701,7 @@ def test_evenly_spread_scores(alpha):
     lq, lk = 20, 257
     scores = torch.linspace(0.0, 3.0, lk).repeat(lq, 1) + torch.rand(lq, lk) * 1e-3
     q, k, v = _inputs(1, 1, 1, lq, lk, 16, torch.float32)
-    out = _triton_attention(q * 0, k, v, attn_mask=scores, alpha=alpha)
+    out = triton_attention(q * 0, k, v, attn_mask=scores, alpha=alpha)
     assert _err(out, oracle_attention(q * 0, k, v, attn_mask=scores, alpha=alpha)) <= 1e-5
 
 
@@ -714,7 +711,7 @@ def test_alpha_near_one(alpha):
     float32 has few digits left; the kernels keep c = tau + 1 and log1p of the base."""
     q, k, v = _inputs(1, 2, 2, 40, 63, 16, torch.float32)
     grad_out = torch.randn(1, 2, 40, 16)
-    out, grads = _grads(lambda *t: _triton_attention(*t, is_causal=True, alpha=alpha),
+    out, grads = _grads(lambda *t: triton_attention(*t, is_causal=True, alpha=alpha),
                         [q, k, v], grad_out)
     _, ref_grads = _grads(lambda *t: reference_attention(*t, is_causal=True, alpha=alpha),
                           [t.double() for t in (q, k, v)], grad_out)
@@ -728,8 +725,8 @@ def _check_causal_gqa(alpha):
     many heads as blocks on neither grid) against float64; returns its launch geometry."""
     q, k, v = _inputs(2, 4, 2, 70, 90, 16, torch.float32)
     grad_out = torch.randn(2, 4, 70, 16)
-    out, grads = _grads(lambda *t: _triton_attention(*t, is_causal=True, enable_gqa=True,
-                                                     alpha=alpha), [q, k, v], grad_out)
+    out, grads = _grads(lambda *t: triton_attention(*t, is_causal=True, enable_gqa=True,
+                                                    alpha=alpha), [q, k, v], grad_out)
     ref_out, ref_grads = _grads(lambda *t: reference_attention(*t, is_causal=True,
                                                                enable_gqa=True, alpha=alpha),
                                 [t.double() for t in (q, k, v)], grad_out)
@@ -816,7 +813,7 @@ def test_dq_takes_the_head_dim_chunk_of_its_architecture(monkeypatch):
     grad_out = torch.randn(1, 2, 40, 128).to(dtype)
     assert tri._Geometry(q, k, v, None, None, 0, 0, False).block_ec["dq"] == \
         attention_common.chunk_width("dq", 128, tri.DTYPE_KEYS[dtype], tri._arch(q.device))
-    _, grads = _grads(lambda *t: _triton_attention(*t, is_causal=True, alpha=1.5), [q, k, v],
+    _, grads = _grads(lambda *t: triton_attention(*t, is_causal=True, alpha=1.5), [q, k, v],
                       grad_out)
     _, base_grads = _grads(lambda *t: _plain_torch_attention(*t, True, 1.5), [q, k, v],
                            grad_out)
@@ -844,7 +841,7 @@ def test_dq_in_the_dkdv_kernel(monkeypatch, dq_mode, b, h, hkv, lq, lk, e, alpha
     def run(fn, *t):
         return fn(*t, attn_mask=mask, is_causal=is_causal, enable_gqa=True, alpha=alpha)
 
-    out, grads = _grads(lambda *t: run(_triton_attention, *t), [q, k, v], grad_out)
+    out, grads = _grads(lambda *t: run(triton_attention, *t), [q, k, v], grad_out)
     _, ref_grads = _grads(lambda *t: run(reference_attention, *t),
                           [t.double() for t in (q, k, v)], grad_out)
     assert tri._dq_mode(tri._Geometry(q, k, v, None, None, 0, 0, False), False) == dq_mode
@@ -877,7 +874,7 @@ def test_dq_in_the_dkdv_kernel_varlen_and_dropout(monkeypatch, dq_mode):
 
     def dropout(*t):
         torch.manual_seed(11)
-        return _triton_attention(*t, dropout_p=0.3, enable_gqa=True, alpha=1.25)
+        return triton_attention(*t, dropout_p=0.3, enable_gqa=True, alpha=1.25)
 
     monkeypatch.setattr(attention_common, "INTERPRETER_BLOCKS", (32, 16))
     expected = [_grads(varlen, packed, packed_grad)[1], _grads(dropout, dense, dense_grad)[1]]
@@ -957,7 +954,7 @@ def test_sequences_longer_than_a_grid_holds_are_refused(side):
     q = torch.randn(1, 1, 1, 16).expand(1, 1, lq, 16)
     k = torch.randn(1, 1, 1, 16).expand(1, 1, lk, 16)
     with pytest.raises(ValueError, match=f"at most {long - 1} {side} positions .* got {long}"):
-        _triton_attention(q, k, k, alpha=1.5)
+        triton_attention(q, k, k, alpha=1.5)
 
 
 def test_backward_launches_take_the_register_caps_the_aot_check_compiles(monkeypatch):
@@ -977,7 +974,7 @@ def test_backward_launches_take_the_register_caps_the_aot_check_compiles(monkeyp
         monkeypatch.setattr(attention_bwd, f"entmax_attn_bwd_{name}_kernel", recorder)
     q, k, v = _inputs(1, 2, 2, 70, 70, 16, torch.float32)
     grad_out = torch.randn(1, 2, 70, 16)
-    _, grads = _grads(lambda *t: _triton_attention(*t, is_causal=True, alpha=1.5), [q, k, v],
+    _, grads = _grads(lambda *t: triton_attention(*t, is_causal=True, alpha=1.5), [q, k, v],
                       grad_out)
     _, ref_grads = _grads(lambda *t: reference_attention(*t, is_causal=True, alpha=1.5),
                           [t.double() for t in (q, k, v)], grad_out)
@@ -995,6 +992,6 @@ def test_ordered_dq_repeats_bit_for_bit(monkeypatch):
                         lambda *args: attention_common.DQ_ORDERED)
     q, k, v = _inputs(2, 8, 8, 1024, 1024, 64, torch.bfloat16)
     grad_out = torch.randn(2, 8, 1024, 64, dtype=torch.bfloat16)
-    first, second = (_grads(lambda *t: _triton_attention(*t, is_causal=True, alpha=1.5),
+    first, second = (_grads(lambda *t: triton_attention(*t, is_causal=True, alpha=1.5),
                             [q, k, v], grad_out)[1][0] for _ in range(2))
     assert torch.equal(first, second)
