@@ -3,6 +3,7 @@ expected vs got. Value checks on tensors never sync a GPU (``torch._assert_async
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -25,16 +26,61 @@ def check_dim(name: str, tensor: torch.Tensor, dim: int) -> int:
     return dim % tensor.dim()
 
 
-def _assert_values(condition: torch.Tensor, message: str) -> None:
+def _assert_values(condition: torch.Tensor, message: str, got=None) -> None:
     """Raise ValueError eagerly on CPU; on GPUs and under torch.compile check without a
-    host sync (the error then surfaces asynchronously)."""
+    host sync (the error then surfaces asynchronously). ``got``: an optional callable whose
+    text ends the CPU message (the offending values, read only once the check failed)."""
     if condition.device.type == "meta":
         return
     if condition.device.type == "cpu" and not torch.compiler.is_compiling():
         if not bool(condition.all()):
-            raise ValueError(message)
+            raise ValueError(message if got is None else f"{message}, got {got()}")
     else:
         torch._assert_async(condition.all(), message)
+
+
+def check_like(names, tensors, ref_name: str, ref: torch.Tensor, prefix: str = "") -> None:
+    """Every tensor has ``ref``'s dtype (else TypeError, as a mixed-dtype SDPA call fails)
+    and device (else ValueError)."""
+    for name, tensor in zip(names, tensors):
+        if tensor.dtype != ref.dtype:
+            raise TypeError(f"{prefix}{name} must have {ref_name}'s dtype {ref.dtype}, got {tensor.dtype}")
+        if tensor.device != ref.device:
+            raise ValueError(f"{prefix}{name} must be on {ref_name}'s device {ref.device}, got {tensor.device}")
+
+
+def check_gqa_heads(heads: int, kv_heads: int, enable_gqa: bool, prefix: str = "") -> None:
+    """Query heads against key/value heads: equal, or with ``enable_gqa`` a divisor."""
+    if kv_heads == heads:
+        return
+    if not enable_gqa:
+        raise ValueError(f"{prefix}key/value have {kv_heads} heads but query has {heads}; pass enable_gqa=True "
+                         "for grouped-query attention")
+    if kv_heads == 0 or heads % kv_heads != 0:
+        raise ValueError(f"{prefix}query heads ({heads}) must be divisible by key/value heads ({kv_heads}) "
+                         "for grouped-query attention")
+
+
+def check_scale(scale, prefix: str = ""):
+    """An attention's score scale: None (the caller's default) or a finite real number.
+    0 and negative values are accepted, as SDPA accepts them: the scores are scale·QKᵀ (0
+    scores every key alike; a negative scale is the positive one with the query negated)."""
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, (numbers.Real, torch.Tensor)) or (
+            isinstance(scale, torch.Tensor) and (scale.numel() != 1 or scale.is_complex())):
+        raise TypeError(f"{prefix}scale must be a real number or None, got {type(scale).__name__}")
+    value = float(scale)
+    if not math.isfinite(value):
+        raise ValueError(f"{prefix}scale must be a finite number or None, got {value}")
+    return value
+
+
+def check_dropout(dropout_p, prefix: str = "") -> float:
+    value = float(dropout_p)
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{prefix}dropout_p must be in [0, 1), got {dropout_p}")
+    return value
 
 
 def check_alpha_float(alpha: float, minimum: float, inclusive: bool, what: str = "alpha") -> float:

@@ -32,8 +32,8 @@ import math
 import torch
 
 from . import dispatch
-from ._validation import (_assert_values, check_alpha_float, check_alpha_tensor, check_backend_dtype, check_floating,
-                          once_differentiable_grads)
+from ._validation import (_assert_values, check_alpha_float, check_alpha_tensor, check_backend_dtype, check_dropout,
+                          check_floating, check_gqa_heads, check_like, check_scale, once_differentiable_grads)
 from .common import GRAD_ALPHA, GRAD_INPUTS, GRAD_NONE, alpha_vector
 from .reference.attention import is_empty_attention, zero_attention
 
@@ -127,20 +127,10 @@ class AttentionVarlenFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, dalpha, None, None, None
 
 
-def _check_like(names, tensors, ref_name, ref):
-    for name, tensor in zip(names, tensors):
-        if tensor.dtype != ref.dtype:
-            raise TypeError(f"{name} must have {ref_name}'s dtype {ref.dtype}, got {tensor.dtype}")
-        if tensor.device != ref.device:
-            raise ValueError(f"{name} must be on {ref_name}'s device {ref.device}, got {tensor.device}")
-
-
 def _check_dropout_scale_alpha(dropout_p, scale, alpha, heads, like):
     """Checks shared by the attention forms; returns alpha as a float or the tensor."""
-    if not 0.0 <= float(dropout_p) < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if scale is not None and not (math.isfinite(float(scale)) and float(scale) > 0):
-        raise ValueError(f"scale must be a finite number > 0 or None, got {scale}")
+    check_dropout(dropout_p)
+    check_scale(scale)
     if isinstance(alpha, torch.Tensor):
         if alpha.dim() > 1 or (alpha.dim() == 1 and alpha.shape[0] != heads):
             raise ValueError(f"alpha must be a float, a 0-d tensor or a tensor of shape (H,) = ({heads},), "
@@ -155,7 +145,7 @@ def _check_attention_args(query, key, value, attn_mask, dropout_p, scale, enable
         check_floating(name, tensor)
         if tensor.dim() != 4:
             raise ValueError(f"{name} must be 4-D (B, H, L, E), got shape {tuple(tensor.shape)}")
-    _check_like(("key", "value"), (key, value), "query", query)
+    check_like(("key", "value"), (key, value), "query", query)
     if key.shape[0] != query.shape[0] or value.shape[0] != query.shape[0]:
         raise ValueError(f"query, key and value must have the same batch size, got {query.shape[0]}, "
                          f"{key.shape[0]}, {value.shape[0]}")
@@ -165,14 +155,8 @@ def _check_attention_args(query, key, value, attn_mask, dropout_p, scale, enable
         raise ValueError(f"value's length (dim -2) must equal key's {key.shape[-2]}, got {value.shape[-2]}")
     if value.shape[1] != key.shape[1]:
         raise ValueError(f"key and value must have the same number of heads, got {key.shape[1]} and {value.shape[1]}")
-    heads, kv_heads = query.shape[1], key.shape[1]
-    if kv_heads != heads:
-        if not enable_gqa:
-            raise ValueError(f"key/value have {kv_heads} heads but query has {heads}; pass enable_gqa=True "
-                             "for grouped-query attention")
-        if heads % kv_heads != 0:
-            raise ValueError(f"query heads ({heads}) must be divisible by key/value heads ({kv_heads}) "
-                             "for grouped-query attention")
+    heads = query.shape[1]
+    check_gqa_heads(heads, key.shape[1], enable_gqa)
     if attn_mask is not None:
         if not isinstance(attn_mask, torch.Tensor):
             raise TypeError(f"attn_mask must be a tensor or None, got {type(attn_mask).__name__}")
@@ -200,7 +184,9 @@ def entmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
             (B, H, Lq, Lk). May be combined with ``is_causal``.
         dropout_p: dropout on the attention weights (training only; pass 0 in eval).
         is_causal: top-left aligned causal mask (module docstring draws it).
-        scale: score scale, default 1/sqrt(E).
+        scale: score scale, default 1/sqrt(E); any finite number, as in SDPA: 0 scores every
+            key alike (uniform weights over the unmasked keys, for every α), a negative scale
+            is the positive one with the query negated.
         enable_gqa: allow Hkv < H with H divisible by Hkv (grouped-query attention).
         alpha: float ≥ 1 or tensor of shape (H,) (per head, learnable: it gets a gradient).
             1 is softmax attention, 1.5 is 1.5-entmax, 2 is sparsemax.
@@ -261,8 +247,8 @@ def entmax_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     Sequence b holds the queries ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and attends only to
     the keys ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` (1-D int32 offsets, B + 1 entries);
     ``max_seqlen_q``/``max_seqlen_k`` (python ints) bound every length. H must be divisible by
-    Hkv (GQA). ``is_causal`` is top-left aligned within each sequence. ``alpha`` as in
-    :func:`entmax_attention`. CUDA tensors run the fused Triton kernel; elsewhere the
+    Hkv (GQA). ``is_causal`` is top-left aligned within each sequence. ``scale`` and ``alpha``
+    as in :func:`entmax_attention`. CUDA tensors run the fused Triton kernel; elsewhere the
     reference loops over the sequences.
 
     The offsets are validated: they must start at 0, never decrease, end at total_q
@@ -275,11 +261,11 @@ def entmax_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
         check_floating(name, tensor)
         if tensor.dim() != 3:
             raise ValueError(f"{name} must be 3-D (total_tokens, H, E), got shape {tuple(tensor.shape)}")
-    _check_like(("k", "v"), (k, v), "q", q)
+    check_like(("k", "v"), (k, v), "q", q)
     if k.shape[-1] != q.shape[-1] or v.shape[0] != k.shape[0] or v.shape[1] != k.shape[1]:
         raise ValueError(f"k must be (total_k, Hkv, {q.shape[-1]}) and v (total_k, Hkv, Ev) with the same "
                          f"total_k and Hkv, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    if q.shape[1] % k.shape[1] != 0:
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"q heads ({q.shape[1]}) must be divisible by k/v heads ({k.shape[1]})")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 2:

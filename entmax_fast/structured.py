@@ -23,7 +23,8 @@ import math
 import torch
 
 from . import dispatch
-from ._validation import check_floating
+from ._validation import (_assert_values, check_dropout, check_floating, check_gqa_heads, check_like,
+                          check_scale)
 from .backends.reference import ops as _reference_backend
 from .common import compute_dtype
 from .reference import structured as _reference
@@ -82,11 +83,22 @@ _REFERENCE_BACKWARD = {"fusedmax": _reference_backend.fusedmax_backward,
 # ---------------------------------------------------------------------------------------
 # Public mappings.
 
+def _check_lengths_range(name: str, X, dim: int, lengths) -> None:
+    """lengths in [0, n], checked here once for every backend: a ValueError on CPU, a
+    device-side assertion without a host sync on CUDA (whose operators would otherwise clamp
+    lengths to [0, n], while the C++ CPU ones raise a RuntimeError)."""
+    if lengths is None or lengths.numel() == 0:
+        return
+    n = X.shape[dim]
+    _assert_values((lengths >= 0) & (lengths <= n), f"{name}: lengths must lie in [0, {n}] (the size of dim {dim})",
+                   got=lambda: f"values in [{int(lengths.min())}, {int(lengths.max())}]")
+
+
 def _structured(name: str, X, reg, reg_name: str, dim: int, lengths):
-    # The lengths range is checked inside the implementations, except by the CUDA operators,
-    # where the check would need a host sync: they clamp lengths to [0, n]. NaN or +inf scores
-    # are not an error on any backend: their rows get NaN weights (torch.softmax's rule).
+    # NaN or +inf scores are not an error on any backend: their rows get NaN weights
+    # (torch.softmax's rule).
     _reference.check_mapping_args(name, X, reg, reg_name, dim, lengths, check_values=False)
+    _check_lengths_range(name, X, dim, lengths)
     if X.dim() == 2 and dim % 2 == 1 and X.dtype == compute_dtype(X.dtype):
         # Rows already: each view below would be one more autograd node, and on a GPU a
         # small call's time is the host's (fusedmax 1024x512 fp32 on an H100, commit
@@ -144,17 +156,22 @@ def fusedmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
 
     Same arguments as ``torch.nn.functional.scaled_dot_product_attention``:
     query (B, H, Lq, E), key (B, Hkv, Lk, E), value (B, Hkv, Lk, Ev) -> (B, H, Lq, Ev)
-    (any leading dims). ``attn_mask``: bool (True = attend) or float (added to the scores),
-    broadcastable to (B, H, Lq, Lk); masked keys are skipped by the fused chain.
+    (any leading dims, broadcast as in SDPA; one key/value head serves every query head).
+    query, key and value share one dtype. Hkv ≠ H (other than 1) needs ``enable_gqa=True``
+    and H divisible by Hkv. ``attn_mask``: bool (True = attend) or float (added to the
+    scores), broadcastable to (B, H, Lq, Lk); masked keys are skipped by the fused chain.
     ``is_causal`` is top-left aligned, for Lq != Lk too — query i sees keys j <= i (drawn in
-    ``entmax_fast.attention``'s docstring). A query row with every key masked gets zero weights and a zero output.
+    ``entmax_fast.attention``'s docstring); with ``attn_mask`` too, a key must pass both.
+    ``scale``: default 1/sqrt(E); any finite number, as in SDPA (0 scores every key alike,
+    which gives uniform weights over the unmasked keys). A query row with every key masked
+    gets zero weights and a zero output.
 
     Memory: the scores are materialised one query chunk at a time (at most 4M entries per
     chunk), not fused into a flash-style kernel; autograd keeps every chunk's weights, so
     training memory is O(B·H·Lq·Lk).
     """
     _check_reg("fusedmax_attention", lam, "lam")
-    _check_attention_tensors("fusedmax_attention", query, key, value, attn_mask)
+    _check_attention_args("fusedmax_attention", query, key, value, attn_mask, dropout_p, scale, enable_gqa)
     return _reference.structured_attention(lambda scores: fusedmax(scores, lam, dim=-1), query, key, value,
                                            attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
@@ -167,32 +184,47 @@ def oscarmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
     materialised one query chunk at a time).
     """
     _check_reg("oscarmax_attention", beta, "beta")
-    _check_attention_tensors("oscarmax_attention", query, key, value, attn_mask)
+    _check_attention_args("oscarmax_attention", query, key, value, attn_mask, dropout_p, scale, enable_gqa)
     return _reference.structured_attention(lambda scores: oscarmax(scores, beta, dim=-1), query, key, value,
                                            attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
-def _check_attention_tensors(name: str, query, key, value, attn_mask) -> None:
-    """Shapes and dtypes of the structured attention's tensors, with the argument named
-    (instead of a broadcast error from deep inside the scores)."""
+def _check_attention_args(name: str, query, key, value, attn_mask, dropout_p, scale, enable_gqa) -> None:
+    """The structured attention's arguments, with the argument named (instead of a broadcast
+    error from deep inside the scores); the rules and messages of ``entmax_attention``,
+    widened to its leading dims broadcast as in SDPA."""
+    prefix = f"{name}: "
     for arg, tensor in (("query", query), ("key", key), ("value", value)):
         check_floating(f"{name}: {arg}", tensor)
         if tensor.dim() < 2:
             raise ValueError(f"{name}: {arg} must have at least 2 dims (..., L, E), got shape {tuple(tensor.shape)}")
+    check_like(("key", "value"), (key, value), "query", query, prefix)
     if key.shape[-1] != query.shape[-1]:
         raise ValueError(f"{name}: key's last dim (E) must equal query's {query.shape[-1]}, got {key.shape[-1]}")
     if value.shape[-2] != key.shape[-2]:
         raise ValueError(f"{name}: value's length (dim -2) must equal key's {key.shape[-2]}, got {value.shape[-2]}")
+    check_dropout(dropout_p, prefix)
+    check_scale(scale, prefix)
+    leading = [tuple(query.shape[:-2])]
+    for tensor in (key, value):
+        shape = list(tensor.shape[:-2])
+        if query.dim() >= 3 and tensor.dim() >= 3 and shape[-1] != 1:
+            check_gqa_heads(query.shape[-3], shape[-1], enable_gqa, prefix)
+            shape[-1] = query.shape[-3]  # after the grouped heads are repeated
+        leading.append(tuple(shape))
+    try:
+        leading = torch.broadcast_shapes(*leading)
+    except RuntimeError:
+        raise ValueError(f"{name}: query, key and value must have broadcastable leading dims (..., H), got shapes "
+                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}") from None
     if attn_mask is None:
         return
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"{name}: attn_mask must be a tensor or None, got {type(attn_mask).__name__}")
     if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
         raise TypeError(f"{name}: attn_mask must be bool or floating point, got {attn_mask.dtype}")
-    try:
-        leading = torch.broadcast_shapes(query.shape[:-2], key.shape[:-2])
-    except RuntimeError:
-        leading = query.shape[:-2]
+    if attn_mask.device != query.device:
+        raise ValueError(f"{name}: attn_mask must be on query's device {query.device}, got {attn_mask.device}")
     target = (*leading, query.shape[-2], key.shape[-2])
     try:
         fits = torch.broadcast_shapes(attn_mask.shape, target) == target

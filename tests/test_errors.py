@@ -45,8 +45,9 @@ def test_mapping_errors(call, error, match):
     (lambda q, k, v: (q, k, v, {"alpha": torch.tensor([float("inf"), 1.5])}), ValueError,
      r"alpha must be finite and >= 1"),
     (lambda q, k, v: (q, k, v, {"alpha": torch.ones(3)}), ValueError, r"shape \(H,\) = \(2,\)"),
-    (lambda q, k, v: (q, k, v, {"scale": 0.0}), ValueError, "scale must be a finite number > 0"),
-    (lambda q, k, v: (q, k, v, {"scale": -1.0}), ValueError, "scale must be a finite number > 0"),
+    (lambda q, k, v: (q, k, v, {"scale": float("nan")}), ValueError, "scale must be a finite number or None"),
+    (lambda q, k, v: (q, k, v, {"scale": -float("inf")}), ValueError, "scale must be a finite number or None"),
+    (lambda q, k, v: (q, k, v, {"scale": "0.5"}), TypeError, "scale must be a real number or None"),
     (lambda q, k, v: (q, k, v, {"dropout_p": 1.0}), ValueError, r"dropout_p must be in \[0, 1\)"),
     (lambda q, k, v: (q, k, v, {"attn_mask": torch.ones(4, 4, dtype=torch.bool)}), ValueError,
      "attn_mask must be broadcastable"),
@@ -67,3 +68,32 @@ def test_gqa_head_errors():
     with pytest.raises(ValueError, match="pass enable_gqa=True"):
         entmax_fast.entmax_attention(q, k, v)
     assert entmax_fast.entmax_attention(q, k, v, enable_gqa=True).shape == (1, 4, 4, 8)
+
+
+def test_gqa_heads_without_key_heads():
+    q, k, v = _qkv(h=4, hkv=0)
+    with pytest.raises(ValueError, match=r"query heads \(4\) must be divisible by key/value heads \(0\)"):
+        entmax_fast.entmax_attention(q, k, v, enable_gqa=True)
+
+
+@pytest.mark.parametrize("attention", [entmax_fast.fusedmax_attention, entmax_fast.oscarmax_attention])
+def test_structured_attention_errors(attention):
+    # The rules and messages of entmax_attention, prefixed with the op's name.
+    name = attention.__name__
+    q, k, v = _qkv(h=4, hkv=2)
+    with pytest.raises(ValueError, match=f"{name}: key/value have 2 heads but query has 4; pass enable_gqa=True"):
+        attention(q, k, v)
+    q, k, v = _qkv(h=3, hkv=2)
+    with pytest.raises(ValueError, match=rf"{name}: query heads \(3\) must be divisible by key/value heads \(2\)"):
+        attention(q, k, v, enable_gqa=True)
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match=f"{name}: key must have query's dtype torch.float32, got torch.float64"):
+        attention(q, k.double(), v.double())
+    with pytest.raises(TypeError, match=f"{name}: value must have query's dtype torch.float32, got torch.float64"):
+        attention(q, k, v.double())
+    with pytest.raises(ValueError, match=f"{name}: query, key and value must have broadcastable leading dims"):
+        attention(torch.cat([q, q]), torch.cat([k, k, k]), torch.cat([v, v, v]))
+    with pytest.raises(ValueError, match=f"{name}: scale must be a finite number or None, got nan"):
+        attention(q, k, v, scale=float("nan"))
+    with pytest.raises(ValueError, match=rf"{name}: dropout_p must be in \[0, 1\)"):
+        attention(q, k, v, dropout_p=1.0)

@@ -154,7 +154,7 @@ def test_sparse_kinds_give_exact_zeros():
     assert (weights == 0).float().mean() > 0.2
 
 
-@pytest.mark.parametrize("attention", ["entmax15", "learned", "softmax"])
+@pytest.mark.parametrize("attention", ["entmax15", "learned", "softmax", "fusedmax"])
 def test_causal_hint_matches_explicit_mask(attention):
     torch.manual_seed(5)
     module = MultiheadEntmaxAttention(EMBED, HEADS, batch_first=True, attention=attention, dtype=torch.float64)
@@ -168,6 +168,30 @@ def test_causal_hint_matches_explicit_mask(attention):
     torch.testing.assert_close(with_hint, with_mask, **ORACLE_TOL)
     torch.testing.assert_close(with_weights, with_mask, **ORACLE_TOL)
     assert torch.all(weights.masked_select(causal.view(1, 6, 6).expand_as(weights)) == 0)
+
+
+def test_fusedmax_encoder_with_causal_mask_hint_and_padding():
+    # nn.TransformerEncoder's standard causal call: mask, is_causal=True and a padding mask
+    # together (the hint sends fusedmax_attention both the padding mask and is_causal).
+    torch.manual_seed(11)
+    layer = nn.TransformerEncoderLayer(EMBED, HEADS, dim_feedforward=16, dropout=0.0, batch_first=True,
+                                       dtype=torch.float64)
+    encoder = replace_attention(nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False),
+                                attention="fusedmax", lam=0.2)
+    x = torch.randn(2, 6, EMBED, dtype=torch.float64, requires_grad=True)
+    causal = torch.ones(6, 6, dtype=torch.bool).triu(1)
+    padding = torch.zeros(2, 6, dtype=torch.bool)
+    padding[1, 4:] = True
+    with_hint = encoder(x, mask=causal, src_key_padding_mask=padding, is_causal=True)
+    with_mask = encoder(x, mask=causal, src_key_padding_mask=padding)
+    torch.testing.assert_close(with_hint, with_mask, **ORACLE_TOL)
+    # Causal and padded: position i of sequence 1 depends only on its own unpadded prefix (a
+    # random weighting of the features: their plain sum is constant after the LayerNorm).
+    weighting = torch.randn(EMBED, dtype=torch.float64)
+    grad, = torch.autograd.grad((with_hint[1, 2] * weighting).sum(), x, retain_graph=True)
+    assert torch.all(grad[0] == 0) and torch.all(grad[1, 3:] == 0) and torch.all(grad[1, :3].abs().sum(-1) > 0)
+    grad, = torch.autograd.grad((with_hint[1, 5] * weighting).sum(), x)
+    assert torch.all(grad[1, 4] == 0) and torch.all(grad[1, :4].abs().sum(-1) > 0)
 
 
 def test_fully_masked_query_gives_zeros_and_zero_gradients():

@@ -310,8 +310,15 @@ def test_bad_input_errors(kind, reg_name, backend):
         fn(X, torch.tensor(0.1))
     with pytest.raises(ValueError, match=r"lengths must have shape \(2,\) .* got \(2, 1\)"):
         fn(X, 0.1, lengths=torch.tensor([[1], [2]]))
-    with pytest.raises((ValueError, RuntimeError), match=r"lengths must lie in \[0, 4\]"):
+    # One type on every backend: the C++ operators' own check (a RuntimeError) is not reached.
+    with pytest.raises(ValueError, match=r"lengths must lie in \[0, 4\] \(the size of dim -1\), got values in \[1, 5\]"):
         fn(X, 0.1, lengths=torch.tensor([1, 5]))
+    with pytest.raises(ValueError, match=r"lengths must lie in \[0, 4\] \(the size of dim -1\), got values in \[-1, 2\]"):
+        fn(X, 0.1, lengths=torch.tensor([2, -1], dtype=torch.int32))
+    with pytest.raises(IndexError, match=r"dim must be in \[-2, 1\]"):
+        fn(X, 0.1, dim=2)
+    with pytest.raises(TypeError, match="dim must be an int, got float"):
+        fn(X, 0.1, dim=1.0)
     with pytest.raises(TypeError, match="lengths must have an integer dtype"):
         fn(X, 0.1, lengths=torch.tensor([1.0, 2.0]))
     with pytest.raises(TypeError, match="X must have a floating dtype"):
@@ -457,6 +464,71 @@ def test_attention_matches_dense(kind, masking, backend, request):
         torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", MAPPINGS)
+@pytest.mark.parametrize("masking", ["bool", "float"])
+def test_attention_mask_and_causal_together(kind, masking, backend, request):
+    # As entmax_attention and SDPA: a key is attended when the mask and the causal rule both
+    # allow it (a float mask is added, then the causal keys are -inf).
+    if backend == "reference":
+        request.getfixturevalue("force_reference")
+    attention = S.fusedmax_attention if kind == "fused" else S.oscarmax_attention
+    reg_kw = {"lam": 0.3} if kind == "fused" else {"beta": 0.05}
+    q = torch.randn(2, 2, 6, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 5, 4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, 5, 3, dtype=torch.float64, requires_grad=True)
+    if masking == "bool":
+        mask = torch.rand(2, 1, 6, 5) > 0.3
+        mask[0, 0, 3] = False  # a query row the mask empties
+        mask[1, 0, 2, :3] = False  # a row whose causal keys the mask all removes
+    else:
+        mask = torch.randn(1, 2, 6, 5, dtype=torch.float64)
+    out = attention(q, k, v, attn_mask=mask, is_causal=True, **reg_kw)
+    causal = torch.ones(6, 5, dtype=torch.bool).tril()
+    explicit = mask & causal if masking == "bool" else mask.masked_fill(~causal, NEG_INF)
+    expected = dense_attention(kind, q, k, v, next(iter(reg_kw.values())), explicit)
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+    if masking == "bool":
+        assert (out[0, :, 3] == 0).all() and (out[1, :, 2] == 0).all()
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", MAPPINGS)
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_attention_gqa_equals_repeated_heads(kind, kv_heads, backend, request):
+    # enable_gqa as in entmax_attention: key/value head g serves query heads
+    # g·H/Hkv ... (g+1)·H/Hkv − 1; the gradients of a shared head add up over its group.
+    if backend == "reference":
+        request.getfixturevalue("force_reference")
+    attention = S.fusedmax_attention if kind == "fused" else S.oscarmax_attention
+    reg_kw = {"lam": 0.2} if kind == "fused" else {"beta": 0.05}
+    q = torch.randn(2, 4, 5, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, kv_heads, 6, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, kv_heads, 6, 3, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(5, 6) > 0.3
+    out = attention(q, k, v, attn_mask=mask, enable_gqa=True, **reg_kw)
+    group = 4 // kv_heads
+    expected = attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=mask, **reg_kw)
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+    dense = dense_attention(kind, q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                            next(iter(reg_kw.values())), mask)
+    torch.testing.assert_close(out, dense, atol=1e-12, rtol=0)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    expected_grads = torch.autograd.grad(dense.square().sum(), (q, k, v))
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
+    if kv_heads == 1:
+        # One key/value head broadcasts over the query heads without enable_gqa, as in SDPA.
+        torch.testing.assert_close(attention(q, k, v, attn_mask=mask, **reg_kw), dense, atol=1e-12, rtol=0)
+    else:
+        with pytest.raises(ValueError, match="key/value have 2 heads but query has 4; pass enable_gqa=True"):
+            attention(q, k, v, attn_mask=mask, **reg_kw)
+
+
 def test_attention_chunks_gqa_and_dropout():
     q = torch.randn(1, 4, 9, 8, dtype=torch.float64)
     k = torch.randn(1, 2, 6, 8, dtype=torch.float64)
@@ -470,7 +542,7 @@ def test_attention_chunks_gqa_and_dropout():
     assert dropped.shape == (1, 4, 9, 5) and torch.isfinite(dropped).all()
     with pytest.raises(ValueError, match="lam must be finite and >= 0"):
         S.fusedmax_attention(q, k, v, enable_gqa=True, lam=-1.0)
-    with pytest.raises(ValueError, match="multiple of the key/value heads"):
+    with pytest.raises(ValueError, match=r"query heads \(4\) must be divisible by key/value heads \(3\)"):
         S.fusedmax_attention(q, torch.randn(1, 3, 6, 8, dtype=torch.float64),
                              torch.randn(1, 3, 6, 5, dtype=torch.float64), enable_gqa=True)
 

@@ -52,15 +52,19 @@ __all__ = [
 # Argument checks (shared with the public module).
 
 def check_mapping_args(name: str, X, reg, reg_name: str, dim: int, lengths, check_values: bool = True) -> None:
-    """Raise a ValueError/TypeError naming the bad argument, with expected vs got."""
+    """Raise a ValueError/TypeError (IndexError for ``dim``) naming the bad argument, with
+    expected vs got."""
     if not isinstance(X, torch.Tensor):
         raise TypeError(f"{name}: X must be a torch.Tensor, got {type(X).__name__}")
     if not X.is_floating_point():
         raise TypeError(f"{name}: X must have a floating dtype, got {X.dtype}")
     if X.dim() == 0:
         raise ValueError(f"{name}: X must have at least 1 dimension, got a 0-d tensor")
+    # The row-wise mappings' types (and torch.softmax's): TypeError, IndexError.
+    if not isinstance(dim, int):
+        raise TypeError(f"{name}: dim must be an int, got {type(dim).__name__}")
     if not -X.dim() <= dim < X.dim():
-        raise ValueError(f"{name}: dim must be in [{-X.dim()}, {X.dim() - 1}] for X of shape {tuple(X.shape)}, got {dim}")
+        raise IndexError(f"{name}: dim must be in [{-X.dim()}, {X.dim() - 1}] for X of shape {tuple(X.shape)}, got {dim}")
     if isinstance(reg, bool) or not isinstance(reg, numbers.Real):
         raise TypeError(f"{name}: {reg_name} must be a Python float >= 0, got {type(reg).__name__}")
     if not math.isfinite(float(reg)) or float(reg) < 0:
@@ -355,9 +359,10 @@ def structured_attention(mapping, query, key, value, attn_mask=None, dropout_p=0
 
     query (..., H, Lq, E), key (..., Hkv, Lk, E), value (..., Hkv, Lk, Ev) -> (..., H, Lq, Ev).
     ``attn_mask``: bool (True = attend) or float (added to the scores), broadcastable to
-    (..., H, Lq, Lk). ``is_causal``: top-left aligned, query i sees keys j <= i.
-    ``enable_gqa``: key/value heads are repeated to match the query heads.
-    Half-precision inputs are computed in float32.
+    (..., H, Lq, Lk). ``is_causal``: top-left aligned, query i sees keys j <= i; together
+    with ``attn_mask`` a key is attended when both allow it. ``enable_gqa``: key/value heads
+    are repeated to match the query heads. ``scale``: default 1/sqrt(E) (1 for E = 0, whose
+    scores are all 0). Half-precision inputs are computed in float32.
     """
     for arg_name, tensor in (("query", query), ("key", key), ("value", value)):
         if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2:
@@ -371,16 +376,15 @@ def structured_attention(mapping, query, key, value, attn_mask=None, dropout_p=0
                          f"and {value.shape[-2]}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"attention: dropout_p must be in [0, 1), got {dropout_p}")
-    if is_causal and attn_mask is not None:
-        raise ValueError("attention: pass either attn_mask or is_causal=True, not both")
-    if enable_gqa and query.dim() >= 3 and key.shape[-3] != query.shape[-3]:
-        heads, kv_heads = query.shape[-3], key.shape[-3]
-        if heads % kv_heads != 0:
-            raise ValueError(f"attention: with enable_gqa the query heads ({heads}) must be a multiple of the "
-                             f"key/value heads ({kv_heads})")
-        key, value = expand_heads(key, heads), expand_heads(value, heads)
+    if enable_gqa and query.dim() >= 3:
+        heads = query.shape[-3]
+        for kv in (key, value):
+            if kv.dim() >= 3 and kv.shape[-3] != heads and (kv.shape[-3] == 0 or heads % kv.shape[-3] != 0):
+                raise ValueError(f"attention: query heads ({heads}) must be divisible by key/value heads "
+                                 f"({kv.shape[-3]}) for grouped-query attention")
+        key, value = (expand_heads(kv, heads) if kv.dim() >= 3 else kv for kv in (key, value))
     if scale is None:
-        scale = 1.0 / math.sqrt(query.shape[-1])
+        scale = 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] > 0 else 1.0
     compute = compute_dtype(query.dtype)
     q, k, v = query.to(compute), key.to(compute), value.to(compute)
     mask = attn_mask
