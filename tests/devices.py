@@ -8,6 +8,7 @@ import contextlib
 import torch
 
 import entmax_fast
+from entmax_fast import dispatch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"
@@ -26,3 +27,10 @@ def triton_attention(*args, **kwargs):
     """entmax_fast.entmax_attention with the Triton backend forced."""
     with entmax_fast.use_backend("triton"):
         return entmax_fast.entmax_attention(*args, **kwargs)
+
+
+def cpu_backends(op):
+    """The backends that implement ``op`` and can run it on CPU tensors here (Triton only in
+    its interpreter, which conftest.py switches on when there is no GPU)."""
+    request = dispatch.Request(torch.device("cpu"), torch.float32, {})
+    return [name for name in dispatch.registered_ops()[op] if dispatch._runs_on(name, request) is None]
