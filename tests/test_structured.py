@@ -529,6 +529,19 @@ def test_attention_gqa_equals_repeated_heads(kind, kv_heads, backend, request):
             attention(q, k, v, attn_mask=mask, **reg_kw)
 
 
+@pytest.mark.parametrize("kind", MAPPINGS)
+def test_attention_empty_head_dim_scores_every_key_alike(kind):
+    # E = 0: the empty dot product scores every key 0, as entmax_attention has it (the
+    # default scale 1/sqrt(E) is then 1, not a division by zero).
+    attention = S.fusedmax_attention if kind == "fused" else S.oscarmax_attention
+    q, k = torch.randn(1, 2, 3, 0, dtype=torch.float64), torch.randn(1, 2, 4, 0, dtype=torch.float64)
+    v = torch.randn(1, 2, 4, 5, dtype=torch.float64)
+    out = attention(q, k, v, is_causal=True)
+    counts = torch.arange(1, 4, dtype=torch.float64).view(3, 1)
+    expected = v.cumsum(-2)[..., :3, :] / counts
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+
+
 def test_attention_chunks_gqa_and_dropout():
     q = torch.randn(1, 4, 9, 8, dtype=torch.float64)
     k = torch.randn(1, 2, 6, 8, dtype=torch.float64)
