@@ -2,9 +2,16 @@
 // GEMM into a per-thread (tile x Lk) buffer, each row's threshold is found while the row is
 // in cache, then P.V is a second GEMM. Only (max, mu) per query row is saved; the backward
 // recomputes P from them. Nothing of size B*H*Lq*Lk is ever allocated.
+//
+// Unlike the row-wise kernels, the tasks here call ATen ops (mm_out, addmm_, zero_) on the
+// outputs. at::parallel_for runs tasks on pool threads with those threads' own thread-local
+// state, not the caller's; under torch.inference_mode() the outputs are inference tensors,
+// and an in-place op on one from a thread outside inference mode raises. So every task runs
+// under the caller's state (at::wrapPropagateTLSState), as the calling thread's own share does.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -136,7 +143,7 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
   const T scale = static_cast<T>(scale_d);
   double* stats_ptr = stats.data_ptr<double>();
   const int64_t total = s.B * s.H * s.n_tiles;
-  at::parallel_for(0, total, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, total, 1, at::wrapPropagateTLSState([&](int64_t begin, int64_t end) {
     at::Tensor buffer = at::empty({kQueryTile * s.Lk}, q.options());
     RowWorkspace work(s.Lk);
     for (int64_t task = begin; task < end; ++task) {
@@ -171,7 +178,7 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
       }
       at::mm_out(out_tile, scores, v.select(0, b).select(0, hk).narrow(0, 0, kend));
     }
-  });
+  }));
 }
 
 // Returns (out in the input dtype, stats (B, H, Lq, 2) = (row max, mu) in float64).
@@ -215,7 +222,7 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
   const double* stats_ptr = stats.const_data_ptr<double>();
   // One task per (batch, key/value head): the query heads of a GQA group accumulate into
   // the same dK/dV, so they stay in one task and no two tasks write the same memory.
-  at::parallel_for(0, s.B * s.Hk, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, s.B * s.Hk, 1, at::wrapPropagateTLSState([&](int64_t begin, int64_t end) {
     at::Tensor prob_buffer = at::empty({kQueryTile * s.Lk}, q.options());
     at::Tensor grad_buffer = at::empty({kQueryTile * s.Lk}, q.options());
     std::vector<T> weights(s.Lk);
@@ -299,7 +306,7 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
         dalpha_part[b * s.H + h] = dalpha_acc;
       }
     }
-  });
+  }));
 }
 
 // Returns (dq, dk, dv) in the input dtype and dalpha (H,) in float64 ((0,) when not needed).
