@@ -6,6 +6,7 @@ Values enter through a function ``V(t) = B psi(t)`` with Gaussian RBFs
 at the positions :func:`sequence_positions` gives them.
 """
 
+import contextlib
 import math
 from typing import Optional, Sequence
 
@@ -93,12 +94,16 @@ class GaussianBasis1d(nn.Module):
         device = self.centers.device
         key = (length, device, dtype)
         if key not in self._fit_cache:
-            work = integration_dtype(device)
-            t = sequence_positions(length, dtype=work, device=device)
-            features = _gaussian_features(t, self.centers.to(work), self.variances.to(work))  # [L, N]
-            gram = features.T @ features + self.ridge * torch.eye(self.num_basis, dtype=work, device=device)
-            chol = torch.linalg.cholesky_ex(gram).L  # gram + ridge I is SPD; _ex skips the syncing check
-            self._fit_cache[key] = torch.cholesky_solve(features.T, chol).T.to(dtype)
+            # One cache serves calls in and out of inference mode. Built under inference mode,
+            # G would be an inference tensor, which a later call under autograd cannot save
+            # for backward; so it is always built as a normal tensor (the basis has no grad).
+            with torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext():
+                work = integration_dtype(device)
+                t = sequence_positions(length, dtype=work, device=device)
+                features = _gaussian_features(t, self.centers.to(work), self.variances.to(work))  # [L, N]
+                gram = features.T @ features + self.ridge * torch.eye(self.num_basis, dtype=work, device=device)
+                chol = torch.linalg.cholesky_ex(gram).L  # gram + ridge I is SPD; _ex skips the syncing check
+                self._fit_cache[key] = torch.cholesky_solve(features.T, chol).T.to(dtype)
         return self._fit_cache[key]
 
     def fit_weights(
