@@ -313,13 +313,12 @@ def test_op_under_context_matches_the_ordinary_call(case, backend, context):
 # --------------------------------------------------------------------------------------
 
 GRAPH_CASES = {
-    "entmax_attention": lambda q, k, v, x: entmax_fast.entmax_attention(q, k, v, is_causal=True),
-    "entmax_attention_alpha_per_head": lambda q, k, v, x: entmax_fast.entmax_attention(
-        q, k, v, alpha=torch.tensor([1.2, 1.5, 1.8, 2.0], device=q.device)),
-    "sparsemax": lambda q, k, v, x: entmax_fast.sparsemax(x),
-    "entmax15": lambda q, k, v, x: entmax_fast.entmax15(x),
+    "entmax_attention": lambda q, k, v, x, alpha: entmax_fast.entmax_attention(q, k, v, is_causal=True),
+    "entmax_attention_alpha_per_head": lambda q, k, v, x, alpha: entmax_fast.entmax_attention(q, k, v, alpha=alpha),
+    "sparsemax": lambda q, k, v, x, alpha: entmax_fast.sparsemax(x),
+    "entmax15": lambda q, k, v, x, alpha: entmax_fast.entmax15(x),
     # a float α without a closed form: the kernels read it from a tensor the graph fills
-    "entmax_bisect": lambda q, k, v, x: entmax_fast.entmax_bisect(x, 1.25),
+    "entmax_bisect": lambda q, k, v, x, alpha: entmax_fast.entmax_bisect(x, 1.25),
 }
 
 
@@ -328,7 +327,9 @@ GRAPH_CASES = {
 def test_cuda_graph_replay_matches_eager(name):
     fn = GRAPH_CASES[name]
     device = torch.device("cuda")
-    inputs = [torch.randn(2, 4, 128, 64, device=device) for _ in range(3)] + [torch.randn(64, 300, device=device)]
+    varying = [torch.randn(2, 4, 128, 64, device=device) for _ in range(3)] + [torch.randn(64, 300, device=device)]
+    # made before the capture: copying a host list to the device is not allowed while capturing
+    alpha = torch.tensor([1.2, 1.5, 1.8, 2.0], device=device)
     with torch.inference_mode():
         # Kernels are compiled (and every cache filled) before the capture, on a side stream,
         # as torch.cuda.graphs asks.
@@ -336,16 +337,16 @@ def test_cuda_graph_replay_matches_eager(name):
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                fn(*inputs)
+                fn(*varying, alpha)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = fn(*inputs)
+            captured = fn(*varying, alpha)
     for _ in range(2):
-        for tensor in inputs:
+        for tensor in varying:
             tensor.copy_(torch.randn_like(tensor))
         graph.replay()
         with torch.inference_mode():
-            eager = fn(*inputs)
+            eager = fn(*varying, alpha)
         torch.cuda.synchronize()
         torch.testing.assert_close(captured, eager)
