@@ -7,6 +7,10 @@ is ``∂H_α(p*)/∂α`` at fixed p* (α may be a tensor that requires grad).
 Twice differentiable: under ``create_graph=True`` the backward recomputes p* through the
 (twice differentiable) mapping, so Hessian-vector products see p*'s dependence on X and α.
 
+A −inf logit is a masked class, as in ``F.cross_entropy``: the loss, and the gradient on the
+other classes, are those of the row without it, its own gradient is 0, and a target on it
+gives +inf. (Its term of ``(p* − e_y)ᵀX`` is 0, not 0·(−inf) = NaN.)
+
 Targets are class indices in [0, n_classes): anything else raises (on a GPU without a host
 sync, asynchronously). The modules' ``ignore_index`` works as in ``F.cross_entropy``: those
 positions get loss 0 and are left out of the mean (default −100; ``entmax`` only honoured
@@ -86,7 +90,11 @@ class _FenchelYoungLoss(torch.autograd.Function):
                                                                           device=X.device))[0]
         else:
             regulariser = 1 - p.to(torch.float64).pow(alpha).sum(1).pow(1 / alpha)
-        loss = regulariser.to(X.dtype) + ((p - _one_hot(p, target)) * X).sum(1)
+        one_hot = _one_hot(p, target)
+        # A −inf logit has p = 0: a masked class adds nothing, unless it is the target, whose
+        # (0 − 1)·(−inf) = +inf is the loss. A row holding NaN or +inf keeps its NaN (p is NaN).
+        linear = torch.where(torch.isneginf(X) & (one_hot == 0), torch.zeros_like(X), (p - one_hot) * X)
+        loss = regulariser.to(X.dtype) + linear.sum(1)
         ctx.kind = kind
         ctx.alpha_float = None if isinstance(alpha, torch.Tensor) else alpha
         ctx.save_for_backward(X, alpha if isinstance(alpha, torch.Tensor) else None, target, p)
