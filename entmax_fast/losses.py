@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ._validation import _assert_values, check_floating, mapping_alpha
-from .mappings import _entmax, normmax_bisect
+from .mappings import _entmax, _row_parameter, normmax_bisect
 
 __all__ = [
     "sparsemax_loss", "sparsemax_bisect_loss", "entmax15_loss", "entmax_bisect_loss", "normmax_bisect_loss",
@@ -89,7 +89,7 @@ class _FenchelYoungLoss(torch.autograd.Function):
                                                         else torch.tensor(alpha, dtype=torch.float64,
                                                                           device=X.device))[0]
         else:
-            regulariser = 1 - p.to(torch.float64).pow(alpha).sum(1).pow(1 / alpha)
+            regulariser = (1 - p.to(torch.float64).pow(alpha).sum(1, keepdim=True).pow(1 / alpha)).squeeze(1)
         one_hot = _one_hot(p, target)
         # A −inf logit has p = 0: a masked class adds nothing, unless it is the target, whose
         # (0 − 1)·(−inf) = +inf is the loss. A row holding NaN or +inf keeps its NaN (p is NaN).
@@ -149,8 +149,10 @@ def entmax_bisect_loss(X, target, alpha=1.5, n_iter=50):
 
 
 def normmax_bisect_loss(X, target, alpha=2, n_iter=50):
-    """α-normmax Fenchel–Young loss: ``1 − ‖p*‖_α + (p* − e_y)ᵀX``."""
+    """α-normmax Fenchel–Young loss: ``1 − ‖p*‖_α + (p* − e_y)ᵀX``; ``alpha`` as
+    ``normmax_bisect`` takes it (a number > 1 or one per row, not differentiated)."""
     _check_loss_args(X, target)
+    alpha = _row_parameter("alpha", alpha, X, 1, "normmax_bisect_loss", minimum=1.0, inclusive=False)
     return _FenchelYoungLoss.apply(X, alpha, target, "normmax")
 
 

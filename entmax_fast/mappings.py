@@ -12,10 +12,12 @@ inputs give empty outputs. Double backward is exact.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import dispatch
-from ._validation import check_backend_dtype, check_dim, check_floating, check_scalar_parameter, mapping_alpha
+from ._validation import _assert_values, check_backend_dtype, check_dim, check_floating, mapping_alpha
 from .reference import mappings as _reference
 from .reference import normmax_budget as _reference_normmax_budget
 from .common import compute_dtype
@@ -132,9 +134,56 @@ def sparsemax_bisect(X, dim=-1, n_iter=50, ensure_sum_one=True):
     return _entmax(X, 2.0, dim)
 
 
+def _row_parameter(name: str, value, X: torch.Tensor, dim: int, what: str, minimum: float, inclusive: bool,
+                   maximum: float | None = None, maximum_name: str | None = None):
+    """normmax's α or budget-sparsemax's budget, taken as ``entmax`` 1.3 takes them: a number,
+    or a real tensor broadcastable to X's shape with size 1 along ``dim`` (one value per row,
+    per head, ...), as ``entmax_bisect``'s α.
+
+    Returns a float (a number, or a 0-d CPU tensor: reading it syncs no device), else the
+    tensor expanded to that keepdim shape in X's compute dtype, its values checked without a
+    host sync. The parameter is not differentiated (``entmax`` passes it no gradient either),
+    so a tensor that requires grad is refused rather than silently left without a gradient.
+    """
+    bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
+    above = f"{name} must be {bound} for {what}"
+    below = f"{name} must be at most {maximum_name} ({maximum})"
+    if isinstance(value, torch.Tensor):
+        if value.requires_grad:
+            raise ValueError(f"{name} of {what} is not differentiated; pass a float or a tensor that does not "
+                             f"require grad (e.g. {name}.detach())")
+        if value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{name} must be a real number or tensor for {what}, got dtype {value.dtype}")
+        row_shape = list(X.shape)
+        row_shape[dim] = 1
+        padded = [1] * (X.dim() - value.dim()) + list(value.shape)
+        if value.dim() > X.dim() or any(v not in (1, r) for v, r in zip(padded, row_shape)):
+            raise ValueError(f"{name} must be a number or a tensor broadcastable to {tuple(row_shape)} (X's shape "
+                             f"with size 1 along dim={dim}) for {what}, got shape {tuple(value.shape)}")
+        if value.dim() == 0 and value.device.type == "cpu":
+            value = value.item()
+        else:
+            if value.device != X.device:
+                raise ValueError(f"{name} must be on X's device {X.device} (or be a 0-d CPU tensor), "
+                                 f"got {value.device}")
+            value = value.to(compute_dtype(X.dtype))
+            # Two comparisons also refuse NaN and ±inf.
+            _assert_values(((value >= minimum) if inclusive else (value > minimum)) & (value < math.inf),
+                           f"{above} (and finite) everywhere")
+            if maximum is not None:
+                _assert_values(value <= maximum, f"{below} everywhere")
+            return value.reshape(padded).expand(row_shape)
+    value = float(value)
+    if not (math.isfinite(value) and (value >= minimum if inclusive else value > minimum)):
+        raise ValueError(f"{above}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{below}, got {value}")
+    return value
+
 
 class _RowwiseFunction(torch.autograd.Function):
-    """normmax / budget along ``dim`` on the dispatched backend (rows flattened).
+    """normmax / budget along ``dim`` on the dispatched backend (rows flattened; a tensor
+    parameter, keepdim along ``dim``, flattened alike to one value per row).
 
     Twice differentiable: under ``create_graph=True`` the backward is the reference's closed
     form in p, which autograd differentiates again.
@@ -146,6 +195,7 @@ class _RowwiseFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, X, parameter, dim, op):
         x_rows, moved_shape = _to_rows(X, dim)
+        parameter = _alpha_rows(parameter, X, dim)
         (forward, backward), _ = dispatch.select(op, dispatch.Request(X.device, X.dtype, {}))
         out = _from_rows(forward(x_rows, parameter), moved_shape, dim)
         ctx.save_for_backward(out)
@@ -165,12 +215,14 @@ class _RowwiseFunction(torch.autograd.Function):
 def normmax_bisect(X, alpha=2, dim=-1, n_iter=50):
     """α-normmax: ``argmax_{p ∈ Δ} pᵀX − ‖p‖_α`` along ``dim``.
 
-    ``alpha``: a float > 1 or a 0-d tensor (not differentiated: one that requires grad is
-    refused). The threshold is found to a tolerance; ``n_iter`` is kept for compatibility.
+    ``alpha``: a number > 1, or a tensor of them broadcastable to X with size 1 along ``dim``
+    (one α per row, per head), as ``entmax.normmax_bisect`` takes it. α is not differentiated
+    (``entmax`` passes it no gradient either): a tensor that requires grad is refused. The
+    threshold is found to a tolerance; ``n_iter`` is kept for compatibility.
     """
     check_floating("X", X)
     dim = check_dim("X", X, dim)
-    alpha = check_scalar_parameter("alpha", alpha, X, minimum=1.0, what="normmax_bisect")
+    alpha = _row_parameter("alpha", alpha, X, dim, "normmax_bisect", minimum=1.0, inclusive=False)
     if X.numel() == 0:
         return X.clone()
     return _RowwiseFunction.apply(X, alpha, dim, "normmax")
@@ -179,15 +231,19 @@ def normmax_bisect(X, alpha=2, dim=-1, n_iter=50):
 def budget_bisect(X, budget=2, dim=-1, n_iter=50):
     """budget-sparsemax: ``argmax_{0 ≤ p ≤ 1, Σp = budget} pᵀX − ½‖p‖²`` along ``dim``.
 
-    ``budget`` a float > 0 or a 0-d tensor (not differentiated), at most the size of ``dim``;
-    ``n_iter`` is kept for compatibility (the threshold is exact on the final active set).
+    ``budget``: a number in [0, n] (n the size of ``dim``), or a tensor of them broadcastable
+    to X with size 1 along ``dim`` (one budget per row), as ``entmax.budget_bisect`` takes
+    it. Not differentiated (``entmax`` passes it no gradient either): a tensor that requires
+    grad is refused. Budget 0 leaves p = 0 the only feasible point: that row is all zeros,
+    with zero gradient (``entmax`` 1.3 returns the same up to its bisection's last step);
+    budget n gives all ones. ``n_iter`` is kept for compatibility (the threshold is exact on
+    the final active set).
     """
     check_floating("X", X)
     dim = check_dim("X", X, dim)
     # A row of length 0 has no budget to meet; its output is empty whatever the budget.
-    budget = check_scalar_parameter("budget", budget, X, minimum=0.0, what="budget_bisect",
-                                    maximum=X.shape[dim] if X.numel() else None,
-                                    maximum_name=f"the size of dim {dim}")
+    budget = _row_parameter("budget", budget, X, dim, "budget_bisect", minimum=0.0, inclusive=True,
+                            maximum=X.shape[dim] if X.numel() else None, maximum_name=f"the size of dim {dim}")
     if X.numel() == 0:
         return X.clone()
     return _RowwiseFunction.apply(X, budget, dim, "budget")

@@ -171,8 +171,8 @@ def test_budget_matches_oracle_entmax_package_and_gradcheck(budget):
 def test_normmax_and_budget_errors():
     with pytest.raises(ValueError, match="alpha must be > 1 for normmax_bisect"):
         entmax_fast.normmax_bisect(torch.randn(2, 3), alpha=1.0)
-    with pytest.raises(ValueError, match="budget must be > 0"):
-        entmax_fast.budget_bisect(torch.randn(2, 3), budget=0)
+    with pytest.raises(ValueError, match="budget must be >= 0 for budget_bisect, got -0.5"):
+        entmax_fast.budget_bisect(torch.randn(2, 3), budget=-0.5)
     with pytest.raises(ValueError, match=r"budget must be at most the size of dim 1 \(3\), got 4.0"):
         entmax_fast.budget_bisect(torch.randn(2, 3), budget=4)
 

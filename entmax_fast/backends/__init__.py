@@ -29,6 +29,8 @@ and holds the one torch.autograd.Function of each op, which calls the dispatched
                 compute dtype (common.compute_dtype)
     normmax     normmax_forward(x, alpha) -> p;  normmax_backward(p, grad, alpha) -> dx
     budget      budget_forward(x, budget) -> p;  budget_backward(p, grad, budget) -> dx
+                x: (R, n) rows with unit stride; alpha, budget: float, or a (R,) tensor in
+                x's compute dtype (one value per row)
     fusedmax    fusedmax_forward(x, reg, lengths) -> (p, saved)
     oscarmax    fusedmax_backward(grad, x, lengths, p, saved, reg) -> dx  (oscarmax_* alike)
                 x: (R, n) contiguous in its compute dtype; lengths: (R,) integer or None;

@@ -10,7 +10,8 @@ piecewise linear, so the last Newton step is exact on the found active set.
 Rows are along the last dimension; arithmetic in float64 for float64 input, else float32.
 Both shift by the row max first, and follow the entmax mappings' rule for bad values: a row
 holding NaN or +inf gives NaN (and NaN gradients), −inf entries get zero weight, a row with
-no finite entry gives zeros. ``alpha``/``budget`` may be floats or 0-d tensors.
+no finite entry gives zeros. ``alpha``/``budget``: a float, or a tensor of one value per row
+((R,), or 0-d for every row).
 """
 from __future__ import annotations
 
@@ -40,8 +41,14 @@ def _safeguarded_newton(value_and_slope, lo, hi, start, max_iter, eps):
     return tau
 
 
-def normmax_forward(X: torch.Tensor, alpha: float) -> torch.Tensor:
+def _per_row(parameter, dtype: torch.dtype):
+    """A float as it is; a tensor of one value per row as a column, to broadcast along rows."""
+    return parameter.to(dtype).reshape(-1, 1) if isinstance(parameter, torch.Tensor) else parameter
+
+
+def normmax_forward(X: torch.Tensor, alpha) -> torch.Tensor:
     cdt = compute_dtype(X.dtype)
+    alpha = _per_row(alpha, cdt)
     u, empty_row, invalid = _shifted(X, -1)
     row_max = u.amax(-1, keepdim=True)
     power = alpha / (alpha - 1)
@@ -61,10 +68,11 @@ def normmax_forward(X: torch.Tensor, alpha: float) -> torch.Tensor:
     return _finish(p, empty_row, invalid).to(X.dtype)
 
 
-def normmax_backward(p: torch.Tensor, grad: torch.Tensor, alpha: float) -> torch.Tensor:
+def normmax_backward(p: torch.Tensor, grad: torch.Tensor, alpha) -> torch.Tensor:
     """VJP of normmax from its output, by implicit differentiation of the stationarity
     conditions on the support (same closed form as the ``entmax`` package)."""
     cdt = compute_dtype(p.dtype)
+    alpha = _per_row(alpha, cdt)
     p, g = p.to(cdt), grad.to(cdt)
     a = torch.where(p > 0, p, torch.zeros_like(p))
     b = torch.where(p > 0, _on_support(p).pow(2 - alpha), torch.zeros_like(p))
@@ -83,8 +91,8 @@ def _nan_rows_stay_nan(p: torch.Tensor, dX: torch.Tensor) -> torch.Tensor:
 def budget_forward(X: torch.Tensor, budget) -> torch.Tensor:
     cdt = compute_dtype(X.dtype)
     z, empty_row, invalid = _shifted(X, -1)
-    b = budget.to(cdt) if isinstance(budget, torch.Tensor) else torch.tensor(float(budget), dtype=cdt,
-                                                                            device=z.device)
+    b = _per_row(budget, cdt) if isinstance(budget, torch.Tensor) else torch.tensor(float(budget), dtype=cdt,
+                                                                                    device=z.device)
     finite = ~torch.isneginf(z)
     n = finite.sum(-1, keepdim=True).to(cdt)
     big = torch.finfo(cdt).max
@@ -101,7 +109,9 @@ def budget_forward(X: torch.Tensor, budget) -> torch.Tensor:
     hi = row_max - b / n_safe
     eps = torch.finfo(cdt).eps
     tau = _safeguarded_newton(value_and_slope, lo, hi, lo.clone(), 4 * (160 if cdt == torch.float64 else 80), eps)
-    p = (z - tau).clamp(0, 1)
+    # Budget 0 leaves p = 0 the only feasible point, which the threshold, exact only to
+    # rounding, could miss by leaving the top entry a rounding error above 0.
+    p = torch.where(b == 0, torch.zeros_like(z), (z - tau).clamp(0, 1))
     return _finish(p, empty_row, invalid).to(X.dtype)
 
 
