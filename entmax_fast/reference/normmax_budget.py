@@ -23,8 +23,15 @@ from .mappings import _finish, _on_support, _shifted
 __all__ = ["normmax_forward", "normmax_backward", "budget_forward", "budget_backward"]
 
 
-def _safeguarded_newton(value_and_slope, lo, hi, start, max_iter, eps):
-    """Root of a decreasing function on [lo, hi] per row (keepdim tensors)."""
+def _safeguarded_newton(value_and_slope, lo, hi, start, max_iter, eps, bisect_every=4):
+    """Root of a decreasing function on [lo, hi] per row (keepdim tensors).
+
+    Newton steps that leave the bracket are replaced by bisection, and so is every
+    ``bisect_every``-th step, which keeps Newton from cycling on a piecewise-linear function
+    (budget). ``bisect_every=None``: only the former, for a convex function started left of
+    its root, where Newton climbs monotonically to the root and forced bisections only slow
+    it down (normmax: 6 to 10 steps instead of 16 to 40 on rows of 50, α from 1.01 to 1000).
+    """
     tau = start
     done = torch.zeros_like(tau, dtype=torch.bool)
     for it in range(max_iter):
@@ -34,9 +41,13 @@ def _safeguarded_newton(value_and_slope, lo, hi, start, max_iter, eps):
         newton = tau - f / torch.where(slope < 0, slope, -torch.ones_like(slope))
         resolution = 2 * eps * tau.abs().clamp(min=1)
         done = done | (f == 0) | ((newton - tau).abs() <= resolution) | (hi - lo <= 2 * resolution)
-        use_newton = (slope < 0) & (newton >= lo) & (newton <= hi) & (it % 4 != 3)
+        use_newton = (slope < 0) & (newton >= lo) & (newton <= hi)
+        if bisect_every is not None and it % bisect_every == bisect_every - 1:
+            use_newton = torch.zeros_like(use_newton)
         tau = torch.where(done, tau, torch.where(use_newton, newton, (lo + hi) / 2))
-        if tau.device.type == "cpu" and it % 8 == 7 and bool(done.all()):
+        # CPU only: stopping early costs no device sync there; on a GPU the loop runs its
+        # bounded length so that the op stays capturable.
+        if tau.device.type == "cpu" and it % 2 == 1 and bool(done.all()):
             break
     return tau
 
@@ -61,7 +72,10 @@ def normmax_forward(X: torch.Tensor, alpha) -> torch.Tensor:
     lo = -torch.ones_like(row_max)
     hi = -n.pow(-1 / power)
     eps = torch.finfo(cdt).eps
-    tau = _safeguarded_newton(value_and_slope, lo, hi, lo.clone(), 4 * (160 if cdt == torch.float64 else 80), eps)
+    # Σ [u − τ]_+^{α/(α−1)} is convex in τ (the exponent is > 1) and ≥ 1 at τ = −1 (the max
+    # entry alone gives 1): Newton from there never leaves the bracket.
+    tau = _safeguarded_newton(value_and_slope, lo, hi, lo.clone(), 4 * (160 if cdt == torch.float64 else 80), eps,
+                              bisect_every=None)
     r = (u - tau).clamp(min=0).pow(1 / (alpha - 1))
     total = r.sum(-1, keepdim=True)
     p = r / torch.where(total > 0, total, torch.ones_like(total))
