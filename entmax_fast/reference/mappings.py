@@ -21,9 +21,11 @@ Every mapping shifts by the row max first and computes p from ``u``, never from 
 score of 1e30 and one of 1 give the same p as scores of 1e30 − 1 and 0 would in exact
 arithmetic, as far as the input dtype resolves them.
 
-Arithmetic is float64 for float64 input and float32 otherwise (float64 for the general-α
-root, whose exponent 1/(α − 1) amplifies float32 rounding: 1e4-fold at α = 1.0001); the
-output has the input's dtype.
+Every threshold is found, and p formed from it, in float64 whatever the input dtype; the
+output has the input's dtype. In float32 the threshold's rounding would be shared by every
+entry of the support, so that a wide row's sum drifts by about support size × ulp (1 + 2.7e-4
+for sparsemax of 10007 zeros), and the general-α exponent 1/(α − 1) amplifies it further
+(1e4-fold at α = 1.0001). Softmax runs in ``compute_dtype`` (its normalisation is a division).
 
 Bad input follows ``torch.softmax``: a row holding NaN or +inf gives an all-NaN row (and
 NaN gradients); −inf entries get zero weight; a row with no finite entry gives zeros (and
@@ -226,11 +228,11 @@ def entmax_forward(X: torch.Tensor, alpha=1.5, dim: int = -1) -> torch.Tensor:
     if not isinstance(alpha, torch.Tensor):
         alpha = float(alpha)
         if alpha == 2.0:
-            u, empty_row, invalid = _shifted(X, dim)
+            u, empty_row, invalid = _shifted(X, dim, torch.float64)
             tau_u, _ = _sparsemax_shifted_threshold(u, dim)
             p = _finish((u - tau_u).clamp(min=0), empty_row, invalid)
         elif alpha == 1.5:
-            u, empty_row, invalid = _shifted(X, dim)
+            u, empty_row, invalid = _shifted(X, dim, torch.float64)
             tau_u, _ = _entmax15_shifted_threshold(u, dim)
             p = _finish((u / 2 - tau_u).clamp(min=0).square(), empty_row, invalid)
         elif alpha == 1.0:
