@@ -34,15 +34,20 @@ def oracle_entmax(X: torch.Tensor, alpha, dim: int = -1) -> torch.Tensor:
     lo = torch.minimum(-torch.ones_like(a), -n.pow(1 - a_safe))
     hi = torch.maximum(-torch.ones_like(a), -n.pow(1 - a_safe))
 
+    # A float α gives a python exponent: torch's pow then takes its fast paths (1, 2, ...).
+    exponent = 1 / (a_safe - 1) if isinstance(alpha, torch.Tensor) or alpha == 1 else 1 / (float(alpha) - 1)
+
     def mass(tau):
         # α < 1: every finite entry is inside (inner > 0); −inf entries give inf^(neg) = 0.
         inner = (x - tau).clamp(min=0)
-        return torch.where(inner > 0, inner.pow(1 / (a_safe - 1)), torch.zeros_like(inner))
+        return torch.where(inner > 0, inner.pow(exponent), torch.zeros_like(inner))
 
     # f(τ) = Σ mass − 1 is decreasing in τ for α > 1 and increasing for α < 1.
     increasing = a_safe < 1
     for _ in range(200):
         mid = (lo + hi) / 2
+        if bool(((mid == lo) | (mid == hi)).all()):
+            break  # every bracket is down to two neighbouring doubles
         f = mass(mid).sum(-1, keepdim=True) - 1
         go_right = (f > 0) ^ increasing
         lo = torch.where(go_right, mid, lo)
