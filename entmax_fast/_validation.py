@@ -125,37 +125,6 @@ def mapping_alpha(alpha, X: torch.Tensor, dim: int):
     return alpha.reshape(padded).expand(row_shape)
 
 
-def check_scalar_parameter(name: str, value, like: torch.Tensor, minimum: float, what: str,
-                           maximum: float | None = None, maximum_name: str | None = None):
-    """A float, or a 0-d tensor as ``entmax`` accepts, that must be finite and > ``minimum``
-    (and at most ``maximum``). Returns a python float, or for a 0-d tensor on the input's
-    GPU the detached tensor (reading it would sync the host)."""
-    above = f"{name} must be > {minimum:g} for {what}"
-    below = f"{name} must be at most {maximum_name} ({maximum})"
-    if isinstance(value, torch.Tensor):
-        if value.dim() != 0:
-            raise ValueError(f"{name} must be a float or a 0-d tensor for {what}, got shape {tuple(value.shape)}")
-        if value.requires_grad:
-            raise ValueError(f"{name} of {what} is not differentiated; pass a float or a tensor that does not "
-                             f"require grad (e.g. {name}.detach())")
-        if value.is_complex() or value.dtype == torch.bool:
-            raise TypeError(f"{name} must be a real number for {what}, got dtype {value.dtype}")
-        if value.device.type != "cpu":
-            if value.device != like.device:
-                raise ValueError(f"{name} must be on X's device {like.device} or the CPU, got {value.device}")
-            value = value.detach().to(torch.float64 if like.dtype == torch.float64 else torch.float32)
-            _assert_values(torch.isfinite(value) & (value > minimum), above)
-            if maximum is not None:
-                _assert_values(value <= maximum, below)
-            return value
-    value = float(value)
-    if not (math.isfinite(value) and value > minimum):
-        raise ValueError(f"{above}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{below}, got {value}")
-    return value
-
-
 def check_backend_dtype(choice, tensor: torch.Tensor) -> None:
     """Refuse the combinations a backend would answer wrongly instead of failing: bf16 in the
     Triton interpreter (its bf16 ``tl.dot`` is off by orders of magnitude in triton 3.9)."""
