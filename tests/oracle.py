@@ -1,7 +1,8 @@
 """Float64 oracles, computed by methods independent of the reference's.
 
-- entmax: plain bisection on the threshold τ of docs/maths.md (no sorting, no Newton), 200
-  halvings of the bracket [max x − 1, max x − n^{1−α}] in float64, then normalisation.
+- entmax: plain bisection on the threshold τ of docs/maths.md (no sorting, no Newton): the
+  bracket [max x − 1, max x − n^{1−α}] halved in float64 until it is two neighbouring doubles
+  (at most 200 times), then normalisation.
 - attention: the dense composition scores → oracle entmax → weights @ V in float64.
 - normmax / budget: bisection on their thresholds in float64.
 - fusedmax / oscarmax: each prox solved as a bounded least-squares dual by scipy's BVLS
