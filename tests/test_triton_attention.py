@@ -603,10 +603,10 @@ def test_local_scores_skip_tiles_exactly(alpha):
     pass skip most key tiles, and forward and gradients stay exact (general alpha: its
     flags come from the tiles' row maxima, its sums from a trial point)."""
     lq = lk = 257
-    q, k, v = _inputs(1, 2, 2, lq, lk, 16, torch.float32)
+    q, k, v = _inputs(1, 1, 1, lq, lk, 16, torch.float32)
     position = torch.arange(lq, dtype=torch.float32)
     bias = -(position[:, None] - position[None, :]).abs() / 2.0   # [Lq, Lk]
-    grad_out = torch.randn(1, 2, lq, 16)
+    grad_out = torch.randn(1, 1, lq, 16)
     out, grads = _grads(lambda *t: triton_attention(*t, attn_mask=bias, alpha=alpha),
                         [q, k, v], grad_out)
     _, (_, _, flags, _) = tri.attention_forward(
@@ -853,11 +853,11 @@ def test_dq_in_the_dkdv_kernel(monkeypatch, dq_mode, b, h, hkv, lq, lk, e, alpha
         assert torch.equal(grads[0][:, :, 3], torch.zeros_like(grads[0][:, :, 3]))
 
 
-@pytest.mark.parametrize("dq_mode", DQ_FUSED)
-def test_dq_in_the_dkdv_kernel_varlen_and_dropout(monkeypatch, dq_mode):
+def test_dq_in_the_dkdv_kernel_varlen_and_dropout(monkeypatch):
     """Packed sequences of other lengths (the counters and turns of a short sequence's
     padding tiles are never waited on) and dropout (the same mask as the dQ kernel's, from
-    the same seed): the gradients equal those of the dQ kernel up to rounding."""
+    the same seed): in both fused modes the gradients equal those of the dQ kernel up to
+    rounding."""
     lens_q, lens_k = [5, 63, 40], [7, 40, 70]
     h, hkv, e = 2, 1, 16
     cu_q = torch.tensor([0] + lens_q, dtype=torch.int32).cumsum(0, dtype=torch.int32)
@@ -878,11 +878,12 @@ def test_dq_in_the_dkdv_kernel_varlen_and_dropout(monkeypatch, dq_mode):
 
     monkeypatch.setattr(attention_common, "INTERPRETER_BLOCKS", (32, 16))
     expected = [_grads(varlen, packed, packed_grad)[1], _grads(dropout, dense, dense_grad)[1]]
-    _dq_mode_forced(monkeypatch, dq_mode)
-    got = [_grads(varlen, packed, packed_grad)[1], _grads(dropout, dense, dense_grad)[1]]
-    for case, got_grads, want_grads in zip(("varlen", "dropout"), got, expected):
-        for name, g, w in zip(("dq", "dk", "dv"), got_grads, want_grads):
-            assert _err(g, w) <= 1e-5, (case, name)
+    for dq_mode in (param.values[0] for param in DQ_FUSED):
+        _dq_mode_forced(monkeypatch, dq_mode)
+        got = [_grads(varlen, packed, packed_grad)[1], _grads(dropout, dense, dense_grad)[1]]
+        for case, got_grads, want_grads in zip(("varlen", "dropout"), got, expected):
+            for name, g, w in zip(("dq", "dk", "dv"), got_grads, want_grads):
+                assert _err(g, w) <= 1e-5, (dq_mode, case, name)
 
 
 def test_dq_kernel_kept_for_a_learned_alpha_and_deterministic_algorithms(monkeypatch):

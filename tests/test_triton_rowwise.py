@@ -355,7 +355,7 @@ def test_swept_rows_run_later_passes_over_their_support(n):
     the flat one does not, resident rows never do, and every output matches the float64
     reference as closely as the passes over the whole row do."""
     x = _capture_rows(n)
-    for alpha in (1.25, 1.3, 1.7, torch.tensor([1.5, 1.9, 1.3, 2.0], device=DEVICE)):
+    for alpha in (1.25, 1.7, torch.tensor([1.5, 1.9, 1.3, 2.0], device=DEVICE)):
         p, _, passes, captured_at = rowwise._forward(x, alpha, config=CHUNKED, subset=0)
         _check_forward(p, x, alpha, 2e-6, 2e-6)
         assert bool((captured_at[:2] >= 3).all()) and int(captured_at[2]) == 0, captured_at
