@@ -23,11 +23,30 @@ and for Lq = 5, Lk = 3 the last queries see every key::
     query 3   x x x
     query 4   x x x
 
-(For bottom-right alignment, e.g. decoding with a KV cache, pass an explicit bool mask.)
+For bottom-right alignment (decoding with a KV cache) pass
+``torch.nn.attention.bias.causal_lower_right(Lq, Lk)`` as ``attn_mask``, or
+``window_size=(-1, 0)``.
+
+Score options, keyword-only, with FlashAttention's semantics (docs/attention.md, "Score
+options", writes down their order): ``window_size=(left, right)`` lets query i, placed at
+key position ``pos = i + Lk − Lq`` (bottom-right), attend key j iff
+``pos − left ≤ j ≤ pos + right`` (−1: unbounded). For Lq = 3, Lk = 5 and
+``window_size=(1, 0)``::
+
+        keys  0 1 2 3 4
+    query 0   . x x . .
+    query 1   . . x x .
+    query 2   . . . x x
+
+``softcap`` caps the scaled scores (``softcap·tanh(s/softcap)``, Gemma 2); ``alibi_slopes``
+adds ``−slope·|pos − j|`` (no gradient); ``sinks`` (H,) is a virtual key per head with that
+logit and a zero value, taking part in the threshold (GPT-OSS's rule at α = 1; learnable).
 """
 from __future__ import annotations
 
 import math
+import numbers
+import sys
 
 import torch
 
@@ -35,7 +54,7 @@ from . import dispatch
 from ._validation import (_assert_values, check_alpha_float, check_alpha_tensor, check_backend_dtype, check_dropout,
                           check_floating, check_gqa_heads, check_like, check_scale, once_differentiable_grads)
 from .common import GRAD_ALPHA, GRAD_INPUTS, GRAD_NONE, alpha_vector
-from .reference.attention import is_empty_attention, zero_attention
+from .reference.attention import NO_WINDOW, is_empty_attention, zero_attention
 
 __all__ = ["entmax_attention", "sparsemax_attention", "entmax_attention_varlen", "AttentionFunction",
            "AttentionVarlenFunction"]
@@ -71,18 +90,18 @@ def _distinct(*tensors):
 
 
 class AttentionFunction(torch.autograd.Function):
-    """Entmax attention with gradients for query, key, value, a float mask and a tensor α,
-    on the dispatched backend (its ``attention_forward`` / ``attention_backward``). Once
-    differentiable: the gradients raise when differentiated again."""
+    """Entmax attention with gradients for query, key, value, a float mask, a tensor α and
+    the sinks, on the dispatched backend (its ``attention_forward`` / ``attention_backward``).
+    Once differentiable: the gradients raise when differentiated again."""
 
     @staticmethod
-    def forward(ctx, query, key, value, attn_mask, alpha, options, request_options):
+    def forward(ctx, query, key, value, attn_mask, alpha, sinks, alibi_slopes, options, request_options):
         (forward, backward), choice = dispatch.select("attention",
                                                       dispatch.Request(query.device, query.dtype, request_options))
         check_backend_dtype(choice, query)
-        out, saved = forward(query, key, value, attn_mask, alpha, **options)
+        out, saved = forward(query, key, value, attn_mask, alpha, sinks=sinks, alibi_slopes=alibi_slopes, **options)
         alpha_tensor = alpha if isinstance(alpha, torch.Tensor) else None
-        ctx.save_for_backward(query, key, value, attn_mask, alpha_tensor, out, *saved)
+        ctx.save_for_backward(query, key, value, attn_mask, alpha_tensor, sinks, alibi_slopes, out, *saved)
         ctx.alpha_float = None if alpha_tensor is not None else alpha
         ctx.backward_impl, ctx.backend = backward, choice.backend
         ctx.options = {name: value for name, value in options.items() if name != "need_grad"}
@@ -90,13 +109,14 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, attn_mask, alpha_tensor, out, *saved = ctx.saved_tensors
+        query, key, value, attn_mask, alpha_tensor, sinks, alibi_slopes, out, *saved = ctx.saved_tensors
         alpha = ctx.alpha_float if alpha_tensor is None else alpha_tensor
         grads = ctx.backward_impl(grad_out, query, key, value, attn_mask, alpha, out, tuple(saved), **ctx.options,
-                                  need_mask_grad=ctx.needs_input_grad[3], need_alpha_grad=ctx.needs_input_grad[4])
+                                  sinks=sinks, alibi_slopes=alibi_slopes, need_mask_grad=ctx.needs_input_grad[3],
+                                  need_alpha_grad=ctx.needs_input_grad[4], need_sinks_grad=ctx.needs_input_grad[5])
         grads = once_differentiable_grads(f"entmax attention ({ctx.backend} backend)", grads,
-                                          (query, key, value, attn_mask, alpha_tensor, grad_out))
-        return (*grads, None, None)
+                                          (query, key, value, attn_mask, alpha_tensor, sinks, grad_out))
+        return (*grads, None, None, None)
 
 
 class AttentionVarlenFunction(torch.autograd.Function):
@@ -104,13 +124,15 @@ class AttentionVarlenFunction(torch.autograd.Function):
     ``"attention_varlen"``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, alpha, lengths, options, request_options):
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, alpha, sinks, alibi_slopes, lengths, options,
+                request_options):
         (forward, backward), choice = dispatch.select("attention_varlen",
                                                       dispatch.Request(q.device, q.dtype, request_options))
         check_backend_dtype(choice, q)
-        out, saved = forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *lengths, alpha, **options)
+        out, saved = forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *lengths, alpha, sinks=sinks,
+                             alibi_slopes=alibi_slopes, **options)
         alpha_tensor = alpha if isinstance(alpha, torch.Tensor) else None
-        ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, alpha_tensor, out, *saved)
+        ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, alpha_tensor, sinks, alibi_slopes, out, *saved)
         ctx.alpha_float = None if alpha_tensor is not None else alpha
         ctx.backward_impl, ctx.backend, ctx.lengths = backward, choice.backend, lengths
         ctx.options = {name: value for name, value in options.items() if name != "need_grad"}
@@ -118,13 +140,14 @@ class AttentionVarlenFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, cu_seqlens_q, cu_seqlens_k, alpha_tensor, out, *saved = ctx.saved_tensors
+        q, k, v, cu_seqlens_q, cu_seqlens_k, alpha_tensor, sinks, alibi_slopes, out, *saved = ctx.saved_tensors
         alpha = ctx.alpha_float if alpha_tensor is None else alpha_tensor
         grads = ctx.backward_impl(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, *ctx.lengths, alpha, out,
-                                  tuple(saved), **ctx.options, need_alpha_grad=ctx.needs_input_grad[5])
-        dq, dk, dv, dalpha = once_differentiable_grads(f"entmax attention varlen ({ctx.backend} backend)", grads,
-                                                       (q, k, v, alpha_tensor, grad_out))
-        return dq, dk, dv, None, None, dalpha, None, None, None
+                                  tuple(saved), **ctx.options, sinks=sinks, alibi_slopes=alibi_slopes,
+                                  need_alpha_grad=ctx.needs_input_grad[5], need_sinks_grad=ctx.needs_input_grad[6])
+        dq, dk, dv, dalpha, dsinks = once_differentiable_grads(f"entmax attention varlen ({ctx.backend} backend)",
+                                                               grads, (q, k, v, alpha_tensor, sinks, grad_out))
+        return dq, dk, dv, None, None, dalpha, dsinks, None, None, None, None
 
 
 def _check_dropout_scale_alpha(dropout_p, scale, alpha, heads, like):
@@ -138,6 +161,98 @@ def _check_dropout_scale_alpha(dropout_p, scale, alpha, heads, like):
         check_alpha_tensor(alpha, 1.0, inclusive=True, like=like)
         return alpha
     return check_alpha_float(alpha, 1.0, inclusive=True)
+
+
+def _check_window_size(window_size) -> tuple[int, int]:
+    """FlashAttention's (left, right): ints >= -1, -1 unbounded."""
+    if not isinstance(window_size, (tuple, list)):
+        raise TypeError(f"window_size must be a pair (left, right) of ints, got {type(window_size).__name__}")
+    if len(window_size) != 2:
+        raise ValueError(f"window_size must be a pair (left, right) of ints, got {len(window_size)} values")
+    for bound in window_size:
+        if isinstance(bound, bool) or not isinstance(bound, numbers.Integral):
+            raise TypeError(f"window_size must hold ints (-1 = unbounded), got {type(bound).__name__} "
+                            f"in {tuple(window_size)!r}")
+        if bound < -1:
+            raise ValueError(f"window_size values must be >= -1 (-1 = unbounded), got {tuple(window_size)!r}")
+    return int(window_size[0]), int(window_size[1])
+
+
+def _check_softcap(softcap) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number (0 = no capping), got {type(softcap).__name__}")
+    value = float(softcap)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"softcap must be finite and >= 0 (0 = no capping), got {value}")
+    return value
+
+
+def _check_head_tensor(name, tensor, shapes, like_name, like):
+    """alibi_slopes or sinks: a float32 tensor or one of the query's dtype, on its device,
+    of one of ``shapes``."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor or None, got {type(tensor).__name__}")
+    if tensor.dtype != torch.float32 and tensor.dtype != like.dtype:
+        raise TypeError(f"{name} must be float32 or have {like_name}'s dtype {like.dtype}, got {tensor.dtype}")
+    if tensor.device != like.device:
+        raise ValueError(f"{name} must be on {like_name}'s device {like.device}, got {tensor.device}")
+    if tuple(tensor.shape) not in shapes:
+        raise ValueError(f"{name} must have shape {' or '.join(map(str, shapes))}, got {tuple(tensor.shape)}")
+
+
+def _check_score_options(window_size, softcap, alibi_slopes, sinks, batch, heads, like_name, like):
+    """The score options shared by the attention forms; returns (window_size, softcap)."""
+    window_size = _check_window_size(window_size)
+    softcap = _check_softcap(softcap)
+    if alibi_slopes is not None:
+        _check_head_tensor("alibi_slopes", alibi_slopes, ((heads,), (batch, heads)), like_name, like)
+        if alibi_slopes.requires_grad:
+            # FlashAttention gives the slopes no gradient either: refused rather than silently left without one.
+            raise ValueError("alibi_slopes are not differentiated; pass a tensor that does not require grad "
+                             "(e.g. alibi_slopes.detach())")
+    if sinks is not None:
+        _check_head_tensor("sinks", sinks, ((heads,),), like_name, like)
+    return window_size, softcap
+
+
+def _causal_bias(attn_mask):
+    """The ``torch.nn.attention.bias.CausalBias`` passed as attn_mask, else None. Looked up,
+    not imported: that module imports torch._dynamo (seconds), and a CausalBias exists only
+    once it is imported."""
+    if attn_mask is None or type(attn_mask) is torch.Tensor:
+        return None
+    bias_module = sys.modules.get("torch.nn.attention.bias")
+    if bias_module is not None and isinstance(attn_mask, bias_module.CausalBias):
+        return attn_mask
+    return None
+
+
+def _resolve_causal_bias(bias, lq, lk, is_causal):
+    """A CausalBias as (is_causal, lower_right): upper-left, or lower-right with Lq = Lk (the
+    same pattern), is what is_causal means; lower-right otherwise is the window's right bound 0."""
+    if (bias.seq_len_q, bias.seq_len_kv) != (lq, lk):
+        raise ValueError(f"attn_mask is a CausalBias for (Lq, Lk) = ({bias.seq_len_q}, {bias.seq_len_kv}), but "
+                         f"query and key have ({lq}, {lk})")
+    upper_left = bias.variant == sys.modules["torch.nn.attention.bias"].CausalVariant.UPPER_LEFT
+    if upper_left or lq == lk:
+        return True, False
+    return is_causal, True
+
+
+def _score_request(request_options, window_size, lower_right, softcap, alibi_slopes, sinks):
+    """The score options in use, as dispatch.Request flags (backends.SCORE_OPTIONS); only those
+    in use are added, so an ordinary call's choice is memoised under the key it had before."""
+    if window_size != NO_WINDOW:
+        request_options["window"] = True
+    if lower_right:
+        request_options["lower_right_causal"] = True
+    if softcap > 0:
+        request_options["softcap"] = True
+    if alibi_slopes is not None:
+        request_options["alibi_slopes"] = True
+    if sinks is not None:
+        request_options["sinks"] = True
+    return request_options
 
 
 def _check_attention_args(query, key, value, attn_mask, dropout_p, scale, enable_gqa, alpha):
@@ -175,13 +290,16 @@ def _check_attention_args(query, key, value, attn_mask, dropout_p, scale, enable
 
 
 def entmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                     enable_gqa=False, *, alpha=1.5):
+                     enable_gqa=False, *, alpha=1.5, window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None,
+                     sinks=None):
     """Scaled-dot-product attention with α-entmax weights: ``entmax_α(QKᵀ·scale + mask) V``.
 
     Args:
         query: (B, H, Lq, E). key: (B, Hkv, Lk, E). value: (B, Hkv, Lk, Ev).
         attn_mask: bool (True = attend) or float (added to the scores), broadcastable to
-            (B, H, Lq, Lk). May be combined with ``is_causal``.
+            (B, H, Lq, Lk), or a ``torch.nn.attention.bias.CausalBias``
+            (``causal_upper_left``: is_causal; ``causal_lower_right``: bottom-right
+            causal, never materialised). May be combined with ``is_causal``.
         dropout_p: dropout on the attention weights (training only; pass 0 in eval).
         is_causal: top-left aligned causal mask (module docstring draws it).
         scale: score scale, default 1/sqrt(E); any finite number, as in SDPA: 0 scores every
@@ -190,6 +308,17 @@ def entmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
         enable_gqa: allow Hkv < H with H divisible by Hkv (grouped-query attention).
         alpha: float ≥ 1 or tensor of shape (H,) (per head, learnable: it gets a gradient).
             1 is softmax attention, 1.5 is 1.5-entmax, 2 is sparsemax.
+        window_size: (left, right) ints ≥ −1 (−1 unbounded): query i, at key position
+            pos = i + Lk − Lq, attends keys pos − left ≤ j ≤ pos + right (FlashAttention's).
+        softcap: float ≥ 0; > 0 replaces each scaled score s by softcap·tanh(s/softcap).
+        alibi_slopes: None, (H,) or (B, H), float32 or query's dtype, not requiring grad:
+            adds −slope·|pos − j| to the scores.
+        sinks: None or (H,), float32 or query's dtype (learnable): a virtual key per head
+            with this logit (not scaled, not capped) and a zero value; the weights are those
+            of the row with the sink appended, without its own entry.
+
+    Scores are formed in the order scale, softcap, ALiBi, float mask, boolean masks and
+    window, sink (docs/attention.md, "Score options").
 
     Returns (B, H, Lq, Ev) in query's dtype. Rows whose keys are all masked give zeros.
     Bad values: a NaN in query, key or a float mask, or a +inf score, makes NaN every output
@@ -197,9 +326,17 @@ def entmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     Zero-size dims: Lk = 0 gives zeros; B, H, Lq or Ev = 0 an empty output; E = 0 scores
     every key 0 (uniform weights unless masked). Once differentiable: double backward raises.
     """
+    bias = _causal_bias(attn_mask)
+    if bias is not None:
+        attn_mask = None
     alpha = _check_attention_args(query, key, value, attn_mask, dropout_p, scale, enable_gqa, alpha)
+    lower_right = False
+    if bias is not None:
+        is_causal, lower_right = _resolve_causal_bias(bias, query.shape[2], key.shape[2], bool(is_causal))
+    window_size, softcap = _check_score_options(window_size, softcap, alibi_slopes, sinks, query.shape[0],
+                                                query.shape[1], "query", query)
     if is_empty_attention(query, key, value):
-        return zero_attention(query, key, value, alpha)
+        return zero_attention(query, key, value, alpha, sinks)
     if query.shape[-1] == 0:
         # The empty dot product scores every key 0: a zero feature gives the same scores on
         # every backend, none of which has kernels for E = 0; the scale multiplies zeros.
@@ -212,17 +349,22 @@ def entmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
                        "mask": None if attn_mask is None else attn_mask.dtype,
                        "mask_requires_grad": attn_mask is not None and attn_mask.requires_grad
                        and torch.is_grad_enabled()}
+    _score_request(request_options, window_size, lower_right, softcap, alibi_slopes, sinks)
+    # A lower-right causal mask is the window's right bound 0 (pos − left ≤ j ≤ pos).
+    kernel_window = (window_size[0], 0) if lower_right else window_size
     options = {"scale": float(scale), "is_causal": bool(is_causal), "dropout_p": float(dropout_p),
-               "enable_gqa": bool(enable_gqa), "need_grad": _grad_level((query, key, value, attn_mask), alpha)}
-    query, key, value, attn_mask = _distinct(query, key, value, attn_mask)
-    return AttentionFunction.apply(query, key, value, attn_mask, _per_head(alpha, query.shape[1]), options,
-                                   request_options)
+               "enable_gqa": bool(enable_gqa), "need_grad": _grad_level((query, key, value, attn_mask, sinks), alpha),
+               "window_size": kernel_window, "softcap": softcap}
+    query, key, value, attn_mask, sinks, alibi_slopes = _distinct(query, key, value, attn_mask, sinks, alibi_slopes)
+    return AttentionFunction.apply(query, key, value, attn_mask, _per_head(alpha, query.shape[1]), sinks, alibi_slopes,
+                                   options, request_options)
 
 
 def sparsemax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                        enable_gqa=False):
+                        enable_gqa=False, *, window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None, sinks=None):
     """:func:`entmax_attention` with α = 2 (sparsemax weights)."""
-    return entmax_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alpha=2.0)
+    return entmax_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alpha=2.0,
+                            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
 
 
 def _check_offsets(name, cu, total, max_name, max_seqlen):
@@ -240,16 +382,19 @@ def _check_offsets(name, cu, total, max_name, max_seqlen):
 
 
 def entmax_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                            is_causal=False, scale=None, *, alpha=1.5):
+                            is_causal=False, scale=None, *, alpha=1.5, window_size=NO_WINDOW, softcap=0.0,
+                            alibi_slopes=None, sinks=None):
     """Entmax attention over packed variable-length sequences (flash-attn's varlen layout).
 
     q (total_q, H, E), k (total_k, Hkv, E), v (total_k, Hkv, Ev) -> (total_q, H, Ev).
     Sequence b holds the queries ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and attends only to
     the keys ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` (1-D int32 offsets, B + 1 entries);
     ``max_seqlen_q``/``max_seqlen_k`` (python ints) bound every length. H must be divisible by
-    Hkv (GQA). ``is_causal`` is top-left aligned within each sequence. ``scale`` and ``alpha``
-    as in :func:`entmax_attention`. CUDA tensors run the fused Triton kernel; elsewhere the
-    reference loops over the sequences.
+    Hkv (GQA). ``is_causal`` is top-left aligned within each sequence. ``scale``, ``alpha``,
+    ``window_size``, ``softcap`` and ``sinks`` as in :func:`entmax_attention`, the window and
+    ALiBi positions bottom-right within each sequence; ``alibi_slopes`` (H,) or (B, H), a
+    row per sequence. CUDA tensors run the fused Triton kernel; elsewhere the reference
+    loops over the sequences.
 
     The offsets are validated: they must start at 0, never decrease, end at total_q
     (total_k), and ``max_seqlen_q``/``max_seqlen_k`` must bound every length. On CPU a
@@ -279,12 +424,16 @@ def entmax_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     _check_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
     _check_offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
     alpha = _check_dropout_scale_alpha(dropout_p, scale, alpha, q.shape[1], q)
+    window_size, softcap = _check_score_options(window_size, softcap, alibi_slopes, sinks, cu_seqlens_q.shape[0] - 1,
+                                                q.shape[1], "q", q)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     request_options = {"alpha": alpha if isinstance(alpha, float) else "tensor", "dropout_p": float(dropout_p),
                        "head_dim": max(q.shape[-1], v.shape[-1]), "is_causal": bool(is_causal)}
+    _score_request(request_options, window_size, False, softcap, alibi_slopes, sinks)
     options = {"scale": float(scale), "is_causal": bool(is_causal), "dropout_p": float(dropout_p),
-               "need_grad": _grad_level((q, k, v), alpha)}
-    q, k, v = _distinct(q, k, v)
-    return AttentionVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, _per_head(alpha, q.shape[1]),
-                                         (int(max_seqlen_q), int(max_seqlen_k)), options, request_options)
+               "need_grad": _grad_level((q, k, v, sinks), alpha), "window_size": window_size, "softcap": softcap}
+    q, k, v, sinks, alibi_slopes = _distinct(q, k, v, sinks, alibi_slopes)
+    return AttentionVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, _per_head(alpha, q.shape[1]), sinks,
+                                         alibi_slopes, (int(max_seqlen_q), int(max_seqlen_k)), options,
+                                         request_options)

@@ -36,26 +36,68 @@ and holds the one torch.autograd.Function of each op, which calls the dispatched
                 x: (R, n) contiguous in its compute dtype; lengths: (R,) integer or None;
                 saved: one tensor the backward needs (the C++ operators: the prox output)
     attention   attention_forward(query, key, value, attn_mask, alpha, *, scale,
-                                  is_causal, dropout_p, enable_gqa, need_grad)
+                                  is_causal, dropout_p, enable_gqa, need_grad,
+                                  window_size, softcap, alibi_slopes, sinks)
                     -> (out, saved)
                 attention_backward(grad_out, query, key, value, attn_mask, alpha, out,
                                    saved, *, scale, is_causal, dropout_p, enable_gqa,
-                                   need_mask_grad, need_alpha_grad)
-                    -> (dq, dk, dv, dmask | None, dalpha | None)
+                                   need_mask_grad, need_alpha_grad, window_size, softcap,
+                                   alibi_slopes, sinks, need_sinks_grad)
+                    -> (dq, dk, dv, dmask | None, dalpha | None, dsinks | None)
                 query (B, H, Lq, E), key (B, Hkv, Lk, E), value (B, Hkv, Lk, Ev), none
                 empty, E >= 1; attn_mask None, bool or additive, 4-D, broadcastable to
                 (B, H, Lq, Lk); alpha: float or (H,) tensor; scale: float; need_grad:
                 common.GRAD_*; saved: a tuple of tensors (what the backward needs; the
-                dropout seed among them)
+                dropout seed among them); the score options (docs/attention.md, "Score
+                options"): window_size (left, right) ints, -1 unbounded, (-1, -1) none;
+                softcap float, 0 none; alibi_slopes None or (H,) / (B, H), no gradient;
+                sinks None or (H,), with a gradient
     attention_varlen
                 attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                          max_seqlen_q, max_seqlen_k, alpha, *, scale,
-                                         is_causal, dropout_p, need_grad) -> (out, saved)
+                                         is_causal, dropout_p, need_grad, window_size,
+                                         softcap, alibi_slopes, sinks) -> (out, saved)
                 attention_varlen_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k,
                                           max_seqlen_q, max_seqlen_k, alpha, out, saved,
                                           *, scale, is_causal, dropout_p,
-                                          need_alpha_grad) -> (dq, dk, dv, dalpha | None)
+                                          need_alpha_grad, window_size, softcap,
+                                          alibi_slopes, sinks, need_sinks_grad)
+                    -> (dq, dk, dv, dalpha | None, dsinks | None)
+                alibi_slopes (B, H) hold a row per sequence
+
+A backend that does not implement a score option refuses the call in ``supports`` (dispatch
+then falls back, with the reason), naming it with `unimplemented_score_options`; its forward
+and backward still take the keywords, and raise if one is set.
 
 Outputs and gradients come back in the inputs' dtypes (dalpha in alpha's dtype for a
-tensor alpha). Backends trust their arguments: checks live in the public layer, once.
+tensor alpha, dsinks in sinks' dtype). Backends trust their arguments: checks live in the
+public layer, once.
 """
+
+# The dispatch.Request options of the attention ops that flag a score option in use (the
+# public layer sets them), and how a refusal names each.
+SCORE_OPTIONS = {
+    "window": "window_size",
+    "lower_right_causal": "a lower-right causal mask (CausalBias causal_lower_right with Lq != Lk)",
+    "softcap": "softcap",
+    "alibi_slopes": "alibi_slopes",
+    "sinks": "sinks",
+}
+
+
+def unimplemented_score_options(request, what: str) -> str | None:
+    """None when ``request`` (a dispatch.Request of an attention op) uses no score option,
+    else the reason a backend (``what``: "the C++ attention", ...) that implements none of
+    them refuses it, naming each option in use."""
+    used = [name for option, name in SCORE_OPTIONS.items() if request.options.get(option)]
+    if not used:
+        return None
+    return f"{what} does not implement {', '.join(used)} yet"
+
+
+def refuse_score_options(what: str, window_size, softcap, alibi_slopes, sinks) -> None:
+    """Raise when a backend without score options is called with one anyway (``supports``
+    refuses such calls, so dispatch never makes them)."""
+    if tuple(window_size) != (-1, -1) or softcap != 0 or alibi_slopes is not None or sinks is not None:
+        raise RuntimeError(f"{what} has no score options (window_size, softcap, alibi_slopes, sinks); "
+                           "supports() refuses such calls")

@@ -1,7 +1,9 @@
 """Plain-torch reference of scaled-dot-product entmax attention (the tests' ground truth).
 
 Same semantics as ``torch.nn.functional.scaled_dot_product_attention`` with the softmax
-replaced by α-entmax (docs/attention.md). Memory-bounded: queries are processed in chunks whose
+replaced by α-entmax (docs/attention.md), and FlashAttention's options: a sliding window,
+softcapping, ALiBi and attention sinks, in the order docs/attention.md ("Score options")
+writes down. Memory-bounded: queries are processed in chunks whose
 score block holds at most ``CHUNK_ELEMENTS`` entries, and the backward recomputes each
 chunk's weights, so peak extra memory does not grow as B·H·Lq·Lk.
 """
@@ -16,10 +18,12 @@ from ..common import compute_dtype
 from .mappings import entmax_backward, entmax_forward
 
 __all__ = ["entmax_attention", "entmax_attention_varlen", "masked_scores", "expand_heads", "zero_attention",
-           "is_empty_attention", "CHUNK_ELEMENTS"]
+           "is_empty_attention", "CHUNK_ELEMENTS", "NO_WINDOW"]
 
 # Scores per chunk: 4M entries, 16 MB in float32.
 CHUNK_ELEMENTS = 1 << 22
+# window_size (left, right) that bounds nothing: FlashAttention's -1 = unbounded.
+NO_WINDOW = (-1, -1)
 
 
 def _as_4d_mask(attn_mask):
@@ -33,11 +37,47 @@ def _chunk_bounds(batch_heads: int, lq: int, lk: int, chunk_elements: int):
     return [(start, min(start + rows, lq)) for start in range(0, lq, rows)]
 
 
-def masked_scores(q_chunk, key, scale, mask, start, stop, is_causal):
-    """Scores of queries [start, stop) with ``mask`` (bool: True = attend; float: added;
-    broadcastable, size 1 or Lq along dim −2) and the top-left causal mask: (..., c, Lk)."""
-    lk = key.shape[-2]
+def capped_scores(q_chunk, key, scale, softcap):
+    """``scale·q kᵀ``, then ``softcap·tanh(s/softcap)`` when softcap > 0 (Gemma 2's capping)."""
     scores = (q_chunk @ key.transpose(-1, -2)) * scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    return scores
+
+
+def softcap_slope(q_chunk, key, scale, softcap):
+    """d(capped score)/d(scaled score) = 1/cosh²(s/softcap): recomputed from the product,
+    since the capped scores are gone once ALiBi and the masks are added. 1/cosh² rather
+    than 1 − tanh², which loses every digit where tanh rounds to ±1."""
+    return torch.cosh((q_chunk @ key.transpose(-1, -2)) * (scale / softcap)).pow(-2)
+
+
+def _positions(start, stop, lq, lk, device):
+    """(query positions among the keys, key indices): query i sits at key position
+    i + Lk − Lq (bottom-right, as FlashAttention), as a (c, 1) and a (1, Lk) tensor."""
+    rows = torch.arange(start + lk - lq, stop + lk - lq, device=device).view(-1, 1)
+    return rows, torch.arange(lk, device=device).view(1, -1)
+
+
+def _alibi_rows(alibi_slopes, dtype):
+    """Slopes (H,) or (B, H) shaped to broadcast over (B, H, c, Lk) score blocks."""
+    slopes = alibi_slopes.to(dtype)
+    return slopes.view(1, -1, 1, 1) if slopes.dim() == 1 else slopes.view(*slopes.shape, 1, 1)
+
+
+def masked_scores(q_chunk, key, scale, mask, start, stop, is_causal, *, query_length, window_size=NO_WINDOW,
+                  softcap=0.0, alibi_slopes=None):
+    """Scores of queries [start, stop) of ``query_length``, in docs/attention.md's order:
+    scale, softcap, ALiBi (``−slope·|pos − j|``), ``mask`` (bool: True = attend; float:
+    added; broadcastable, size 1 or Lq along dim −2), then the top-left causal mask and the
+    window ``pos − left ≤ j ≤ pos + right`` (−1: unbounded), pos = i + Lk − Lq: (..., c, Lk)."""
+    lk = key.shape[-2]
+    scores = capped_scores(q_chunk, key, scale, softcap)
+    needs_positions = alibi_slopes is not None or window_size != NO_WINDOW
+    if needs_positions:
+        positions, keys = _positions(start, stop, query_length, lk, scores.device)
+    if alibi_slopes is not None:
+        scores = scores - _alibi_rows(alibi_slopes, scores.dtype) * (positions - keys).abs().to(scores.dtype)
     if mask is not None:
         mask_rows = mask if mask.shape[-2] == 1 else mask[..., start:stop, :]
         if mask_rows.dtype == torch.bool:
@@ -48,7 +88,28 @@ def masked_scores(q_chunk, key, scale, mask, start, stop, is_causal):
         rows = torch.arange(start, stop, device=scores.device).view(-1, 1)
         cols = torch.arange(lk, device=scores.device).view(1, -1)
         scores = scores.masked_fill(cols > rows, float("-inf"))
+    left, right = window_size
+    if left >= 0:
+        scores = scores.masked_fill(keys < positions - left, float("-inf"))
+    if right >= 0:
+        scores = scores.masked_fill(keys > positions + right, float("-inf"))
     return scores
+
+
+def _with_sink(scores, sinks):
+    """The row with each head's sink logit appended as a last, virtual key: (..., c, Lk + 1)."""
+    column = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, column], dim=-1)
+
+
+def _weights(scores, alpha_rows, sinks):
+    """(weights over the real keys, weights of the whole row): entmax of the row with the
+    sink appended, the sink's own entry left out of the first (it has a zero value)."""
+    if sinks is None:
+        weights = entmax_forward(scores, alpha_rows, dim=-1)
+        return weights, weights
+    full = entmax_forward(_with_sink(scores, sinks), alpha_rows, dim=-1)
+    return full[..., :-1], full
 
 
 def _dropout_keep(shape, dropout_p, seed, chunk_index, device):
@@ -65,8 +126,8 @@ def is_empty_attention(query, key, value) -> bool:
 
 class _ZeroAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, alpha):
-        ctx.save_for_backward(query, key, value, alpha)
+    def forward(ctx, query, key, value, alpha, sinks):
+        ctx.save_for_backward(query, key, value, alpha, sinks)
         return query.new_zeros(query.shape[:-1] + value.shape[-1:])
 
     @staticmethod
@@ -74,10 +135,11 @@ class _ZeroAttentionFunction(torch.autograd.Function):
         return tuple(None if t is None else torch.zeros_like(t) for t in ctx.saved_tensors)
 
 
-def zero_attention(query, key, value, alpha=None):
+def zero_attention(query, key, value, alpha=None, sinks=None):
     """The output of an empty attention call (:func:`is_empty_attention`): zeros of shape
-    (..., Lq, Ev) in query's dtype, whose gradients are zero for every input."""
-    return _ZeroAttentionFunction.apply(query, key, value, alpha if isinstance(alpha, torch.Tensor) else None)
+    (..., Lq, Ev) in query's dtype, whose gradients are zero for every input (a sink with no
+    real key takes the whole row, and its value is zero)."""
+    return _ZeroAttentionFunction.apply(query, key, value, alpha if isinstance(alpha, torch.Tensor) else None, sinks)
 
 
 def expand_heads(tensor, heads):
@@ -92,7 +154,8 @@ def _draw_seed(dropout_p):
 
 
 def attention_forward(query, key, value, attn_mask, alpha, *, scale, is_causal, dropout_p, enable_gqa=False,
-                      need_grad=None, chunk_elements=CHUNK_ELEMENTS):
+                      need_grad=None, window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None, sinks=None,
+                      chunk_elements=CHUNK_ELEMENTS):
     """Entmax attention of valid, non-empty (B, H, L, E) inputs (the backend contract,
     entmax_fast/backends/__init__.py); returns (out, saved) with saved = (dropout seed,)."""
     cdt = compute_dtype(query.dtype)
@@ -104,10 +167,12 @@ def attention_forward(query, key, value, attn_mask, alpha, *, scale, is_causal, 
     seed = _draw_seed(dropout_p)
     batch, _, lq, _ = q.shape
     lk = k.shape[-2]
+    score_options = {"query_length": lq, "window_size": window_size, "softcap": softcap,
+                     "alibi_slopes": alibi_slopes}
     out = torch.empty(batch, heads, lq, v.shape[-1], dtype=cdt, device=q.device)
-    for index, (start, stop) in enumerate(_chunk_bounds(batch * heads, lq, lk, chunk_elements)):
-        scores = masked_scores(q[..., start:stop, :], k, scale, mask, start, stop, is_causal)
-        weights = entmax_forward(scores, alpha_rows, dim=-1)
+    for index, (start, stop) in enumerate(_chunk_bounds(batch * heads, lq, lk + (sinks is not None), chunk_elements)):
+        scores = masked_scores(q[..., start:stop, :], k, scale, mask, start, stop, is_causal, **score_options)
+        weights, _ = _weights(scores, alpha_rows, sinks)
         if dropout_p > 0:
             keep = _dropout_keep(weights.shape, dropout_p, int(seed), index, weights.device)
             weights = weights * keep / (1 - dropout_p)
@@ -116,10 +181,11 @@ def attention_forward(query, key, value, attn_mask, alpha, *, scale, is_causal, 
 
 
 def attention_backward(grad_out, query, key, value, attn_mask, alpha, out, saved, *, scale, is_causal, dropout_p,
-                       enable_gqa=False, need_mask_grad=False, need_alpha_grad=False,
+                       enable_gqa=False, need_mask_grad=False, need_alpha_grad=False, window_size=NO_WINDOW,
+                       softcap=0.0, alibi_slopes=None, sinks=None, need_sinks_grad=False,
                        chunk_elements=CHUNK_ELEMENTS):
-    """Gradients of :func:`attention_forward`: (dq, dk, dv, dmask | None, dalpha | None),
-    each chunk's weights recomputed."""
+    """Gradients of :func:`attention_forward`: (dq, dk, dv, dmask | None, dalpha | None,
+    dsinks | None), each chunk's weights recomputed. ALiBi slopes get no gradient."""
     (seed,) = saved
     cdt = compute_dtype(query.dtype)
     heads, kv_heads = query.shape[-3], key.shape[-3]
@@ -130,16 +196,22 @@ def attention_backward(grad_out, query, key, value, attn_mask, alpha, out, saved
     alpha_rows = alpha.to(cdt).view(1, -1, 1, 1) if isinstance(alpha, torch.Tensor) else alpha
     need_alpha_grad = need_alpha_grad and isinstance(alpha, torch.Tensor)
     need_mask_grad = need_mask_grad and mask is not None
+    need_sinks_grad = need_sinks_grad and sinks is not None
     dq = torch.zeros_like(q)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
     dalpha = torch.zeros(heads, dtype=cdt, device=q.device) if need_alpha_grad else None
     dmask = torch.zeros(mask.shape, dtype=cdt, device=q.device) if need_mask_grad else None
+    dsinks = torch.zeros(heads, dtype=cdt, device=q.device) if need_sinks_grad else None
     batch, _, lq, _ = q.shape
-    for index, (start, stop) in enumerate(_chunk_bounds(batch * heads, lq, k.shape[-2], chunk_elements)):
+    lk = k.shape[-2]
+    score_options = {"query_length": lq, "window_size": window_size, "softcap": softcap,
+                     "alibi_slopes": alibi_slopes}
+    for index, (start, stop) in enumerate(_chunk_bounds(batch * heads, lq, lk + (sinks is not None), chunk_elements)):
         q_chunk = q[..., start:stop, :]
         do_chunk = d_out[..., start:stop, :]
-        weights = entmax_forward(masked_scores(q_chunk, k, scale, mask, start, stop, is_causal), alpha_rows, dim=-1)
+        weights, row_weights = _weights(masked_scores(q_chunk, k, scale, mask, start, stop, is_causal,
+                                                      **score_options), alpha_rows, sinks)
         d_weights = do_chunk @ v.transpose(-1, -2)
         if dropout_p > 0:
             keep = _dropout_keep(weights.shape, dropout_p, int(seed), index, weights.device) / (1 - dropout_p)
@@ -147,10 +219,15 @@ def attention_backward(grad_out, query, key, value, attn_mask, alpha, out, saved
             d_weights = d_weights * keep
         else:
             dv += weights.transpose(-1, -2) @ do_chunk
-        d_scores, dalpha_rows = entmax_backward(weights, d_weights, alpha_rows, dim=-1,
+        if sinks is not None:
+            # The sink's value is zero: its weight reaches the output through nothing.
+            d_weights = torch.nn.functional.pad(d_weights, (0, 1))
+        d_scores, dalpha_rows = entmax_backward(row_weights, d_weights, alpha_rows, dim=-1,
                                                 need_alpha_grad=need_alpha_grad)
-        dq[..., start:stop, :] = (d_scores @ k) * scale
-        dk += (d_scores.transpose(-1, -2) @ q_chunk) * scale
+        if sinks is not None:
+            if need_sinks_grad:
+                dsinks += d_scores[..., -1].sum(dim=(0, 2))
+            d_scores = d_scores[..., :-1]
         if need_alpha_grad:
             dalpha += dalpha_rows.sum(dim=(0, 2, 3))
         if need_mask_grad:
@@ -158,12 +235,17 @@ def attention_backward(grad_out, query, key, value, attn_mask, alpha, out, saved
                 dmask += d_scores.sum_to_size(mask.shape)
             else:
                 dmask[..., start:stop, :] += d_scores.sum_to_size(mask[..., start:stop, :].shape)
+        if softcap > 0:
+            d_scores = d_scores * softcap_slope(q_chunk, k, scale, softcap)
+        dq[..., start:stop, :] = (d_scores @ k) * scale
+        dk += (d_scores.transpose(-1, -2) @ q_chunk) * scale
     if kv_heads != heads:
         dk = dk.unflatten(-3, (kv_heads, heads // kv_heads)).sum(-3)
         dv = dv.unflatten(-3, (kv_heads, heads // kv_heads)).sum(-3)
     return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype),
             dmask.to(attn_mask.dtype).reshape(attn_mask.shape) if need_mask_grad else None,
-            dalpha.to(alpha.dtype) if need_alpha_grad else None)
+            dalpha.to(alpha.dtype) if need_alpha_grad else None,
+            dsinks.to(sinks.dtype) if need_sinks_grad else None)
 
 
 class _EntmaxAttentionFunction(torch.autograd.Function):
@@ -182,10 +264,10 @@ class _EntmaxAttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         query, key, value, mask, alpha_tensor, *saved = ctx.saved_tensors
         alpha = ctx.alpha_float if alpha_tensor is None else alpha_tensor
-        grads = attention_backward(grad_out, query, key, value, mask, alpha, None, tuple(saved), **ctx.options,
-                                   need_mask_grad=ctx.needs_input_grad[3],
-                                   need_alpha_grad=ctx.needs_input_grad[4])
-        grads = once_differentiable_grads("entmax attention (reference backend)", grads,
+        *grads, _ = attention_backward(grad_out, query, key, value, mask, alpha, None, tuple(saved), **ctx.options,
+                                       need_mask_grad=ctx.needs_input_grad[3],
+                                       need_alpha_grad=ctx.needs_input_grad[4])
+        grads = once_differentiable_grads("entmax attention (reference backend)", tuple(grads),
                                           (query, key, value, mask, alpha_tensor, grad_out))
         return (*grads, None)
 
@@ -242,39 +324,56 @@ def _as_batch(packed, rows):
     return packed[rows].transpose(0, 1).unsqueeze(0)
 
 
+def _sequence_slopes(alibi_slopes, index):
+    """The ALiBi slopes of packed sequence ``index``: (H,) slopes serve every sequence,
+    (B, H) ones have a row per sequence."""
+    if alibi_slopes is None or alibi_slopes.dim() == 1:
+        return alibi_slopes
+    return alibi_slopes[index]
+
+
 def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, *, scale,
-                             is_causal, dropout_p, need_grad=None):
-    """The packed form (backend contract): :func:`attention_forward` per sequence; saved
-    holds one dropout seed per sequence."""
+                             is_causal, dropout_p, need_grad=None, window_size=NO_WINDOW, softcap=0.0,
+                             alibi_slopes=None, sinks=None):
+    """The packed form (backend contract): :func:`attention_forward` per sequence (windows
+    and ALiBi positions bottom-right within each); saved holds one dropout seed per sequence."""
     out = q.new_zeros(q.shape[:-1] + v.shape[-1:])
     seeds = []
-    for rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k):
+    for index, (rows_q, rows_k) in enumerate(_sequences(cu_seqlens_q, cu_seqlens_k)):
         seed = torch.zeros(1, dtype=torch.int64)
         if rows_q.stop > rows_q.start and rows_k.stop > rows_k.start:
             out_b, (seed,) = attention_forward(_as_batch(q, rows_q), _as_batch(k, rows_k), _as_batch(v, rows_k),
-                                               None, alpha, scale=scale, is_causal=is_causal, dropout_p=dropout_p)
+                                               None, alpha, scale=scale, is_causal=is_causal, dropout_p=dropout_p,
+                                               window_size=window_size, softcap=softcap,
+                                               alibi_slopes=_sequence_slopes(alibi_slopes, index), sinks=sinks)
             out[rows_q] = out_b.squeeze(0).transpose(0, 1)
         seeds.append(seed)
     return out, (torch.cat(seeds),)
 
 
 def attention_varlen_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, out,
-                              saved, *, scale, is_causal, dropout_p, need_alpha_grad=False):
-    """Gradients of :func:`attention_varlen_forward`: (dq, dk, dv, dalpha | None)."""
+                              saved, *, scale, is_causal, dropout_p, need_alpha_grad=False, window_size=NO_WINDOW,
+                              softcap=0.0, alibi_slopes=None, sinks=None, need_sinks_grad=False):
+    """Gradients of :func:`attention_varlen_forward`: (dq, dk, dv, dalpha | None, dsinks | None)."""
     (seeds,) = saved
     need_alpha_grad = need_alpha_grad and isinstance(alpha, torch.Tensor)
+    need_sinks_grad = need_sinks_grad and sinks is not None
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dalpha = torch.zeros_like(alpha) if need_alpha_grad else None
+    dsinks = torch.zeros_like(sinks) if need_sinks_grad else None
     for index, (rows_q, rows_k) in enumerate(_sequences(cu_seqlens_q, cu_seqlens_k)):
         if rows_q.stop == rows_q.start or rows_k.stop == rows_k.start:
             continue
-        dq_b, dk_b, dv_b, _, dalpha_b = attention_backward(
+        dq_b, dk_b, dv_b, _, dalpha_b, dsinks_b = attention_backward(
             _as_batch(grad_out, rows_q), _as_batch(q, rows_q), _as_batch(k, rows_k), _as_batch(v, rows_k), None,
             alpha, None, (seeds[index:index + 1],), scale=scale, is_causal=is_causal, dropout_p=dropout_p,
-            need_alpha_grad=need_alpha_grad)
+            need_alpha_grad=need_alpha_grad, window_size=window_size, softcap=softcap,
+            alibi_slopes=_sequence_slopes(alibi_slopes, index), sinks=sinks, need_sinks_grad=need_sinks_grad)
         dq[rows_q] = dq_b.squeeze(0).transpose(0, 1)
         dk[rows_k] = dk_b.squeeze(0).transpose(0, 1)
         dv[rows_k] = dv_b.squeeze(0).transpose(0, 1)
         if need_alpha_grad:
             dalpha += dalpha_b
-    return dq, dk, dv, dalpha
+        if need_sinks_grad:
+            dsinks += dsinks_b
+    return dq, dk, dv, dalpha, dsinks

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import unimplemented_score_options
+
 OPS = {"entmax": "ops", "attention": "ops", "fusedmax": "ops", "oscarmax": "ops"}
 _FLOAT_TYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -41,6 +43,8 @@ def supports(op: str, request) -> str | None:
         return "the C++ attention has no dropout"
     if op == "attention" and request.options.get("mask_requires_grad"):
         return "the C++ attention gives no gradient to a float attn_mask"
+    if op == "attention":
+        return unimplemented_score_options(request, "the C++ attention")
     return None
 
 

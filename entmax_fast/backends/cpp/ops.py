@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ...common import alpha_vector, compute_dtype
+from .. import refuse_score_options
 
 __all__ = ["entmax_forward", "entmax_backward", "attention_forward", "attention_backward", "fusedmax_forward",
            "fusedmax_backward", "oscarmax_forward", "oscarmax_backward"]
@@ -31,20 +32,24 @@ def entmax_backward(p: torch.Tensor, grad: torch.Tensor, alpha, need_alpha_grad:
     return dx, dalpha if isinstance(alpha, torch.Tensor) else dalpha.to(compute_dtype(p.dtype))
 
 
-def attention_forward(query, key, value, attn_mask, alpha, *, scale, is_causal, dropout_p, enable_gqa, need_grad):
+def attention_forward(query, key, value, attn_mask, alpha, *, scale, is_causal, dropout_p, enable_gqa, need_grad,
+                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
+    refuse_score_options("the C++ attention", window_size, softcap, alibi_slopes, sinks)
     out, stats = torch.ops.entmax_fast.entmax_attention_fwd(
         query, key, value, attn_mask, _alphas(alpha, query.shape[1], query.device), float(scale), bool(is_causal))
     return out, (stats,)
 
 
 def attention_backward(grad_out, query, key, value, attn_mask, alpha, out, saved, *, scale, is_causal, dropout_p,
-                       enable_gqa, need_mask_grad, need_alpha_grad):
+                       enable_gqa, need_mask_grad, need_alpha_grad, window_size=(-1, -1), softcap=0.0,
+                       alibi_slopes=None, sinks=None, need_sinks_grad=False):
+    refuse_score_options("the C++ attention", window_size, softcap, alibi_slopes, sinks)
     (stats,) = saved
     need_alpha_grad = bool(need_alpha_grad) and isinstance(alpha, torch.Tensor)
     dq, dk, dv, dalpha = torch.ops.entmax_fast.entmax_attention_bwd(
         grad_out, query, key, value, attn_mask, stats, _alphas(alpha, query.shape[1], query.device), float(scale),
         bool(is_causal), need_alpha_grad)
-    return dq, dk, dv, None, (dalpha.to(alpha.dtype) if need_alpha_grad else None)
+    return dq, dk, dv, None, (dalpha.to(alpha.dtype) if need_alpha_grad else None), None
 
 
 def fusedmax_forward(x, reg, lengths):

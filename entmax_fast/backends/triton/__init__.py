@@ -16,6 +16,7 @@ import torch
 
 # Imports torch only: the dtypes the kernels take, not the kernels.
 from ...triton_kernels.signature import DTYPE_KEYS
+from .. import unimplemented_score_options
 
 OPS = {"entmax": "rowwise", "attention": "attention", "attention_varlen": "attention"}
 
@@ -82,6 +83,9 @@ def supports(op: str, request) -> Optional[str]:
             return f"head dims above 256 are not supported by the fused kernels, got {request.options['head_dim']}"
         if request.options.get("mask_requires_grad"):
             return "the Triton kernels do not differentiate a float attn_mask"
+        unimplemented = unimplemented_score_options(request, "the fused attention")
+        if unimplemented is not None:
+            return unimplemented
         if request.device.type == "cuda":
             capability = _capability(request.device)
             if capability < ATTENTION_MIN_CAPABILITY:

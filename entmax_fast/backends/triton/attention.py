@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ... import common
+from .. import refuse_score_options
 from ...triton_kernels import attention_bwd, attention_common, attention_fwd
 from ...triton_kernels.signature import DTYPE_KEYS
 from . import _capability, interpreting
@@ -404,7 +405,8 @@ def _backward(grad_out, q, k, v, attn_mask, alpha, out, saved, cu_q, cu_k, max_q
 
 
 def attention_forward(query, key, value, attn_mask, alpha, *, scale, is_causal, dropout_p,
-                      enable_gqa, need_grad):
+                      enable_gqa, need_grad, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                      sinks=None):
     """Fused α-entmax attention (SDPA semantics), never materialising Lq x Lk.
 
     query (B, H, Lq, E), key (B, Hkv, Lk, E), value (B, Hkv, Lk, Ev) -> out (B, H, Lq, Ev);
@@ -416,29 +418,35 @@ def attention_forward(query, key, value, attn_mask, alpha, *, scale, is_causal, 
     Returns (out, saved), saved = (stats, dvec, flags, seed): the row statistics, the
     D-vector (a placeholder under GRAD_NONE), the tiles holding non-zero weight, and the
     dropout seed (drawn here from torch's generator), which the backward regenerates the
-    dropout mask from.
+    dropout mask from. The kernels have no score options (window_size, softcap,
+    alibi_slopes, sinks): ``supports`` refuses calls that set one.
     """
+    refuse_score_options("the fused attention", window_size, softcap, alibi_slopes, sinks)
     return _forward(query, key, value, attn_mask, alpha, None, None, 0, 0, scale, is_causal,
                     dropout_p, need_grad)
 
 
 def attention_backward(grad_out, query, key, value, attn_mask, alpha, out, saved, *, scale,
-                       is_causal, dropout_p, enable_gqa, need_mask_grad, need_alpha_grad):
+                       is_causal, dropout_p, enable_gqa, need_mask_grad, need_alpha_grad,
+                       window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
+                       need_sinks_grad=False):
     """Gradients of `attention_forward` (which ran with need_grad GRAD_INPUTS, or
-    GRAD_ALPHA when need_alpha_grad): (dq, dk, dv, None, dalpha or None), dalpha in alpha's
-    shape and dtype. The kernels do not differentiate attn_mask: ``supports`` refuses the
-    calls that would need it."""
+    GRAD_ALPHA when need_alpha_grad): (dq, dk, dv, None, dalpha or None, None), dalpha in
+    alpha's shape and dtype. The kernels do not differentiate attn_mask: ``supports``
+    refuses the calls that would need it."""
+    refuse_score_options("the fused attention", window_size, softcap, alibi_slopes, sinks)
     if need_mask_grad:
         raise RuntimeError("the Triton attention does not differentiate attn_mask "
                            "(supports() refuses a mask that requires grad)")
     dq, dk, dv, dalpha = _backward(grad_out, query, key, value, attn_mask, alpha, out, saved,
                                    None, None, 0, 0, scale, is_causal, dropout_p,
                                    need_alpha_grad)
-    return dq, dk, dv, None, dalpha
+    return dq, dk, dv, None, dalpha, None
 
 
 def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             alpha, *, scale, is_causal, dropout_p, need_grad):
+                             alpha, *, scale, is_causal, dropout_p, need_grad, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, sinks=None):
     """`attention_forward` over packed variable-length sequences (flash-attn layout).
 
     q (total_q, H, E), k (total_k, Hkv, E), v (total_k, Hkv, Ev) -> out (total_q, H, Ev);
@@ -447,14 +455,18 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     every sequence length. is_causal is top-left aligned per sequence. Returns (out, saved)
     as `attention_forward`.
     """
+    refuse_score_options("the fused attention", window_size, softcap, alibi_slopes, sinks)
     return _forward(q, k, v, None, alpha, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                     int(max_seqlen_k), scale, is_causal, dropout_p, need_grad)
 
 
 def attention_varlen_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                               max_seqlen_k, alpha, out, saved, *, scale, is_causal, dropout_p,
-                              need_alpha_grad):
-    """Gradients of `attention_varlen_forward`: (dq, dk, dv, dalpha or None)."""
-    return _backward(grad_out, q, k, v, None, alpha, out, saved, cu_seqlens_q, cu_seqlens_k,
-                     int(max_seqlen_q), int(max_seqlen_k), scale, is_causal, dropout_p,
-                     need_alpha_grad)
+                              need_alpha_grad, window_size=(-1, -1), softcap=0.0,
+                              alibi_slopes=None, sinks=None, need_sinks_grad=False):
+    """Gradients of `attention_varlen_forward`: (dq, dk, dv, dalpha or None, None)."""
+    refuse_score_options("the fused attention", window_size, softcap, alibi_slopes, sinks)
+    dq, dk, dv, dalpha = _backward(grad_out, q, k, v, None, alpha, out, saved, cu_seqlens_q,
+                                   cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale,
+                                   is_causal, dropout_p, need_alpha_grad)
+    return dq, dk, dv, dalpha, None

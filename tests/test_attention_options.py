@@ -1,0 +1,401 @@
+"""The attention score options (window_size, lower-right causal masks, softcap, ALiBi, sinks):
+forward and gradients (q, k, v, sinks, α) against the dense float64 oracle, alone, in pairs
+and all together, with masks, GQA, Lq ≠ Lk in both directions, varlen and dropout, on every
+CPU backend through dispatch: the C++ and Triton backends refuse the options, naming them,
+and the call falls back to the reference. GPT-OSS's softmax with sinks at α = 1, the
+softcap's gradient by finite differences, torch.compile."""
+import itertools
+import math
+import re
+
+import pytest
+import torch
+from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+
+import entmax_fast
+from entmax_fast import dispatch
+from entmax_fast.backends import triton as triton_backend
+from devices import cpu_backends
+from oracle import oracle_attention, oracle_entmax
+
+B, H, HKV, E = 2, 4, 2, 8
+# One α per head, none of them 1: the oracle's α = 1 rows are torch.softmax, which has no
+# derivative in α.
+ALPHA_HEADS = (1.25, 1.5, 1.75, 2.0)
+# What a refusal names for each option (backends.SCORE_OPTIONS).
+REFUSED_AS = {"window": "window_size",
+              "lower_right": "a lower-right causal mask (CausalBias causal_lower_right with Lq != Lk)", "softcap": "softcap",
+              "alibi": "alibi_slopes", "sinks": "sinks"}
+# float32 against the float64 oracle: a few float32 ulps of O(1) outputs and gradients.
+TOL = {torch.float64: {"atol": 1e-12, "rtol": 1e-12}, torch.float32: {"atol": 1e-5, "rtol": 1e-5}}
+# dα sums a term per row of its head, each the float32 weights' rounding times up to
+# 1/(α − 1)² (docs/attention.md, "Gradient of alpha"): the row-wise tests' float32 bound.
+ALPHA_TOL = {torch.float64: TOL[torch.float64], torch.float32: {"atol": 1e-4, "rtol": 1e-3}}
+# torch warns that SDPA gives NaN rows where a lower-right causal mask leaves a query no key;
+# here such rows are zeros, as fully masked rows are (FlashAttention's rule).
+pytestmark = pytest.mark.filterwarnings("ignore:Lower right causal bias will produce NaNs:UserWarning")
+
+
+def _option(name, lq, lk, dtype, generator):
+    """Keyword arguments of entmax_attention (and of the oracle) that switch ``name`` on."""
+    if name == "window":
+        return {"window_size": (2, 1)}
+    if name == "lower_right":
+        return {"attn_mask": causal_lower_right(lq, lk)}
+    if name == "softcap":
+        return {"softcap": 1.5}
+    if name == "alibi":
+        return {"alibi_slopes": torch.rand(B, H, generator=generator)}
+    return {"sinks": torch.randn(H, generator=generator, dtype=dtype).requires_grad_()}
+
+
+CASES = [(name,) for name in REFUSED_AS] + list(itertools.combinations(REFUSED_AS, 2)) + [tuple(REFUSED_AS)]
+
+
+def _inputs(lq, lk, dtype, scale=2.0):
+    """q scaled up so that scores reach the softcap and rows are sparse."""
+    q = (torch.randn(B, H, lq, E, dtype=dtype) * scale).requires_grad_()
+    k = torch.randn(B, HKV, lk, E, dtype=dtype).requires_grad_()
+    v = torch.randn(B, HKV, lk, E, dtype=dtype).requires_grad_()
+    return q, k, v
+
+
+def _leaves(q, k, v, alpha, options):
+    leaves = [q, k, v]
+    if isinstance(alpha, torch.Tensor):
+        leaves.append(alpha)
+    if options.get("sinks") is not None:
+        leaves.append(options["sinks"])
+    return leaves
+
+
+def _as_float64(tensors):
+    return [t.detach().double().requires_grad_(t.requires_grad) for t in tensors]
+
+
+def _oracle_and_grads(q, k, v, alpha, options, grad_out, **kwargs):
+    """The oracle's output and its gradients with respect to the same leaves, in float64."""
+    q64, k64, v64 = _as_float64((q, k, v))
+    alpha64 = _as_float64([alpha])[0] if isinstance(alpha, torch.Tensor) else alpha
+    options64 = dict(options)
+    if options.get("sinks") is not None:
+        options64["sinks"] = _as_float64([options["sinks"]])[0]
+    out = oracle_attention(q64, k64, v64, alpha=alpha64, **options64, **kwargs)
+    grads = torch.autograd.grad(out, _leaves(q64, k64, v64, alpha64, options64), grad_out.double())
+    return out, grads
+
+
+def _first_choice(monkeypatch, backend):
+    """Dispatch tries ``backend`` first on CPU tensors, then the reference."""
+    monkeypatch.setattr(dispatch, "_default_order", lambda device: (backend, "reference"))
+
+
+def _check_fallback(op, first_backend, names):
+    choice = dispatch.last_choice(op)
+    assert choice.backend == "reference", choice
+    if first_backend != "reference":
+        what = "the C++ attention" if first_backend == "cpp" else "the fused attention"
+        refused = ", ".join(REFUSED_AS[name] for name in REFUSED_AS if name in names)
+        assert f"{first_backend}: {what} does not implement {refused}" in choice.reason, choice.reason
+        assert choice.reason.endswith(" yet"), choice.reason
+
+
+def _dtype_for(backend):
+    # The fused kernels take no float64: the Triton backend would refuse a float64 call for its
+    # dtype before the option.
+    return torch.float32 if backend == "triton" else torch.float64
+
+
+@pytest.mark.parametrize("first_backend", cpu_backends("attention"))
+@pytest.mark.parametrize("names", [pytest.param(case, id="+".join(case)) for case in CASES])
+@pytest.mark.parametrize("lq,lk", [(5, 9), (9, 5)], ids=["Lq<Lk", "Lq>Lk"])
+def test_options_match_the_oracle_through_dispatch(monkeypatch, first_backend, names, lq, lk):
+    _first_choice(monkeypatch, first_backend)
+    dtype = _dtype_for(first_backend)
+    generator = torch.Generator().manual_seed(len(names) * 100 + lq)
+    q, k, v = _inputs(lq, lk, dtype)
+    options = {}
+    for name in names:
+        options.update(_option(name, lq, lk, dtype, generator))
+    alpha = torch.tensor(ALPHA_HEADS, dtype=dtype, requires_grad=True)
+    grad_out = torch.randn(B, H, lq, E, dtype=dtype)
+
+    out = entmax_fast.entmax_attention(q, k, v, enable_gqa=True, alpha=alpha, **options)
+    _check_fallback("attention", first_backend, names)
+    grads = torch.autograd.grad(out, _leaves(q, k, v, alpha, options), grad_out)
+
+    expected, expected_grads = _oracle_and_grads(q, k, v, alpha, options, grad_out)
+    torch.testing.assert_close(out.double(), expected, **TOL[dtype])
+    for leaf, got, want in zip(_leaves(q, k, v, alpha, options), grads, expected_grads):
+        torch.testing.assert_close(got.double(), want, **(ALPHA_TOL if leaf is alpha else TOL)[dtype])
+
+
+@pytest.mark.parametrize("mask", ["bool", "float", "is_causal"])
+@pytest.mark.parametrize("alpha", [1.0, 1.5, 2.0])
+def test_all_options_with_masks_and_a_float_alpha(mask, alpha):
+    """Every option together with a bool mask, a float mask (its gradient too) or SDPA's
+    top-left causal mask; α = 1 (softmax), 1.5, 2 (sparsemax_attention)."""
+    lq, lk = 6, 11
+    q, k, v = _inputs(lq, lk, torch.float64)
+    generator = torch.Generator().manual_seed(3)
+    options = {"window_size": (4, 2), "softcap": 2.5, "alibi_slopes": torch.rand(H, generator=generator),
+               "sinks": torch.randn(H, generator=generator, dtype=torch.float64).requires_grad_()}
+    leaves = [q, k, v, options["sinks"]]
+    masks = {}
+    if mask == "bool":
+        masks["attn_mask"] = torch.rand(B, 1, lq, lk, generator=generator) > 0.3
+    elif mask == "float":
+        masks["attn_mask"] = torch.randn(lq, lk, generator=generator, dtype=torch.float64).requires_grad_()
+        leaves.append(masks["attn_mask"])
+    else:
+        masks["is_causal"] = True
+    grad_out = torch.randn(B, H, lq, E, dtype=torch.float64)
+    if alpha == 2.0:
+        out = entmax_fast.sparsemax_attention(q, k, v, enable_gqa=True, **masks, **options)
+    else:
+        out = entmax_fast.entmax_attention(q, k, v, enable_gqa=True, alpha=alpha, **masks, **options)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+
+    leaves64 = _as_float64(leaves)
+    q64, k64, v64, sinks64 = leaves64[:4]
+    masks64 = {"attn_mask": leaves64[4]} if mask == "float" else masks
+    expected = oracle_attention(q64, k64, v64, alpha=alpha, **masks64, **{**options, "sinks": sinks64})
+    expected_grads = torch.autograd.grad(expected, leaves64, grad_out)
+    torch.testing.assert_close(out, expected, **TOL[torch.float64])
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, **TOL[torch.float64])
+
+
+def _gpt_oss_attention(q, k, v, sinks, scale, allowed):
+    """GPT-OSS's eager attention: softmax over the scores with each head's sink appended as a
+    last column, the sink's column dropped afterwards."""
+    logits = (q @ k.transpose(-1, -2)) * scale
+    logits = logits.masked_fill(~allowed, -math.inf)
+    sink_column = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], 1)
+    combined = torch.cat([logits, sink_column], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1)
+    return probs[..., :-1] @ v
+
+
+@pytest.mark.parametrize("window", [None, 3], ids=["full", "sliding"])
+def test_alpha_one_with_sinks_is_gpt_oss_softmax_with_sinks(window):
+    """At α = 1 the weights are GPT-OSS's: causal (bottom-right for a query block after a
+    cache), optionally a sliding window of `window` keys, forward and gradients."""
+    lq, lk = 5, 8
+    q, k, v = (torch.randn(1, H, length, E, dtype=torch.float64, requires_grad=True) for length in (lq, lk, lk))
+    sinks = torch.randn(H, dtype=torch.float64, requires_grad=True)
+    i, j = torch.arange(lq).view(-1, 1) + lk - lq, torch.arange(lk).view(1, -1)
+    allowed = j <= i
+    options = {"attn_mask": causal_lower_right(lq, lk)}
+    if window is not None:
+        allowed &= j > i - window
+        options["window_size"] = (window - 1, 0)
+    grad_out = torch.randn(1, H, lq, E, dtype=torch.float64)
+    out = entmax_fast.entmax_attention(q, k, v, alpha=1.0, sinks=sinks, scale=0.3, **options)
+    grads = torch.autograd.grad(out, (q, k, v, sinks), grad_out)
+    expected = _gpt_oss_attention(q, k, v, sinks, 0.3, allowed)
+    expected_grads = torch.autograd.grad(expected, (q, k, v, sinks), grad_out)
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+def test_softcap_gradients_by_finite_differences():
+    """gradcheck (float64) through the capping, with the other options and a learned α."""
+    q, k, v = (torch.randn(1, 2, length, 3, dtype=torch.float64) * 2 for length in (3, 5, 5))
+    sinks = torch.randn(2, dtype=torch.float64)
+    alpha = torch.tensor([1.3, 1.8], dtype=torch.float64)
+    slopes = torch.tensor([0.5, 0.25], dtype=torch.float64)
+
+    def f(q, k, v, sinks, alpha):
+        return entmax_fast.entmax_attention(q, k, v, alpha=alpha, softcap=0.8, sinks=sinks, alibi_slopes=slopes,
+                                            window_size=(3, 1))
+
+    assert torch.autograd.gradcheck(f, [t.requires_grad_() for t in (q, k, v, sinks, alpha)])
+
+
+def test_softcap_bounds_the_scores_and_large_caps_change_nothing():
+    q, k, v = _inputs(4, 6, torch.float64, scale=5.0)
+    capped = entmax_fast.entmax_attention(q, k, v, enable_gqa=True, softcap=1e9)
+    torch.testing.assert_close(capped, entmax_fast.entmax_attention(q, k, v, enable_gqa=True), atol=1e-12, rtol=0)
+    # scores capped at ±c: with c tiny every key scores about alike, weights uniform
+    flat = entmax_fast.entmax_attention(q, k, v, enable_gqa=True, softcap=1e-9)
+    mean_value = v.repeat_interleave(H // HKV, dim=1).mean(-2, keepdim=True).expand(B, H, 4, E)
+    torch.testing.assert_close(flat, mean_value, atol=1e-8, rtol=0)
+
+
+@pytest.mark.parametrize("first_backend", cpu_backends("attention_varlen"))
+def test_varlen_options_match_each_sequence_alone(monkeypatch, first_backend):
+    """Windows and ALiBi positions bottom-right within each packed sequence, a row of
+    (B, H) slopes per sequence, sinks and α with gradients; a sequence without keys."""
+    _first_choice(monkeypatch, first_backend)
+    dtype = _dtype_for(first_backend)
+    cu_q = torch.tensor([0, 3, 4, 11, 13], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 7, 14, 14], dtype=torch.int32)
+    q = (torch.randn(13, H, E, dtype=dtype) * 2).requires_grad_()
+    k = torch.randn(14, HKV, E, dtype=dtype, requires_grad=True)
+    v = torch.randn(14, HKV, E, dtype=dtype, requires_grad=True)
+    alpha = torch.tensor(ALPHA_HEADS, dtype=dtype, requires_grad=True)
+    sinks = torch.randn(H, dtype=dtype, requires_grad=True)
+    slopes = torch.rand(4, H)
+    options = {"window_size": (3, 0), "softcap": 2.0}
+    out = entmax_fast.entmax_attention_varlen(q, k, v, cu_q, cu_k, 7, 7, alpha=alpha, sinks=sinks,
+                                              alibi_slopes=slopes, **options)
+    _check_fallback("attention_varlen", first_backend, ("window", "softcap", "alibi", "sinks"))
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v, alpha, sinks), grad_out)
+
+    leaves64 = _as_float64((q, k, v, alpha, sinks))
+    q64, k64, v64, alpha64, sinks64 = leaves64
+    expected = torch.zeros(13, H, E, dtype=torch.float64)
+    for b in range(4):
+        rows_q, rows_k = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if rows_k.stop == rows_k.start:
+            continue  # no keys: zeros
+        sequence = oracle_attention(*(t[rows].transpose(0, 1)[None] for t, rows in
+                                      ((q64, rows_q), (k64, rows_k), (v64, rows_k))),
+                                    alpha=alpha64, sinks=sinks64, alibi_slopes=slopes[b], **options)
+        expected = expected.index_put((torch.arange(rows_q.start, rows_q.stop),), sequence[0].transpose(0, 1))
+    expected_grads = torch.autograd.grad(expected, leaves64, grad_out.double())
+    torch.testing.assert_close(out.double(), expected, **TOL[dtype])
+    assert (out[11:] == 0).all()
+    for leaf, got, want in zip((q, k, v, alpha, sinks), grads, expected_grads):
+        torch.testing.assert_close(got.double(), want, **(ALPHA_TOL if leaf is alpha else TOL)[dtype])
+
+
+def test_dropout_drops_real_keys_weights_and_the_sink_stays_in_the_threshold():
+    """With one-hot values the output rows are the weights: each kept weight is the oracle's
+    (the sink's share included in the threshold) divided by 1 − p, each dropped one 0."""
+    lq, lk, p = 6, 10, 0.4
+    q = torch.randn(1, H, lq, E, dtype=torch.float64) * 2
+    k = torch.randn(1, H, lk, E, dtype=torch.float64)
+    v = torch.eye(lk, dtype=torch.float64).expand(1, H, lk, lk)
+    sinks = torch.randn(H, dtype=torch.float64)
+    options = {"sinks": sinks, "window_size": (5, 0), "softcap": 3.0}
+    torch.manual_seed(11)
+    out = entmax_fast.entmax_attention(q, k, v, dropout_p=p, **options)
+    torch.manual_seed(11)
+    assert torch.equal(out, entmax_fast.entmax_attention(q, k, v, dropout_p=p, **options))
+    weights = oracle_attention(q, k, v, **options)
+    kept = out != 0
+    assert kept.any() and ((weights > 0) & ~kept).any()
+    assert not (kept & (weights == 0)).any()
+    torch.testing.assert_close(out[kept] * (1 - p), weights[kept], atol=1e-12, rtol=0)
+
+    def f(q, sinks):
+        torch.manual_seed(5)
+        return entmax_fast.entmax_attention(q, k, v, dropout_p=p, sinks=sinks, window_size=(5, 0), softcap=3.0)
+
+    small_q = q[..., :3, :].clone().requires_grad_()
+    assert torch.autograd.gradcheck(f, (small_q, sinks.clone().requires_grad_()))
+
+
+@pytest.mark.parametrize("variant", ["upper_left", "lower_right_square"])
+def test_causal_bias_that_is_is_causal_runs_on_every_backend(monkeypatch, variant):
+    """causal_upper_left, and causal_lower_right with Lq = Lk, are SDPA's is_causal: no
+    backend refuses them."""
+    lq, lk = (5, 9) if variant == "upper_left" else (7, 7)
+    bias = causal_upper_left(lq, lk) if variant == "upper_left" else causal_lower_right(lq, lk)
+    q, k, v = _inputs(lq, lk, torch.float32)
+    expected = entmax_fast.entmax_attention(q, k, v, is_causal=True, enable_gqa=True)
+    for backend in cpu_backends("attention"):
+        _first_choice(monkeypatch, backend)
+        out = entmax_fast.entmax_attention(q, k, v, bias, enable_gqa=True)
+        assert dispatch.last_choice("attention").backend == backend
+        torch.testing.assert_close(out.double(), oracle_attention(q, k, v, is_causal=True), **TOL[torch.float32])
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
+
+
+def test_a_forced_backend_names_the_option_it_lacks():
+    q, k, v = _inputs(3, 4, torch.float32)
+    for backend in set(cpu_backends("attention")) - {"reference"}:
+        with entmax_fast.use_backend(backend), pytest.raises(dispatch.BackendUnavailableError,
+                                                              match="does not implement softcap, sinks yet"):
+            entmax_fast.entmax_attention(q, k, v, enable_gqa=True, softcap=2.0, sinks=torch.zeros(H))
+
+
+def test_triton_on_cuda_refuses_the_options_and_the_reference_runs(monkeypatch):
+    """The CUDA order (triton, cpp, reference) as a GPU machine takes it, without a GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(dispatch._AVAILABILITY, "triton", (True, "pretend GPU"))
+    monkeypatch.setattr(triton_backend, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(dispatch, "_WARNED", set())
+    request = dispatch.Request(torch.device("cuda"), torch.float16,
+                               {"alpha": 1.5, "window": True, "lower_right_causal": True})
+    with pytest.warns(UserWarning, match="runs the plain-torch reference"):
+        choice = dispatch.select("attention", request)[1]
+    assert choice.backend == "reference"
+    assert ("triton: the fused attention does not implement window_size, a lower-right causal mask "
+            "(CausalBias causal_lower_right with Lq != Lk) yet") in choice.reason
+
+
+def test_backends_without_options_raise_if_called_with_one():
+    """supports() keeps these calls away from the C++ and Triton functions; called directly
+    they raise instead of ignoring the option."""
+    from entmax_fast.backends.reference import ops as reference_ops
+
+    q, k, v = _inputs(3, 4, torch.float32)
+    k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    options = {"scale": 0.5, "is_causal": False, "dropout_p": 0.0, "enable_gqa": False, "need_grad": 0}
+    reference_out, _ = reference_ops.attention_forward(q, k, v, None, 1.5, **options, softcap=1.0)
+    assert reference_out.isfinite().all()
+    if "cpp" in cpu_backends("attention"):
+        from entmax_fast.backends.cpp import ops as cpp_ops
+
+        with pytest.raises(RuntimeError, match=re.escape("the C++ attention has no score options")):
+            cpp_ops.attention_forward(q, k, v, None, 1.5, **options, softcap=1.0)
+    from entmax_fast.backends.triton import attention as triton_ops
+
+    with pytest.raises(RuntimeError, match="the fused attention has no score options"):
+        triton_ops.attention_forward(q, k, v, None, 1.5, **options, window_size=(1, 1))
+
+
+def test_torch_compile_fullgraph_traces_the_options():
+    """A float α: the reference's root finding for a tensor α is a loop of 320 steps that
+    dynamo unrolls (minutes to trace on a CPU), whatever the options."""
+    q, k, v = _inputs(5, 7, torch.float32)
+    sinks = torch.randn(H, requires_grad=True)
+    slopes = torch.rand(H)
+    # Made outside: dynamo does not trace the CausalBias constructor (torch's own limit).
+    bias = causal_lower_right(5, 7)
+
+    def model(q, k, v, sinks, bias):
+        return entmax_fast.entmax_attention(q, k, v, bias, enable_gqa=True, window_size=(3, -1), softcap=2.0,
+                                            alibi_slopes=slopes, sinks=sinks).square().sum()
+
+    inputs = (q, k, v, sinks)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    got = compiled(*inputs, bias)
+    assert dispatch.last_choice("attention").backend == "reference"
+    got_grads = torch.autograd.grad(got, inputs)
+    expected = model(*inputs, bias)
+    expected_grads = torch.autograd.grad(expected, inputs)
+    torch.testing.assert_close(got, expected)
+    for g, e in zip(got_grads, expected_grads):
+        torch.testing.assert_close(g, e)
+
+
+def test_empty_calls_give_zeros_and_zero_sink_gradients():
+    """No key: the sink takes the whole row, and its value is zero."""
+    q = torch.randn(1, H, 3, E, requires_grad=True)
+    k = v = torch.randn(1, H, 0, E)
+    sinks = torch.randn(H, requires_grad=True)
+    out = entmax_fast.entmax_attention(q, k, v, sinks=sinks, window_size=(1, 1))
+    assert out.shape == (1, H, 3, E) and (out == 0).all()
+    out.sum().backward()
+    assert (sinks.grad == 0).all() and (q.grad == 0).all()
+
+
+def test_oracle_sink_row_is_the_mapping_of_the_row_with_the_sink_appended():
+    """The oracle's own rule, checked on one row by hand: α-entmax over [scores, sink] with
+    the sink's entry left out of the weights."""
+    q = torch.randn(1, 1, 1, 4, dtype=torch.float64)
+    k, v = torch.randn(1, 1, 6, 4, dtype=torch.float64), torch.randn(1, 1, 6, 4, dtype=torch.float64)
+    sink = torch.tensor([0.7], dtype=torch.float64)
+    row = torch.cat([(q @ k.transpose(-1, -2)).flatten() * 0.5, sink])
+    weights = oracle_entmax(row, 1.5)
+    assert weights[-1] > 0 and weights[:-1].sum() < 1
+    expected = weights[:-1] @ v[0, 0]
+    got = oracle_attention(q, k, v, scale=0.5, sinks=sink)
+    torch.testing.assert_close(got.flatten(), expected, atol=1e-15, rtol=0)
