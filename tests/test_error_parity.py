@@ -12,6 +12,7 @@ import re
 
 import pytest
 import torch
+from torch.nn.attention.bias import causal_lower_right
 
 import entmax_fast as E
 from devices import cpu_backends
@@ -139,6 +140,42 @@ for _name in ("entmax_attention", "sparsemax_attention"):
          TypeError, "attn_mask must be bool or have query's dtype"),
         (f"{_name}-mask-list", "attention", lambda fn=_fn: fn(Q, K, V, attn_mask=[[True]]), TypeError,
          "attn_mask must be a tensor"),
+        (f"{_name}-causal-bias-lengths", "attention", lambda fn=_fn: fn(Q, K, V, attn_mask=causal_lower_right(4, 4)),
+         ValueError, r"attn_mask is a CausalBias for \(Lq, Lk\) = \(4, 4\)"),
+        (f"{_name}-window-below", "attention", lambda fn=_fn: fn(Q, K, V, window_size=(-2, 0)), ValueError,
+         r"window_size values must be >= -1"),
+        (f"{_name}-window-float", "attention", lambda fn=_fn: fn(Q, K, V, window_size=(1.0, 0)), TypeError,
+         "window_size must hold ints"),
+        (f"{_name}-window-bool", "attention", lambda fn=_fn: fn(Q, K, V, window_size=(True, 0)), TypeError,
+         "window_size must hold ints"),
+        (f"{_name}-window-int", "attention", lambda fn=_fn: fn(Q, K, V, window_size=3), TypeError,
+         r"window_size must be a pair \(left, right\)"),
+        (f"{_name}-window-length", "attention", lambda fn=_fn: fn(Q, K, V, window_size=(1, 2, 3)), ValueError,
+         r"window_size must be a pair \(left, right\) of ints, got 3 values"),
+        (f"{_name}-softcap-negative", "attention", lambda fn=_fn: fn(Q, K, V, softcap=-1.0), ValueError,
+         "softcap must be finite and >= 0"),
+        (f"{_name}-softcap-nan", "attention", lambda fn=_fn: fn(Q, K, V, softcap=NAN), ValueError,
+         "softcap must be finite and >= 0"),
+        (f"{_name}-softcap-inf", "attention", lambda fn=_fn: fn(Q, K, V, softcap=float("inf")), ValueError,
+         "softcap must be finite and >= 0"),
+        (f"{_name}-softcap-str", "attention", lambda fn=_fn: fn(Q, K, V, softcap="1"), TypeError,
+         "softcap must be a real number"),
+        (f"{_name}-alibi-shape", "attention", lambda fn=_fn: fn(Q, K, V, alibi_slopes=torch.rand(3)), ValueError,
+         r"alibi_slopes must have shape \(2,\) or \(1, 2\), got \(3,\)"),
+        (f"{_name}-alibi-dtype", "attention", lambda fn=_fn: fn(Q, K, V, alibi_slopes=torch.rand(2).half()), TypeError,
+         "alibi_slopes must be float32 or have query's dtype"),
+        (f"{_name}-alibi-int", "attention", lambda fn=_fn: fn(Q, K, V, alibi_slopes=torch.ones(2, dtype=torch.int64)),
+         TypeError, "alibi_slopes must be float32 or have query's dtype"),
+        (f"{_name}-alibi-list", "attention", lambda fn=_fn: fn(Q, K, V, alibi_slopes=[0.5, 0.25]), TypeError,
+         "alibi_slopes must be a tensor"),
+        (f"{_name}-alibi-grad", "attention", lambda fn=_fn: fn(Q, K, V, alibi_slopes=torch.rand(2, requires_grad=True)),
+         ValueError, "alibi_slopes are not differentiated"),
+        (f"{_name}-sinks-shape", "attention", lambda fn=_fn: fn(Q, K, V, sinks=torch.zeros(1, 2)), ValueError,
+         r"sinks must have shape \(2,\), got \(1, 2\)"),
+        (f"{_name}-sinks-dtype", "attention", lambda fn=_fn: fn(Q, K, V, sinks=torch.zeros(2, dtype=torch.int32)),
+         TypeError, "sinks must be float32 or have query's dtype"),
+        (f"{_name}-sinks-list", "attention", lambda fn=_fn: fn(Q, K, V, sinks=[0.0, 0.0]), TypeError,
+         "sinks must be a tensor"),
     ]
 ATTENTION_CASES += [
     ("entmax_attention-alpha", "attention", lambda: E.entmax_attention(Q, K, V, alpha=0.5), ValueError,
@@ -188,6 +225,16 @@ VARLEN_CASES = [
     ("varlen-alpha", _varlen(alpha=0.5), ValueError, r"alpha must be finite and >= 1"),
     ("varlen-scale-nan", _varlen(scale=NAN), ValueError, "scale must be a finite number"),
     ("varlen-dropout", _varlen(dropout_p=-0.5), ValueError, "dropout_p"),
+    ("varlen-window-below", _varlen(window_size=(0, -3)), ValueError, r"window_size values must be >= -1"),
+    ("varlen-window-float", _varlen(window_size=(0, 0.5)), TypeError, "window_size must hold ints"),
+    ("varlen-softcap-negative", _varlen(softcap=-0.5), ValueError, "softcap must be finite and >= 0"),
+    ("varlen-alibi-shape", _varlen(alibi_slopes=torch.rand(3, 2)), ValueError,
+     r"alibi_slopes must have shape \(2,\) or \(2, 2\), got \(3, 2\)"),
+    ("varlen-alibi-dtype", _varlen(alibi_slopes=torch.rand(2).double()), TypeError,
+     "alibi_slopes must be float32 or have q's dtype"),
+    ("varlen-sinks-shape", _varlen(sinks=torch.zeros(3)), ValueError, r"sinks must have shape \(2,\)"),
+    ("varlen-sinks-dtype", _varlen(sinks=torch.zeros(2, dtype=torch.float16)), TypeError,
+     "sinks must be float32 or have q's dtype"),
 ]
 VARLEN_CASES = [(name, "attention_varlen", call, error, match) for name, call, error, match in VARLEN_CASES]
 
