@@ -12,10 +12,14 @@ an ``nn.Parameter`` for learned α) uses it instead — for every implementation
 registers.
 
 Works with every model whose attention goes through ``AttentionInterface`` (Llama,
-Mistral, Qwen, Gemma, BERT, ... in transformers ≥ 5): masks are built as for ``"sdpa"``
-(boolean, True = attend), grouped-query attention runs without repeating K/V, causal
-masks are top-left aligned exactly as SDPA's. Weights are not returned
-(``output_attentions`` gives None, as with ``"sdpa"``); ``softcap`` is not supported.
+Mistral, Qwen, Gemma 2, GPT-OSS, BERT, ... in transformers ≥ 5): masks are built as for
+``"sdpa"`` (boolean, True = attend), grouped-query attention runs without repeating K/V,
+causal masks are top-left aligned exactly as SDPA's. The attention's own options are
+passed on: ``softcap`` (Gemma 2), ``s_aux`` as the sinks (GPT-OSS), ``sliding_window``. A
+sliding-window layer gets its window from the mask transformers builds; where that mask
+would be the plain causal window (no padding, the last query at the last key) no mask is
+built and the layer runs ``window_size=(sliding_window − 1, 0)`` instead. Weights are not
+returned (``output_attentions`` gives None, as with ``"sdpa"``).
 """
 from __future__ import annotations
 
@@ -26,14 +30,15 @@ import torch
 
 try:
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, prepare_padding_mask, sdpa_mask
     from transformers.utils import logging
 except ImportError as error:  # pragma: no cover - exercised only without transformers
     raise ImportError("entmax_fast.hf needs the `transformers` package (>= 5): pip install transformers") from error
 
 from .attention import entmax_attention
+from .reference.attention import NO_WINDOW
 
-__all__ = ["register", "entmax_attention_forward", "DEFAULT_IMPLEMENTATIONS"]
+__all__ = ["register", "entmax_attention_forward", "entmax_attention_mask", "DEFAULT_IMPLEMENTATIONS"]
 
 logger = logging.get_logger(__name__)
 
@@ -54,12 +59,15 @@ def _alpha_for(module, default_alpha: float, config_override: bool):
 def entmax_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                              is_causal: bool | None = None, position_bias: torch.Tensor | None = None, *,
-                             alpha: float = 1.5, config_override: bool = False, **kwargs):
+                             alpha: float = 1.5, config_override: bool = False, sliding_window: int | None = None,
+                             softcap: float | None = None, s_aux: torch.Tensor | None = None, **kwargs):
     """An ``AttentionInterface`` function: query (B, H, Lq, E), key/value (B, Hkv, Lk, E)
     → ((B, Lq, H, E) output, None). Mirrors transformers' ``sdpa_attention_forward`` with
-    :func:`entmax_fast.entmax_attention` in place of SDPA."""
-    if kwargs.get("softcap") is not None:
-        raise ValueError("entmax attention does not support `softcap`")
+    :func:`entmax_fast.entmax_attention` in place of SDPA; ``softcap`` and ``s_aux`` (the
+    sinks, (H,)) are entmax_attention's ``softcap`` and ``sinks``. ``sliding_window`` is in
+    the mask when there is one (transformers builds it by positions, right for every
+    cache); without one (:func:`entmax_attention_mask` left out a plain causal window, the
+    last query at the last key) it is the window (sliding_window − 1, 0), bottom-right."""
     if kwargs.get("output_attentions", False):
         logger.warning_once("entmax attention does not return attention weights (output_attentions gives None); "
                             "use MultiheadEntmaxAttention(need_weights=True) or the mappings to inspect them")
@@ -68,6 +76,11 @@ def entmax_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         alpha = alpha.to(device=query.device, dtype=query.dtype)
     q_length, kv_length = query.shape[2], key.shape[2]
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    window_size = NO_WINDOW
+    if sliding_window is not None and attention_mask is None:
+        # transformers' own bidirectional window: |i − j| <= sliding_window.
+        window_size = (sliding_window - 1, 0) if is_causal else (sliding_window, sliding_window)
+        is_causal = False
     # As in SDPA's integration: the flag only replaces a mask that was skipped, and never
     # for a single decoding query, which sees every cached key.
     is_causal = bool(q_length > 1 and attention_mask is None and is_causal)
@@ -82,8 +95,45 @@ def entmax_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask.to(query.dtype)
     output = entmax_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=is_causal,
-                              scale=scaling, enable_gqa=key.shape[1] != query.shape[1], alpha=alpha)
+                              scale=scaling, enable_gqa=key.shape[1] != query.shape[1], alpha=alpha,
+                              window_size=window_size, softcap=0.0 if softcap is None else softcap, sinks=s_aux)
     return output.transpose(1, 2).contiguous(), None
+
+
+def _is_causal_sliding_window(mask_function, window: int) -> bool:
+    """Whether ``mask_function`` (transformers' index-based form) is the plain causal sliding
+    window of ``window`` keys, ``i − window < j <= i``, read off a few of its rows (O(window)
+    work): a chunked or otherwise composed mask differs on them."""
+    queries = torch.tensor([0, window - 1, window + 1, 2 * window + 3]).view(-1, 1)
+    keys = torch.arange(2 * window + 5).view(1, -1)
+    expected = (keys > queries - window) & (keys <= queries)
+    try:
+        got = mask_function(torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long), queries, keys)
+    except (IndexError, RuntimeError, TypeError):
+        return False  # not index-based at these positions: not the plain window
+    return isinstance(got, torch.Tensor) and got.shape == expected.shape and bool((got == expected).all())
+
+
+def entmax_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
+                          mask_function=causal_mask_function, attention_mask: torch.Tensor | None = None,
+                          local_size: int | None = None, allow_is_causal_skip: bool = True, **kwargs):
+    """The ``AttentionMaskInterface`` function of the implementations registered here:
+    transformers' ``sdpa_mask``, except for a sliding-window layer (``local_size``). There a
+    plain causal window without padding whose last query sits at the last key gives None,
+    and :func:`entmax_attention_forward` runs the window itself (no (B, 1, Lq, Lk) mask);
+    any other sliding-window mask is built, never skipped for ``is_causal``, which could not
+    carry the window."""
+    if local_size is None:
+        return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                         local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+    if allow_is_causal_skip and not torch.compiler.is_compiling() and isinstance(q_offset, int) \
+            and isinstance(kv_offset, int) and q_offset + q_length == kv_offset + kv_length:
+        padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+        unpadded = padding is None or bool(padding[:, kv_offset:kv_offset + kv_length].all())
+        if unpadded and _is_causal_sliding_window(mask_function, local_size):
+            return None
+    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                     local_size=local_size, allow_is_causal_skip=False, **kwargs)
 
 
 def _with_position_bias(position_bias, attention_mask, is_causal, q_length, kv_length):
@@ -99,14 +149,15 @@ def _with_position_bias(position_bias, attention_mask, is_causal, q_length, kv_l
 
 def register(name: str, alpha: float = 1.5) -> None:
     """Register ``name`` as an ``attn_implementation`` running α-entmax attention (α ≥ 1;
-    1 is softmax, 2 sparsemax), with SDPA's mask construction. Idempotent."""
+    1 is softmax, 2 sparsemax), with SDPA's mask construction (:func:`entmax_attention_mask`).
+    Idempotent."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty string, got {name!r}")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (math.isfinite(alpha) and alpha >= 1):
         raise ValueError(f"alpha must be a finite float >= 1, got {alpha!r}")
     function = partial(entmax_attention_forward, alpha=float(alpha), config_override=name == "entmax")
     AttentionInterface.register(name, function)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, entmax_attention_mask)
 
 
 for _name, _alpha in DEFAULT_IMPLEMENTATIONS.items():

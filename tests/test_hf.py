@@ -222,3 +222,131 @@ def test_training_benchmark_compile_runs_launch_the_full_models_attention():
         for name in ("device", "dtype", "batch", "length", "hidden", "heads", "kv_heads"):
             assert getattr(run, name) == getattr(args, name), name
         assert (run.layers, run.steps, run.warmup, run.jobs, run.out) == (1, 1, 1, 0, None)
+
+
+# Models whose attention has options of its own, float32 at α = 1 against transformers'
+# "eager" (softmax, float32): the same maths, a different summation order.
+TOL32 = {"atol": 1e-4, "rtol": 0}
+SLIDING_WINDOW = 4
+FAMILIES = ["gemma2", "mistral", "gpt_oss"]
+
+
+def _with_options(family, attn_implementation):
+    """A tiny float32 model: Gemma 2 (softcap, sliding and full layers), Mistral (every layer
+    sliding), GPT-OSS (sinks, sliding and full layers); windows of 4 keys on 11 tokens."""
+    sizes = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0,
+                 sliding_window=SLIDING_WINDOW)
+    torch.manual_seed(0)
+    if family == "gemma2":
+        config = transformers.Gemma2Config(**sizes, attn_logit_softcapping=2.0, final_logit_softcapping=None,
+                                           query_pre_attn_scalar=8, layer_types=["sliding_attention", "full_attention"])
+        model = transformers.Gemma2ForCausalLM(config)
+    elif family == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**sizes))
+    else:
+        config = transformers.GptOssConfig(**sizes, num_local_experts=2, num_experts_per_tok=1,
+                                           layer_types=["sliding_attention", "full_attention"])
+        model = transformers.GptOssForCausalLM(config)
+    # Scores large enough for the softcap to bend them and the window to matter; sinks that
+    # take a share of the weight comparable to a key's.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            if family == "gpt_oss":
+                layer.self_attn.sinks.normal_(1.0, 1.0)
+    model.set_attn_implementation(attn_implementation)
+    return model.eval()
+
+
+def _record_calls(monkeypatch):
+    """What each layer passes to entmax_attention: (mask given, window_size, softcap, sinks given)."""
+    calls = []
+    original = entmax_fast.hf.entmax_attention
+
+    def recording(query, key, value, **kwargs):
+        calls.append((kwargs["attn_mask"] is not None, kwargs["window_size"], kwargs["softcap"],
+                      kwargs["sinks"] is not None))
+        return original(query, key, value, **kwargs)
+
+    monkeypatch.setattr(entmax_fast.hf, "entmax_attention", recording)
+    return calls
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
+def test_alpha_one_equals_eager_with_softcap_sliding_window_and_sinks(monkeypatch, family, padded):
+    """Every option the model passes is honoured: the logits are eager's. A sliding layer
+    without padding runs the window (no mask built), with padding transformers' mask."""
+    ids, mask = _batch(61)
+    if not padded:
+        mask = torch.ones_like(mask)
+    calls = _record_calls(monkeypatch)
+    with torch.no_grad():
+        got = _with_options(family, "entmax_softmax")(input_ids=ids, attention_mask=mask).logits
+        expected = _with_options(family, "eager")(input_ids=ids, attention_mask=mask).logits
+    keep = mask.bool()
+    torch.testing.assert_close(got[keep], expected[keep], **TOL32)
+    softcap = 2.0 if family == "gemma2" else 0.0
+    sinks = family == "gpt_oss"
+    sliding = (padded, (-1, -1) if padded else (SLIDING_WINDOW - 1, 0), softcap, sinks)
+    full = (True if padded else False, (-1, -1), softcap, sinks)
+    assert calls == ([sliding, sliding] if family == "mistral" else [sliding, full])
+
+
+def test_gpt_oss_sinks_get_eager_gradients():
+    """s_aux reaches the attention as learnable sinks: their gradients are eager's."""
+    ids, mask = _batch(61)
+    grads = {}
+    for implementation in ("entmax_softmax", "eager"):
+        model = _with_options("gpt_oss", implementation).train()
+        model(input_ids=ids, attention_mask=mask).logits[mask.bool()].square().mean().backward()
+        grads[implementation] = torch.stack([layer.self_attn.sinks.grad for layer in model.model.layers])
+    scale = grads["eager"].abs().max()
+    assert scale > 0
+    # relative to the gradients' size (a mean over every logit makes them small)
+    torch.testing.assert_close(grads["entmax_softmax"], grads["eager"], atol=1e-4 * float(scale), rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "mistral"])
+def test_generate_with_sliding_window_cache_matches_eager(monkeypatch, family):
+    """Greedy decoding past the window through transformers' cache: each step's query sits at
+    the last cached key, and the sliding layers run the window without a mask."""
+    ids = torch.tensor([[5, 9, 3, 17, 2, 8]])
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, output_scores=True,
+                  return_dict_in_generate=True)
+    calls = _record_calls(monkeypatch)
+    with torch.no_grad():
+        got = _with_options(family, "entmax_softmax").generate(ids, **kwargs)
+        expected = _with_options(family, "eager").generate(ids, **kwargs)
+    # Mistral: both layers slide; GPT-OSS: the first of each step's two.
+    sliding_calls = calls if family == "mistral" else calls[::2]
+    assert len(sliding_calls) == 5 * (2 if family == "mistral" else 1)
+    assert {call[:2] for call in sliding_calls} == {(False, (SLIDING_WINDOW - 1, 0))}
+    assert torch.equal(got.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(expected.scores), **TOL32)
+
+
+def test_attention_mask_leaves_out_only_the_plain_causal_window():
+    """entmax_attention_mask: None for an unpadded causal sliding window whose last query is
+    at the last key; a mask, equal to sdpa_mask's, for padding, other offsets, chunked
+    attention, and for every mask without a window."""
+    from transformers.masking_utils import chunked_causal_mask_function, sliding_window_causal_mask_function
+
+    window = sliding_window_causal_mask_function(3)
+    plain = dict(batch_size=2, q_length=4, kv_length=6, q_offset=5, kv_offset=3, mask_function=window, local_size=3)
+    assert entmax_fast.hf.entmax_attention_mask(**plain) is None
+    assert entmax_fast.hf.entmax_attention_mask(**plain, attention_mask=torch.ones(2, 9, dtype=torch.bool)) is None
+    padding = torch.ones(2, 9, dtype=torch.bool)
+    padding[1, 4] = False
+    others = [dict(plain, attention_mask=padding), dict(plain, q_offset=4),
+              dict(plain, mask_function=chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long))),
+              dict(plain, allow_is_causal_skip=False)]
+    for arguments in others:
+        built = entmax_fast.hf.entmax_attention_mask(**arguments)
+        expected = sdpa_mask(**dict(arguments, allow_is_causal_skip=False))
+        assert built is not None and torch.equal(built, expected), arguments
+    causal = dict(batch_size=1, q_length=5, kv_length=5)
+    assert entmax_fast.hf.entmax_attention_mask(**causal) is None and sdpa_mask(**causal) is None
+    cached = dict(causal, q_offset=2, kv_length=7)
+    assert torch.equal(entmax_fast.hf.entmax_attention_mask(**cached), sdpa_mask(**cached))
