@@ -317,8 +317,7 @@ def entmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
             with this logit (not scaled, not capped) and a zero value; the weights are those
             of the row with the sink appended, without its own entry.
 
-    Scores are formed in the order scale, softcap, ALiBi, float mask, boolean masks and
-    window, sink (docs/attention.md, "Score options").
+    The options enter the scores in the order docs/attention.md ("Score options") gives.
 
     Returns (B, H, Lq, Ev) in query's dtype. Rows whose keys are all masked give zeros.
     Bad values: a NaN in query, key or a float mask, or a +inf score, makes NaN every output

@@ -67,10 +67,11 @@ def _alibi_rows(alibi_slopes, dtype):
 
 def masked_scores(q_chunk, key, scale, mask, start, stop, is_causal, *, query_length, window_size=NO_WINDOW,
                   softcap=0.0, alibi_slopes=None):
-    """Scores of queries [start, stop) of ``query_length``, in docs/attention.md's order:
-    scale, softcap, ALiBi (``−slope·|pos − j|``), ``mask`` (bool: True = attend; float:
-    added; broadcastable, size 1 or Lq along dim −2), then the top-left causal mask and the
-    window ``pos − left ≤ j ≤ pos + right`` (−1: unbounded), pos = i + Lk − Lq: (..., c, Lk)."""
+    """Scores of queries [start, stop) of ``query_length``, the options in the order of
+    docs/attention.md ("Score options"): ALiBi ``−slope·|pos − j|``, ``mask`` (bool: True =
+    attend; float: added; broadcastable, size 1 or Lq along dim −2), the top-left causal
+    mask, the window ``pos − left ≤ j ≤ pos + right`` (−1: unbounded), pos = i + Lk − Lq.
+    Returns (..., c, Lk); the sink is appended later, to the masked row."""
     lk = key.shape[-2]
     scores = capped_scores(q_chunk, key, scale, softcap)
     needs_positions = alibi_slopes is not None or window_size != NO_WINDOW
