@@ -396,7 +396,8 @@ def structured_attention(mapping, query, key, value, attn_mask=None, dropout_p=0
     outputs = []
     for start in range(0, lq, rows_per_chunk):
         stop = min(start + rows_per_chunk, lq)
-        weights = mapping(masked_scores(q[..., start:stop, :], k, scale, mask, start, stop, is_causal))
+        scores = masked_scores(q[..., start:stop, :], k, scale, mask, start, stop, is_causal, query_length=lq)
+        weights = mapping(scores)
         if dropout_p > 0:
             weights = torch.nn.functional.dropout(weights, dropout_p)
         outputs.append(weights @ v)
