@@ -436,14 +436,30 @@ def dense_attention(kind, q, k, v, reg, mask=None, is_causal=False, scale=None):
     return mapping(kind, "reference")(scores, reg) @ v
 
 
+def _matches_dense(kind, q, k, v, mask, is_causal, dense_mask=None):
+    """The structured attention of ``kind`` against :func:`dense_attention` (given the mask
+    as ``dense_mask`` when it is written out there), output and gradients; returns the output."""
+    attention = S.fusedmax_attention if kind == "fused" else S.oscarmax_attention
+    reg_kw = {"lam": 0.3} if kind == "fused" else {"beta": 0.05}
+    out = attention(q, k, v, attn_mask=mask, is_causal=is_causal, **reg_kw)
+    if dense_mask is None:
+        expected = dense_attention(kind, q, k, v, next(iter(reg_kw.values())), mask, is_causal)
+    else:
+        expected = dense_attention(kind, q, k, v, next(iter(reg_kw.values())), dense_mask)
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
+    return out
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", MAPPINGS)
 @pytest.mark.parametrize("masking", ["none", "bool", "float", "causal"])
 def test_attention_matches_dense(kind, masking, backend, request):
     if backend == "reference":
         request.getfixturevalue("force_reference")
-    attention = S.fusedmax_attention if kind == "fused" else S.oscarmax_attention
-    reg_kw = {"lam": 0.3} if kind == "fused" else {"beta": 0.05}
     q = torch.randn(2, 2, 5, 4, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, 2, 7, 4, dtype=torch.float64, requires_grad=True)
     v = torch.randn(2, 2, 7, 3, dtype=torch.float64, requires_grad=True)
@@ -453,15 +469,9 @@ def test_attention_matches_dense(kind, masking, backend, request):
         mask[2] = False  # a fully masked query row
     elif masking == "float":
         mask = torch.randn(2, 1, 5, 7, dtype=torch.float64)
-    out = attention(q, k, v, attn_mask=mask, is_causal=masking == "causal", **reg_kw)
-    expected = dense_attention(kind, q, k, v, next(iter(reg_kw.values())), mask, masking == "causal")
-    torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+    out = _matches_dense(kind, q, k, v, mask, masking == "causal")
     if masking == "bool":
         assert (out[:, :, 2] == 0).all()
-    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
-    expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
-    for got, want in zip(grads, expected_grads):
-        torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -472,8 +482,6 @@ def test_attention_mask_and_causal_together(kind, masking, backend, request):
     # allow it (a float mask is added, then the causal keys are -inf).
     if backend == "reference":
         request.getfixturevalue("force_reference")
-    attention = S.fusedmax_attention if kind == "fused" else S.oscarmax_attention
-    reg_kw = {"lam": 0.3} if kind == "fused" else {"beta": 0.05}
     q = torch.randn(2, 2, 6, 4, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, 2, 5, 4, dtype=torch.float64, requires_grad=True)
     v = torch.randn(2, 2, 5, 3, dtype=torch.float64, requires_grad=True)
@@ -483,17 +491,11 @@ def test_attention_mask_and_causal_together(kind, masking, backend, request):
         mask[1, 0, 2, :3] = False  # a row whose causal keys the mask all removes
     else:
         mask = torch.randn(1, 2, 6, 5, dtype=torch.float64)
-    out = attention(q, k, v, attn_mask=mask, is_causal=True, **reg_kw)
     causal = torch.ones(6, 5, dtype=torch.bool).tril()
     explicit = mask & causal if masking == "bool" else mask.masked_fill(~causal, NEG_INF)
-    expected = dense_attention(kind, q, k, v, next(iter(reg_kw.values())), explicit)
-    torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+    out = _matches_dense(kind, q, k, v, mask, True, dense_mask=explicit)
     if masking == "bool":
         assert (out[0, :, 3] == 0).all() and (out[1, :, 2] == 0).all()
-    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
-    expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
-    for got, want in zip(grads, expected_grads):
-        torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
