@@ -45,7 +45,8 @@ def cpp_attention(query, key, value, attn_mask=None, is_causal=False, enable_gqa
     options = {"scale": 1.0 / math.sqrt(query.shape[-1]), "is_causal": is_causal, "dropout_p": 0.0,
                "enable_gqa": enable_gqa, "need_grad": GRAD_ALPHA}
     with dispatch.use_backend("cpp"):
-        return AttentionFunction.apply(query, key, value, attn_mask, alpha, options, {})
+        # no sinks, no ALiBi slopes
+        return AttentionFunction.apply(query, key, value, attn_mask, alpha, None, None, options, {})
 
 ALPHAS = [pytest.param(a, id=f"a{a}") for a in (1.0, 1.5, 2.0, 1.25, 3.0, 0.75)]
 
