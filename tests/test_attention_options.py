@@ -399,3 +399,29 @@ def test_oracle_sink_row_is_the_mapping_of_the_row_with_the_sink_appended():
     expected = weights[:-1] @ v[0, 0]
     got = oracle_attention(q, k, v, scale=0.5, sinks=sink)
     torch.testing.assert_close(got.flatten(), expected, atol=1e-15, rtol=0)
+
+
+def test_reference_chunks_keep_each_query_at_its_position():
+    """The reference's query chunks (two rows each here) place their rows at their own key
+    positions for the window, ALiBi and lower-right mask: forward and gradients as the oracle's."""
+    from entmax_fast.reference import attention as reference
+
+    lq, lk = 7, 10
+    q, k, v = (t.detach() for t in _inputs(lq, lk, torch.float64))
+    sinks = torch.randn(H, dtype=torch.float64)
+    alpha = torch.tensor(ALPHA_HEADS, dtype=torch.float64)
+    slopes = torch.rand(B, H)
+    options = {"scale": 0.4, "is_causal": False, "dropout_p": 0.0, "enable_gqa": True, "window_size": (3, 0),
+               "softcap": 2.0, "alibi_slopes": slopes, "sinks": sinks, "chunk_elements": B * H * (lk + 1) * 2}
+    out, saved = reference.attention_forward(q, k, v, None, alpha, need_grad=2, **options)
+    grad_out = torch.randn_like(out)
+    dq, dk, dv, _, dalpha, dsinks = reference.attention_backward(grad_out, q, k, v, None, alpha, out, saved,
+                                                                 need_alpha_grad=True, need_sinks_grad=True,
+                                                                 **options)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, alpha, sinks)]
+    expected = oracle_attention(*leaves[:3], scale=0.4, alpha=leaves[3], sinks=leaves[4], window_size=(3, 0),
+                                softcap=2.0, alibi_slopes=slopes)
+    expected_grads = torch.autograd.grad(expected, leaves, grad_out)
+    torch.testing.assert_close(out, expected, **TOL[torch.float64])
+    for got, want in zip((dq, dk, dv, dalpha, dsinks), expected_grads):
+        torch.testing.assert_close(got, want, **TOL[torch.float64])
