@@ -78,7 +78,9 @@ def entmax_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     window_size = NO_WINDOW
     if sliding_window is not None and attention_mask is None:
-        # transformers' own bidirectional window: |i − j| <= sliding_window.
+        # Causal: the window entmax_attention_mask left to the layer, bottom-right. Bidirectional:
+        # transformers skips its mask only when the window covers every key; its rule is
+        # |i − j| <= sliding_window.
         window_size = (sliding_window - 1, 0) if is_causal else (sliding_window, sliding_window)
         is_causal = False
     # As in SDPA's integration: the flag only replaces a mask that was skipped, and never
