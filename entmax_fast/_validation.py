@@ -111,18 +111,21 @@ def mapping_alpha(alpha, X: torch.Tensor, dim: int):
     if not isinstance(alpha, torch.Tensor):
         return check_alpha_float(alpha, 0.0, inclusive=False)
     check_alpha_tensor(alpha, 0.0, inclusive=False, like=X)
+    return expand_to_rows(alpha, X, dim, "alpha must be")
+
+
+def expand_to_rows(tensor: torch.Tensor, X: torch.Tensor, dim: int, subject: str, suffix: str = ""):
+    """A per-row parameter (α, budget) expanded to X's shape with size 1 along ``dim``, or a
+    ValueError "<subject> broadcastable to ...<suffix>" when it does not broadcast there."""
     row_shape = list(X.shape)
     row_shape[dim] = 1
-    if list(alpha.shape) == row_shape:
-        return alpha  # a view would change nothing and costs µs of host time per call
-    if alpha.dim() > X.dim():
-        raise ValueError(f"alpha must be broadcastable to {tuple(row_shape)} (X's shape with size 1 "
-                         f"along dim={dim}), got shape {tuple(alpha.shape)}")
-    padded = [1] * (X.dim() - alpha.dim()) + list(alpha.shape)
-    if any(a not in (1, r) for a, r in zip(padded, row_shape)):
-        raise ValueError(f"alpha must be broadcastable to {tuple(row_shape)} (X's shape with size 1 "
-                         f"along dim={dim}), got shape {tuple(alpha.shape)}")
-    return alpha.reshape(padded).expand(row_shape)
+    if list(tensor.shape) == row_shape:
+        return tensor  # a view would change nothing and costs µs of host time per call
+    padded = [1] * (X.dim() - tensor.dim()) + list(tensor.shape)
+    if tensor.dim() > X.dim() or any(a not in (1, r) for a, r in zip(padded, row_shape)):
+        raise ValueError(f"{subject} broadcastable to {tuple(row_shape)} (X's shape with size 1 along dim={dim})"
+                         f"{suffix}, got shape {tuple(tensor.shape)}")
+    return tensor.reshape(padded).expand(row_shape)
 
 
 def check_backend_dtype(choice, tensor: torch.Tensor) -> None:

@@ -17,7 +17,8 @@ import math
 import torch
 
 from . import dispatch
-from ._validation import _assert_values, check_backend_dtype, check_dim, check_floating, mapping_alpha
+from ._validation import (_assert_values, check_backend_dtype, check_dim, check_floating, expand_to_rows,
+                          mapping_alpha)
 from .reference import mappings as _reference
 from .reference import normmax_budget as _reference_normmax_budget
 from .common import compute_dtype
@@ -154,25 +155,20 @@ def _row_parameter(name: str, value, X: torch.Tensor, dim: int, what: str, minim
                              f"require grad (e.g. {name}.detach())")
         if value.is_complex() or value.dtype == torch.bool:
             raise TypeError(f"{name} must be a real number or tensor for {what}, got dtype {value.dtype}")
-        row_shape = list(X.shape)
-        row_shape[dim] = 1
-        padded = [1] * (X.dim() - value.dim()) + list(value.shape)
-        if value.dim() > X.dim() or any(v not in (1, r) for v, r in zip(padded, row_shape)):
-            raise ValueError(f"{name} must be a number or a tensor broadcastable to {tuple(row_shape)} (X's shape "
-                             f"with size 1 along dim={dim}) for {what}, got shape {tuple(value.shape)}")
+        rows = expand_to_rows(value, X, dim, f"{name} must be a number or a tensor", f" for {what}")
         if value.dim() == 0 and value.device.type == "cpu":
             value = value.item()
         else:
             if value.device != X.device:
                 raise ValueError(f"{name} must be on X's device {X.device} (or be a 0-d CPU tensor), "
                                  f"got {value.device}")
-            value = value.to(compute_dtype(X.dtype))
+            rows = rows.to(compute_dtype(X.dtype))
             # Two comparisons also refuse NaN and ±inf.
-            _assert_values(((value >= minimum) if inclusive else (value > minimum)) & (value < math.inf),
+            _assert_values(((rows >= minimum) if inclusive else (rows > minimum)) & (rows < math.inf),
                            f"{above} (and finite) everywhere")
             if maximum is not None:
-                _assert_values(value <= maximum, f"{below} everywhere")
-            return value.reshape(padded).expand(row_shape)
+                _assert_values(rows <= maximum, f"{below} everywhere")
+            return rows
     value = float(value)
     if not (math.isfinite(value) and (value >= minimum if inclusive else value > minimum)):
         raise ValueError(f"{above}, got {value}")
