@@ -66,8 +66,9 @@ and holds the one torch.autograd.Function of each op, which calls the dispatched
                 alibi_slopes (B, H) hold a row per sequence
 
 A backend that does not implement a score option refuses the call in ``supports`` (dispatch
-then falls back, with the reason), naming it with `unimplemented_score_options`; its forward
-and backward still take the keywords, and raise if one is set.
+then falls back, with the reason), naming it with `unimplemented_score_options`; its package
+lists the options it implements in ``SCORE_OPTIONS_IMPLEMENTED`` (keys of SCORE_OPTIONS).
+Its forward and backward still take every keyword, and raise if one it lacks is set.
 
 Outputs and gradients come back in the inputs' dtypes (dalpha in alpha's dtype for a
 tensor alpha, dsinks in sinks' dtype). Backends trust their arguments: checks live in the
@@ -85,19 +86,22 @@ SCORE_OPTIONS = {
 }
 
 
-def unimplemented_score_options(request, what: str) -> str | None:
-    """None when ``request`` (a dispatch.Request of an attention op) uses no score option,
-    else the reason a backend (``what``: "the C++ attention", ...) that implements none of
-    them refuses it, naming each option in use."""
-    used = [name for option, name in SCORE_OPTIONS.items() if request.options.get(option)]
+def unimplemented_score_options(request, what: str, implemented=frozenset()) -> str | None:
+    """None when ``request`` (a dispatch.Request of an attention op) uses no score option
+    outside ``implemented`` (keys of SCORE_OPTIONS), else the reason a backend (``what``:
+    "the C++ attention", ...) refuses it, naming each option in use that it lacks."""
+    used = [name for option, name in SCORE_OPTIONS.items()
+            if request.options.get(option) and option not in implemented]
     if not used:
         return None
     return f"{what} does not implement {', '.join(used)} yet"
 
 
-def refuse_score_options(what: str, window_size, softcap, alibi_slopes, sinks) -> None:
-    """Raise when a backend without score options is called with one anyway (``supports``
-    refuses such calls, so dispatch never makes them)."""
-    if tuple(window_size) != (-1, -1) or softcap != 0 or alibi_slopes is not None or sinks is not None:
-        raise RuntimeError(f"{what} has no score options (window_size, softcap, alibi_slopes, sinks); "
-                           "supports() refuses such calls")
+def refuse_score_options(what: str, window_size, softcap, alibi_slopes, sinks, implemented=frozenset()) -> None:
+    """Raise when a backend is called with a score option outside ``implemented`` anyway
+    (``supports`` refuses such calls, so dispatch never makes them)."""
+    used = {"window": tuple(window_size) != (-1, -1), "softcap": softcap != 0,
+            "alibi_slopes": alibi_slopes is not None, "sinks": sinks is not None}
+    lacking = [name for name, on in used.items() if on and name not in implemented]
+    if lacking:
+        raise RuntimeError(f"{what} has no score option {', '.join(lacking)}; supports() refuses such calls")

@@ -10,6 +10,8 @@ import torch
 
 from .. import unimplemented_score_options
 
+# The score options (backends.SCORE_OPTIONS) the kernels implement.
+SCORE_OPTIONS_IMPLEMENTED = frozenset()
 OPS = {"entmax": "ops", "attention": "ops", "fusedmax": "ops", "oscarmax": "ops"}
 _FLOAT_TYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -44,7 +46,7 @@ def supports(op: str, request) -> str | None:
     if op == "attention" and request.options.get("mask_requires_grad"):
         return "the C++ attention gives no gradient to a float attn_mask"
     if op == "attention":
-        return unimplemented_score_options(request, "the C++ attention")
+        return unimplemented_score_options(request, "the C++ attention", SCORE_OPTIONS_IMPLEMENTED)
     return None
 
 

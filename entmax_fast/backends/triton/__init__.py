@@ -18,6 +18,8 @@ import torch
 from ...triton_kernels.signature import DTYPE_KEYS
 from .. import unimplemented_score_options
 
+# The score options (backends.SCORE_OPTIONS) the kernels implement.
+SCORE_OPTIONS_IMPLEMENTED = frozenset()
 OPS = {"entmax": "rowwise", "attention": "attention", "attention_varlen": "attention"}
 
 def interpreting() -> bool:
@@ -83,7 +85,7 @@ def supports(op: str, request) -> Optional[str]:
             return f"head dims above 256 are not supported by the fused kernels, got {request.options['head_dim']}"
         if request.options.get("mask_requires_grad"):
             return "the Triton kernels do not differentiate a float attn_mask"
-        unimplemented = unimplemented_score_options(request, "the fused attention")
+        unimplemented = unimplemented_score_options(request, "the fused attention", SCORE_OPTIONS_IMPLEMENTED)
         if unimplemented is not None:
             return unimplemented
         if request.device.type == "cuda":
