@@ -6,6 +6,7 @@ peak memory of forward+backward, and the sparsity of the entmax weights.
     python bench/bench_attention.py --quick     # CPU, small lengths, < 2 minutes
     python bench/bench_attention.py             # GPU: lengths 512..16384, bf16
     python bench/bench_attention.py --causal --lengths 1024 4096
+    python bench/bench_attention.py --window 512    # sliding window: B1 H8 E64, L 4096..32768
 
 Timing: ``triton.testing.do_bench`` on GPU, ``torch.utils.benchmark`` on CPU (median).
 Peak memory: ``torch.cuda.max_memory_allocated`` growth on GPU; on CPU the growth of this
@@ -17,6 +18,13 @@ bench/out/attention.png (time and memory vs length). With ``--aot`` (and no GPU)
 compiles the Triton kernels for sm_80/sm_90 and prints their resource table (a covering
 sample of the configurations, a few minutes and ~160 lines; ``python -m
 entmax_fast.triton_kernels.aot`` compiles every configuration).
+
+With ``--window W`` it times a causal sliding window of W keys per query instead
+(``window_size=(W - 1, 0)``): entmax_fast with the window, the same weights through a dense
+(L, L) boolean mask, plain causal entmax attention, and SDPA with the dense mask; fwd+bwd
+time and peak memory only (a causal call at L = 32768 costs minutes on a CPU), and how the
+window's time grows from the shortest length to the longest against linear growth.
+Writes bench/out/attention_window.csv.
 
 Why ``fwd+bwd`` is not ``fwd + bwd``: the three columns are three separate medians. ``fwd+bwd``
 times a forward and its backward together, which is what a training step pays, and is the
@@ -181,6 +189,76 @@ def run(lengths, batch, heads, head_dim, dtype, alpha, causal, min_run_time, inc
     return rows
 
 
+def _band_mask(length: int, window: int, device) -> torch.Tensor:
+    """The (L, L) boolean mask of a causal window of ``window`` keys: i - window < j <= i."""
+    offsets = torch.arange(length, device=device)[:, None] - torch.arange(length, device=device)[None, :]
+    return (offsets >= 0) & (offsets < window)
+
+
+def run_window(lengths, batch, heads, head_dim, dtype, alpha, window, min_run_time, max_dense_length) -> list:
+    """fwd+bwd time and peak memory of a causal sliding window against the same weights
+    through a dense mask, plain causal entmax attention and SDPA with the dense mask."""
+    device = "cuda" if ON_GPU else "cpu"
+    window_size = (window - 1, 0)
+    rows = []
+    for length in lengths:
+        generator = torch.Generator(device=device).manual_seed(length)
+        q, k, v, grad = (torch.randn(batch, heads, length, head_dim, device=device, dtype=dtype, generator=generator)
+                         for _ in range(4))
+        methods = {"entmax_fast window": lambda q, k, v, mask: entmax_fast.entmax_attention(
+            q, k, v, alpha=alpha, window_size=window_size)}
+        dense = length <= max_dense_length
+        if dense:
+            methods["entmax_fast dense mask"] = lambda q, k, v, mask: entmax_fast.entmax_attention(
+                q, k, v, mask, alpha=alpha)
+            methods["softmax (sdpa) dense mask"] = lambda q, k, v, mask: F.scaled_dot_product_attention(
+                q, k, v, mask)
+        methods["entmax_fast causal"] = lambda q, k, v, mask: entmax_fast.entmax_attention(
+            q, k, v, is_causal=True, alpha=alpha)
+        mask = _band_mask(length, window, device) if dense else None
+        for name, attention in methods.items():
+            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+            def forward_backward():
+                torch.autograd.backward(attention(qg, kg, vg, mask), grad)
+
+            try:
+                total_ms = _time_ms(forward_backward, min_run_time)
+                peak = _peak_mib(forward_backward)
+            except (RuntimeError, torch.OutOfMemoryError) as error:
+                print(f"{name} at length {length}: {type(error).__name__}: {str(error).splitlines()[0]}")
+                continue
+            backend = "torch"
+            if name.startswith("entmax_fast"):
+                choice = dispatch.last_choice("attention")
+                backend = choice.backend if choice is not None else "?"
+            rows.append({"method": name, "backend": backend, "length": length, "window": window, "batch": batch,
+                         "heads": heads, "head_dim": head_dim, "dtype": str(dtype).replace("torch.", ""),
+                         "alpha": alpha, "total_ms": total_ms, "peak_mib": peak})
+        del mask
+    return rows
+
+
+def print_window_results(rows: list) -> None:
+    window = {r["length"]: r["total_ms"] for r in rows if r["method"] == "entmax_fast window"}
+    causal = {r["length"]: r["total_ms"] for r in rows if r["method"] == "entmax_fast causal"}
+    table = [{"L": r["length"], "method": r["method"], "backend": r["backend"], "fwd+bwd ms": r["total_ms"],
+              "x window": r["total_ms"] / window[r["length"]] if r["length"] in window else None,
+              "peak MiB": r["peak_mib"]} for r in rows]
+    print_table(table, f"sliding window of {rows[0]['window'] if rows else '?'} keys: fwd+bwd time (median ms), "
+                "peak memory")
+    print("x window: fwd+bwd time against entmax_fast's window at the same L; peak MiB: peak memory of fwd+bwd\n"
+          "above what was allocated before.")
+    lengths = sorted(window)
+    if len(lengths) >= 2:
+        short, long = lengths[0], lengths[-1]
+        growth = (window[long] / window[short]) / (long / short)
+        print(f"window time from L={short} to L={long}: {window[long] / window[short]:.2f}x for {long / short:g}x "
+              f"the length ({growth:.2f}x linear growth)")
+    if lengths and lengths[-1] in causal:
+        print(f"plain causal / window at L={lengths[-1]}: {causal[lengths[-1]] / window[lengths[-1]]:.1f}x")
+
+
 def plot(rows: list, path: str, title: str, max_reference_length: int) -> str:
     try:
         import matplotlib
@@ -271,10 +349,16 @@ def main(argv=None) -> list:
     parser.add_argument("--aot", action="store_true",
                         help="without a GPU, also compile the Triton kernels for sm_80/sm_90 and print their "
                              "resource table (registers, spills, shared memory; a few minutes on 2 cores)")
+    parser.add_argument("--window", type=int, help="time a causal sliding window of this many keys per query "
+                        "(default lengths 4096..32768, B=1, H=8) against a dense mask and plain causal")
+    parser.add_argument("--max-dense-length", type=int, default=16384,
+                        help="with --window, skip the dense-mask rows above this length (an (L, L) mask)")
     parser.add_argument("--out", default=OUT_DIR)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.window:
+        return _main_window(args)
     if args.lengths:
         lengths = args.lengths
     elif args.quick:
@@ -306,6 +390,20 @@ def main(argv=None) -> list:
     print(f"wrote {csv_path} and {plot_path}")
     if not ON_GPU and args.aot:
         resource_table()
+    return rows
+
+
+def _main_window(args) -> list:
+    lengths = args.lengths or [4096, 8192, 16384, 32768]
+    batch, heads = args.batch or 1, args.heads or 8
+    print(f"{machine()}\n{_versions()}\nattention, sliding window of {args.window} keys: B={batch} H={heads} "
+          f"E={args.head_dim} {args.dtype} alpha={args.alpha:g}")
+    rows = run_window(lengths, batch, heads, args.head_dim, getattr(torch, args.dtype), args.alpha, args.window,
+                      0.2 if args.quick else 0.5, args.max_dense_length)
+    print_window_results(rows)
+    csv_path = os.path.join(args.out, "attention_window.csv")
+    write_csv(rows, csv_path)
+    print(f"wrote {csv_path}")
     return rows
 
 
