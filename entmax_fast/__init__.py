@@ -13,7 +13,7 @@ from .dispatch import use_backend
 from .losses import (Entmax15Loss, EntmaxBisectLoss, NormmaxBisectLoss, SparsemaxBisectLoss, SparsemaxLoss,
                      entmax15_loss, entmax_bisect_loss, normmax_bisect_loss, sparsemax_bisect_loss, sparsemax_loss)
 from .mappings import budget_bisect, entmax15, entmax_bisect, normmax_bisect, sparsemax, sparsemax_bisect
-from .multihead import MultiheadEntmaxAttention, replace_attention
+from .multihead import MultiheadEntmaxAttention, alibi_slopes, replace_attention
 from .nn import BudgetBisect, Entmax15, EntmaxBisect, NormmaxBisect, Sparsemax, SparsemaxBisect
 from .structured import Fusedmax, Oscarmax, fusedmax, fusedmax_attention, oscarmax, oscarmax_attention
 
@@ -25,6 +25,7 @@ __all__ = [
     "sparsemax_loss", "entmax15_loss", "sparsemax_bisect_loss", "entmax_bisect_loss", "normmax_bisect_loss",
     "SparsemaxLoss", "Entmax15Loss", "SparsemaxBisectLoss", "EntmaxBisectLoss", "NormmaxBisectLoss",
     "entmax_attention", "sparsemax_attention", "entmax_attention_varlen", "MultiheadEntmaxAttention", "replace_attention",
+    "alibi_slopes",
     "fusedmax", "oscarmax", "fusedmax_attention", "oscarmax_attention", "Fusedmax", "Oscarmax",
     "ContinuousAttention", "GaussianBasis1d", "continuous_softmax", "continuous_sparsemax", "continuous_entmax15",
     "continuous_softmax_2d", "continuous_sparsemax_2d",

@@ -17,16 +17,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import entmax_attention
+from .attention import NO_WINDOW, _check_softcap, _check_window_size, entmax_attention
 from .mappings import entmax15, entmax_bisect, sparsemax
 
-__all__ = ["MultiheadEntmaxAttention", "replace_attention", "ATTENTION_KINDS"]
+__all__ = ["MultiheadEntmaxAttention", "replace_attention", "alibi_slopes", "ATTENTION_KINDS"]
 
 ATTENTION_KINDS = ("softmax", "sparsemax", "entmax15", "learned", "fusedmax")
+
+# The state_dict entries nn.MultiheadAttention does not have.
+_OWN_STATE = ("alpha_logit", "sinks")
 
 # A learned α = 1 + sigmoid(w) is kept away from 1, where the closed form of the entmax
 # gradient w.r.t. α divides by (α − 1)² (docs/maths.md, "Gradient of alpha").
 LEARNED_ALPHA_MIN = 1.01
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """ALiBi's fixed slope per head (Press et al., 2022; BLOOM's rule), float32 (num_heads,):
+    the geometric sequence 2^(-8 i / n), i = 1..n, for the power of two n <= num_heads; more
+    heads take every other slope of the sequence for 2n, as far as needed."""
+    if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads < 1:
+        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = [2.0 ** (-8.0 * i / closest) for i in range(1, closest + 1)]
+    slopes += [2.0 ** (-4.0 * i / closest) for i in range(1, 2 * (num_heads - closest), 2)]
+    return torch.tensor(slopes, dtype=torch.float32)
 
 
 def _keep_torch_fast_paths_off(module, args, kwargs):
@@ -71,6 +86,14 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
             total-variation prox of the scores over the key order).
         alpha_init: initial α of every head for ``attention="learned"``, in (1.01, 2).
         lam: fusedmax's total-variation strength (``attention="fusedmax"`` only), > 0.
+        window_size, softcap: the score options of :func:`entmax_fast.entmax_attention`
+            (a sliding window ``(left, right)``, -1 unbounded; a tanh cap of the scores).
+        alibi: add ALiBi's distance bias with the fixed slopes of :func:`alibi_slopes`
+            (a buffer ``alibi_slopes``, not trained).
+        sinks: a learned sink logit per head (a parameter ``sinks``, initialised to 0), a
+            virtual key with a zero value that takes part in the threshold (GPT-OSS).
+        The options apply to every mapping but fusedmax, with and without ``need_weights``
+        (``attention="softmax"`` with an option runs entmax attention at α = 1).
 
     Masks follow ``nn.MultiheadAttention``: bool ``key_padding_mask`` / ``attn_mask`` mark
     the positions to *ignore* with True; float masks are added to the scores. ``is_causal``
@@ -85,7 +108,8 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
 
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
                  kdim=None, vdim=None, batch_first=False, device=None, dtype=None, *,
-                 attention="entmax15", alpha_init: float = 1.5, lam: float = 1.0):
+                 attention="entmax15", alpha_init: float = 1.5, lam: float = 1.0, window_size=(-1, -1),
+                 softcap: float = 0.0, alibi: bool = False, sinks: bool = False):
         super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias, add_bias_kv=add_bias_kv,
                          add_zero_attn=add_zero_attn, kdim=kdim, vdim=vdim, batch_first=batch_first,
                          device=device, dtype=dtype)
@@ -102,13 +126,25 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
             self.alpha_logit = nn.Parameter(torch.full((num_heads,), logit, device=device, dtype=dtype))
         else:
             self.register_parameter("alpha_logit", None)
+        self.window_size = _check_window_size(window_size)
+        self.softcap = _check_softcap(softcap)
+        for name, flag in (("alibi", alibi), ("sinks", sinks)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        if self.attention == "fusedmax" and (self.window_size != NO_WINDOW or self.softcap or alibi or sinks):
+            raise ValueError("attention='fusedmax' takes none of window_size, softcap, alibi, sinks")
+        # Fixed by the head count: not saved in the state_dict.
+        self.register_buffer("alibi_slopes", alibi_slopes(num_heads).to(device) if alibi else None, persistent=False)
+        self.register_parameter("sinks", nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype))
+                                if sinks else None)
         self.register_forward_pre_hook(_keep_torch_fast_paths_off, with_kwargs=True)
 
     @classmethod
     def from_torch(cls, module: nn.MultiheadAttention, *, attention="entmax15", alpha_init: float = 1.5,
-                   lam: float = 1.0) -> "MultiheadEntmaxAttention":
+                   lam: float = 1.0, **score_options) -> "MultiheadEntmaxAttention":
         """A copy of ``module`` (configuration, weights, device, dtype, train/eval mode)
-        with the given attention mapping."""
+        with the given attention mapping and score options (``window_size``, ``softcap``,
+        ``alibi``, ``sinks``: the constructor's)."""
         if not isinstance(module, nn.MultiheadAttention):
             raise TypeError(f"module must be an nn.MultiheadAttention, got {type(module).__name__}")
         reference = module.out_proj.weight
@@ -116,9 +152,9 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
                   bias=module.in_proj_bias is not None, add_bias_kv=module.bias_k is not None,
                   add_zero_attn=module.add_zero_attn, kdim=module.kdim, vdim=module.vdim,
                   batch_first=module.batch_first, device=reference.device, dtype=reference.dtype,
-                  attention=attention, alpha_init=alpha_init, lam=lam)
+                  attention=attention, alpha_init=alpha_init, lam=lam, **score_options)
         new.load_state_dict(module.state_dict(), strict=False)
-        missing = set(new.state_dict()) - set(module.state_dict()) - {"alpha_logit"}
+        missing = set(new.state_dict()) - set(module.state_dict()) - set(_OWN_STATE)
         if missing:
             raise RuntimeError(f"cannot copy {type(module).__name__}: its state_dict lacks {sorted(missing)}")
         new.train(module.training)
@@ -126,12 +162,14 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        # A checkpoint of a plain nn.MultiheadAttention has no alpha_logit: keep the initial α.
-        had_alpha = prefix + "alpha_logit" in state_dict
+        # A checkpoint of a plain nn.MultiheadAttention has none of this module's own entries:
+        # keep their initial values (α, zero sinks).
+        absent = [prefix + name for name in _OWN_STATE if prefix + name not in state_dict]
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        if not had_alpha and prefix + "alpha_logit" in missing_keys:
-            missing_keys.remove(prefix + "alpha_logit")
+        for key in absent:
+            if key in missing_keys:
+                missing_keys.remove(key)
 
     @property
     def alpha(self) -> Optional[Union[float, torch.Tensor]]:
@@ -145,6 +183,14 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
         extra = f"attention={self.attention!r}"
         if self.attention == "fusedmax":
             extra += f", lam={self.lam}"
+        if self.window_size != NO_WINDOW:
+            extra += f", window_size={self.window_size}"
+        if self.softcap:
+            extra += f", softcap={self.softcap}"
+        if self.alibi_slopes is not None:
+            extra += ", alibi=True"
+        if self.sinks is not None:
+            extra += ", sinks=True"
         return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}, {extra}"
 
     # ---------------------------------------------------------------------------------
@@ -265,8 +311,22 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
             merged = merged + _mask_to_float(part, dtype)
         return merged
 
+    def _score_options(self) -> dict:
+        """The keyword arguments of entmax_attention this module's options set."""
+        options = {}
+        if self.window_size != NO_WINDOW:
+            options["window_size"] = self.window_size
+        if self.softcap:
+            options["softcap"] = self.softcap
+        if self.alibi_slopes is not None:
+            options["alibi_slopes"] = self.alibi_slopes
+        if self.sinks is not None:
+            options["sinks"] = self.sinks
+        return options
+
     def _fused_attention(self, q, k, v, mask, dropout_p, is_causal):
-        if self.attention == "softmax":
+        options = self._score_options()
+        if self.attention == "softmax" and not options:
             if is_causal and mask is not None:
                 # Some SDPA kernels refuse an explicit mask together with is_causal: fold it in.
                 causal = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
@@ -281,24 +341,45 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
         alpha = self.alpha
         if isinstance(alpha, torch.Tensor):
             alpha = alpha.to(q.dtype)
-        return entmax_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, alpha=alpha)
+        return entmax_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, alpha=alpha,
+                                **options)
 
     def _explicit_attention(self, q, k, v, mask, dropout_p):
-        """The (N, H, L, S) weights are needed: build the scores, as torch does."""
+        """The (N, H, L, S) weights are needed: build the scores, as torch does, with the
+        score options in entmax_attention's order (docs/attention.md, "Score options")."""
         scores = (q * (1.0 / math.sqrt(q.shape[-1]))) @ k.transpose(-2, -1)
+        tgt_len, src_len = scores.shape[-2:]
+        # Query i sits at key position i + S − L (bottom-right, as the fused kernels).
+        distance = (torch.arange(tgt_len, device=q.device)[:, None] + (src_len - tgt_len)
+                    - torch.arange(src_len, device=q.device)[None, :])
+        if self.softcap:
+            scores = self.softcap * torch.tanh(scores / self.softcap)
+        if self.alibi_slopes is not None:
+            scores = scores - self.alibi_slopes.to(scores.dtype).view(1, -1, 1, 1) * distance.abs()
         if mask is not None:
             if mask.dtype == torch.bool:
                 scores = scores.masked_fill(~mask, float("-inf"))
             else:
                 scores = scores + mask
-        weights = self._weights(scores)
+        left, right = self.window_size
+        if left >= 0:
+            scores = scores.masked_fill(distance > left, float("-inf"))
+        if right >= 0:
+            scores = scores.masked_fill(distance < -right, float("-inf"))
+        if self.sinks is not None:
+            sink = self.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+            weights = self._weights(torch.cat([scores, sink], dim=-1))[..., :-1]
+        else:
+            weights = self._weights(scores)
         if dropout_p > 0.0:
             weights = F.dropout(weights, p=dropout_p)
         return weights @ v, weights
 
     def _weights(self, scores):
         if self.attention == "softmax":
-            return torch.softmax(scores, dim=-1)
+            # A row whose keys are all masked gets zeros, as on the fused path (torch: NaN).
+            alive = (scores != float("-inf")).any(dim=-1, keepdim=True)
+            return torch.softmax(scores.masked_fill(~alive, 0.0), dim=-1) * alive
         if self.attention == "sparsemax":
             return sparsemax(scores, dim=-1)
         if self.attention == "entmax15":
@@ -314,7 +395,7 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
 
 
 def replace_attention(model: nn.Module, attention="entmax15", *, alpha_init: float = 1.5, lam: float = 1.0,
-                      include_ours: bool = False) -> nn.Module:
+                      include_ours: bool = False, **score_options) -> nn.Module:
     """Swap every ``nn.MultiheadAttention`` inside ``model`` (in place) for a
     :class:`MultiheadEntmaxAttention` with the same configuration and weights; returns
     ``model``.
@@ -323,7 +404,8 @@ def replace_attention(model: nn.Module, attention="entmax15", *, alpha_init: flo
     the encoder's nested-tensor fast path (which would hand nested tensors to the
     attention) is switched off, and each layer's fused softmax kernel is bypassed.
     ``include_ours=True`` also re-creates modules that are already entmax attention
-    (to change their mapping); otherwise they are left as they are. ::
+    (to change their mapping); otherwise they are left as they are. ``score_options``
+    (``window_size``, ``softcap``, ``alibi``, ``sinks``) go to every new module. ::
 
         encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4, batch_first=True), 2)
         replace_attention(encoder, attention="learned")
@@ -340,7 +422,8 @@ def replace_attention(model: nn.Module, attention="entmax15", *, alpha_init: flo
             if isinstance(child, MultiheadEntmaxAttention) and not include_ours:
                 continue
             setattr(parent, name, MultiheadEntmaxAttention.from_torch(child, attention=attention,
-                                                                      alpha_init=alpha_init, lam=lam))
+                                                                      alpha_init=alpha_init, lam=lam,
+                                                                      **score_options))
         if isinstance(parent, nn.TransformerEncoder):
             parent.use_nested_tensor = False
     return model
