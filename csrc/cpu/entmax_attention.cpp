@@ -1,7 +1,24 @@
 // Entmax attention on CPU, memory-bounded: the scores of a tile of queries come from one
-// GEMM into a per-thread (tile x Lk) buffer, each row's threshold is found while the row is
-// in cache, then P.V is a second GEMM. Only (max, mu) per query row is saved; the backward
-// recomputes P from them. Nothing of size B*H*Lq*Lk is ever allocated.
+// GEMM into a per-thread buffer, each row's threshold is found while the row is in cache,
+// then P.V is a second GEMM. Only (max, mu) per query row is saved; the backward recomputes
+// P from them. Nothing of size B*H*Lq*Lk is ever allocated.
+//
+// Score options (docs/attention.md, "Score options"), applied in its order: scale, softcap,
+// ALiBi, float mask, boolean masks and window, sink, threshold.
+// - The top-left causal limit and the window (pos - left <= j <= pos + right, pos = i + Lk -
+//   Lq) leave each query one contiguous range of keys, whose ends never decrease from one
+//   query to the next. A tile computes scores only on the union of its rows' ranges, so a
+//   window costs O(Lq * window) work and memory, not Lq x Lk; keys outside a row's range get
+//   weight 0 without being scored.
+// - softcap and ALiBi change the scores where they are formed, in the forward and in the
+//   backward's recomputation; the backward keeps the cap's slope 1/cosh^2(s/softcap) of each
+//   score (a third tile buffer, only when capping) to multiply dz by.
+// - A sink is one more entry appended to the row in place (the tile's rows get a spare
+//   column for it): the row solvers, the saved (max, mu), the backward's Jacobian sums and
+//   the alpha gradient all include it as an ordinary entry whose value, hence g, is zero.
+//   Its own dz, s_sink * (0 - delta), summed over the head's rows, is dsinks.
+// Calls without options take the same per-row paths as before these existed: every option is
+// tested once per row or tile, never per score.
 //
 // Unlike the row-wise kernels, the tasks here call ATen ops (mm_out, addmm_, zero_) on the
 // outputs. at::parallel_for runs tasks on pool threads with those threads' own thread-local
@@ -70,6 +87,110 @@ AttentionShape check_attention_args(const at::Tensor& q, const at::Tensor& k, co
   return s;
 }
 
+at::ScalarType compute_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+// The score options of one call, as the operators receive them, checked and in the compute
+// type (docs/attention.md, "Score options").
+struct ScoreOptionTensors {
+  int64_t window_left = -1, window_right = -1;  // -1: unbounded
+  double softcap = 0.0;                         // 0: no cap
+  at::Tensor alibi_slopes;                      // undefined, or (H,) / (B, H) contiguous
+  at::Tensor sinks;                             // undefined, or (H,) contiguous
+};
+
+ScoreOptionTensors check_score_options(const AttentionShape& s, at::ScalarType ct, at::IntArrayRef window_size,
+                                       double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                                       const std::optional<at::Tensor>& sinks) {
+  ScoreOptionTensors o;
+  TORCH_CHECK(window_size.size() == 2 && window_size[0] >= -1 && window_size[1] >= -1,
+              "entmax_attention (cpu): window_size must be (left, right) with each >= -1, got ", window_size);
+  o.window_left = window_size[0];
+  o.window_right = window_size[1];
+  TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap), "entmax_attention (cpu): softcap must be finite and >= 0, got ",
+              softcap);
+  o.softcap = softcap;
+  if (alibi_slopes.has_value()) {
+    const at::Tensor& a = *alibi_slopes;
+    TORCH_CHECK(at::isFloatingType(a.scalar_type()) && a.device().is_cpu() &&
+                    ((a.dim() == 1 && a.size(0) == s.H) || (a.dim() == 2 && a.size(0) == s.B && a.size(1) == s.H)),
+                "entmax_attention (cpu): alibi_slopes must be a floating CPU tensor of shape (", s.H, ",) or (", s.B,
+                ", ", s.H, "), got ", a.sizes());
+    o.alibi_slopes = a.detach().to(ct).contiguous();
+  }
+  if (sinks.has_value()) {
+    const at::Tensor& t = *sinks;
+    TORCH_CHECK(at::isFloatingType(t.scalar_type()) && t.device().is_cpu() && t.dim() == 1 && t.size(0) == s.H,
+                "entmax_attention (cpu): sinks must be a floating CPU tensor of shape (", s.H, ",), got ", t.sizes());
+    o.sinks = t.detach().to(ct).contiguous();
+  }
+  return o;
+}
+
+// The score options read by the kernels for one dtype.
+template <typename T>
+struct ScoreOptions {
+  int64_t window_left = -1, window_right = -1;
+  T softcap = T(0);
+  const T* alibi = nullptr;  // slope of (b, h) at alibi[b * alibi_batch_stride + h]
+  int64_t alibi_batch_stride = 0;
+  const T* sinks = nullptr;
+
+  explicit ScoreOptions(const ScoreOptionTensors& o)
+      : window_left(o.window_left), window_right(o.window_right), softcap(static_cast<T>(o.softcap)) {
+    if (o.alibi_slopes.defined()) {
+      alibi = o.alibi_slopes.const_data_ptr<T>();
+      alibi_batch_stride = o.alibi_slopes.dim() == 2 ? o.alibi_slopes.size(1) : 0;
+    }
+    if (o.sinks.defined()) sinks = o.sinks.const_data_ptr<T>();
+  }
+  bool has_sink() const { return sinks != nullptr; }
+  // One spare column per row of a tile for the sink's entry.
+  int64_t sink_columns() const { return has_sink() ? 1 : 0; }
+};
+
+// Keys [begin, end) that query i may attend to after the top-left causal limit and the
+// window (empty when end == begin). Both ends are non-decreasing in i, so the keys of queries
+// [q0, q0 + tq) lie in [range(q0).begin, range(q0 + tq - 1).end).
+struct KeyRange {
+  int64_t begin, end;
+};
+
+inline KeyRange key_range(int64_t i, const AttentionShape& s, bool is_causal, int64_t window_left,
+                          int64_t window_right) {
+  const int64_t pos = i + s.Lk - s.Lq;  // the query's key position, counted from the bottom right
+  int64_t begin = 0, end = s.Lk;
+  if (is_causal) end = std::min(end, i + 1);
+  if (window_left >= 0) begin = std::max(begin, pos - window_left);
+  if (window_right >= 0) end = std::min(end, pos + window_right + 1);
+  return {begin, std::max(begin, end)};
+}
+
+// A tile of queries [q0, q0 + tq) and the keys [k0, k0 + kn) any of them attends to. The
+// tile's buffers hold a row per query with stride ld = kn (+ 1 for a sink's entry).
+struct QueryTile {
+  int64_t q0, tq, k0, kn, ld;
+};
+
+template <typename T>
+QueryTile query_tile(int64_t tile, const AttentionShape& s, bool is_causal, const ScoreOptions<T>& opts) {
+  QueryTile t{};
+  t.q0 = tile * kQueryTile;
+  t.tq = std::min(kQueryTile, s.Lq - t.q0);
+  t.k0 = key_range(t.q0, s, is_causal, opts.window_left, opts.window_right).begin;
+  const int64_t k1 = key_range(t.q0 + t.tq - 1, s, is_causal, opts.window_left, opts.window_right).end;
+  t.kn = std::max<int64_t>(0, k1 - t.k0);
+  t.ld = t.kn + opts.sink_columns();
+  return t;
+}
+
+// The widest key span of any tile: the per-thread buffers' row length (Lk without a window).
+template <typename T>
+int64_t widest_tile_span(const AttentionShape& s, bool is_causal, const ScoreOptions<T>& opts) {
+  int64_t widest = 0;
+  for (int64_t tile = 0; tile < s.n_tiles; ++tile) widest = std::max(widest, query_tile(tile, s, is_causal, opts).kn);
+  return widest;
+}
+
 // Read access to a mask broadcast to (B, H, Lq, Lk) without materialising it.
 template <typename T>
 struct MaskView {
@@ -77,9 +198,10 @@ struct MaskView {
   const T* add_ptr = nullptr;
   int64_t sb = 0, sh = 0, sq = 0, sk = 0;
 
-  // Applies the mask of row (b, h, i) to z[0:len] (scores already scaled).
-  void apply(T* z, int64_t len, int64_t b, int64_t h, int64_t i) const {
-    const int64_t base = b * sb + h * sh + i * sq;
+  // Applies the mask of row (b, h, i), keys [first_key, first_key + len), to z[0:len]
+  // (scores already scaled, capped and biased).
+  void apply(T* z, int64_t len, int64_t b, int64_t h, int64_t i, int64_t first_key) const {
+    const int64_t base = b * sb + h * sh + i * sq + first_key * sk;
     if (bool_ptr != nullptr) {
       const bool* m = bool_ptr + base;
       for (int64_t j = 0; j < len; ++j)
@@ -110,84 +232,135 @@ MaskView<T> make_mask_view(const std::optional<at::Tensor>& mask, const Attentio
   return view;
 }
 
-at::ScalarType compute_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+// The row of query q0 + i within its tile: keys [tile.k0 + start, tile.k0 + start + len).
+struct RowSpan {
+  int64_t start, len;
+};
 
-// Scores of rows [q0, q0 + tq) against keys [0, kend), scaled and masked; returns a
-// contiguous (tq, kend) view of `buffer`. Entries of causal rows past the diagonal are left
-// unset: callers only read z[0:row_len).
-template <typename T>
-at::Tensor masked_scores(at::Tensor& buffer, const at::Tensor& q_bh, const at::Tensor& k_bh, int64_t q0, int64_t tq,
-                         int64_t kend, T scale, const MaskView<T>& mask, int64_t b, int64_t h) {
-  at::Tensor scores = buffer.view(-1).narrow(0, 0, tq * kend).view({tq, kend});
-  at::mm_out(scores, q_bh.narrow(0, q0, tq), k_bh.narrow(0, 0, kend).t());
-  T* z = scores.data_ptr<T>();
-  for (int64_t i = 0; i < tq; ++i) {
-    T* zi = z + i * kend;
-    for (int64_t j = 0; j < kend; ++j) zi[j] *= scale;
-    mask.apply(zi, kend, b, h, q0 + i);
-  }
-  return scores;
+inline RowSpan row_span(const QueryTile& tile, int64_t i, const AttentionShape& s, bool is_causal,
+                        int64_t window_left, int64_t window_right) {
+  const KeyRange r = key_range(tile.q0 + i, s, is_causal, window_left, window_right);
+  return {r.begin - tile.k0, r.end - r.begin};
 }
 
-inline int64_t row_length(bool is_causal, int64_t query_index, int64_t kend) {
-  // Top-left aligned causal mask: query i sees keys j <= i.
-  return is_causal ? std::min(kend, query_index + 1) : kend;
+// A (tq, kn) view, row stride ld, of a per-thread buffer.
+inline at::Tensor tile_view(at::Tensor& buffer, const QueryTile& tile) {
+  return buffer.view(-1).narrow(0, 0, tile.tq * tile.ld).view({tile.tq, tile.ld}).narrow(1, 0, tile.kn);
+}
+
+// Scores of the tile's rows on their own key spans, in the order of docs/attention.md: scale,
+// softcap, ALiBi, the float or boolean mask (the causal limit and the window are the spans).
+// Entries outside a row's span are left unset: callers read only the span. With
+// cap_slopes, the cap's derivative 1/cosh^2(s/softcap) of each entry is stored there, at the
+// entry's place in the tile layout (1/cosh^2 rather than 1 - tanh^2, which rounds to 0 where
+// tanh rounds to +-1).
+template <typename T>
+at::Tensor tile_scores(at::Tensor& buffer, T* cap_slopes, const at::Tensor& q_bh, const at::Tensor& k_bh,
+                       const QueryTile& tile, T scale, const ScoreOptions<T>& opts, const MaskView<T>& mask,
+                       const AttentionShape& s, bool is_causal, int64_t b, int64_t h) {
+  at::Tensor scores = tile_view(buffer, tile);
+  at::mm_out(scores, q_bh.narrow(0, tile.q0, tile.tq), k_bh.narrow(0, tile.k0, tile.kn).t());
+  T* z = scores.data_ptr<T>();
+  const T softcap = opts.softcap;
+  const T slope = opts.alibi != nullptr ? opts.alibi[b * opts.alibi_batch_stride + h] : T(0);
+  for (int64_t i = 0; i < tile.tq; ++i) {
+    const RowSpan span = row_span(tile, i, s, is_causal, opts.window_left, opts.window_right);
+    T* zi = z + i * tile.ld + span.start;
+    if (softcap > T(0)) {
+      T* slopes_i = cap_slopes != nullptr ? cap_slopes + i * tile.ld + span.start : nullptr;
+      for (int64_t j = 0; j < span.len; ++j) {
+        const T x = zi[j] * scale / softcap;
+        zi[j] = softcap * std::tanh(x);
+        if (slopes_i != nullptr) {
+          const T c = std::cosh(x);
+          slopes_i[j] = T(1) / (c * c);
+        }
+      }
+    } else {
+      for (int64_t j = 0; j < span.len; ++j) zi[j] *= scale;
+    }
+    if (opts.alibi != nullptr) {
+      // -slope * |pos - j| for key j = k0 + start + jj.
+      const int64_t offset = tile.q0 + i + s.Lk - s.Lq - (tile.k0 + span.start);
+      for (int64_t j = 0; j < span.len; ++j) zi[j] -= slope * static_cast<T>(std::abs(offset - j));
+    }
+    mask.apply(zi, span.len, b, h, tile.q0 + i, tile.k0 + span.start);
+  }
+  return scores;
 }
 
 template <typename T>
 void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::optional<at::Tensor>& mask, const double* alpha, double scale_d, bool is_causal,
-                            const AttentionShape& s, at::Tensor& out, at::Tensor& stats) {
+                            const ScoreOptionTensors& option_tensors, const AttentionShape& s, at::Tensor& out,
+                            at::Tensor& stats) {
   at::Tensor mask_holder;
   const MaskView<T> mask_view = make_mask_view<T>(mask, s, mask_holder);
+  const ScoreOptions<T> opts(option_tensors);
   const T scale = static_cast<T>(scale_d);
   double* stats_ptr = stats.data_ptr<double>();
+  const int64_t row_capacity = widest_tile_span(s, is_causal, opts) + opts.sink_columns();
   const int64_t total = s.B * s.H * s.n_tiles;
   at::parallel_for(0, total, 1, at::wrapPropagateTLSState([&](int64_t begin, int64_t end) {
-    at::Tensor buffer = at::empty({kQueryTile * s.Lk}, q.options());
-    RowWorkspace work(s.Lk);
+    at::Tensor buffer = at::empty({kQueryTile * row_capacity}, q.options());
+    RowWorkspace work(row_capacity);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t tile = task % s.n_tiles;
       const int64_t h = (task / s.n_tiles) % s.H;
       const int64_t b = task / (s.n_tiles * s.H);
       const int64_t hk = h / s.group;
-      const int64_t q0 = tile * kQueryTile;
-      const int64_t tq = std::min(kQueryTile, s.Lq - q0);
-      const int64_t kend = is_causal ? std::min(s.Lk, q0 + tq) : s.Lk;
-      at::Tensor out_tile = out.select(0, b).select(0, h).narrow(0, q0, tq);
-      double* st = stats_ptr + ((b * s.H + h) * s.Lq + q0) * 2;
-      if (kend == 0) {
+      const QueryTile tile = query_tile(task % s.n_tiles, s, is_causal, opts);
+      at::Tensor out_tile = out.select(0, b).select(0, h).narrow(0, tile.q0, tile.tq);
+      double* st = stats_ptr + ((b * s.H + h) * s.Lq + tile.q0) * 2;
+      if (tile.kn == 0) {
+        // No query of the tile has a key: zero rows, whatever the sink (its value is zero).
         out_tile.zero_();
-        for (int64_t i = 0; i < tq; ++i) {
+        for (int64_t i = 0; i < tile.tq; ++i) {
           st[2 * i] = -std::numeric_limits<double>::infinity();
           st[2 * i + 1] = 0.0;
         }
         continue;
       }
       const EntmaxParams<T> prm(alpha[h]);
-      at::Tensor scores = masked_scores<T>(buffer, q.select(0, b).select(0, h), k.select(0, b).select(0, hk), q0,
-                                           tq, kend, scale, mask_view, b, h);
+      at::Tensor scores = tile_scores<T>(buffer, nullptr, q.select(0, b).select(0, h), k.select(0, b).select(0, hk),
+                                         tile, scale, opts, mask_view, s, is_causal, b, h);
       T* z = scores.data_ptr<T>();
-      for (int64_t i = 0; i < tq; ++i) {
-        T* zi = z + i * kend;
-        const int64_t len = row_length(is_causal, q0 + i, kend);
-        const RowStats<T> rs = entmax_row_inplace(zi, len, prm, work);
-        std::fill(zi + len, zi + kend, T(0));
+      for (int64_t i = 0; i < tile.tq; ++i) {
+        T* zi = z + i * tile.ld;
+        const RowSpan span = row_span(tile, i, s, is_causal, opts.window_left, opts.window_right);
+        if (span.len == 0) {
+          // A query without keys: zeros (a sink alone would take the whole row, and its value is zero).
+          std::fill(zi, zi + tile.kn, T(0));
+          st[2 * i] = -std::numeric_limits<double>::infinity();
+          st[2 * i + 1] = 0.0;
+          continue;
+        }
+        int64_t n = span.len;
+        // The sink's entry right after the span: ld leaves room for it past the last span.
+        if (opts.has_sink()) zi[span.start + n++] = opts.sinks[h];
+        const RowStats<T> rs = entmax_row_inplace(zi + span.start, n, prm, work);
+        std::fill(zi, zi + span.start, T(0));
+        // Also clears the sink's weight where it sits inside the tile's (tq, kn) view.
+        std::fill(zi + span.start + span.len, zi + tile.kn, T(0));
         st[2 * i] = rs.max;
         st[2 * i + 1] = rs.mu;
       }
-      at::mm_out(out_tile, scores, v.select(0, b).select(0, hk).narrow(0, 0, kend));
+      at::mm_out(out_tile, scores, v.select(0, b).select(0, hk).narrow(0, tile.k0, tile.kn));
     }
   }));
 }
 
-// Returns (out in the input dtype, stats (B, H, Lq, 2) = (row max, mu) in float64).
+// Returns (out in the input dtype, stats (B, H, Lq, 2) = (row max, mu) in float64, both over
+// the row with its sink when there is one).
 std::tuple<at::Tensor, at::Tensor> entmax_attention_fwd_cpu(const at::Tensor& query, const at::Tensor& key,
                                                             const at::Tensor& value,
                                                             const std::optional<at::Tensor>& attn_mask,
-                                                            const at::Tensor& alpha_in, double scale, bool is_causal) {
+                                                            const at::Tensor& alpha_in, double scale, bool is_causal,
+                                                            at::IntArrayRef window_size, double softcap,
+                                                            const std::optional<at::Tensor>& alibi_slopes,
+                                                            const std::optional<at::Tensor>& sinks) {
   const AttentionShape s = check_attention_args(query, key, value, attn_mask, alpha_in);
   const at::ScalarType ct = compute_type(query.scalar_type());
+  const ScoreOptionTensors options = check_score_options(s, ct, window_size, softcap, alibi_slopes, sinks);
   // detach: the GEMMs below run on worker threads and must never be recorded by autograd.
   const at::Tensor q = query.detach().to(ct).contiguous();
   const at::Tensor k = key.detach().to(ct).contiguous();
@@ -202,8 +375,8 @@ std::tuple<at::Tensor, at::Tensor> entmax_attention_fwd_cpu(const at::Tensor& qu
       stats.select(3, 1).zero_();
     } else {
       AT_DISPATCH_FLOATING_TYPES(ct, "entmax_attention_fwd", [&] {
-        attention_forward_impl<scalar_t>(q, k, v, attn_mask, alpha.const_data_ptr<double>(), scale, is_causal, s,
-                                         out, stats);
+        attention_forward_impl<scalar_t>(q, k, v, attn_mask, alpha.const_data_ptr<double>(), scale, is_causal,
+                                         options, s, out, stats);
       });
     }
   }
@@ -214,18 +387,23 @@ template <typename T>
 void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                              const at::Tensor& v, const std::optional<at::Tensor>& mask, const at::Tensor& stats,
                              const double* alpha, double scale_d, bool is_causal, bool need_alpha_grad,
-                             const AttentionShape& s, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
-                             double* dalpha_part) {
+                             const ScoreOptionTensors& option_tensors, const AttentionShape& s, at::Tensor& dq,
+                             at::Tensor& dk, at::Tensor& dv, double* dalpha_part, double* dsinks_part) {
   at::Tensor mask_holder;
   const MaskView<T> mask_view = make_mask_view<T>(mask, s, mask_holder);
+  const ScoreOptions<T> opts(option_tensors);
+  const bool capped = opts.softcap > T(0);
   const T scale = static_cast<T>(scale_d);
   const double* stats_ptr = stats.const_data_ptr<double>();
+  const int64_t row_capacity = widest_tile_span(s, is_causal, opts) + opts.sink_columns();
   // One task per (batch, key/value head): the query heads of a GQA group accumulate into
   // the same dK/dV, so they stay in one task and no two tasks write the same memory.
   at::parallel_for(0, s.B * s.Hk, 1, at::wrapPropagateTLSState([&](int64_t begin, int64_t end) {
-    at::Tensor prob_buffer = at::empty({kQueryTile * s.Lk}, q.options());
-    at::Tensor grad_buffer = at::empty({kQueryTile * s.Lk}, q.options());
-    std::vector<T> weights(s.Lk);
+    at::Tensor prob_buffer = at::empty({kQueryTile * row_capacity}, q.options());
+    at::Tensor grad_buffer = at::empty({kQueryTile * row_capacity}, q.options());
+    at::Tensor cap_slope_buffer = capped ? at::empty({kQueryTile * row_capacity}, q.options()) : at::Tensor();
+    T* cap_slopes = capped ? cap_slope_buffer.data_ptr<T>() : nullptr;
+    std::vector<T> weights(row_capacity);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / s.Hk;
       const int64_t hk = task % s.Hk;
@@ -238,37 +416,49 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
         const at::Tensor q_bh = q.select(0, b).select(0, h);
         const at::Tensor do_bh = grad_out.select(0, b).select(0, h);
         at::Tensor dq_bh = dq.select(0, b).select(0, h);
-        double dalpha_acc = 0;
-        for (int64_t tile = 0; tile < s.n_tiles; ++tile) {
-          const int64_t q0 = tile * kQueryTile;
-          const int64_t tq = std::min(kQueryTile, s.Lq - q0);
-          const int64_t kend = is_causal ? std::min(s.Lk, q0 + tq) : s.Lk;
-          if (kend == 0) continue;
-          const double* st = stats_ptr + ((b * s.H + h) * s.Lq + q0) * 2;
-          at::Tensor probs = masked_scores<T>(prob_buffer, q_bh, k_bh, q0, tq, kend, scale, mask_view, b, h);
-          at::Tensor dprobs = grad_buffer.view(-1).narrow(0, 0, tq * kend).view({tq, kend});
-          const at::Tensor do_tile = do_bh.narrow(0, q0, tq);
-          at::mm_out(dprobs, do_tile, v_bh.narrow(0, 0, kend).t());
+        double dalpha_acc = 0, dsinks_acc = 0;
+        for (int64_t tile_index = 0; tile_index < s.n_tiles; ++tile_index) {
+          const QueryTile tile = query_tile(tile_index, s, is_causal, opts);
+          if (tile.kn == 0) continue;
+          const double* st = stats_ptr + ((b * s.H + h) * s.Lq + tile.q0) * 2;
+          at::Tensor probs = tile_scores<T>(prob_buffer, cap_slopes, q_bh, k_bh, tile, scale, opts, mask_view, s,
+                                            is_causal, b, h);
+          at::Tensor dprobs = tile_view(grad_buffer, tile);
+          const at::Tensor do_tile = do_bh.narrow(0, tile.q0, tile.tq);
+          const at::Tensor k_tile = k_bh.narrow(0, tile.k0, tile.kn);
+          at::mm_out(dprobs, do_tile, v_bh.narrow(0, tile.k0, tile.kn).t());
           T* pz = probs.data_ptr<T>();
           T* gz = dprobs.data_ptr<T>();
-          for (int64_t i = 0; i < tq; ++i) {
-            T* p = pz + i * kend;
-            T* g = gz + i * kend;
-            const int64_t len = row_length(is_causal, q0 + i, kend);
+          for (int64_t i = 0; i < tile.tq; ++i) {
+            T* p_row = pz + i * tile.ld;
+            T* g_row = gz + i * tile.ld;
+            const RowSpan span = row_span(tile, i, s, is_causal, opts.window_left, opts.window_right);
             const T zmax = static_cast<T>(st[2 * i]);
             const double mu = st[2 * i + 1];
             if (std::isnan(zmax)) {
               // A NaN row of the forward (NaN or +inf score) passes NaN on to every gradient
               // it touches, as softmax attention's backward does.
-              std::fill(p, p + kend, std::numeric_limits<T>::quiet_NaN());
-              std::fill(g, g + kend, std::numeric_limits<T>::quiet_NaN());
+              std::fill(p_row, p_row + tile.kn, std::numeric_limits<T>::quiet_NaN());
+              std::fill(g_row, g_row + tile.kn, std::numeric_limits<T>::quiet_NaN());
               if (need_alpha_grad) dalpha_acc = std::numeric_limits<double>::quiet_NaN();
+              if (opts.has_sink()) dsinks_acc = std::numeric_limits<double>::quiet_NaN();
               continue;
             }
-            if (!(zmax > -std::numeric_limits<T>::infinity())) {
-              std::fill(p, p + kend, T(0));
-              std::fill(g, g + kend, T(0));
+            if (span.len == 0 || !(zmax > -std::numeric_limits<T>::infinity())) {
+              // No key, or every key masked: zero weights (with a sink, a one-hot row on it,
+              // whose Jacobian term is zero).
+              std::fill(p_row, p_row + tile.kn, T(0));
+              std::fill(g_row, g_row + tile.kn, T(0));
               continue;
+            }
+            T* p = p_row + span.start;
+            T* g = g_row + span.start;
+            int64_t n = span.len;
+            if (opts.has_sink()) {
+              // The sink as the row's last entry; its value is zero, so is its g.
+              p[n] = opts.sinks[h];
+              g[n] = T(0);
+              ++n;
             }
             // p and the Jacobian weights s = p^(2-alpha) from the saved (max, mu), while the
             // scaled, masked scores are still in the row.
@@ -276,14 +466,14 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
             if (prm.kind == AlphaKind::kGeneral) {
               // The forward's kernel at its final mu, renormalised as the forward did, gives the
               // forward's p; scalar pow per entry here cost more than the rest of the backward.
-              const double p_total = general_probs(p, len, static_cast<double>(zmax), prm.law(), mu);
+              const double p_total = general_probs(p, n, static_cast<double>(zmax), prm.law(), mu);
               if (p_total > 0) {
                 const T inv = static_cast<T>(1.0 / p_total);
-                for (int64_t j = 0; j < len; ++j) p[j] *= inv;
+                for (int64_t j = 0; j < n; ++j) p[j] *= inv;
               }
-              std::tie(s_total, sg_total) = general_weights(p, g, weights.data(), len, 2.0 - prm.alpha);
+              std::tie(s_total, sg_total) = general_weights(p, g, weights.data(), n, 2.0 - prm.alpha);
             } else {
-              for (int64_t j = 0; j < len; ++j) {
+              for (int64_t j = 0; j < n; ++j) {
                 const T pj = prm.prob(p[j], zmax, mu);
                 weights[j] = prm.jacobian_weight(p[j], zmax, mu, pj);
                 p[j] = pj;
@@ -291,29 +481,44 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
                 sg_total += static_cast<double>(weights[j]) * g[j];
               }
             }
-            std::fill(p + len, p + kend, T(0));
-            if (need_alpha_grad) dalpha_acc += row_alpha_grad(p, g, len, prm.alpha);
-            const T delta = s_total > 0 ? static_cast<T>(sg_total / s_total) : T(0);
-            // dZ (docs/attention.md, "Backward"), with the score scale folded in for dQ and dK.
-            for (int64_t j = 0; j < len; ++j) g[j] = scale * weights[j] * (g[j] - delta);
-            std::fill(g + len, g + kend, T(0));
+            if (need_alpha_grad) dalpha_acc += row_alpha_grad(p, g, n, prm.alpha);
+            const double delta_d = s_total > 0 ? sg_total / s_total : 0.0;
+            const T delta = static_cast<T>(delta_d);
+            // The sink's dz = s_sink (g_sink - delta) with g_sink = 0.
+            if (opts.has_sink()) dsinks_acc -= static_cast<double>(weights[span.len]) * delta_d;
+            // dZ (docs/attention.md, "Backward"), with the score scale folded in for dQ and dK,
+            // and the cap's slope where the scores were capped.
+            if (capped) {
+              const T* slope = cap_slopes + i * tile.ld + span.start;
+              for (int64_t j = 0; j < span.len; ++j) g[j] = scale * slope[j] * weights[j] * (g[j] - delta);
+            } else {
+              for (int64_t j = 0; j < span.len; ++j) g[j] = scale * weights[j] * (g[j] - delta);
+            }
+            // Outside the span, the sink's entry included where it lies inside the view.
+            std::fill(p_row, p, T(0));
+            std::fill(p + span.len, p_row + tile.kn, T(0));
+            std::fill(g_row, g, T(0));
+            std::fill(g + span.len, g_row + tile.kn, T(0));
           }
-          dv_bh.narrow(0, 0, kend).addmm_(probs.t(), do_tile);
-          at::Tensor dq_tile = dq_bh.narrow(0, q0, tq);
-          at::mm_out(dq_tile, dprobs, k_bh.narrow(0, 0, kend));
-          dk_bh.narrow(0, 0, kend).addmm_(dprobs.t(), q_bh.narrow(0, q0, tq));
+          dv_bh.narrow(0, tile.k0, tile.kn).addmm_(probs.t(), do_tile);
+          at::Tensor dq_tile = dq_bh.narrow(0, tile.q0, tile.tq);
+          at::mm_out(dq_tile, dprobs, k_tile);
+          dk_bh.narrow(0, tile.k0, tile.kn).addmm_(dprobs.t(), q_bh.narrow(0, tile.q0, tile.tq));
         }
         dalpha_part[b * s.H + h] = dalpha_acc;
+        dsinks_part[b * s.H + h] = dsinks_acc;
       }
     }
   }));
 }
 
-// Returns (dq, dk, dv) in the input dtype and dalpha (H,) in float64 ((0,) when not needed).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> entmax_attention_bwd_cpu(
+// Returns (dq, dk, dv) in the input dtype, dalpha (H,) and dsinks (H,) in float64 ((0,) when
+// not needed).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> entmax_attention_bwd_cpu(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, const at::Tensor& stats_in, const at::Tensor& alpha_in,
-    double scale, bool is_causal, bool need_alpha_grad) {
+    double scale, bool is_causal, bool need_alpha_grad, at::IntArrayRef window_size, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks, bool need_sinks_grad) {
   const AttentionShape s = entmax_fast_cpu::check_attention_args(query, key, value, attn_mask, alpha_in);
   TORCH_CHECK(grad_out.dim() == 4 && grad_out.size(0) == s.B && grad_out.size(1) == s.H && grad_out.size(2) == s.Lq &&
                   grad_out.size(3) == s.Ev,
@@ -324,6 +529,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> entmax_attention_bwd_
               "entmax_attention_backward (cpu): stats must have shape (", s.B, ", ", s.H, ", ", s.Lq, ", 2), got ",
               stats_in.sizes());
   const at::ScalarType ct = compute_type(query.scalar_type());
+  const ScoreOptionTensors options = check_score_options(s, ct, window_size, softcap, alibi_slopes, sinks);
   const at::Tensor q = query.detach().to(ct).contiguous();
   const at::Tensor k = key.detach().to(ct).contiguous();
   const at::Tensor v = value.detach().to(ct).contiguous();
@@ -334,29 +540,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> entmax_attention_bwd_
   at::Tensor dk = at::zeros_like(k);
   at::Tensor dv = at::zeros_like(v);
   at::Tensor dalpha_part = at::zeros({s.B, s.H}, q.options().dtype(at::kDouble));
+  at::Tensor dsinks_part = at::zeros({s.B, s.H}, q.options().dtype(at::kDouble));
   if (s.Lk > 0 && s.Lq > 0 && s.B > 0) {
     AT_DISPATCH_FLOATING_TYPES(ct, "entmax_attention_bwd", [&] {
       attention_backward_impl<scalar_t>(g, q, k, v, attn_mask, stats, alpha.const_data_ptr<double>(), scale,
-                                        is_causal, need_alpha_grad, s, dq, dk, dv,
-                                        dalpha_part.data_ptr<double>());
+                                        is_causal, need_alpha_grad, options, s, dq, dk, dv,
+                                        dalpha_part.data_ptr<double>(), dsinks_part.data_ptr<double>());
     });
   }
   const at::ScalarType out_t = query.scalar_type();
   at::Tensor dalpha = need_alpha_grad ? dalpha_part.sum(0) : at::empty({0}, dalpha_part.options());
-  return {dq.to(out_t), dk.to(out_t), dv.to(out_t), dalpha};
+  const bool sinks_grad = need_sinks_grad && sinks.has_value();
+  at::Tensor dsinks = sinks_grad ? dsinks_part.sum(0) : at::empty({0}, dsinks_part.options());
+  return {dq.to(out_t), dk.to(out_t), dv.to(out_t), dalpha, dsinks};
 }
 
 }  // namespace
 }  // namespace entmax_fast_cpu
 
+// The score options (window_size, softcap, alibi_slopes, sinks) default to none, so that a
+// call without them reads as before they existed.
 TORCH_LIBRARY_FRAGMENT(entmax_fast, m) {
   m.def(
       "entmax_attention_fwd(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, Tensor alpha, float scale, "
-      "bool is_causal) -> (Tensor, Tensor)");
+      "bool is_causal, int[2] window_size=[-1, -1], float softcap=0., Tensor? alibi_slopes=None, "
+      "Tensor? sinks=None) -> (Tensor, Tensor)");
   m.def(
       "entmax_attention_bwd(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "
-      "Tensor stats, Tensor alpha, float scale, bool is_causal, bool need_alpha_grad) -> "
-      "(Tensor, Tensor, Tensor, Tensor)");
+      "Tensor stats, Tensor alpha, float scale, bool is_causal, bool need_alpha_grad, "
+      "int[2] window_size=[-1, -1], float softcap=0., Tensor? alibi_slopes=None, Tensor? sinks=None, "
+      "bool need_sinks_grad=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(entmax_fast, CPU, m) {

@@ -10,8 +10,10 @@ import torch
 
 from .. import unimplemented_score_options
 
-# The score options (backends.SCORE_OPTIONS) the kernels implement.
-SCORE_OPTIONS_IMPLEMENTED = frozenset()
+# The score options (backends.SCORE_OPTIONS) the kernels implement: all of them, in the CPU
+# attention operator (csrc/cpu/entmax_attention.cpp); a lower-right causal mask reaches it as
+# the window's right bound 0.
+SCORE_OPTIONS_IMPLEMENTED = frozenset({"window", "lower_right_causal", "softcap", "alibi_slopes", "sinks"})
 OPS = {"entmax": "ops", "attention": "ops", "fusedmax": "ops", "oscarmax": "ops"}
 _FLOAT_TYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 

@@ -84,16 +84,20 @@ def _register_fakes() -> None:
         dalpha = p.new_empty((p.shape[0],), dtype=alpha.dtype) if need_alpha_grad else p.new_empty((0,))
         return torch.empty_like(p, memory_format=torch.contiguous_format), dalpha
 
-    def attention_fwd(query, key, value, attn_mask, alpha, scale, is_causal):
+    def attention_fwd(query, key, value, attn_mask, alpha, scale, is_causal, window_size=(-1, -1), softcap=0.0,
+                      alibi_slopes=None, sinks=None):
         batch, heads, lq, _ = query.shape
         return (query.new_empty((batch, heads, lq, value.shape[-1])),
                 query.new_empty((batch, heads, lq, 2), dtype=torch.float64))
 
-    def attention_bwd(grad_out, query, key, value, attn_mask, stats, alpha, scale, is_causal, need_alpha_grad):
+    def attention_bwd(grad_out, query, key, value, attn_mask, stats, alpha, scale, is_causal, need_alpha_grad,
+                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, need_sinks_grad=False):
         return (torch.empty_like(query, memory_format=torch.contiguous_format),
                 torch.empty_like(key, memory_format=torch.contiguous_format),
                 torch.empty_like(value, memory_format=torch.contiguous_format),
-                query.new_empty((query.shape[1] if need_alpha_grad else 0,), dtype=torch.float64))
+                query.new_empty((query.shape[1] if need_alpha_grad else 0,), dtype=torch.float64),
+                query.new_empty((query.shape[1] if need_sinks_grad and sinks is not None else 0,),
+                                dtype=torch.float64))
 
     def structured_fwd(x, reg, lengths=None):
         return torch.empty_like(x), torch.empty_like(x)

@@ -2,6 +2,8 @@
 
 Arithmetic is float64 for float64 tensors and float32 otherwise; results come back in the
 input dtype. α reaches the kernels as one value per row (row-wise) or per head (attention).
+The attention kernels take the score options (docs/attention.md, "Score options") themselves:
+a lower-right causal mask arrives as the window's right bound 0.
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch
 
 from ...common import alpha_vector, compute_dtype
 from .. import refuse_score_options
+from . import SCORE_OPTIONS_IMPLEMENTED
 
 __all__ = ["entmax_forward", "entmax_backward", "attention_forward", "attention_backward", "fusedmax_forward",
            "fusedmax_backward", "oscarmax_forward", "oscarmax_backward"]
@@ -34,22 +37,28 @@ def entmax_backward(p: torch.Tensor, grad: torch.Tensor, alpha, need_alpha_grad:
 
 def attention_forward(query, key, value, attn_mask, alpha, *, scale, is_causal, dropout_p, enable_gqa, need_grad,
                       window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
-    refuse_score_options("the C++ attention", window_size, softcap, alibi_slopes, sinks)
+    refuse_score_options("the C++ attention", window_size, softcap, alibi_slopes, sinks,
+                         implemented=SCORE_OPTIONS_IMPLEMENTED)
     out, stats = torch.ops.entmax_fast.entmax_attention_fwd(
-        query, key, value, attn_mask, _alphas(alpha, query.shape[1], query.device), float(scale), bool(is_causal))
+        query, key, value, attn_mask, _alphas(alpha, query.shape[1], query.device), float(scale), bool(is_causal),
+        [int(bound) for bound in window_size], float(softcap), alibi_slopes, sinks)
     return out, (stats,)
 
 
 def attention_backward(grad_out, query, key, value, attn_mask, alpha, out, saved, *, scale, is_causal, dropout_p,
                        enable_gqa, need_mask_grad, need_alpha_grad, window_size=(-1, -1), softcap=0.0,
                        alibi_slopes=None, sinks=None, need_sinks_grad=False):
-    refuse_score_options("the C++ attention", window_size, softcap, alibi_slopes, sinks)
+    refuse_score_options("the C++ attention", window_size, softcap, alibi_slopes, sinks,
+                         implemented=SCORE_OPTIONS_IMPLEMENTED)
     (stats,) = saved
     need_alpha_grad = bool(need_alpha_grad) and isinstance(alpha, torch.Tensor)
-    dq, dk, dv, dalpha = torch.ops.entmax_fast.entmax_attention_bwd(
+    need_sinks_grad = bool(need_sinks_grad) and sinks is not None
+    dq, dk, dv, dalpha, dsinks = torch.ops.entmax_fast.entmax_attention_bwd(
         grad_out, query, key, value, attn_mask, stats, _alphas(alpha, query.shape[1], query.device), float(scale),
-        bool(is_causal), need_alpha_grad)
-    return dq, dk, dv, None, (dalpha.to(alpha.dtype) if need_alpha_grad else None), None
+        bool(is_causal), need_alpha_grad, [int(bound) for bound in window_size], float(softcap), alibi_slopes, sinks,
+        need_sinks_grad)
+    return (dq, dk, dv, None, (dalpha.to(alpha.dtype) if need_alpha_grad else None),
+            (dsinks.to(sinks.dtype) if need_sinks_grad else None))
 
 
 def fusedmax_forward(x, reg, lengths):
