@@ -161,7 +161,8 @@ def _load(op: str, backend: str):
             if (op, backend) not in _LOADED:
                 package = _BACKEND_MODULES[backend]
                 module = importlib.import_module(f"{package}.{_backend(backend).OPS[op]}", package=__package__)
-                _LOADED[(op, backend)] = (getattr(module, f"{op}_forward"), getattr(module, f"{op}_backward"))
+                # A forward-only op (attention_kvcache) has no backward.
+                _LOADED[(op, backend)] = (getattr(module, f"{op}_forward"), getattr(module, f"{op}_backward", None))
     return _LOADED[(op, backend)]
 
 

@@ -191,6 +191,12 @@ CASES = [
                          torch.randn(1, 1, 3, 3, device=d)), 4)),
     Case("sparsemax_attention", ("attention",), lambda d: Call(entmax_fast.sparsemax_attention, _qkv(d), 3)),
     Case("entmax_attention_varlen", ("attention_varlen",), _varlen, interpreter=True),
+    # Reading a cache that holds the new tokens: a write into an inference tensor outside
+    # inference mode is refused by torch (tests/test_kvcache.py writes under inference_mode).
+    Case("entmax_attention_with_kvcache", ("attention_kvcache",),
+         lambda d: Call(lambda q, k_cache, v_cache, seqlens: entmax_fast.entmax_attention_with_kvcache(
+             q, k_cache, v_cache, cache_seqlens=seqlens), (*_qkv(d, length=3), torch.tensor([3], dtype=torch.int32,
+                                                                                          device=d)), 0)),
     Case("MultiheadEntmaxAttention", ("attention",), lambda d: _mha(d, "entmax15", need_weights=False)),
     Case("MultiheadEntmaxAttention/learned", ("attention",), lambda d: _mha(d, "learned", need_weights=False)),
     Case("MultiheadEntmaxAttention/learned_weights", ("entmax",), lambda d: _mha(d, "learned", need_weights=True)),

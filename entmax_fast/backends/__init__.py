@@ -19,7 +19,8 @@ triton nor the extension nor any kernel) and defines
                              dtype and the op's options, see dispatch.Request)
     describe(op, request) -> what runs the call, in a user's words
 
-and, in the submodule OPS names, a forward and a backward for each op. They compute; they hold no autograd.
+and, in the submodule OPS names, a forward and a backward for each op (a forward only for
+attention_kvcache). They compute; they hold no autograd.
 The public layer (mappings.py, structured.py, attention.py) validates the arguments once
 and holds the one torch.autograd.Function of each op, which calls the dispatched pair:
 
@@ -64,6 +65,16 @@ and holds the one torch.autograd.Function of each op, which calls the dispatched
                                           alibi_slopes, sinks, need_sinks_grad)
                     -> (dq, dk, dv, dalpha | None, dsinks | None)
                 alibi_slopes (B, H) hold a row per sequence
+    attention_kvcache  (forward only: decoding, no autograd)
+                attention_kvcache_forward(query, k_cache, v_cache, seqlens_k, block_table,
+                                          alpha, *, scale, window_size, softcap,
+                                          alibi_slopes, sinks) -> out
+                query (B, H, Lq, E); caches contiguous (B, Hkv, Lmax, E | Ev), block_table
+                None, or paged (num_blocks, Hkv, block_size, E | Ev) with block_table
+                (B, max_blocks) int32; seqlens_k (B,) int32: keys in each sequence's cache
+                (the new tokens already written), query i at position seqlens_k[b] − Lq + i,
+                lower-right causal; entries of block_table past a sequence's blocks are
+                not read
 
 A backend that does not implement a score option refuses the call in ``supports`` (dispatch
 then falls back, with the reason), naming it with `unimplemented_score_options`; its package

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ...reference import attention as _attention
+from ...reference import kvcache as _kvcache
 from ...reference import normmax_budget as _normmax_budget
 from ...reference import structured as _structured
 from ...reference.mappings import entmax_rowwise_backward as entmax_backward
@@ -16,7 +17,8 @@ from ...reference.mappings import entmax_rowwise_forward as entmax_forward
 
 __all__ = ["entmax_forward", "entmax_backward", "normmax_forward", "normmax_backward", "budget_forward",
            "budget_backward", "fusedmax_forward", "fusedmax_backward", "oscarmax_forward", "oscarmax_backward",
-           "attention_forward", "attention_backward", "attention_varlen_forward", "attention_varlen_backward"]
+           "attention_forward", "attention_backward", "attention_varlen_forward", "attention_varlen_backward",
+           "attention_kvcache_forward"]
 
 normmax_forward = _normmax_budget.normmax_forward
 normmax_backward = _normmax_budget.normmax_backward
@@ -26,6 +28,7 @@ attention_forward = _attention.attention_forward
 attention_backward = _attention.attention_backward
 attention_varlen_forward = _attention.attention_varlen_forward
 attention_varlen_backward = _attention.attention_varlen_backward
+attention_kvcache_forward = _kvcache.attention_kvcache_forward
 
 
 def _vector_jacobian(mapping, grad, x, lengths, reg):
