@@ -10,6 +10,7 @@ from .attention import entmax_attention, entmax_attention_varlen, sparsemax_atte
 from .continuous import (ContinuousAttention, GaussianBasis1d, continuous_entmax15, continuous_softmax,
                          continuous_softmax_2d, continuous_sparsemax, continuous_sparsemax_2d)
 from .dispatch import use_backend
+from .inspection import attention_weights, support_size
 from .kvcache import entmax_attention_with_kvcache
 from .losses import (Entmax15Loss, EntmaxBisectLoss, NormmaxBisectLoss, SparsemaxBisectLoss, SparsemaxLoss,
                      entmax15_loss, entmax_bisect_loss, normmax_bisect_loss, sparsemax_bisect_loss, sparsemax_loss)
@@ -25,7 +26,8 @@ __all__ = [
     "Sparsemax", "Entmax15", "EntmaxBisect", "SparsemaxBisect", "NormmaxBisect", "BudgetBisect",
     "sparsemax_loss", "entmax15_loss", "sparsemax_bisect_loss", "entmax_bisect_loss", "normmax_bisect_loss",
     "SparsemaxLoss", "Entmax15Loss", "SparsemaxBisectLoss", "EntmaxBisectLoss", "NormmaxBisectLoss",
-    "entmax_attention", "sparsemax_attention", "entmax_attention_varlen", "entmax_attention_with_kvcache", "MultiheadEntmaxAttention", "replace_attention",
+    "entmax_attention", "sparsemax_attention", "entmax_attention_varlen", "entmax_attention_with_kvcache",
+    "attention_weights", "support_size", "MultiheadEntmaxAttention", "replace_attention",
     "alibi_slopes",
     "fusedmax", "oscarmax", "fusedmax_attention", "oscarmax_attention", "Fusedmax", "Oscarmax",
     "ContinuousAttention", "GaussianBasis1d", "continuous_softmax", "continuous_sparsemax", "continuous_entmax15",

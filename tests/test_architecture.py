@@ -18,7 +18,7 @@ LAYERS = [
     ("references and kernels", ["entmax_fast.reference", "entmax_fast.triton_kernels"]),
     ("backends", ["entmax_fast.backends"]),
     ("dispatch", ["entmax_fast.dispatch"]),
-    ("public functions", ["entmax_fast.mappings", "entmax_fast.attention", "entmax_fast.kvcache",
+    ("public functions", ["entmax_fast.mappings", "entmax_fast.attention", "entmax_fast.kvcache", "entmax_fast.inspection",
                           "entmax_fast.structured", "entmax_fast.losses", "entmax_fast.continuous"]),
     ("modules and integrations", ["entmax_fast.nn", "entmax_fast.multihead", "entmax_fast.hf"]),
     ("package and applications", ["entmax_fast", "entmax_fast.train"]),

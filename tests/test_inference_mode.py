@@ -191,6 +191,10 @@ CASES = [
                          torch.randn(1, 1, 3, 3, device=d)), 4)),
     Case("sparsemax_attention", ("attention",), lambda d: Call(entmax_fast.sparsemax_attention, _qkv(d), 3)),
     Case("entmax_attention_varlen", ("attention_varlen",), _varlen, interpreter=True),
+    Case("attention_weights", ("entmax",),
+         lambda d: Call(lambda q, k: entmax_fast.attention_weights(q, k, is_causal=True), _qkv(d)[:2], 2)),
+    Case("support_size", ("entmax",),
+         lambda d: Call(lambda q, k: entmax_fast.support_size(q, k, alpha=2.0), _qkv(d)[:2], 0)),
     # Reading a cache that holds the new tokens: a write into an inference tensor outside
     # inference mode is refused by torch (tests/test_kvcache.py writes under inference_mode).
     Case("entmax_attention_with_kvcache", ("attention_kvcache",),
