@@ -17,8 +17,8 @@
 //   column for it): the row solvers, the saved (max, mu), the backward's Jacobian sums and
 //   the alpha gradient all include it as an ordinary entry whose value, hence g, is zero.
 //   Its own dz, s_sink * (0 - delta), summed over the head's rows, is dsinks.
-// Calls without options take the same per-row paths as before these existed: every option is
-// tested once per row or tile, never per score.
+// Each option is tested once per row or tile, never per score, so that a call without options
+// does only the plain path's per-score work.
 //
 // Unlike the row-wise kernels, the tasks here call ATen ops (mm_out, addmm_, zero_) on the
 // outputs. at::parallel_for runs tasks on pool threads with those threads' own thread-local
@@ -558,8 +558,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> entmax_at
 }  // namespace
 }  // namespace entmax_fast_cpu
 
-// The score options (window_size, softcap, alibi_slopes, sinks) default to none, so that a
-// call without them reads as before they existed.
+// The score options (window_size, softcap, alibi_slopes, sinks) come last and default to
+// none: a call without them passes only the plain arguments.
 TORCH_LIBRARY_FRAGMENT(entmax_fast, m) {
   m.def(
       "entmax_attention_fwd(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, Tensor alpha, float scale, "
