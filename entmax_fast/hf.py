@@ -36,6 +36,7 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
     raise ImportError("entmax_fast.hf needs the `transformers` package (>= 5): pip install transformers") from error
 
 from .attention import entmax_attention
+from .multihead import _active_context_parallel
 from .reference.attention import NO_WINDOW
 
 __all__ = ["register", "entmax_attention_forward", "entmax_attention_mask", "DEFAULT_IMPLEMENTATIONS"]
@@ -96,9 +97,10 @@ def entmax_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         is_causal = False
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask.to(query.dtype)
-    output = entmax_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=is_causal,
-                              scale=scaling, enable_gqa=key.shape[1] != query.shape[1], alpha=alpha,
-                              window_size=window_size, softcap=0.0 if softcap is None else softcap, sinks=s_aux)
+    attend = _active_context_parallel() or entmax_attention
+    output = attend(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=is_causal,
+                    scale=scaling, enable_gqa=key.shape[1] != query.shape[1], alpha=alpha,
+                    window_size=window_size, softcap=0.0 if softcap is None else softcap, sinks=s_aux)
     return output.transpose(1, 2).contiguous(), None
 
 
@@ -124,7 +126,17 @@ def entmax_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offs
     plain causal window without padding whose last query sits at the last key gives None,
     and :func:`entmax_attention_forward` runs the window itself (no (B, 1, Lq, Lk) mask);
     any other sliding-window mask is built, never skipped for ``is_causal``, which could not
-    carry the window."""
+    carry the window.
+
+    Under ``entmax_fast.distributed.context_parallel`` the inputs are shards of one
+    sequence, so a mask built from their local positions would be wrong (the balanced
+    layout's positions even look like packed sequences): none is built and the layer runs
+    the whole sequence's causal (or bidirectional) attention. Padding is refused there."""
+    if _active_context_parallel() is not None:
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("attention_mask with padding is not supported under "
+                             "entmax_fast.distributed.context_parallel: pass unpadded sequences and no mask")
+        return None
     if local_size is None:
         return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
                          local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, **kwargs)

@@ -11,6 +11,7 @@ weights are asked for, the explicit mapping over the score matrix.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Optional, Union
 
 import torch
@@ -42,6 +43,14 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     slopes = [2.0 ** (-8.0 * i / closest) for i in range(1, closest + 1)]
     slopes += [2.0 ** (-4.0 * i / closest) for i in range(1, 2 * (num_heads - closest), 2)]
     return torch.tensor(slopes, dtype=torch.float32)
+
+
+def _active_context_parallel():
+    """The attention function of an active ``entmax_fast.distributed.context_parallel`` block,
+    or None. Looked up in ``sys.modules``, not imported: no block can be active before that
+    module is loaded, and ``import entmax_fast`` does not load it."""
+    module = sys.modules.get("entmax_fast.distributed")
+    return None if module is None else module.current_attention()
 
 
 def _keep_torch_fast_paths_off(module, args, kwargs):
@@ -326,6 +335,12 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
 
     def _fused_attention(self, q, k, v, mask, dropout_p, is_causal):
         options = self._score_options()
+        parallel = _active_context_parallel()
+        if parallel is not None:
+            if self.attention == "fusedmax":
+                raise ValueError("attention='fusedmax' does not run under entmax_fast.distributed.context_parallel")
+            return parallel(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                            alpha=self._entmax_alpha(q.dtype), **options)
         if self.attention == "softmax" and not options:
             if is_causal and mask is not None:
                 # Some SDPA kernels refuse an explicit mask together with is_causal: fold it in.
@@ -338,15 +353,19 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
 
             return fusedmax_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
                                       lam=self.lam)
+        return entmax_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                                alpha=self._entmax_alpha(q.dtype), **options)
+
+    def _entmax_alpha(self, dtype):
         alpha = self.alpha
-        if isinstance(alpha, torch.Tensor):
-            alpha = alpha.to(q.dtype)
-        return entmax_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, alpha=alpha,
-                                **options)
+        return alpha.to(dtype) if isinstance(alpha, torch.Tensor) else alpha
 
     def _explicit_attention(self, q, k, v, mask, dropout_p):
         """The (N, H, L, S) weights are needed: build the scores, as torch does, with the
         score options in entmax_attention's order (docs/attention.md, "Score options")."""
+        if _active_context_parallel() is not None:
+            raise ValueError("need_weights=True builds this rank's local scores, not the whole sequence's: pass "
+                             "need_weights=False under entmax_fast.distributed.context_parallel")
         scores = (q * (1.0 / math.sqrt(q.shape[-1]))) @ k.transpose(-2, -1)
         tgt_len, src_len = scores.shape[-2:]
         # Query i sits at key position i + S − L (bottom-right, as the fused kernels).
