@@ -1,13 +1,13 @@
 """The attention score options (window_size, lower-right causal masks, softcap, ALiBi, sinks):
 forward and gradients (q, k, v, sinks, α) against the dense float64 oracle, alone, in pairs
 and all together, with masks, GQA, Lq ≠ Lk in both directions, varlen and dropout, on every
-CPU backend through dispatch: the C++ and Triton backends refuse the options, naming them,
-and the call falls back to the reference. GPT-OSS's softmax with sinks at α = 1, the
-softcap's gradient by finite differences, torch.compile."""
+CPU backend through dispatch: a backend runs the options it implements
+(SCORE_OPTIONS_IMPLEMENTED) and refuses the others, naming them, and the call falls back to
+the reference. GPT-OSS's softmax with sinks at α = 1, the softcap's gradient by finite
+differences, torch.compile."""
 import importlib
 import itertools
 import math
-import re
 
 import pytest
 import torch
@@ -322,32 +322,61 @@ def test_causal_bias_that_is_is_causal_runs_on_every_backend(monkeypatch, varian
     torch.testing.assert_close(out, expected, **TOL[torch.float32])
 
 
-def test_a_forced_backend_names_the_option_it_lacks():
+def _implemented(backend):
+    return importlib.import_module(f"entmax_fast.backends.{backend}").SCORE_OPTIONS_IMPLEMENTED
+
+
+def test_a_forced_backend_runs_the_options_it_has_and_names_those_it_lacks():
     q, k, v = _inputs(3, 4, torch.float32)
     for backend in set(cpu_backends("attention")) - {"reference"}:
-        with entmax_fast.use_backend(backend), pytest.raises(dispatch.BackendUnavailableError,
-                                                              match="does not implement softcap, sinks yet"):
-            entmax_fast.entmax_attention(q, k, v, enable_gqa=True, softcap=2.0, sinks=torch.zeros(H))
+        lacking = [name for name in ("softcap", "sinks") if name not in _implemented(backend)]
+        with entmax_fast.use_backend(backend):
+            if lacking:
+                with pytest.raises(dispatch.BackendUnavailableError,
+                                   match=f"does not implement {', '.join(lacking)} yet"):
+                    entmax_fast.entmax_attention(q, k, v, enable_gqa=True, softcap=2.0, sinks=torch.zeros(H))
+            else:
+                out = entmax_fast.entmax_attention(q, k, v, enable_gqa=True, softcap=2.0, sinks=torch.zeros(H))
+                assert dispatch.last_choice("attention").backend == backend
+                torch.testing.assert_close(out.double(), oracle_attention(q, k, v, softcap=2.0, sinks=torch.zeros(H)),
+                                           **TOL[torch.float32])
 
 
-def test_triton_on_cuda_refuses_the_options_and_the_reference_runs(monkeypatch):
+def test_refusals_name_exactly_the_options_a_backend_lacks():
+    from entmax_fast.backends import refuse_score_options, unimplemented_score_options
+
+    request = dispatch.Request(torch.device("cpu"), torch.float32,
+                               {"window": True, "softcap": True, "sinks": True})
+    assert unimplemented_score_options(request, "a backend", {"window", "softcap", "sinks"}) is None
+    assert unimplemented_score_options(request, "a backend", {"softcap"}) == \
+        "a backend does not implement window_size, sinks yet"
+    refuse_score_options("a backend", (2, 0), 1.0, None, None, implemented={"window", "softcap"})
+    with pytest.raises(RuntimeError, match="a backend has no score option alibi_slopes, sinks; supports"):
+        refuse_score_options("a backend", (2, 0), 0.0, torch.ones(H), torch.zeros(H), implemented={"window"})
+
+
+def test_triton_on_cuda_runs_the_options_it_has_and_names_those_it_lacks(monkeypatch):
     """The CUDA order (triton, cpp, reference) as a GPU machine takes it, without a GPU."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setitem(dispatch._AVAILABILITY, "triton", (True, "pretend GPU"))
     monkeypatch.setattr(triton_backend, "_capability", lambda device: (9, 0))
     monkeypatch.setattr(dispatch, "_WARNED", set())
-    request = dispatch.Request(torch.device("cuda"), torch.float16,
-                               {"alpha": 1.5, "window": True, "lower_right_causal": True})
+    flags = {"window": True, "lower_right_causal": True, "softcap": True, "alibi_slopes": True, "sinks": True}
+    request = dispatch.Request(torch.device("cuda"), torch.float16, {"alpha": 1.5, **flags})
+    lacking = [flag for flag in flags if flag not in triton_backend.SCORE_OPTIONS_IMPLEMENTED]
+    if not lacking:
+        assert dispatch.select("attention", request)[1].backend == "triton"
+        return
     with pytest.warns(UserWarning, match="runs the plain-torch reference"):
         choice = dispatch.select("attention", request)[1]
     assert choice.backend == "reference"
-    assert ("triton: the fused attention does not implement window_size, a lower-right causal mask "
-            "(CausalBias causal_lower_right with Lq != Lk) yet") in choice.reason
+    named = ", ".join(REFUSED_AS[name] for name, flag in REQUEST_FLAG.items() if flag in lacking)
+    assert f"triton: the fused attention does not implement {named} yet" in choice.reason
 
 
-def test_backends_without_options_raise_if_called_with_one():
-    """supports() keeps these calls away from the C++ and Triton functions; called directly
-    they raise instead of ignoring the option."""
+def test_backends_raise_if_called_with_an_option_they_lack():
+    """supports() keeps these calls away from a backend's functions; called directly they
+    raise instead of ignoring the option."""
     from entmax_fast.backends.reference import ops as reference_ops
 
     q, k, v = _inputs(3, 4, torch.float32)
@@ -355,15 +384,14 @@ def test_backends_without_options_raise_if_called_with_one():
     options = {"scale": 0.5, "is_causal": False, "dropout_p": 0.0, "enable_gqa": False, "need_grad": 0}
     reference_out, _ = reference_ops.attention_forward(q, k, v, None, 1.5, **options, softcap=1.0)
     assert reference_out.isfinite().all()
-    if "cpp" in cpu_backends("attention"):
-        from entmax_fast.backends.cpp import ops as cpp_ops
-
-        with pytest.raises(RuntimeError, match=re.escape("the C++ attention has no score option softcap")):
-            cpp_ops.attention_forward(q, k, v, None, 1.5, **options, softcap=1.0)
-    from entmax_fast.backends.triton import attention as triton_ops
-
-    with pytest.raises(RuntimeError, match="the fused attention has no score option window"):
-        triton_ops.attention_forward(q, k, v, None, 1.5, **options, window_size=(1, 1))
+    calls = {"window": {"window_size": (1, 1)}, "softcap": {"softcap": 1.0},
+             "alibi_slopes": {"alibi_slopes": torch.ones(H)}, "sinks": {"sinks": torch.zeros(H)}}
+    for backend in set(cpu_backends("attention")) - {"reference"}:
+        ops = importlib.import_module(f"entmax_fast.backends.{backend}.{'ops' if backend == 'cpp' else 'attention'}")
+        for name, option in calls.items():
+            if name not in _implemented(backend):
+                with pytest.raises(RuntimeError, match=f"has no score option {name}"):
+                    ops.attention_forward(q, k, v, None, 1.5, **options, **option)
 
 
 def test_torch_compile_fullgraph_traces_the_options():
@@ -382,9 +410,10 @@ def test_torch_compile_fullgraph_traces_the_options():
     inputs = (q, k, v, sinks)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     got = compiled(*inputs, bias)
-    assert dispatch.last_choice("attention").backend == "reference"
+    compiled_backend = dispatch.last_choice("attention").backend
     got_grads = torch.autograd.grad(got, inputs)
     expected = model(*inputs, bias)
+    assert dispatch.last_choice("attention").backend == compiled_backend
     expected_grads = torch.autograd.grad(expected, inputs)
     torch.testing.assert_close(got, expected)
     for g, e in zip(got_grads, expected_grads):
