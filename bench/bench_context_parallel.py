@@ -9,8 +9,9 @@ bytes each rank receives per layer next to the model's prediction.
 Each P runs in its own spawned group of P processes; P = 1 is the plain entmax_attention.
 Causal, B = 1, H = Hkv = 8, E = 64, float32 by default. Time: the slowest rank's median
 wall time of one forward + backward (collectives included), and its CPU time (the rank's
-own work, without the waits). Memory: the slowest rank's
-peak resident set above its size before the step (the inputs are allocated before).
+own work, without the waits). Memory: the largest rank's
+peak resident set above its size before the inputs were made (inputs, activations,
+gradients and communication buffers of one step).
 Bytes: what one rank receives from the others in one layer's forward + backward, counted
 on the collectives entmax_fast.distributed calls; the model (docs/context_parallel.md) is
 4·(H + Hkv)·(P−1)/P·B·(L/P)·E elements for the all-to-all and 4·Hkv·(P−1)·B·(L/P)·E for
@@ -107,30 +108,31 @@ def _worker(rank, world_size, port, args, out_dir):
     rows = []
     for length in args.lengths:
         local = length // world_size
-        generator = torch.Generator().manual_seed(rank)
-        q, k, v = (torch.randn(args.batch, heads, local, args.dim, generator=generator, dtype=dtype)
-                   .requires_grad_() for heads in (args.heads, args.kv_heads, args.kv_heads))
-        grad_out = torch.randn(args.batch, args.heads, local, args.dim, generator=generator, dtype=dtype)
+
+        def inputs():
+            generator = torch.Generator().manual_seed(rank)
+            q, k, v = (torch.randn(args.batch, heads, local, args.dim, generator=generator, dtype=dtype)
+                       .requires_grad_() for heads in (args.heads, args.kv_heads, args.kv_heads))
+            return q, k, v, torch.randn(args.batch, args.heads, local, args.dim, generator=generator, dtype=dtype)
+
         for method, layout in _configs(world_size, args.methods):
-            if world_size == 1:
-                def attend():
-                    return entmax_fast.entmax_attention(q, k, v, is_causal=True, enable_gqa=True, alpha=args.alpha)
-            else:
-                def attend(method=method, layout=layout):
-                    return cp.context_parallel_attention(q, k, v, is_causal=True, enable_gqa=True, alpha=args.alpha,
-                                                         layout=layout, method=method)
+            def step(q, k, v, grad_out, method=method, layout=layout):
+                if world_size == 1:
+                    out = entmax_fast.entmax_attention(q, k, v, is_causal=True, enable_gqa=True, alpha=args.alpha)
+                else:
+                    out = cp.context_parallel_attention(q, k, v, is_causal=True, enable_gqa=True, alpha=args.alpha,
+                                                        layout=layout, method=method)
+                out.backward(grad_out)
 
-            def step():
-                q.grad = k.grad = v.grad = None
-                attend().backward(grad_out)
-
-            peak = measure_peak_rss(step)
+            # The peak counts the inputs and their gradients: the shards at P > 1.
+            peak = measure_peak_rss(lambda: step(*inputs()))
+            tensors = inputs()
             if counter is not None:
                 dist.barrier()
                 counter.received = 0
-            step()
+            step(*tensors)
             received = 0 if counter is None else counter.received
-            seconds, cpu_seconds = _median_times(step, args.repeats)
+            seconds, cpu_seconds = _median_times(lambda: step(*tensors), args.repeats)
             rows.append({"L": length, "P": world_size, "method": method, "layout": layout, "rank": rank,
                          "seconds": seconds, "cpu_seconds": cpu_seconds, "peak_bytes": peak,
                          "received_bytes": received})

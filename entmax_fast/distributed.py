@@ -64,27 +64,26 @@ def _rank_chunks(rank: int, world_size: int, layout: str) -> tuple[int, ...]:
     return (rank, 2 * world_size - 1 - rank) if layout == "balanced" else (rank,)
 
 
-def _rank_major_order(world_size: int, layout: str) -> list[int]:
-    """The chunks in the order the ranks' shards concatenate to."""
-    return [chunk for rank in range(world_size) for chunk in _rank_chunks(rank, world_size, layout)]
+def _split_for_ranks(x, dim, world_size, layout, along_sequence):
+    """``x`` cut into the P parts rank j receives: along the sequence, rank j's chunks of
+    the layout (joined); along another dim (heads), P equal slices."""
+    if not along_sequence or layout == "contiguous":
+        return list(x.chunk(world_size, dim))
+    chunks = x.chunk(_chunk_count(world_size, layout), dim)
+    return [torch.cat([chunks[chunk] for chunk in _rank_chunks(rank, world_size, layout)], dim)
+            for rank in range(world_size)]
 
 
-def _to_natural(x, dim, world_size, layout):
-    """The concatenation of every rank's shard (rank 0 first) along ``dim`` → sequence order."""
-    if layout == "contiguous":
-        return x
-    order = _rank_major_order(world_size, layout)
-    pieces = x.chunk(len(order), dim)
-    position = {chunk: index for index, chunk in enumerate(order)}
-    return torch.cat([pieces[position[chunk]] for chunk in range(len(order))], dim)
-
-
-def _to_rank_major(x, dim, world_size, layout):
-    """Inverse of :func:`_to_natural`."""
-    if layout == "contiguous":
-        return x
-    pieces = x.chunk(_chunk_count(world_size, layout), dim)
-    return torch.cat([pieces[chunk] for chunk in _rank_major_order(world_size, layout)], dim)
+def _join_from_ranks(parts, dim, world_size, layout, along_sequence):
+    """Inverse of :func:`_split_for_ranks`: ``parts[j]`` came from rank j; along the
+    sequence the result is in sequence order (one copy, straight from the parts)."""
+    if not along_sequence or layout == "contiguous":
+        return torch.cat(parts, dim)
+    pieces = {}
+    for rank, part in enumerate(parts):
+        for chunk, piece in zip(_rank_chunks(rank, world_size, layout), part.chunk(2, dim)):
+            pieces[chunk] = piece
+    return torch.cat([pieces[chunk] for chunk in range(_chunk_count(world_size, layout))], dim)
 
 
 # --------------------------------------------------------------------------------------
@@ -144,40 +143,38 @@ def _as_communicable(x):
     return (x.to(torch.uint8), True) if x.dtype == torch.bool else (x, False)
 
 
-def _all_gather_cat(x, dim, group, world_size):
-    x, was_bool = _as_communicable(x.contiguous())
-    parts = [torch.empty_like(x) for _ in range(world_size)]
-    dist.all_gather(parts, x, group=group)
-    out = torch.cat(parts, dim)
-    return out.bool() if was_bool else out
-
-
-class _AllGather(torch.autograd.Function):
-    """Every rank's ``x`` concatenated along ``dim`` (rank 0 first); the backward sums each
-    rank's gradient of this rank's slice (reduce_scatter): the gathered tensor is used on
-    every rank, and each use contributes to the shard's gradient."""
+class _AllGatherSequence(torch.autograd.Function):
+    """Every rank's shard gathered into the whole sequence along ``dim``, in sequence order.
+    The backward sums the ranks' gradients of this rank's shard (reduce_scatter): the
+    gathered tensor is used on every rank, and each use contributes to the shard's gradient."""
 
     @staticmethod
-    def forward(ctx, x, dim, group, world_size):
-        ctx.dim, ctx.group, ctx.world_size = dim, group, world_size
-        return _all_gather_cat(x, dim, group, world_size)
+    def forward(ctx, x, dim, group, world_size, layout):
+        ctx.args = dim, group, world_size, layout
+        x, was_bool = _as_communicable(x.contiguous())
+        parts = [torch.empty_like(x) for _ in range(world_size)]
+        dist.all_gather(parts, x, group=group)
+        out = _join_from_ranks(parts, dim, world_size, layout, along_sequence=True)
+        return out.bool() if was_bool else out
 
     @staticmethod
     def backward(ctx, grad):
-        pieces = [piece.contiguous() for piece in grad.chunk(ctx.world_size, ctx.dim)]
+        dim, group, world_size, layout = ctx.args
+        pieces = [piece.contiguous() for piece in _split_for_ranks(grad, dim, world_size, layout, along_sequence=True)]
         out = torch.empty_like(pieces[0])
-        dist.reduce_scatter(out, pieces, group=ctx.group)
-        return out, None, None, None
+        dist.reduce_scatter(out, pieces, group=group)
+        return out, None, None, None, None
 
 
-def _all_to_all(x, scatter_dim, gather_dim, group, world_size):
-    """Split ``x`` into P parts along ``scatter_dim``, send part j to rank j, and concatenate
-    the parts received (rank 0's first) along ``gather_dim``."""
+def _all_to_all(x, scatter_dim, gather_dim, sequence_dim, group, world_size, layout):
+    """Cut ``x`` into P parts along ``scatter_dim``, send part j to rank j, and join the
+    parts received along ``gather_dim``; whichever of the two is ``sequence_dim`` follows
+    the layout (:func:`_split_for_ranks`, :func:`_join_from_ranks`)."""
     x, was_bool = _as_communicable(x)
-    send = torch.stack(x.chunk(world_size, scatter_dim)).contiguous()
+    send = torch.stack(_split_for_ranks(x, scatter_dim, world_size, layout, scatter_dim == sequence_dim))
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send, group=group)
-    out = torch.cat(received.unbind(0), gather_dim)
+    out = _join_from_ranks(list(received.unbind(0)), gather_dim, world_size, layout, gather_dim == sequence_dim)
     return out.bool() if was_bool else out
 
 
@@ -186,14 +183,15 @@ class _AllToAll(torch.autograd.Function):
     backward."""
 
     @staticmethod
-    def forward(ctx, x, scatter_dim, gather_dim, group, world_size):
-        ctx.dims, ctx.group, ctx.world_size = (scatter_dim, gather_dim), group, world_size
-        return _all_to_all(x, scatter_dim, gather_dim, group, world_size)
+    def forward(ctx, x, scatter_dim, gather_dim, sequence_dim, group, world_size, layout):
+        ctx.args = scatter_dim, gather_dim, sequence_dim, group, world_size, layout
+        return _all_to_all(x, scatter_dim, gather_dim, sequence_dim, group, world_size, layout)
 
     @staticmethod
     def backward(ctx, grad):
-        scatter_dim, gather_dim = ctx.dims
-        return _all_to_all(grad, gather_dim, scatter_dim, ctx.group, ctx.world_size), None, None, None, None
+        scatter_dim, gather_dim, sequence_dim, group, world_size, layout = ctx.args
+        return (_all_to_all(grad, gather_dim, scatter_dim, sequence_dim, group, world_size, layout),
+                None, None, None, None, None, None)
 
 
 # --------------------------------------------------------------------------------------
@@ -261,8 +259,7 @@ def unshard(x_local, *, seq_dim=2, group=None, layout="balanced"):
     if layout == "balanced" and x_local.shape[seq_dim] % 2:
         raise ValueError(f"x_local's length along seq_dim={seq_dim} ({x_local.shape[seq_dim]}) must be even for "
                          f"layout='balanced' (two chunks per rank)")
-    gathered = _AllGather.apply(x_local, seq_dim, group, world_size)
-    return _to_natural(gathered, seq_dim, world_size, layout)
+    return _AllGatherSequence.apply(x_local, seq_dim, group, world_size, layout)
 
 
 # --------------------------------------------------------------------------------------
@@ -318,7 +315,7 @@ def _attention_all_to_all(query, key, value, mask, *, world_size, rank, group, l
     heads = query.shape[1]
 
     def to_heads(x):
-        return _to_natural(_AllToAll.apply(x, 1, 2, group, world_size), 2, world_size, layout)
+        return _AllToAll.apply(x, 1, 2, 2, group, world_size, layout)
 
     q, k, v = to_heads(query), to_heads(key), to_heads(value)
     if mask is not None:
@@ -326,19 +323,19 @@ def _attention_all_to_all(query, key, value, mask, *, world_size, rank, group, l
         if mask.shape[2] == local and mask.shape[1] == heads:
             mask = to_heads(mask)
         elif mask.shape[2] == local:
-            mask = _to_natural(_AllGather.apply(mask, 2, group, world_size), 2, world_size, layout)
+            mask = _AllGatherSequence.apply(mask, 2, group, world_size, layout)
         else:
             mask = _slice_heads(mask, heads, rank, world_size, dim=1)
     out = entmax_attention(q, k, v, attn_mask=mask, alpha=_slice_heads(alpha, heads, rank, world_size),
                            sinks=_slice_heads(sinks, heads, rank, world_size),
                            alibi_slopes=_slice_heads(alibi_slopes, heads, rank, world_size), **options)
-    return _AllToAll.apply(_to_rank_major(out, 2, world_size, layout), 2, 1, group, world_size)
+    return _AllToAll.apply(out, 2, 1, 2, group, world_size, layout)
 
 
 def _attention_all_gather(query, key, value, mask, *, world_size, rank, group, layout, is_causal, window_size,
                           **options):
-    keys = _to_natural(_AllGather.apply(key, 2, group, world_size), 2, world_size, layout)
-    values = _to_natural(_AllGather.apply(value, 2, group, world_size), 2, world_size, layout)
+    keys = _AllGatherSequence.apply(key, 2, group, world_size, layout)
+    values = _AllGatherSequence.apply(value, 2, group, world_size, layout)
     if not is_causal:
         return entmax_attention(query, keys, values, attn_mask=mask, is_causal=False, window_size=window_size,
                                 **options)
@@ -358,8 +355,11 @@ def _attention_all_gather(query, key, value, mask, *, world_size, rank, group, l
         if mask is not None:
             chunk_mask = mask[:, :, rows] if mask.shape[2] > 1 else mask
             chunk_mask = chunk_mask[..., start:end] if mask.shape[3] > 1 else chunk_mask
-        outs.append(entmax_attention(query[:, :, rows], keys[:, :, start:end], values[:, :, start:end],
-                                     attn_mask=chunk_mask, is_causal=False, window_size=(left, 0), **options))
+        # Slicing all of the keys would still cost a zero-filled copy in the backward.
+        chunk_keys, chunk_values = ((keys, values) if (start, end) == (0, keys.shape[2])
+                                    else (keys[:, :, start:end], values[:, :, start:end]))
+        outs.append(entmax_attention(query[:, :, rows], chunk_keys, chunk_values, attn_mask=chunk_mask,
+                                     is_causal=False, window_size=(left, 0), **options))
     return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
 
 
