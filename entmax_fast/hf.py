@@ -18,8 +18,10 @@ causal masks are top-left aligned exactly as SDPA's. The attention's own options
 passed on: ``softcap`` (Gemma 2), ``s_aux`` as the sinks (GPT-OSS), ``sliding_window``. A
 sliding-window layer gets its window from the mask transformers builds; where that mask
 would be the plain causal window (no padding, the last query at the last key) no mask is
-built and the layer runs ``window_size=(sliding_window − 1, 0)`` instead. Weights are not
-returned (``output_attentions`` gives None, as with ``"sdpa"``).
+built and the layer runs ``window_size=(sliding_window − 1, 0)`` instead. With
+``output_attentions=True`` each layer returns its dense weights (B, H, Lq, Lk), computed as
+``"eager"`` computes softmax's (:func:`entmax_fast.attention_weights`); the fused path stays
+the default.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
     raise ImportError("entmax_fast.hf needs the `transformers` package (>= 5): pip install transformers") from error
 
 from .attention import entmax_attention
+from .inspection import attention_weights
 from .multihead import _active_context_parallel
 from .reference.attention import NO_WINDOW
 
@@ -63,15 +66,12 @@ def entmax_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                              alpha: float = 1.5, config_override: bool = False, sliding_window: int | None = None,
                              softcap: float | None = None, s_aux: torch.Tensor | None = None, **kwargs):
     """An ``AttentionInterface`` function: query (B, H, Lq, E), key/value (B, Hkv, Lk, E)
-    → ((B, Lq, H, E) output, None). Mirrors transformers' ``sdpa_attention_forward`` with
+    → ((B, Lq, H, E) output, None), or with ``output_attentions`` (output, weights). Mirrors transformers' ``sdpa_attention_forward`` with
     :func:`entmax_fast.entmax_attention` in place of SDPA; ``softcap`` and ``s_aux`` (the
     sinks, (H,)) are entmax_attention's ``softcap`` and ``sinks``. ``sliding_window`` is in
     the mask when there is one (transformers builds it by positions, right for every
     cache); without one (:func:`entmax_attention_mask` left out a plain causal window, the
     last query at the last key) it is the window (sliding_window − 1, 0), bottom-right."""
-    if kwargs.get("output_attentions", False):
-        logger.warning_once("entmax attention does not return attention weights (output_attentions gives None); "
-                            "use MultiheadEntmaxAttention(need_weights=True) or the mappings to inspect them")
     alpha = _alpha_for(module, alpha, config_override)
     if isinstance(alpha, torch.Tensor):
         alpha = alpha.to(device=query.device, dtype=query.dtype)
@@ -97,11 +97,30 @@ def entmax_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         is_causal = False
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask.to(query.dtype)
-    attend = _active_context_parallel() or entmax_attention
+    context_parallel = _active_context_parallel()
+    if kwargs.get("output_attentions", False):
+        if context_parallel is not None:
+            raise ValueError("output_attentions=True is not supported under entmax_fast.distributed.context_parallel "
+                             "(each rank holds a shard of the rows)")
+        return _with_weights(module, query, key, value, attention_mask, dropout, is_causal, scaling, alpha,
+                             window_size, softcap, s_aux)
+    attend = context_parallel or entmax_attention
     output = attend(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=is_causal,
                     scale=scaling, enable_gqa=key.shape[1] != query.shape[1], alpha=alpha,
                     window_size=window_size, softcap=0.0 if softcap is None else softcap, sinks=s_aux)
     return output.transpose(1, 2).contiguous(), None
+
+
+def _with_weights(module, query, key, value, attention_mask, dropout, is_causal, scaling, alpha, window_size, softcap,
+                  sinks):
+    """The output and the dense (B, H, Lq, Lk) weights, computed as ``"eager"`` does (weights,
+    dropout on them in training, then weights @ value): for ``output_attentions`` only."""
+    weights = attention_weights(query, key, attn_mask=attention_mask, is_causal=is_causal, scale=scaling,
+                                enable_gqa=key.shape[1] != query.shape[1], alpha=alpha, window_size=window_size,
+                                softcap=0.0 if softcap is None else softcap, sinks=sinks)
+    dropped = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
+    value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
+    return (dropped @ value).transpose(1, 2).contiguous(), weights
 
 
 def _is_causal_sliding_window(mask_function, window: int) -> bool:

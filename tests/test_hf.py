@@ -16,7 +16,7 @@ import entmax_fast.hf  # noqa: E402  (registers "entmax" and "sparsemax")
 from transformers import AttentionInterface  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
 
-from oracle import oracle_entmax  # noqa: E402
+from oracle import oracle_attention, oracle_entmax  # noqa: E402
 
 # float64 models: our op vs the float64 oracle through the whole network.
 TOL64 = {"atol": 1e-9, "rtol": 1e-7}
@@ -350,3 +350,59 @@ def test_attention_mask_leaves_out_only_the_plain_causal_window():
     assert entmax_fast.hf.entmax_attention_mask(**causal) is None and sdpa_mask(**causal) is None
     cached = dict(causal, q_offset=2, kv_length=7)
     assert torch.equal(entmax_fast.hf.entmax_attention_mask(**cached), sdpa_mask(**cached))
+
+
+def _comparable_rows(layers, mask):
+    """Each layer's weights where "eager" gives a number: the queries that are not padding in
+    the first layer, and from the second layer on the unpadded sequence only ("eager" turns a
+    padded query's row into NaN, and the NaN then reaches every row of that sequence through
+    its keys; here a padded query's row is zeros)."""
+    keep = mask.bool()[:, None, :, None]
+    unpadded = mask.bool().all(dim=1)
+    return [layers[0].masked_select(keep)] + [layer[unpadded] for layer in layers[1:]]
+
+
+@pytest.mark.parametrize("model_of", [_llama, _bert], ids=["llama", "bert"])
+def test_output_attentions_at_alpha_one_are_eagers_weights(model_of):
+    ids, mask = _batch(61 if model_of is _llama else 53)
+    with torch.no_grad():
+        expected = model_of("eager")(input_ids=ids, attention_mask=mask, output_attentions=True)
+        got = model_of("entmax_softmax")(input_ids=ids, attention_mask=mask, output_attentions=True)
+        plain = model_of("entmax_softmax")(input_ids=ids, attention_mask=mask)
+    assert len(got.attentions) == 2 and got.attentions[0].shape == (2, 4, 11, 11)
+    for ours, theirs in zip(_comparable_rows(got.attentions, mask), _comparable_rows(expected.attentions, mask)):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    # Asking for the weights leaves the model's output as the fused path computes it.
+    hidden = "logits" if model_of is _llama else "last_hidden_state"
+    keep = mask.bool()
+    torch.testing.assert_close(getattr(got, hidden)[keep], getattr(plain, hidden)[keep], atol=1e-10, rtol=1e-10)
+
+
+def test_output_attentions_are_the_oracles_sparse_weights_with_gqa_and_sinks():
+    """α = 1.5 on GPT-OSS (GQA, sinks, a sliding layer): every returned row is the oracle's
+    (its real keys' weights, summing to less than one where the sink is in the support), with
+    exact zeros."""
+    ids, mask = _batch(61)
+    mask = torch.ones_like(mask)
+    model = _with_options("gpt_oss", "entmax")
+    captured = []
+    original = entmax_fast.hf.attention_weights
+
+    def capturing(query, key, **kwargs):
+        captured.append((query.detach(), key.detach(), kwargs))
+        return original(query, key, **kwargs)
+
+    entmax_fast.hf.attention_weights = capturing
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+    finally:
+        entmax_fast.hf.attention_weights = original
+    assert len(captured) == 2
+    for weights, (query, key, kwargs) in zip(out.attentions, captured):
+        kwargs = {name: value for name, value in kwargs.items() if name != "enable_gqa"}
+        value = torch.eye(key.shape[2], dtype=torch.float64).expand(key.shape[0], key.shape[1], -1, -1)
+        expected = oracle_attention(query, key, value, **kwargs)
+        torch.testing.assert_close(weights.double(), expected, atol=1e-5, rtol=0)
+        totals = weights.sum(-1)
+        assert (weights == 0).any() and (totals < 1 - 1e-3).any() and (totals <= 1 + 1e-6).all()
