@@ -101,7 +101,7 @@ def test_matches_the_oracle_on_each_sequence(name, lq, paged, dtype):
     expected = _expected(after, [s + lq for s in SEQLENS], alpha, options)
     assert out.dtype == dtype and out.shape == (B, H, lq, EV)
     torch.testing.assert_close(out.double(), expected, **TOL[dtype])
-    assert dispatch.last_choice("attention_kvcache").backend == "reference"
+    assert dispatch.last_choice("attention_kvcache").backend in ("cpp", "reference")
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])

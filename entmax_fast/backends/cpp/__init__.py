@@ -1,6 +1,7 @@
 """The C++ backend: the operators of the compiled extension ``entmax_fast._C`` (csrc/).
 
-CPU kernels for row-wise entmax, entmax attention, fusedmax and oscarmax; CUDA kernels for
+CPU kernels for row-wise entmax, entmax attention (and its decoding form against a key/value
+cache), fusedmax and oscarmax; CUDA kernels for
 fusedmax and oscarmax where the extension was built with CUDA. ``loader`` is the one place
 that loads the extension; nothing is loaded until availability is first asked for.
 """
@@ -11,10 +12,11 @@ import torch
 from .. import unimplemented_score_options
 
 # The score options (backends.SCORE_OPTIONS) the kernels implement: all of them, in the CPU
-# attention operator (csrc/cpu/entmax_attention.cpp); a lower-right causal mask reaches it as
-# the window's right bound 0.
+# attention operator (csrc/cpu/entmax_attention.cpp), where a lower-right causal mask reaches
+# it as the window's right bound 0, and in the decoding operator (csrc/cpu/entmax_kvcache.cpp),
+# which is lower-right causal by definition.
 SCORE_OPTIONS_IMPLEMENTED = frozenset({"window", "lower_right_causal", "softcap", "alibi_slopes", "sinks"})
-OPS = {"entmax": "ops", "attention": "ops", "fusedmax": "ops", "oscarmax": "ops"}
+OPS = {"entmax": "ops", "attention": "ops", "attention_kvcache": "ops", "fusedmax": "ops", "oscarmax": "ops"}
 _FLOAT_TYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
@@ -49,6 +51,11 @@ def supports(op: str, request) -> str | None:
         return "the C++ attention gives no gradient to a float attn_mask"
     if op == "attention":
         return unimplemented_score_options(request, "the C++ attention", SCORE_OPTIONS_IMPLEMENTED)
+    if op == "attention_kvcache":
+        if not loader.has_kvcache_op():
+            return ("entmax_fast._C has no decoding operator (built before csrc/cpu/entmax_kvcache.cpp existed); "
+                    "rebuild it: pip install --no-build-isolation -e .")
+        return unimplemented_score_options(request, "the C++ decoding attention", SCORE_OPTIONS_IMPLEMENTED)
     return None
 
 

@@ -12,6 +12,7 @@ import threading
 import torch
 
 _ENTMAX_OPS = ("entmax_rowwise_fwd", "entmax_rowwise_bwd", "entmax_attention_fwd", "entmax_attention_bwd")
+_KVCACHE_OP = "entmax_attention_kvcache_fwd"
 _STRUCTURED_OPS = ("fusedmax_forward", "fusedmax_backward", "oscarmax_forward", "oscarmax_backward")
 
 # Held while loading: two threads registering fake kernels at once would register twice
@@ -54,6 +55,12 @@ def _has(name: str) -> bool:
 
 def has_entmax_ops() -> bool:
     return status()[0] and all(_has(name) for name in _ENTMAX_OPS)
+
+
+def has_kvcache_op() -> bool:
+    """Whether the extension has the decoding operator (an extension built from an older
+    checkout has the other entmax ops without it)."""
+    return has_entmax_ops() and _has(_KVCACHE_OP)
 
 
 def structured_devices() -> frozenset:
@@ -99,6 +106,11 @@ def _register_fakes() -> None:
                 query.new_empty((query.shape[1] if need_sinks_grad and sinks is not None else 0,),
                                 dtype=torch.float64))
 
+    def attention_kvcache_fwd(query, k_cache, v_cache, seqlens_k, block_table, alpha, scale, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, sinks=None):
+        batch, heads, lq, _ = query.shape
+        return query.new_empty((batch, heads, lq, v_cache.shape[-1]))
+
     def structured_fwd(x, reg, lengths=None):
         return torch.empty_like(x), torch.empty_like(x)
 
@@ -107,6 +119,7 @@ def _register_fakes() -> None:
 
     fakes = {"entmax_rowwise_fwd": rowwise_fwd, "entmax_rowwise_bwd": rowwise_bwd,
              "entmax_attention_fwd": attention_fwd, "entmax_attention_bwd": attention_bwd,
+             _KVCACHE_OP: attention_kvcache_fwd,
              "fusedmax_forward": structured_fwd, "oscarmax_forward": structured_fwd,
              "fusedmax_backward": structured_bwd, "oscarmax_backward": structured_bwd}
     for name, fake in fakes.items():

@@ -13,8 +13,9 @@ from ...common import alpha_vector, compute_dtype
 from .. import refuse_score_options
 from . import SCORE_OPTIONS_IMPLEMENTED
 
-__all__ = ["entmax_forward", "entmax_backward", "attention_forward", "attention_backward", "fusedmax_forward",
-           "fusedmax_backward", "oscarmax_forward", "oscarmax_backward"]
+__all__ = ["entmax_forward", "entmax_backward", "attention_forward", "attention_backward",
+           "attention_kvcache_forward", "fusedmax_forward", "fusedmax_backward", "oscarmax_forward",
+           "oscarmax_backward"]
 
 
 def _alphas(alpha, count: int, device) -> torch.Tensor:
@@ -59,6 +60,15 @@ def attention_backward(grad_out, query, key, value, attn_mask, alpha, out, saved
         need_sinks_grad)
     return (dq, dk, dv, None, (dalpha.to(alpha.dtype) if need_alpha_grad else None),
             (dsinks.to(sinks.dtype) if need_sinks_grad else None))
+
+
+def attention_kvcache_forward(query, k_cache, v_cache, seqlens_k, block_table, alpha, *, scale, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, sinks=None):
+    refuse_score_options("the C++ decoding attention", window_size, softcap, alibi_slopes, sinks,
+                         implemented=SCORE_OPTIONS_IMPLEMENTED)
+    return torch.ops.entmax_fast.entmax_attention_kvcache_fwd(
+        query, k_cache, v_cache, seqlens_k, block_table, _alphas(alpha, query.shape[1], query.device), float(scale),
+        [int(bound) for bound in window_size], float(softcap), alibi_slopes, sinks)
 
 
 def fusedmax_forward(x, reg, lengths):
