@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import NO_WINDOW, _check_softcap, _check_window_size, entmax_attention
+from .length_scale import LENGTH_SCALES, attended_keys, length_scaled_query
 from .mappings import entmax15, entmax_bisect, sparsemax
 
 __all__ = ["MultiheadEntmaxAttention", "replace_attention", "alibi_slopes", "ATTENTION_KINDS"]
@@ -26,7 +27,7 @@ __all__ = ["MultiheadEntmaxAttention", "replace_attention", "alibi_slopes", "ATT
 ATTENTION_KINDS = ("softmax", "sparsemax", "entmax15", "learned", "fusedmax")
 
 # The state_dict entries nn.MultiheadAttention does not have.
-_OWN_STATE = ("alpha_logit", "sinks")
+_OWN_STATE = ("alpha_logit", "sinks", "length_scale_s", "length_scale_beta", "length_scale_gamma")
 
 # A learned α = 1 + sigmoid(w) is kept away from 1, where the closed form of the entmax
 # gradient w.r.t. α divides by (α − 1)² (docs/maths.md, "Gradient of alpha").
@@ -101,6 +102,12 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
             (a buffer ``alibi_slopes``, not trained).
         sinks: a learned sink logit per head (a parameter ``sinks``, initialised to 0), a
             virtual key with a zero value that takes part in the threshold (GPT-OSS).
+        length_scale: None, ``"ssmax"`` or ``"asentmax"``: multiply query i by a factor of
+            n_i, the number of keys it may attend (after the causal mask, padding, window
+            and attn_mask): Scalable-Softmax's ``s · log n`` (a parameter
+            ``length_scale_s`` per head) or ASEntmax's ``1 + β · (log n)^γ`` (parameters
+            ``length_scale_beta``, ``length_scale_gamma`` per head); see
+            :mod:`entmax_fast.length_scale` and docs/length_generalization.md.
         The options apply to every mapping but fusedmax, with and without ``need_weights``
         (``attention="softmax"`` with an option runs entmax attention at α = 1).
 
@@ -118,7 +125,7 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
                  kdim=None, vdim=None, batch_first=False, device=None, dtype=None, *,
                  attention="entmax15", alpha_init: float = 1.5, lam: float = 1.0, window_size=(-1, -1),
-                 softcap: float = 0.0, alibi: bool = False, sinks: bool = False):
+                 softcap: float = 0.0, alibi: bool = False, sinks: bool = False, length_scale=None):
         super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias, add_bias_kv=add_bias_kv,
                          add_zero_attn=add_zero_attn, kdim=kdim, vdim=vdim, batch_first=batch_first,
                          device=device, dtype=dtype)
@@ -146,6 +153,18 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
         self.register_buffer("alibi_slopes", alibi_slopes(num_heads).to(device) if alibi else None, persistent=False)
         self.register_parameter("sinks", nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype))
                                 if sinks else None)
+        if length_scale is not None and length_scale not in LENGTH_SCALES:
+            raise ValueError(f"length_scale must be None or one of {LENGTH_SCALES}, got {length_scale!r}")
+        self.length_scale = length_scale
+        # Initialised as in the ASEntmax authors' code (arXiv 2506.16640), which also holds their
+        # SSMax baseline: s ~ N(1, 0.01), β ~ U(0.1, 1), γ ~ N(0, 0.1).
+        factory = {"device": device, "dtype": dtype}
+        self.register_parameter("length_scale_s", nn.Parameter(torch.empty(num_heads, **factory).normal_(1.0, 0.01))
+                                if length_scale == "ssmax" else None)
+        self.register_parameter("length_scale_beta", nn.Parameter(torch.empty(num_heads, **factory).uniform_(0.1, 1.0))
+                                if length_scale == "asentmax" else None)
+        self.register_parameter("length_scale_gamma", nn.Parameter(torch.empty(num_heads, **factory).normal_(0.0, 0.1))
+                                if length_scale == "asentmax" else None)
         self.register_forward_pre_hook(_keep_torch_fast_paths_off, with_kwargs=True)
 
     @classmethod
@@ -200,6 +219,8 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
             extra += ", alibi=True"
         if self.sinks is not None:
             extra += ", sinks=True"
+        if self.length_scale is not None:
+            extra += f", length_scale={self.length_scale!r}"
         return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}, {extra}"
 
     # ---------------------------------------------------------------------------------
@@ -256,6 +277,8 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
         use_causal_kernel = is_causal and not need_weights
         mask = self._merge_masks(None if use_causal_kernel else attn_mask, key_padding_mask, batch, tgt_len,
                                  src_len, q.dtype)
+        if self.length_scale is not None:
+            q = self._length_scaled(q, mask, use_causal_kernel, tgt_len, src_len)
         dropout_p = self.dropout if self.training else 0.0
         if need_weights:
             out, weights = self._explicit_attention(q, k, v, mask, dropout_p)
@@ -270,6 +293,16 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
         if not self.batch_first:
             out = out.transpose(0, 1)
         return out, weights
+
+    def _length_scaled(self, q, mask, is_causal, tgt_len, src_len):
+        if _active_context_parallel() is not None:
+            raise ValueError("length_scale counts the keys of the whole sequence, which a rank of "
+                             "entmax_fast.distributed.context_parallel does not see")
+        n_keys = attended_keys(tgt_len, src_len, is_causal=is_causal, attn_mask=mask, window_size=self.window_size,
+                               device=q.device)
+        if self.length_scale == "ssmax":
+            return length_scaled_query(q, n_keys, "ssmax", s=self.length_scale_s)
+        return length_scaled_query(q, n_keys, "asentmax", beta=self.length_scale_beta, gamma=self.length_scale_gamma)
 
     def _project(self, query, key, value):
         embed = self.embed_dim
