@@ -2,7 +2,8 @@
 of shapes, in one run.
 
 For each (L, E, causal) of the grid (bf16, H = 16, B·L = 16384 tokens; and L = 32768 at
-B = 1), times with `triton.testing.do_bench` (median ms) the forward without autograd and a
+B = 1), and a causal sliding window (`WINDOW_GRID`: L = 32768, 512 keys per query, where
+"causal" reads "window 512"), times with `triton.testing.do_bench` (median ms) the forward without autograd and a
 training step (forward + backward) of:
 - softmax attention (`scaled_dot_product_attention`, the baseline of every ratio),
 - entmax_fast at α = 1.5 and α = 2, and a learned α (a per-head tensor at 1.5 that the
@@ -10,6 +11,8 @@ training step (forward + backward) of:
 - AdaSplash at α = 1.5 with its default arguments, when the package is importable
   (--baseline-budget bounds the time spent on it: it autotunes and compiles per shape),
 - FlashAttention (softmax), when importable;
+(in the window row SDPA runs plain causal attention, having no window: the ratio shows what the
+window saves; entmax_fast and FlashAttention run `window_size=(511, 0)`, AdaSplash is not run)
 plus a structured input whose weights are local (scores peaked near the diagonal, so most
 key tiles hold no weight) at L ≥ 16384, and the peak memory of one training step.
 
@@ -23,9 +26,9 @@ and method (`compile_commands`), so that the grid's time goes to timing: in this
 Triton would compile them one after the other where each is first timed (the quick grid's
 take about 270 s so: triton 3.6, an empty cache, a 2-core host, commit 8f7af03).
 
-Public names (tests/test_triton_attention.py uses them): GRID, QUICK_GRID, HEADS,
+Public names (tests/test_triton_attention.py uses them): GRID, QUICK_GRID, WINDOW_GRID, HEADS,
 ENTMAX_METHODS, `compile_cells`, `compile_commands`, `compile_only`, `parse_args(argv)`,
-`run` and `main(argv)`.
+`is_window`, `parse_cell`, `run` and `main(argv)`.
 """
 from __future__ import annotations
 
@@ -48,6 +51,8 @@ GRID = [(4096, 64, True), (1024, 64, True), (4096, 64, False), (4096, 128, True)
         (32768, 64, True)]
 # GRID's order: L 1024 causal shares the first cell's kernels (it compiles nothing more)
 QUICK_GRID = [(4096, 64, True), (1024, 64, True), (4096, 64, False), (4096, 128, True)]
+# (L, E, keys per query) of a causal sliding window, timed after either grid.
+WINDOW_GRID = [(32768, 64, 512)]
 HEADS = 16
 TOKENS = 16384
 # the methods whose kernels are Triton's and compile per cell's kernel class (`compile_cells`);
@@ -65,8 +70,21 @@ def _versions() -> str:
     return ", ".join(parts)
 
 
+def is_window(pattern) -> bool:
+    """A cell's third entry: True/False (causal or not), or an int, the keys per query of a
+    causal sliding window."""
+    return not isinstance(pattern, bool)
+
+
+def _pattern(pattern) -> dict:
+    """entmax_attention's arguments for a cell's pattern."""
+    if is_window(pattern):
+        return {"window_size": (pattern - 1, 0)}
+    return {"is_causal": pattern}
+
+
 def _methods(device="cuda") -> dict:
-    """name -> callable(q, k, v, causal) in (B, H, L, E) layout."""
+    """name -> callable(q, k, v, pattern) in (B, H, L, E) layout (`is_window`)."""
     import entmax_fast
 
     # learned alpha: one per head, a leaf that the training step differentiates (the
@@ -74,11 +92,11 @@ def _methods(device="cuda") -> dict:
     learned_alpha = torch.full((HEADS,), 1.5, device=device, requires_grad=True)
     alpha_15, alpha_2, alpha_learned = ENTMAX_METHODS
     methods = {
-        "sdpa": lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c),
-        alpha_15: lambda q, k, v, c: entmax_fast.entmax_attention(q, k, v, is_causal=c, alpha=1.5),
-        alpha_2: lambda q, k, v, c: entmax_fast.entmax_attention(q, k, v, is_causal=c, alpha=2.0),
+        "sdpa": lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=bool(c)),
+        alpha_15: lambda q, k, v, c: entmax_fast.entmax_attention(q, k, v, alpha=1.5, **_pattern(c)),
+        alpha_2: lambda q, k, v, c: entmax_fast.entmax_attention(q, k, v, alpha=2.0, **_pattern(c)),
         alpha_learned: lambda q, k, v, c: entmax_fast.entmax_attention(
-            q, k, v, is_causal=c, alpha=learned_alpha),
+            q, k, v, alpha=learned_alpha, **_pattern(c)),
     }
     try:
         import adasplash
@@ -92,8 +110,8 @@ def _methods(device="cuda") -> dict:
         from flash_attn import flash_attn_func
 
         methods["flash_attn"] = lambda q, k, v, c: flash_attn_func(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            causal=c).transpose(1, 2)
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=bool(c),
+            window_size=(c - 1, 0) if is_window(c) else (-1, -1)).transpose(1, 2)
     except ImportError:
         pass
     return methods
@@ -149,14 +167,17 @@ def run(grid, out_dir, baseline_budget_s=math.inf):
     methods = _methods()
     rows = []
     baseline_s = 0.0
-    cases = [(length, e, causal, False) for length, e, causal in grid]
+    cases = [(length, e, causal, False) for length, e, causal in grid if not is_window(causal)]
     cases += [(length, 64, True, True) for length in (16384, 32768)
-              if any(g[0] >= 16384 for g in grid)]
+              if any(g[0] >= 16384 and not is_window(g[2]) for g in grid)]
+    cases += [(length, e, window, False) for length, e, window in grid if is_window(window)]
     for length, head_dim, causal, local in cases:
         batch = max(1, TOKENS // length)
         base = None
         for name, method in methods.items():
             is_baseline = name.startswith(BASELINES)
+            if is_window(causal) and name.startswith("adasplash"):
+                continue  # AdaSplash has no sliding window
             started = time.perf_counter()
             if is_baseline and baseline_s > baseline_budget_s:
                 fwd = fwdbwd = peak = math.nan
@@ -174,11 +195,12 @@ def run(grid, out_dir, baseline_budget_s=math.inf):
             if name == "sdpa":
                 base = (fwd, fwdbwd)
             row = {"input": "local" if local else "random", "L": length, "B": batch,
-                   "E": head_dim, "causal": causal, "method": name, "fwd_ms": fwd,
+                   "E": head_dim, "causal": f"window {causal}" if is_window(causal) else causal,
+                   "method": name, "fwd_ms": fwd,
                    "fwdbwd_ms": fwdbwd, "fwd_x_sdpa": fwd / base[0],
                    "fwdbwd_x_sdpa": fwdbwd / base[1], "peak_mib": peak, "error": error}
             rows.append(row)
-            print(f"{row['input']:6s} L={length:6d} E={head_dim:3d} causal={causal!s:5s} "
+            print(f"{row['input']:6s} L={length:6d} E={head_dim:3d} causal={row['causal']!s:5s} "
                   f"{name:32s} fwd {fwd:9.3f} ms ({row['fwd_x_sdpa']:6.1f}x)  "
                   f"fwd+bwd {fwdbwd:9.3f} ms ({row['fwdbwd_x_sdpa']:6.1f}x)  "
                   f"peak {peak:7.0f} MiB [{elapsed:.0f} s] {error}", flush=True)
@@ -231,7 +253,8 @@ def _plot(rows, path):
         ax.axhline(1.0, color="black", lw=0.8)
         ax.set_yscale("log")
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
-        ax.set_xticklabels([f"{c[0][:3]} L{c[1]}\nE{c[2]}{' c' if c[3] else ''}" for c in cases],
+        ax.set_xticklabels([f"{c[0][:3]} L{c[1]}\nE{c[2]}{' ' + c[3] if isinstance(c[3], str) else ' c' if c[3] else ''}"
+                            for c in cases],
                            fontsize=7)
         ax.set_title(f"{title}: time / SDPA time (log scale; 1 = SDPA)")
         ax.legend(fontsize=7, loc="upper left")
@@ -241,14 +264,14 @@ def _plot(rows, path):
 
 
 def compile_cells(grid) -> list[tuple[int, int, bool]]:
-    """One (L, E, causal) per kernel class of ``grid``, at the length its kernels compile at.
+    """One (L, E, pattern) per kernel class of ``grid``, at the length its kernels compile at.
 
     A method compiles its kernels per head dim and causal flag (an integer argument equal to
     1 is a compile-time constant to Triton, 0 is not) and per divisibility of the integer
     arguments: the lengths, the tile counts and the strides they enter, which
     `compile_length` keeps (with 64-row tiles L 1024 has the divisibility of every multiple
     of 2048; the batch enters no argument). The local input's cells use the random ones'
-    kernels."""
+    kernels. A window is a kernel class of its own (its size is an argument, not a constant)."""
     from bench.common import compile_length
 
     cells = {}
@@ -261,19 +284,30 @@ def compile_commands(grid) -> list[list[str]]:
     """This script's compile runs for ``grid``: one process per kernel class and entmax_fast
     method (`compile_only`)."""
     return [[sys.executable, os.path.abspath(__file__), "--compile-only",
-             f"{length}x{head_dim}x{int(causal)}", "--method", name]
+             f"{length}x{head_dim}x{_cell_pattern(causal)}", "--method", name]
             for length, head_dim, causal in compile_cells(grid) for name in ENTMAX_METHODS]
 
 
+def _cell_pattern(pattern) -> str:
+    """A pattern in a compile cell's name: 1 causal, 0 not, wN a causal window of N keys."""
+    return f"w{pattern}" if is_window(pattern) else str(int(pattern))
+
+
+def parse_cell(cell: str):
+    """(L, E, pattern) of a compile cell "LxExC" (`_cell_pattern`)."""
+    length, head_dim, pattern = cell.split("x")
+    return int(length), int(head_dim), int(pattern[1:]) if pattern.startswith("w") else bool(int(pattern))
+
+
 def compile_only(cell: str, name: str, device="cuda") -> None:
-    """Compiles ``name``'s kernels for the cell "LxExC" (C: 1 causal): a forward without
+    """Compiles ``name``'s kernels for the cell "LxExC" (`parse_cell`): a forward without
     autograd and a training step at B = 1, nothing timed."""
-    length, head_dim, causal = (int(value) for value in cell.split("x"))
+    length, head_dim, causal = parse_cell(cell)
     method = _methods(device)[name]
     q, k, v = _inputs(1, length, head_dim, local=False, grad=True, device=device)
     with torch.no_grad():
-        method(q, k, v, bool(causal))
-    method(q, k, v, bool(causal)).backward(torch.randn_like(q))
+        method(q, k, v, causal)
+    method(q, k, v, causal).backward(torch.randn_like(q))
     if q.is_cuda:
         torch.cuda.synchronize()
 
@@ -302,7 +336,7 @@ def main(argv=None):
         compile_only(args.compile_only, args.method)
         return 0
     print(f"{torch.cuda.get_device_name()}; {_versions()}")
-    grid = QUICK_GRID if args.quick else GRID
+    grid = (QUICK_GRID if args.quick else GRID) + WINDOW_GRID
     if args.jobs > 0:
         from bench.common import precompile
 
