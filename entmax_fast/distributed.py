@@ -268,10 +268,11 @@ def unshard(x_local, *, seq_dim=2, group=None, layout="balanced"):
 def _choose_method(heads, kv_heads, world_size, has_mask, needs_whole_rows):
     """``method="auto"``'s rule (docs/context_parallel.md, "Choosing a method").
 
-    Per rank and layer, forward plus backward, the all-to-all moves q, k, v, out and their
-    gradients: 2·(P−1)/P·(H + Hkv)·(L/P)·B·E elements each way; the all-gather moves K, V
-    and dK, dV: 2·(P−1)·Hkv·(L/P)·B·E. L and B·E scale both alike, so the all-to-all moves
-    less iff H + Hkv < P·Hkv. At equality (MHA on two ranks) the all-to-all is taken: it
+    Per rank and layer, forward plus backward, the all-to-all receives (P−1)/P of q, k, v,
+    the output and their four gradients: 4·(P−1)/P·(H + Hkv)·B·(L/P)·E elements; the
+    all-gather receives the other ranks' K and V and their partial dK, dV:
+    4·(P−1)·Hkv·B·(L/P)·E. L, B and E scale both alike, so the all-to-all moves less iff
+    H + Hkv < P·Hkv. At equality (MHA on two ranks) the all-to-all is taken: it
     holds (H + Hkv)/P heads of the whole sequence per rank, not all Hkv of K and V. A mask
     tips the choice to the all-gather, which reads its rows where they are; the all-to-all
     would move B·H·(L/P)·L mask entries, more than q, k and v.

@@ -458,6 +458,16 @@ def test_import_is_lazy_and_initialises_nothing():
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+def test_example_runs_under_torchrun():
+    """examples/context_parallel.py checks its first step's loss against one process's."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               os.path.join(root, "examples", "context_parallel.py"), "--steps", "2", "--length", "32"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=150, cwd=root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "= single-process loss" in result.stdout and "step 1: loss" in result.stdout, result.stdout
+
+
 def test_needs_an_initialised_process_group():
     assert not dist.is_initialized()
     x = torch.randn(1, 2, 4, 8)
