@@ -1,7 +1,10 @@
 """Length-aware query scaling (SSMax, ASEntmax's temperature): the functional form against
 scores scaled row by row, the key counts for causal, padded, windowed and masked attention,
 the papers' formulas, gradients, the module option and its state_dict."""
+import importlib.util
 import math
+import pathlib
+import sys
 
 import pytest
 import torch
@@ -226,3 +229,77 @@ def test_bad_values_are_refused():
         attended_keys(4, 4, window_size=(2,))
     with pytest.raises(ValueError, match="n_keys must have shape"):
         length_scaled_query(torch.randn(1, 1, 4, 2), torch.ones(1, 1, 3, dtype=torch.long), "ssmax", s=torch.ones(1))
+
+
+# ---------------------------------------------------------------------------------------
+# The length-generalisation benchmark (bench/bench_length_generalization.py).
+
+def _bench():
+    # Registered in sys.modules before it runs: its dataclass looks its module up there.
+    path = pathlib.Path(__file__).resolve().parent.parent / "bench" / "bench_length_generalization.py"
+    if "bench_length_generalization" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("bench_length_generalization", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_length_generalization"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["bench_length_generalization"]
+
+
+def test_flip_flop_targets_are_the_last_written_bit():
+    bench = _bench()
+    tokens, targets = bench.flip_flop(40, 6, torch.Generator().manual_seed(0))
+    scored = 0
+    for row, target_row in zip(tokens.tolist(), targets.tolist()):
+        last_write = None
+        for position in range(0, len(row), 2):
+            operation, bit = row[position], row[position + 1]
+            if operation == bench.WRITE:
+                last_write = bit
+            if operation == bench.READ:
+                assert target_row[position] == last_write == bit
+                scored += 1
+            else:
+                assert target_row[position] == bench.IGNORE
+            assert target_row[position + 1] == bench.IGNORE
+    assert scored > 0
+
+
+def test_sort_and_copy_score_the_answer_half():
+    bench = _bench()
+    generator = torch.Generator().manual_seed(1)
+    for task in ("sort", "copy"):
+        tokens, targets = bench.separated_task(task, 5, 3, 16, generator)
+        items = tokens[:, :5]
+        answer = items.sort(dim=-1).values if task == "sort" else items
+        assert torch.equal(targets[:, 5:10], answer)
+        assert (targets[:, :5] == bench.IGNORE).all()
+        assert (tokens[:, 5] == 16).all()
+        # Teacher forcing: the input after the separator is the answer shifted by one.
+        assert torch.equal(tokens[:, 6:], answer[:, :-1])
+
+
+def test_benchmark_quick_path_runs_small(tmp_path):
+    bench = _bench()
+    kinds = ["softmax", "ssmax", "sparsemax", "asentmax"]
+    results = bench.main(["--tasks", "mqar", "flip-flop", "--kinds", *kinds, "--seeds", "2", "--steps", "3",
+                          "--multipliers", "1", "2", "--lm-steps", "2", "--lm-context", "8", "--lm-multiplier", "2",
+                          "--lm-eval-windows", "2", "--d-model", "8", "--heads", "2", "--layers", "1",
+                          "--eval-batch", "4", "--stats-batch", "2", "--train-length", "4", "--out", str(tmp_path)])
+    assert (tmp_path / "results.json").exists() and (tmp_path / "tables.md").exists()
+    tables = (tmp_path / "tables.md").read_text()
+    for kind in kinds:
+        assert f"| {kind} |" in tables
+        for task in ("mqar", "flip-flop"):
+            runs = results["tasks"][task][kind]
+            assert len(runs) == 2
+            for run in runs:
+                for multiplier in ("1", "2"):
+                    assert 0.0 <= run[multiplier]["accuracy"] <= 1.0
+                    assert 0.0 <= run[multiplier]["zero_share"] <= 1.0
+                    assert 0.0 < run[multiplier]["first_token_mass"] <= 1.0
+        for run in results["language_model"][kind]:
+            bits = torch.tensor(run["bpc_by_position"])
+            assert bits.shape == (16,) and torch.isfinite(bits).all() and (bits > 0).all()
+    # Softmax weights are never exactly zero at these sizes.
+    assert all(run[m]["zero_share"] == 0.0 for task in ("mqar", "flip-flop")
+               for run in results["tasks"][task]["softmax"] for m in ("1", "2"))
