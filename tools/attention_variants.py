@@ -46,7 +46,7 @@ _REFLAG = ["m_tight, p_cand, True, CANDIDATES, BLOCK_M,", "m_tight, p_cand, True
 _ONE_POINT = ("b_t0, b_t0,\n"
               "        _threshold_in_z(b_lo, inv_am1, ALPHA_KIND), m_rows, p_flags, p_tiles, n_listed,\n"
               "        inv_am1, p_cand, False, REFLAG, CANDIDATES, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC,\n"
-              "        MASK_KIND, ALPHA_KIND, NEAR_ONE)\n")
+              "        MASK_KIND, OPTIONS, ALPHA_KIND, NEAR_ONE)\n")
 _SUPPORT = "        b_count, b_dmin = count_and_smallest(tl.sum(b_neg, 1), tl.min(b_low, 1), n)\n"
 _SUPPORT_BITS = "        b_neg, b_low = support_bits(b_g)\n"
 _CAPTURE_GATE = "capture = _capture_fits(b_ysub, b_lo, inv_am1, m_done, BLOCK_N, ALPHA_KIND)"
@@ -166,8 +166,8 @@ BACKWARD_VARIANTS = {
     "kernel": [],
     # p and s normalised per score rather than by the row factors of `_row_weights`
     "norm_per_score": [
-        (" query_block, shifted_scores)\n",
-         " query_block, shifted_scores, sensitivity, weights)\n"),
+        (" window_key_tiles, window_query_tiles)\n",
+         " window_key_tiles, window_query_tiles, sensitivity, weights)\n"),
         ("    if ALPHA_KIND == ALPHA_ENTMAX15:\n        b_c = tl.math.rsqrt(b_l)\n",
          "    if ALPHA_KIND == ALPHA_KIND:\n"
          "        b_g = gap(b_u, b_thr, inv_am1, ALPHA_KIND)\n"

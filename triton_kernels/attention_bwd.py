@@ -22,12 +22,14 @@ import triton.language as tl
 
 from .. import common
 from .attention_common import (DQ_KERNEL, DQ_KERNEL_C, DQ_MAX_POLLS_C, DQ_MODES, DQ_ORDERED_C,
-                               NEAR_ONE_INV_AM1, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C,
-                               STAT_TAU_C, arch_chunks, attention_signature, backward_launch,
-                               block_sizes, chunk_width, config_space, config_suffix, dot,
-                               dot_rows, dropout_scale, full_tiles_end, gap, held_cols, held_rows,
-                               listed_tiles, load_rows, log2_base, mask_specialisation,
-                               program_sequence, query_block, shifted_scores)
+                               NEAR_ONE_INV_AM1, SCORE_ALIBI_C, SCORE_SOFTCAP_C, SCORE_WINDOW_C,
+                               STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C, STAT_TAU_C, arch_chunks,
+                               attention_signature, backward_launch, block_sizes, chunk_width,
+                               config_space, config_suffix, dot, dot_rows, dropout_scale,
+                               full_tiles_end, gap, held_cols, held_rows, listed_tiles, load_rows,
+                               log2_base, mask_specialisation, program_sequence, query_block,
+                               score_option_values, shifted_scores, window_key_tiles,
+                               window_query_tiles)
 from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX
 
 # rows of the backward's per-row buffer
@@ -74,11 +76,13 @@ def _row_weights(b_u, b_thr, b_l, am1, inv_am1, ALPHA_KIND: tl.constexpr,
 @triton.jit
 def _dq_tile(b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
              p_mask, stride_mq, stride_mk, o_m, start_n, q_len, k_len, head_e, head_ev,
-             scale, am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, seed, pid_bh,
+             scale, am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, pos_shift, win_left,
+             win_right, softcap, slope, seed, pid_bh,
              seqlen_q, seqlen_k, dropout_p, b_dq, b_gh,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
              BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
-             MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, NEED_DALPHA: tl.constexpr,
+             MASK_KIND: tl.constexpr, OPTIONS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+             NEED_DALPHA: tl.constexpr,
              BOUNDARY: tl.constexpr, NEAR_ONE: tl.constexpr):
     """Adds one key tile to dQ and to sum_j g_j h_j."""
     o_n = start_n + tl.arange(0, BLOCK_N)
@@ -87,9 +91,10 @@ def _dq_tile(b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, st
         b_kt = tl.trans(b_k)  # one load of k for the scores and for dQ
     else:
         b_kt = 0.0
-    b_u = shifted_scores(b_q, b_kt, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq,
+    b_u, b_tanh = shifted_scores(b_q, b_kt, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq,
                          stride_mk, o_m, start_n, q_len, k_len, head_e, scale, b_mz,
-                         is_causal, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
+                         is_causal, pos_shift, win_left, win_right, softcap, slope, BLOCK_N,
+                         BLOCK_E, BLOCK_EC, MASK_KIND, OPTIONS, BOUNDARY)
     b_gap, b_p, b_s = _row_weights(b_u, b_tau, b_l, am1, inv_am1, ALPHA_KIND, NEAR_ONE)
     b_vt = held_cols(p_v, stride_vl, o_n, k_len, head_ev, BLOCK_EV, BLOCK_EC, BOUNDARY)
     b_g = dot_rows(b_do, b_vt, p_do, stride_ol, o_m, q_len, p_v, stride_vl, o_n, k_len,
@@ -98,6 +103,9 @@ def _dq_tile(b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, st
         b_g = b_g * dropout_scale(seed, pid_bh, o_m, o_n, seqlen_q, seqlen_k, dropout_p,
                                   BLOCK_M, BLOCK_N, HAS_DROPOUT)
     b_dz = b_s * (b_g - b_delta[:, None])
+    if (SCORE_SOFTCAP_C & OPTIONS) != 0:
+        # through the cap: d(softcap tanh(s / softcap))/ds = 1 - tanh^2
+        b_dz = b_dz * (1.0 - b_tanh * b_tanh)
     if BLOCK_EC < BLOCK_E:
         # loaded only now, so that it is not live during the chunked products
         b_k = load_rows(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E, BOUNDARY)
@@ -115,12 +123,15 @@ def _dq_tile(b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, st
 
 @triton.jit
 def _dq_pass(b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol, p_mask,
-             stride_mq, stride_mk, p_flags, p_tiles, n_listed, n_full, kv_end, o_m, q_len, k_len,
-             head_e, head_ev, scale, am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, seed,
+             stride_mq, stride_mk, p_flags, p_tiles, n_listed, kv_begin, full_begin, n_full,
+             kv_end, o_m, q_len, k_len,
+             head_e, head_ev, scale, am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal,
+             pos_shift, win_left, win_right, softcap, slope, seed,
              pid_bh, seqlen_q, seqlen_k, dropout_p,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
              BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
-             MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, NEED_DALPHA: tl.constexpr,
+             MASK_KIND: tl.constexpr, OPTIONS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+             NEED_DALPHA: tl.constexpr,
              NEAR_ONE: tl.constexpr):
     """(dQ, sum_j g_j h_j) over the listed full key tiles (a pipelined loop) and the flagged
     ones that cross a mask's edge."""
@@ -131,18 +142,34 @@ def _dq_pass(b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, st
         b_dq, b_gh = _dq_tile(
             b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol, p_mask,
             stride_mq, stride_mk, o_m, start_n, q_len, k_len, head_e, head_ev, scale,
-            am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, seed, pid_bh, seqlen_q, seqlen_k,
+            am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, pos_shift, win_left, win_right,
+            softcap, slope, seed, pid_bh, seqlen_q, seqlen_k,
             dropout_p, b_dq, b_gh, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
-            BLOCK_EC, ALPHA_KIND, MASK_KIND, HAS_DROPOUT, NEED_DALPHA, False, NEAR_ONE)
+            BLOCK_EC, ALPHA_KIND, MASK_KIND, OPTIONS, HAS_DROPOUT, NEED_DALPHA, False, NEAR_ONE)
     for start_n in range(n_full, kv_end, BLOCK_N):
         if tl.load(p_flags + start_n // BLOCK_N) != 0:
             b_dq, b_gh = _dq_tile(
                 b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
                 p_mask, stride_mq, stride_mk, o_m, start_n, q_len, k_len, head_e, head_ev,
-                scale, am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, seed, pid_bh,
+                scale, am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, pos_shift, win_left,
+                win_right, softcap, slope, seed, pid_bh,
                 seqlen_q, seqlen_k, dropout_p, b_dq, b_gh, BLOCK_M, BLOCK_N,
-                BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND, HAS_DROPOUT, NEED_DALPHA,
+                BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND, OPTIONS, HAS_DROPOUT,
+                NEED_DALPHA,
                 True, NEAR_ONE)
+    if (SCORE_WINDOW_C & OPTIONS) != 0:
+        # the tiles that cross the window's leading edge
+        for start_n in range(kv_begin, full_begin, BLOCK_N):
+            if tl.load(p_flags + start_n // BLOCK_N) != 0:
+                b_dq, b_gh = _dq_tile(
+                    b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
+                    p_mask, stride_mq, stride_mk, o_m, start_n, q_len, k_len, head_e, head_ev,
+                    scale, am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, pos_shift,
+                    win_left, win_right, softcap, slope, seed, pid_bh,
+                    seqlen_q, seqlen_k, dropout_p, b_dq, b_gh, BLOCK_M, BLOCK_N,
+                    BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND, OPTIONS, HAS_DROPOUT,
+                    NEED_DALPHA,
+                    True, NEAR_ONE)
     return b_dq, b_gh
 
 
@@ -158,10 +185,12 @@ def entmax_attn_bwd_dq_kernel(
     stride_mb, stride_mh, stride_mq, stride_mk,
     stride_sb, stride_sh, stride_stat, stride_row,
     n_heads, kv_group, seqlen_q, seqlen_k, n_qblocks, n_kblocks, head_e, head_ev,
-    scale, dropout_p, is_causal,
+    scale, dropout_p, is_causal, window_left, window_right, softcap,
+    alibi_ptr, stride_alibi_b, stride_alibi_h,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
-    MASK_KIND: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    MASK_KIND: tl.constexpr, OPTIONS: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
     NEED_DALPHA: tl.constexpr,
 ):
     """dQ for one query block; o, do and dvec share strides. dq has its own: q may be a
@@ -222,8 +251,16 @@ def entmax_attn_bwd_dq_kernel(
     if is_causal != 0:
         kv_end = tl.minimum(k_len, start_m + BLOCK_M)
     n_full = full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
+    pos_shift, win_left, win_right, slope = score_option_values(
+        i_b, i_h, q_len, k_len, window_left, window_right, alibi_ptr, stride_alibi_b,
+        stride_alibi_h, OPTIONS)
+    kv_begin = 0
+    full_begin = 0
+    if (SCORE_WINDOW_C & OPTIONS) != 0:
+        kv_begin, full_begin, n_full, kv_end = window_key_tiles(
+            start_m, kv_end, n_full, pos_shift, win_left, win_right, BLOCK_M, BLOCK_N)
     # the full tiles the forward flagged through their list: a pipelined loop
-    n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
+    n_listed = listed_tiles(p_flags, 1, full_begin // BLOCK_N, n_full // BLOCK_N, p_tiles)
     tl.debug_barrier()
     # compiled for heads near alpha = 1 and for the others (`log2_base`): without the
     # near-one log the loop holds fewer registers (sm_90, bf16, E 64, general alpha without
@@ -234,17 +271,21 @@ def entmax_attn_bwd_dq_kernel(
     if near_one:
         b_dq, b_gh = _dq_pass(
             b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol, p_mask,
-            stride_mq, stride_mk, p_flags, p_tiles, n_listed, n_full, kv_end, o_m, q_len, k_len,
-            head_e, head_ev, scale, am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, seed,
+            stride_mq, stride_mk, p_flags, p_tiles, n_listed, kv_begin, full_begin, n_full,
+            kv_end, o_m, q_len, k_len,
+            head_e, head_ev, scale, am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, pos_shift,
+            win_left, win_right, softcap, slope, seed,
             pid_bh, seqlen_q, seqlen_k, dropout_p, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
-            BLOCK_EC, ALPHA_KIND, MASK_KIND, HAS_DROPOUT, NEED_DALPHA, True)
+            BLOCK_EC, ALPHA_KIND, MASK_KIND, OPTIONS, HAS_DROPOUT, NEED_DALPHA, True)
     else:
         b_dq, b_gh = _dq_pass(
             b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol, p_mask,
-            stride_mq, stride_mk, p_flags, p_tiles, n_listed, n_full, kv_end, o_m, q_len, k_len,
-            head_e, head_ev, scale, am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, seed,
+            stride_mq, stride_mk, p_flags, p_tiles, n_listed, kv_begin, full_begin, n_full,
+            kv_end, o_m, q_len, k_len,
+            head_e, head_ev, scale, am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, pos_shift,
+            win_left, win_right, softcap, slope, seed,
             pid_bh, seqlen_q, seqlen_k, dropout_p, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
-            BLOCK_EC, ALPHA_KIND, MASK_KIND, HAS_DROPOUT, NEED_DALPHA, False)
+            BLOCK_EC, ALPHA_KIND, MASK_KIND, OPTIONS, HAS_DROPOUT, NEED_DALPHA, False)
     # a row whose forward was NaN (a NaN or +inf score, stored shift NaN) gets NaN gradients
     b_dq = tl.where((b_mz != b_mz)[:, None], float("nan"), b_dq * scale)
     dq_off = i_b * stride_dqb + i_h * stride_dqh + q_start * stride_dql
@@ -298,11 +339,13 @@ def _add_to_dq(p_dqacc, stride_al, o_m, q_len, head_e, b_dq, p_lock, p_turn,
 def _dkdv_tile(b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
                p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row,
                o_n, start_n, start_m, q_len, k_len, head_e, head_ev, scale, am1,
-               inv_am1, is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
+               inv_am1, is_causal, pos_shift, win_left, win_right, softcap, slope, seed, pid_bh,
+               seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
                b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
                BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
-               MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, BOUNDARY: tl.constexpr,
+               MASK_KIND: tl.constexpr, OPTIONS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+               BOUNDARY: tl.constexpr,
                DQ_MODE: tl.constexpr):
     """Adds one query tile to dK and dV, and (DQ_MODE other than DQ_KERNEL) its share to
     the query tile's dQ (`_add_to_dq`). BOUNDARY: the tile crosses the causal diagonal,
@@ -317,9 +360,10 @@ def _dkdv_tile(b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do,
     b_l = _row_values(p_stats + STAT_SUM_C * stride_stat, o_m, q_len, BOUNDARY)
     b_l = tl.where(b_l > 0, b_l, 1.0)
     b_delta = _row_values(p_rows + ROW_DELTA_C * stride_row, o_m, q_len, BOUNDARY)
-    b_u = shifted_scores(b_q, b_kt, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq,
+    b_u, b_tanh = shifted_scores(b_q, b_kt, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq,
                          stride_mk, o_m, start_n, q_len, k_len, head_e, scale, b_mz,
-                         is_causal, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
+                         is_causal, pos_shift, win_left, win_right, softcap, slope, BLOCK_N,
+                         BLOCK_E, BLOCK_EC, MASK_KIND, OPTIONS, BOUNDARY)
     b_gap, b_p, b_s = _row_weights(b_u, b_tau, b_l, am1, inv_am1, ALPHA_KIND)
     b_g = dot_rows(b_do, b_vt, p_do, stride_ol, o_m, q_len, p_v, stride_vl, o_n, k_len,
                    head_ev, BLOCK_EV, BLOCK_EC)  # [BM, BN]
@@ -329,6 +373,9 @@ def _dkdv_tile(b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do,
         b_g = b_g * b_drop
         b_p = b_p * b_drop
     b_dz = b_s * (b_g - b_delta[:, None])
+    if (SCORE_SOFTCAP_C & OPTIONS) != 0:
+        # through the cap: d(softcap tanh(s / softcap))/ds = 1 - tanh^2
+        b_dz = b_dz * (1.0 - b_tanh * b_tanh)
     if BLOCK_EC < BLOCK_E:
         # loaded only now, so that they are not live during the chunked products
         b_q = load_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, BOUNDARY)
@@ -347,11 +394,12 @@ def _dkdv_tile(b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do,
 def _dkdv_last_tile(b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
                     p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row,
                     p_flags, o_n, start_n, m_full, q_full, q_len, k_len, head_e, head_ev, scale,
-                    am1, inv_am1, is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk,
+                    am1, inv_am1, is_causal, pos_shift, win_left, win_right, softcap, slope, seed,
+                    pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk,
                     b_dv, b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
                     BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
-                    MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                    MASK_KIND: tl.constexpr, OPTIONS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                     DQ_MODE: tl.constexpr):
     """`_dkdv_tile` of the query tile at q_full that the end of the queries cuts, if it
     lies past m_full (the masked tiles') and the forward flagged it."""
@@ -361,9 +409,10 @@ def _dkdv_last_tile(b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, 
                 b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
                 p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row,
                 o_n, start_n, q_full, q_len, k_len, head_e, head_ev, scale, am1, inv_am1,
-                is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
+                is_causal, pos_shift, win_left, win_right, softcap, slope, seed, pid_bh, seqlen_q,
+                seqlen_k, dropout_p, b_dk, b_dv,
                 b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks,
-                BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND,
+                BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND, OPTIONS,
                 HAS_DROPOUT, True, DQ_MODE)
     return b_dk, b_dv
 
@@ -382,10 +431,12 @@ def entmax_attn_bwd_dkdv_kernel(
     stride_mb, stride_mh, stride_mq, stride_mk,
     stride_sb, stride_sh, stride_stat, stride_row,
     n_heads, n_kv_heads, kv_group, seqlen_q, seqlen_k, n_qblocks, n_kblocks, head_e, head_ev,
-    scale, dropout_p, is_causal,
+    scale, dropout_p, is_causal, window_left, window_right, softcap,
+    alibi_ptr, stride_alibi_b, stride_alibi_h,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
-    MASK_KIND: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    MASK_KIND: tl.constexpr, OPTIONS: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
     DQ_MODE: tl.constexpr = DQ_KERNEL_C,
 ):
     """dK, dV for one key block of one key/value head; dk and dv have their own strides.
@@ -438,6 +489,16 @@ def entmax_attn_bwd_dkdv_kernel(
     if start_n + BLOCK_N > k_len:
         m_full = q_len
     m_full = tl.minimum(m_full, q_len)
+    pos_shift, win_left, win_right, slope = score_option_values(
+        i_b, i_hk * kv_group, q_len, k_len, window_left, window_right, alibi_ptr,
+        stride_alibi_b, stride_alibi_h, OPTIONS)
+    # the masked query tiles [m_begin, m_masked_end), the full ones from m_full (to
+    # m_full_end under a window, whose tiles in [m_full_end, m_end) are masked again)
+    m_masked_end = m_full
+    if (SCORE_WINDOW_C & OPTIONS) != 0:
+        m_begin, m_full, m_full_end, m_end = window_query_tiles(
+            start_n, q_len, m_begin, m_full, pos_shift, win_left, win_right, BLOCK_M, BLOCK_N)
+        m_masked_end = tl.minimum(m_full, m_end)
     p_tiles = tiles_ptr + (pid_bhk.to(tl.int64) * n_kblocks + pid_n) * n_qblocks
     b_dk = tl.zeros([BLOCK_N, BLOCK_E], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_EV], dtype=tl.float32)
@@ -447,6 +508,9 @@ def entmax_attn_bwd_dkdv_kernel(
         alpha = tl.load(alpha_ptr + i_h).to(tl.float32)
         am1 = alpha - 1.0
         inv_am1 = 1.0 / am1
+        if (SCORE_ALIBI_C & OPTIONS) != 0:
+            # each query head of the group has its own slope (`score_option_values`)
+            slope = tl.load(alibi_ptr + i_b * stride_alibi_b + i_h * stride_alibi_h).to(tl.float32)
         p_q = q_ptr + i_b * stride_qb + i_h * stride_qh + q_start * stride_ql
         p_do = do_ptr + i_b * stride_ob + i_h * stride_oh + q_start * stride_ol
         p_mask = mask_ptr + i_b * stride_mb + i_h * stride_mh
@@ -456,22 +520,26 @@ def entmax_attn_bwd_dkdv_kernel(
         p_dqacc = dqacc_ptr + i_b * stride_ab + i_h * stride_ah + q_start * stride_al
         p_locks = locks_ptr + pid_bh * n_qblocks
         p_turns = turns_ptr + pid_bh * n_qblocks * n_kblocks + pid_n
-        for start_m in range(m_begin, m_full, BLOCK_M):
+        for start_m in range(m_begin, m_masked_end, BLOCK_M):
             if tl.load(p_flags + (start_m // BLOCK_M) * n_kblocks) != 0:
                 b_dk, b_dv = _dkdv_tile(
                     b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
                     p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row,
                     o_n, start_n, start_m, q_len, k_len, head_e, head_ev, scale, am1, inv_am1,
-                    is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
+                    is_causal, pos_shift, win_left, win_right, softcap, slope, seed, pid_bh,
+                    seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
                     b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks,
-                    BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND,
+                    BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND, OPTIONS,
                     HAS_DROPOUT, True, DQ_MODE)
         q_full = (q_len // BLOCK_M) * BLOCK_M
         # the full query tiles the forward flagged through their list: a pipelined loop
         # (the list of the previous head of the group is read to the end first)
+        listed_end = q_full
+        if (SCORE_WINDOW_C & OPTIONS) != 0:
+            listed_end = m_full_end
         tl.debug_barrier()
-        n_listed = listed_tiles(p_flags, n_kblocks, tl.cdiv(m_full, BLOCK_M), q_full // BLOCK_M,
-                                p_tiles)
+        n_listed = listed_tiles(p_flags, n_kblocks, tl.cdiv(m_full, BLOCK_M),
+                                listed_end // BLOCK_M, p_tiles)
         tl.debug_barrier()
         for i in range(n_listed):
             start_m = tl.load(p_tiles + i) * BLOCK_M
@@ -479,20 +547,37 @@ def entmax_attn_bwd_dkdv_kernel(
                 b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
                 p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row,
                 o_n, start_n, start_m, q_len, k_len, head_e, head_ev, scale, am1, inv_am1,
-                is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
+                is_causal, pos_shift, win_left, win_right, softcap, slope, seed, pid_bh, seqlen_q,
+                seqlen_k, dropout_p, b_dk, b_dv,
                 b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks,
-                BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND,
+                BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND, OPTIONS,
                 HAS_DROPOUT, False, DQ_MODE)
-        # a last query tile past m_full that the end of the queries cuts, after the listed
-        # ones (DQ_ORDERED visits a program's query tiles in ascending order)
-        b_dk, b_dv = _dkdv_last_tile(
-            b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
-            p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row, p_flags,
-            o_n, start_n, m_full, q_full, q_len, k_len, head_e, head_ev, scale, am1,
-            inv_am1, is_causal, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
-            b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks,
-            BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND,
-            HAS_DROPOUT, DQ_MODE)
+        if (SCORE_WINDOW_C & OPTIONS) != 0:
+            # the tiles that cross the window's trailing edge, the last query tile among
+            # them
+            for start_m in range(m_full_end, m_end, BLOCK_M):
+                if tl.load(p_flags + (start_m // BLOCK_M) * n_kblocks) != 0:
+                    b_dk, b_dv = _dkdv_tile(
+                        b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do,
+                        stride_ol, p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows,
+                        stride_row, o_n, start_n, start_m, q_len, k_len, head_e, head_ev, scale,
+                        am1, inv_am1, is_causal, pos_shift, win_left, win_right, softcap, slope,
+                        seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv, b_k, p_dqacc,
+                        stride_al, p_locks, p_turns, n_kblocks, BLOCK_M, BLOCK_N, BLOCK_E,
+                        BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND, OPTIONS, HAS_DROPOUT, True,
+                        DQ_MODE)
+        else:
+            # a last query tile past m_full that the end of the queries cuts, after the listed
+            # ones (DQ_ORDERED visits a program's query tiles in ascending order)
+            b_dk, b_dv = _dkdv_last_tile(
+                b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
+                p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row, p_flags,
+                o_n, start_n, m_full, q_full, q_len, k_len, head_e, head_ev, scale, am1,
+                inv_am1, is_causal, pos_shift, win_left, win_right, softcap, slope, seed, pid_bh,
+                seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
+                b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks,
+                BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND, OPTIONS,
+                HAS_DROPOUT, DQ_MODE)
     dk_off = i_b * stride_dkb + i_hk * stride_dkh + k_start * stride_dkl
     dv_off = i_b * stride_dvb + i_hk * stride_dvh + k_start * stride_dvl
     tl.store(dk_ptr + dk_off + o_n[:, None] * stride_dkl + o_e[None, :],
@@ -505,13 +590,16 @@ def entmax_attn_bwd_dkdv_kernel(
 def aot_configs():
     """Every backward configuration the launcher can choose."""
     configs = []
-    for dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout in config_space():
+    for (dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout,
+         options) in config_space():
         block_m, block_n = block_sizes(block_e, dtype_key, dropout)
         constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_E": block_e,
                       "BLOCK_EV": block_e, "ALPHA_KIND": alpha_kind, "MASK_KIND": mask_kind,
+                      "OPTIONS": options,
                       "IS_VARLEN": int(varlen), "HAS_DROPOUT": int(dropout),
                       **mask_specialisation(mask_kind)}
-        suffix = config_suffix(dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout)
+        suffix = config_suffix(dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout,
+                               options)
         # dQ with and without the d(alpha) terms; a differentiable alpha is a tensor: the
         # general kind
         dalphas = (False, True) if alpha_kind == common.ALPHA_GENERAL else (False,)

@@ -7,6 +7,7 @@ backward: both must tile the same way, and the launchers (host code of the Trito
 ``entmax_fast/backends/triton/attention.py``) read the same tables as the AOT check
 (triton_kernels/aot.py), which compiles exactly the configurations they can choose.
 """
+import functools
 import itertools
 from typing import NamedTuple
 
@@ -285,7 +286,8 @@ def launch_config(kernel, block_e, dtype_key, mask_kind=common.MASK_NONE):
     launch: chosen when the AOT check compiled it with a variable stride_mk, where 4 warps
     left a 1.8 KB stack frame on sm_90; compiled as it runs (`mask_specialisation`),
     bf16/fp16 E 128 leaves 0-280 bytes at 8 warps fused, more split at 4 warps:
-    `tune_attention.py --mask bool --head-dims 128` decides), and E 256 (8 warps everywhere; 2 stages
+    `tune_attention.py --mask bool --head-dims 128` decides),
+    and E 256 (8 warps everywhere; 2 stages
     where they add no stack on sm_90, the forward and dQ; dK/dV keeps 1, its 2-stage
     buffers reach A100's shared-memory limit). fp32: 2 stages (dK/dV above E 64 keeps 1:
     2 add 40-70 bytes of stack there, none elsewhere).
@@ -502,19 +504,43 @@ def dot_rows(b_a, b_bt, p_a, stride_a, o_a, n_a, p_b, stride_b, o_b, n_b, width,
     return b_c
 
 
+# Score options a kernel is compiled with (its OPTIONS, a sum of these; docs/attention.md,
+# "Score options"): each adds its per-score work only where set, so that a kernel compiled
+# without them is the kernel without options.
+SCORE_WINDOW, SCORE_SOFTCAP, SCORE_ALIBI = 1, 2, 4
+SCORE_WINDOW_C = tl.constexpr(SCORE_WINDOW)
+SCORE_SOFTCAP_C = tl.constexpr(SCORE_SOFTCAP)
+SCORE_ALIBI_C = tl.constexpr(SCORE_ALIBI)
+# An unbounded side of the window, past every key position (`window_bounds`).
+WINDOW_UNBOUNDED_C = tl.constexpr(1 << 30)
+
+
+@triton.jit
+def tanh_exp2(b_x):
+    """tanh from one exp2: 1 - 2 / (e^(2x) + 1), exact at the saturated ends (e^(2x) = inf
+    gives 1, 0 gives -1); near 0 its error is absolute, about 1e-7, which a softcap's
+    scale multiplies (libdevice's tanh is not one call on every triton this runs on)."""
+    return 1.0 - 2.0 / (tl.exp2(b_x * 2.8853900817779268) + 1.0)
+
+
 @triton.jit
 def shifted_scores(b_q, b_kt, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base,
                    stride_mq, stride_mk, o_m, start_n, q_len, k_len, head_e, scale, b_shift,
-                   is_causal, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-                   BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr):
-    """Scores z = scale * q k^T (+ additive mask) of one tile minus the per-row shift b_shift
-    [BM], -inf where masked. [BM, BN]
+                   is_causal, pos_shift, win_left, win_right, softcap, slope,
+                   BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
+                   MASK_KIND: tl.constexpr, OPTIONS: tl.constexpr, BOUNDARY: tl.constexpr):
+    """Scores z of one tile minus the per-row shift b_shift [BM], -inf where masked, and
+    tanh(s / softcap) of the scaled scores s = scale * q k^T where OPTIONS caps them (0.0
+    otherwise: the backward's chain rule through the cap, 1 - tanh^2). [BM, BN]
 
-    The shift (the row maximum) comes off after z is formed, in the same fused
-    multiply-add where there is no additive mask: scores near 1e30 keep their differences.
-    From the held blocks b_q (`held_rows`) and b_kt (`held_cols`), or from chunks that
-    `dot_rows` reloads. BOUNDARY: the tile crosses the end of the keys or the causal
-    diagonal and needs their masks; tiles inside both skip that per-score work.
+    z is s, capped (softcap tanh(s / softcap)), less ALiBi's slope |pos - j| (the query
+    row i at key position pos = i + pos_shift), plus an additive mask (docs/attention.md,
+    "Score options"). Without those options the shift comes off after z is formed, in the
+    same fused multiply-add where there is no additive mask: scores near 1e30 keep their
+    differences. From the held blocks b_q (`held_rows`) and b_kt (`held_cols`), or from
+    chunks that `dot_rows` reloads. BOUNDARY: the tile crosses the end of the keys, the
+    causal diagonal or an edge of the window (pos - win_left <= j <= pos + win_right) and
+    needs their masks; tiles inside all of them skip that per-score work.
     """
     o_n = start_n + tl.arange(0, BLOCK_N)
     b_qk = dot_rows(b_q, b_kt, p_q_base, stride_ql, o_m, q_len, p_k_base, stride_kl, o_n,
@@ -523,7 +549,20 @@ def shifted_scores(b_q, b_kt, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_b
     m_load = o_m[:, None] < q_len
     if BOUNDARY:
         m_load = m_load & (o_n[None, :] < k_len)
-    if MASK_KIND == MASK_ADDITIVE:
+    b_tanh = 0.0
+    if ((SCORE_SOFTCAP_C | SCORE_ALIBI_C) & OPTIONS) != 0:
+        b_s = b_qk * scale
+        if (SCORE_SOFTCAP_C & OPTIONS) != 0:
+            b_tanh = tanh_exp2(b_s * (1.0 / softcap))
+            b_s = softcap * b_tanh
+        if (SCORE_ALIBI_C & OPTIONS) != 0:
+            b_dist = tl.abs((o_m + pos_shift)[:, None] - o_n[None, :]).to(tl.float32)
+            b_s = b_s - slope * b_dist
+        if MASK_KIND == MASK_ADDITIVE:
+            b_s += tl.load(p_mask_base + o_m[:, None] * stride_mq + o_n[None, :] * stride_mk,
+                           mask=m_load, other=0.0).to(tl.float32)
+        b_z = b_s - b_shift[:, None]
+    elif MASK_KIND == MASK_ADDITIVE:
         b_add = tl.load(p_mask_base + o_m[:, None] * stride_mq + o_n[None, :] * stride_mk,
                         mask=m_load, other=0.0).to(tl.float32)
         b_z = tl.fma(b_qk, scale, b_add) - b_shift[:, None]
@@ -539,8 +578,12 @@ def shifted_scores(b_q, b_kt, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_b
         # under a mask built from a scalar boolean)
         m_valid = (o_n[None, :] < k_len) & (
             o_n[None, :] <= (o_m + (1 - is_causal) * k_len)[:, None])
+        if (SCORE_WINDOW_C & OPTIONS) != 0:
+            o_pos = o_m + pos_shift
+            m_valid = m_valid & (o_n[None, :] >= (o_pos - win_left)[:, None]) & (
+                o_n[None, :] <= (o_pos + win_right)[:, None])
         b_z = tl.where(m_valid, b_z, float("-inf"))
-    return b_z
+    return b_z, b_tanh
 
 
 @triton.jit
@@ -564,6 +607,80 @@ def full_tiles_end(start_m, k_len, is_causal, BLOCK_N: tl.constexpr):
         n_end = tl.minimum(n_end, start_m + 1)
     return (n_end // BLOCK_N) * BLOCK_N
 
+
+
+@triton.jit
+def score_option_values(i_b, i_h, q_len, k_len, window_left, window_right, alibi_ptr,
+                        stride_alibi_b, stride_alibi_h, OPTIONS: tl.constexpr):
+    """What `shifted_scores` takes for the score options of sequence i_b, head i_h:
+    (pos_shift, win_left, win_right, slope). Query row i sits at key position
+    i + pos_shift, pos_shift = k_len - q_len (bottom-right, FlashAttention's alignment);
+    the window's bounds are `window_bounds`'; the ALiBi slope is the head's, of the batch
+    entry or sequence when the slopes are (B, H) (stride_alibi_b 0 for (H,))."""
+    pos_shift = 0
+    win_left = 0
+    win_right = 0
+    slope = 0.0
+    if ((SCORE_WINDOW_C | SCORE_ALIBI_C) & OPTIONS) != 0:
+        pos_shift = k_len - q_len
+    if (SCORE_WINDOW_C & OPTIONS) != 0:
+        win_left, win_right = window_bounds(window_left, window_right)
+    if (SCORE_ALIBI_C & OPTIONS) != 0:
+        slope = tl.load(alibi_ptr + i_b * stride_alibi_b + i_h * stride_alibi_h).to(tl.float32)
+    return pos_shift, win_left, win_right, slope
+
+
+@triton.jit
+def window_bounds(window_left, window_right):
+    """The window's bounds (left, right) as the kernels take them: an unbounded side (-1)
+    as WINDOW_UNBOUNDED, past every key position, so that one comparison per side masks
+    (`shifted_scores`) and one formula bounds the tiles (`window_key_tiles`)."""
+    win_left = tl.where(window_left < 0, WINDOW_UNBOUNDED_C, window_left)
+    win_right = tl.where(window_right < 0, WINDOW_UNBOUNDED_C, window_right)
+    return win_left, win_right
+
+
+@triton.jit
+def window_key_tiles(start_m, kv_end, n_full, pos_shift, win_left, win_right,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The key tiles of the query block at start_m under a window: (kv_begin, full_begin,
+    n_full, kv_end), kv_begin <= full_begin <= n_full, from the bounds of the other masks
+    (kv_end; n_full, `full_tiles_end`). The block's rows sit at key positions first_pos
+    to first_pos + BM - 1 and see keys pos - win_left to pos + win_right: the tiles before
+    kv_begin and from kv_end on hold none of them and no pass visits them, so a pass
+    costs O(BM x window); [kv_begin, full_begin) and [n_full, kv_end) cross an edge of the
+    window (or another mask's) and take the masks (BOUNDARY); [full_begin, n_full) lie
+    inside every row's window. The integer divisions see no negative operand (they
+    truncate)."""
+    first_pos = start_m + pos_shift
+    last_pos = first_pos + (BLOCK_M - 1)
+    kv_begin = (tl.maximum(first_pos - win_left, 0) // BLOCK_N) * BLOCK_N
+    kv_end = tl.minimum(kv_end, last_pos + win_right + 1)
+    begin_inside = tl.cdiv(tl.maximum(last_pos - win_left, 0), BLOCK_N) * BLOCK_N
+    end_inside = tl.minimum(n_full, (tl.maximum(first_pos + win_right + 1, 0) // BLOCK_N) * BLOCK_N)
+    # no tile inside: [kv_begin, end_inside) and [end_inside, kv_end) take the masks
+    full_begin = tl.minimum(begin_inside, tl.maximum(end_inside, kv_begin))
+    return kv_begin, full_begin, tl.maximum(end_inside, full_begin), kv_end
+
+
+@triton.jit
+def window_query_tiles(start_n, q_len, m_begin, m_full, pos_shift, win_left, win_right,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`window_key_tiles` for the key block at start_n (dK/dV): the query rows it visits
+    under a window, (m_begin, m_full, m_full_end, m_end) with [m_begin, min(m_full, m_end))
+    and [m_full_end, m_end) crossing an edge (the masked tiles) and [m_full, m_full_end)
+    inside every row's window, from the bounds of the other masks (m_begin, m_full). Query
+    row i (at key position i + pos_shift) sees a key j of the block when
+    j - win_right <= i + pos_shift <= j + win_left."""
+    m_begin = tl.maximum(m_begin, (tl.maximum(start_n - pos_shift - win_right, 0) // BLOCK_M)
+                         * BLOCK_M)
+    m_end = tl.minimum(q_len, tl.maximum(start_n + BLOCK_N - pos_shift + win_left, 0))
+    begin_inside = tl.maximum(m_full, tl.cdiv(
+        tl.maximum(start_n + (BLOCK_N - 1) - pos_shift - win_right, 0), BLOCK_M) * BLOCK_M)
+    end_inside = tl.minimum((q_len // BLOCK_M) * BLOCK_M, (tl.maximum(
+        start_n - pos_shift + win_left + 1, 0) // BLOCK_M) * BLOCK_M)
+    m_full = tl.minimum(begin_inside, tl.maximum(end_inside, m_begin))
+    return m_begin, m_full, tl.maximum(end_inside, m_full), m_end
 
 # Flags compacted per call of `listed_tiles`: one vector of this many at a time.
 LIST_CHUNK = tl.constexpr(128)
@@ -721,8 +838,9 @@ POINTER_TYPES = {"q_ptr": TENSOR, "k_ptr": TENSOR, "v_ptr": TENSOR, "o_ptr": TEN
                  "flags_ptr": "*i8", "tiles_ptr": "*i32", "cand_ptr": "*fp32",
                  "alpha_ptr": "*fp32", "seed_ptr": "*i64",
                  "cu_q_ptr": "*i32", "cu_k_ptr": "*i32",
-                 "dqacc_ptr": "*fp32", "locks_ptr": "*i32", "turns_ptr": "*i32"}
-FLOAT_PARAMETERS = ("scale", "dropout_p")
+                 "dqacc_ptr": "*fp32", "locks_ptr": "*i32", "turns_ptr": "*i32",
+                 "alibi_ptr": "*fp32"}
+FLOAT_PARAMETERS = ("scale", "dropout_p", "softcap")
 
 
 def mask_pointer_type(dtype_key, mask_kind):
@@ -747,23 +865,38 @@ def mask_specialisation(mask_kind):
 def attention_signature(fn, dtype_key, mask_kind):
     """The AOT signature of one of the attention kernels (triton_kernels/signature.py), with
     the `mask_specialisation` parameters as constexprs (the AOT configurations add their
-    values)."""
+    values). Read once per kernel, dtype and mask kind: the configurations (thousands, one
+    per combination of the score options too) share it."""
+    return dict(_attention_signature(fn, dtype_key, mask_kind))
+
+
+@functools.lru_cache(maxsize=None)
+def _attention_signature(fn, dtype_key, mask_kind):
     pointers = dict(POINTER_TYPES, mask_ptr=mask_pointer_type(dtype_key, mask_kind))
     signature = kernel_signature(fn, dtype_key, pointers, floats=FLOAT_PARAMETERS)
     for name in mask_specialisation(mask_kind):
         signature[name] = "constexpr"
-    return signature
+    return tuple(signature.items())
+
+
+# The OPTIONS values (sums of SCORE_*) the launchers can choose: every combination.
+SCORE_OPTION_SETS = tuple(range(SCORE_WINDOW + SCORE_SOFTCAP + SCORE_ALIBI + 1))
+# Each option's token in a configuration's name (`config_suffix`): one per option, so that
+# the AOT check's covering sample covers each option as a value of its own.
+SCORE_OPTION_TOKENS = ((SCORE_WINDOW, "win"), (SCORE_SOFTCAP, "cap"), (SCORE_ALIBI, "alibi"))
 
 
 def config_space():
-    """(dtype, BLOCK_E, ALPHA_KIND, MASK_KIND, varlen, dropout) the launchers can choose;
-    the packed varlen form takes no attn_mask."""
-    for dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout in itertools.product(
-            DTYPE_KEYS.values(), BLOCK_ES, ALPHA_KINDS, MASK_KINDS, (False, True), (False, True)):
+    """(dtype, BLOCK_E, ALPHA_KIND, MASK_KIND, varlen, dropout, OPTIONS) the launchers can
+    choose; the packed varlen form takes no attn_mask."""
+    for (dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout,
+         options) in itertools.product(DTYPE_KEYS.values(), BLOCK_ES, ALPHA_KINDS, MASK_KINDS,
+                                       (False, True), (False, True), SCORE_OPTION_SETS):
         if not (varlen and mask_kind != common.MASK_NONE):
-            yield dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout
+            yield dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout, options
 
 
-def config_suffix(dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout):
+def config_suffix(dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout, options):
     return (f"{dtype_key}_e{block_e}_a{alpha_kind}_m{mask_kind}{'_varlen' if varlen else ''}"
-            f"{'_dropout' if dropout else ''}")
+            f"{'_dropout' if dropout else ''}"
+            + "".join(f"_{token}" for bit, token in SCORE_OPTION_TOKENS if options & bit))

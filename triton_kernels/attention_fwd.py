@@ -62,14 +62,14 @@ from .. import common
 from .attention_common import (CANDIDATE_CHUNK_C, CAPTURE_MAX_COLUMN_SHARE_C, COMPACT_FILL_C,
                                COMPACT_MIN_C, COMPACT_SEGMENT_C, COMPACT_STEPS, COMPACT_TILES_C,
                                MAX_TAU_PASSES_C, NEAR_ONE_INV_AM1, PHASE_OUTPUT_C,
-                               PHASE_THRESHOLD_C, STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C,
-                               STAT_TAU_C, SUBSET_STEPS_C, TAU_STEP_TOL_C, arch_chunks,
+                               PHASE_THRESHOLD_C, SCORE_WINDOW_C, STAT_ENTROPY_C, STAT_MAX_C,
+                               STAT_SUM_C, STAT_TAU_C, SUBSET_STEPS_C, TAU_STEP_TOL_C, arch_chunks,
                                attention_signature, block_sizes, candidate_slots, chunk_width,
                                config_space, config_suffix, dot, dropout_scale, forward_launches,
                                full_tiles_end, gap, held_cols, held_rows, launch_options,
                                listed_tiles, log2_base, mask_specialisation, program_sequence,
-                               query_block, sensitivity, shifted_scores, weights,
-                               weights_and_sensitivity)
+                               query_block, score_option_values, sensitivity, shifted_scores,
+                               weights, weights_and_sensitivity, window_key_tiles)
 from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX, GRAD_ALPHA, GRAD_INPUTS
 from .support import count_and_smallest, positive_f16, store_above, support_bits
 
@@ -95,27 +95,34 @@ def _max_nan(b_a, b_b):
 @triton.jit
 def _score_tile(b_q, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base, stride_mq,
                 stride_mk, o_m, start_n, q_len, k_len, head_e, scale, b_shift,
-                is_causal, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-                BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr):
+                is_causal, pos_shift, win_left, win_right, softcap, slope, BLOCK_N: tl.constexpr,
+                BLOCK_E: tl.constexpr,
+                BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr, OPTIONS: tl.constexpr,
+                BOUNDARY: tl.constexpr):
     """`shifted_scores` of the key tile at start_n, loading the key block."""
     o_n = start_n + tl.arange(0, BLOCK_N)
     b_kt = held_cols(p_k_base, stride_kl, o_n, k_len, head_e, BLOCK_E, BLOCK_EC, BOUNDARY)
-    return shifted_scores(b_q, b_kt, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base,
+    b_z, _ = shifted_scores(b_q, b_kt, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_base,
                           stride_mq, stride_mk, o_m, start_n, q_len, k_len, head_e, scale,
-                          b_shift, is_causal, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
+                          b_shift, is_causal, pos_shift, win_left, win_right, softcap, slope,
+                          BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, OPTIONS, BOUNDARY)
+    return b_z
 
 
 @triton.jit
 def _max_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, m_m,
-              start_n, q_len, k_len, head_e, scale, is_causal, b_m, b_ycol, p_flags, inv_am1,
+              start_n, q_len, k_len, head_e, scale, is_causal, pos_shift, win_left, win_right,
+              softcap, slope, b_m, b_ycol, p_flags, inv_am1,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-              BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr):
+              BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr, OPTIONS: tl.constexpr,
+              BOUNDARY: tl.constexpr):
     """Adds one key tile to the running row maximum b_m and to the running maximum of each
     column b_ycol [BM, BN] (`_subset_bound`), and flags the tile when a row's tile maximum
     comes within 1/(alpha - 1) of the running maximum."""
     b_y = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                       start_n, q_len, k_len, head_e, scale, tl.zeros([BLOCK_M], dtype=tl.float32),
-                      is_causal, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
+                      is_causal, pos_shift, win_left, win_right, softcap, slope, BLOCK_N, BLOCK_E,
+                      BLOCK_EC, MASK_KIND, OPTIONS, BOUNDARY)
     b_ycol = tl.maximum(b_ycol, b_y)
     b_tile_max = tl.reduce(b_y, 1, _max_nan)
     b_m = _max_nan(b_m, b_tile_max)
@@ -132,9 +139,10 @@ def _max_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk,
 
 @triton.jit
 def _row_max(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, m_m,
-             start_m, q_len, k_len, kv_end, head_e, scale, is_causal, p_flags, inv_am1,
+             start_m, q_len, k_len, kv_begin, full_begin, window_full_end, kv_end, head_e, scale,
+             is_causal, pos_shift, win_left, win_right, softcap, slope, p_flags, inv_am1,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-             BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr):
+             BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr, OPTIONS: tl.constexpr):
     """Pass 1: the row maximum of the scores (NaN if any score is NaN, -inf if all are
     masked), [BM], and the first tile flags. tau lies at or above max - 1/(alpha - 1) in z
     units (the bracket's lower end), so a tile none of whose scores come within 1/(alpha - 1)
@@ -144,15 +152,41 @@ def _row_max(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, 
     leftwards from the diagonal, wrapping round; without is_causal the ragged last tile
     comes last), so that on local attention the running maximum is the final one almost at
     once and the far tiles go unflagged. Also returns each column's largest score over the
-    tiles, [BM, BN] (`_subset_bound`)."""
+    tiles, [BM, BN] (`_subset_bound`). Under a window, the tiles crossing its edges and
+    then the full ones (`window_key_tiles`: from kv_begin, full_begin and window_full_end
+    to kv_end) leftwards from the tile of the block's first key position, wrapping round."""
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     b_ycol = tl.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=tl.float32)
+    if (SCORE_WINDOW_C & OPTIONS) != 0:
+        b_m, b_ycol = _max_boundary_tiles(
+            b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, m_m,
+            window_full_end, q_len, k_len, kv_end, head_e, scale, is_causal, pos_shift,
+            win_left, win_right, softcap, slope, b_m, b_ycol, p_flags, inv_am1, BLOCK_M,
+            BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, OPTIONS)
+        b_m, b_ycol = _max_boundary_tiles(
+            b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, m_m,
+            kv_begin, q_len, k_len, full_begin, head_e, scale, is_causal, pos_shift, win_left,
+            win_right, softcap, slope, b_m, b_ycol, p_flags, inv_am1, BLOCK_M, BLOCK_N,
+            BLOCK_E, BLOCK_EC, MASK_KIND, OPTIONS)
+        first = full_begin // BLOCK_N
+        n_inside = window_full_end // BLOCK_N - first
+        diagonal = tl.minimum(tl.maximum(start_m + pos_shift, 0) // BLOCK_N - first, n_inside - 1)
+        for i in range(n_inside):
+            tile = tl.maximum(diagonal, 0) - i
+            start_n = (tl.where(tile < 0, tile + n_inside, tile) + first) * BLOCK_N
+            b_m, b_ycol = _max_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq,
+                                    stride_mk, o_m, m_m, start_n, q_len, k_len, head_e, scale,
+                                    is_causal, pos_shift, win_left, win_right, softcap, slope,
+                                    b_m, b_ycol, p_flags, inv_am1, BLOCK_M, BLOCK_N, BLOCK_E,
+                                    BLOCK_EC, MASK_KIND, OPTIONS, False)
+        return b_m, b_ycol
     full_end = full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
     if is_causal != 0:
         b_m, b_ycol = _max_boundary_tiles(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, m_m,
-            full_end, q_len, k_len, kv_end, head_e, scale, is_causal, b_m, b_ycol, p_flags,
-            inv_am1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND)
+            full_end, q_len, k_len, kv_end, head_e, scale, is_causal, pos_shift, win_left,
+            win_right, softcap, slope, b_m, b_ycol, p_flags,
+            inv_am1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, OPTIONS)
     n_full = full_end // BLOCK_N
     diagonal = tl.minimum(start_m // BLOCK_N, n_full - 1)
     for i in range(n_full):
@@ -162,28 +196,33 @@ def _row_max(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, 
         start_n = tl.where(tile < 0, tile + n_full, tile) * BLOCK_N
         b_m, b_ycol = _max_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq,
                                 stride_mk, o_m, m_m, start_n, q_len, k_len, head_e, scale,
-                                is_causal, b_m, b_ycol, p_flags, inv_am1, BLOCK_M, BLOCK_N,
-                                BLOCK_E, BLOCK_EC, MASK_KIND, False)
+                                is_causal, pos_shift, win_left, win_right, softcap, slope, b_m,
+                                b_ycol, p_flags, inv_am1, BLOCK_M, BLOCK_N,
+                                BLOCK_E, BLOCK_EC, MASK_KIND, OPTIONS, False)
     if is_causal == 0:
         b_m, b_ycol = _max_boundary_tiles(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, m_m,
-            full_end, q_len, k_len, kv_end, head_e, scale, is_causal, b_m, b_ycol, p_flags,
-            inv_am1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND)
+            full_end, q_len, k_len, kv_end, head_e, scale, is_causal, pos_shift, win_left,
+            win_right, softcap, slope, b_m, b_ycol, p_flags,
+            inv_am1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, OPTIONS)
     return b_m, b_ycol
 
 
 @triton.jit
 def _max_boundary_tiles(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                        m_m, full_end, q_len, k_len, kv_end, head_e, scale, is_causal, b_m,
+                        m_m, full_end, q_len, k_len, kv_end, head_e, scale, is_causal, pos_shift,
+                        win_left, win_right, softcap, slope, b_m,
                         b_ycol, p_flags, inv_am1, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr):
+                        BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr,
+                        OPTIONS: tl.constexpr):
     """`_max_tile` of the tiles past the full ones: the causal diagonal's, or the ragged
     end of the keys'."""
     for start_n in range(full_end, kv_end, BLOCK_N):
         b_m, b_ycol = _max_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq,
                                 stride_mk, o_m, m_m, start_n, q_len, k_len, head_e, scale,
-                                is_causal, b_m, b_ycol, p_flags, inv_am1, BLOCK_M, BLOCK_N,
-                                BLOCK_E, BLOCK_EC, MASK_KIND, True)
+                                is_causal, pos_shift, win_left, win_right, softcap, slope, b_m,
+                                b_ycol, p_flags, inv_am1, BLOCK_M, BLOCK_N,
+                                BLOCK_E, BLOCK_EC, MASK_KIND, OPTIONS, True)
     return b_m, b_ycol
 
 
@@ -271,12 +310,14 @@ def _capture(p_cand, b_u, b_key, b_ncand, CANDIDATES: tl.constexpr, BLOCK_N: tl.
 
 @triton.jit
 def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                    start_n, q_len, k_len, head_e, scale, b_shift, is_causal,
+                    start_n, q_len, k_len, head_e, scale, b_shift, is_causal, pos_shift, win_left,
+                    win_right, softcap, slope,
                     b_t0, b_t1, b_flag_thr, m_rows, p_flags, inv_am1,
                     b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, p_cand, b_ncand,
                     TWO: tl.constexpr, REFLAG: tl.constexpr, CANDIDATES: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
-                    MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr, BOUNDARY: tl.constexpr,
+                    MASK_KIND: tl.constexpr, OPTIONS: tl.constexpr, ALPHA_KIND: tl.constexpr,
+                    BOUNDARY: tl.constexpr,
                     NEAR_ONE: tl.constexpr):
     """Adds one key tile to the sums at threshold t0 (and t1 when TWO) and, when REFLAG,
     rewrites its flag: does any row have a score above b_flag_thr (lo, a lower bound of tau
@@ -288,8 +329,9 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
     below it adds nothing at any later trial point: the later passes' sums over the
     captured scores are theirs over all, `_candidate_pass`)."""
     b_u = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                      start_n, q_len, k_len, head_e, scale, b_shift, is_causal,
-                      BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
+                      start_n, q_len, k_len, head_e, scale, b_shift, is_causal, pos_shift,
+                      win_left, win_right, softcap, slope,
+                      BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, OPTIONS, BOUNDARY)
     if REFLAG:
         if CANDIDATES > 0:
             if ALPHA_KIND == ALPHA_GENERAL:
@@ -329,11 +371,13 @@ def _threshold_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
 
 @triton.jit
 def _threshold_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                    n_full, q_len, k_len, kv_end, head_e, scale, b_shift, is_causal,
+                    kv_begin, full_begin, n_full, q_len, k_len, kv_end, head_e, scale, b_shift,
+                    is_causal, pos_shift, win_left, win_right, softcap, slope,
                     b_t0, b_t1, b_flag_thr, m_rows, p_flags, p_tiles, n_listed, inv_am1,
                     p_cand, TWO: tl.constexpr, REFLAG: tl.constexpr, CANDIDATES: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-                    BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr,
+                    BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr, OPTIONS: tl.constexpr,
+                    ALPHA_KIND: tl.constexpr,
                     NEAR_ONE: tl.constexpr):
     """One pass over the flagged tiles: the `_moments` sums at t0 (and t1). The full tiles
     (those before n_full, `full_tiles_end`) through their list (p_tiles[0:n_listed],
@@ -349,18 +393,32 @@ def _threshold_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
         start_n = tl.load(p_tiles + i) * BLOCK_N
         b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, b_ncand = _threshold_tile(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, start_n,
-            q_len, k_len, head_e, scale, b_shift, is_causal, b_t0, b_t1, b_flag_thr, m_rows,
+            q_len, k_len, head_e, scale, b_shift, is_causal, pos_shift, win_left, win_right,
+            softcap, slope, b_t0, b_t1, b_flag_thr, m_rows,
             p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, p_cand, b_ncand,
-            TWO, REFLAG, CANDIDATES, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, False,
+            TWO, REFLAG, CANDIDATES, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, OPTIONS, ALPHA_KIND,
+            False,
             NEAR_ONE)
     for start_n in range(n_full, kv_end, BLOCK_N):
         if tl.load(p_flags + start_n // BLOCK_N) != 0:
             b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, b_ncand = _threshold_tile(
                 b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                start_n, q_len, k_len, head_e, scale, b_shift, is_causal, b_t0, b_t1, b_flag_thr,
+                start_n, q_len, k_len, head_e, scale, b_shift, is_causal, pos_shift, win_left,
+                win_right, softcap, slope, b_t0, b_t1, b_flag_thr,
                 m_rows, p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
                 p_cand, b_ncand, TWO, REFLAG, CANDIDATES, BLOCK_N, BLOCK_E, BLOCK_EC,
-                MASK_KIND, ALPHA_KIND, True, NEAR_ONE)
+                MASK_KIND, OPTIONS, ALPHA_KIND, True, NEAR_ONE)
+    if (SCORE_WINDOW_C & OPTIONS) != 0:
+        # the tiles that cross the window's leading edge
+        for start_n in range(kv_begin, full_begin, BLOCK_N):
+            if tl.load(p_flags + start_n // BLOCK_N) != 0:
+                b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, b_ncand = _threshold_tile(
+                    b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
+                    start_n, q_len, k_len, head_e, scale, b_shift, is_causal, pos_shift, win_left,
+                    win_right, softcap, slope, b_t0, b_t1, b_flag_thr,
+                    m_rows, p_flags, inv_am1, b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1,
+                    p_cand, b_ncand, TWO, REFLAG, CANDIDATES, BLOCK_N, BLOCK_E, BLOCK_EC,
+                    MASK_KIND, OPTIONS, ALPHA_KIND, True, NEAR_ONE)
     return b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, b_ncand
 
 
@@ -495,11 +553,13 @@ def _update_from_sums(b_t, b_a, b_b, b_c, b_dmin, b_lo, b_hi, b_tau, m_done, m_t
 
 @triton.jit
 def _one_point_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                    n_full, q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows,
+                    kv_begin, full_begin, n_full, q_len, k_len, kv_end, head_e, scale, b_mz,
+                    is_causal, pos_shift, win_left, win_right, softcap, slope, m_rows,
                     p_flags, p_tiles, n_listed, am1, inv_am1, b_t, b_lo, b_hi, b_tau, m_done,
                     m_tight, p_cand, REFLAG: tl.constexpr, CANDIDATES: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-                    BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr,
+                    BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr, OPTIONS: tl.constexpr,
+                    ALPHA_KIND: tl.constexpr,
                     NEAR_ONE: tl.constexpr):
     """A threshold pass at every row's trial point t in [lo, hi] and the bracket's update
     from it: (lo, hi, tau, done, tight, guess), as `_update_from_sums`, and each row's count
@@ -507,11 +567,13 @@ def _one_point_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
     and 1.5 need t = lo for it), and with CANDIDATES > 0 captures the scores above lo."""
     b_t0 = _threshold_in_z(b_t, inv_am1, ALPHA_KIND)
     b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, b_ncand = _threshold_pass(
-        b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full, q_len,
-        k_len, kv_end, head_e, scale, b_mz, is_causal, b_t0, b_t0,
+        b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, kv_begin,
+        full_begin, n_full, q_len,
+        k_len, kv_end, head_e, scale, b_mz, is_causal, pos_shift, win_left, win_right, softcap,
+        slope, b_t0, b_t0,
         _threshold_in_z(b_lo, inv_am1, ALPHA_KIND), m_rows, p_flags, p_tiles, n_listed,
         inv_am1, p_cand, False, REFLAG, CANDIDATES, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC,
-        MASK_KIND, ALPHA_KIND, NEAR_ONE)
+        MASK_KIND, OPTIONS, ALPHA_KIND, NEAR_ONE)
     b_lo, b_hi, b_tau, m_done, m_tight, b_guess = _update_from_sums(
         b_t, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi, b_tau, m_done, m_tight, am1, inv_am1,
         ALPHA_KIND)
@@ -624,17 +686,19 @@ def _compact(p_cand, b_stored, b_keep, am1, inv_am1, b_lo, b_hi, m_done, BLOCK_M
 @triton.jit
 def _running_capture_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk,
                           o_m, start_n, q_len, k_len, head_e, scale, b_shift, is_causal,
+                          pos_shift, win_left, win_right, softcap, slope,
                           m_rows, p_flags, inv_am1, b_lo, p_cand, b_ncand,
                           BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-                          BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr,
+                          BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr, OPTIONS: tl.constexpr,
                           ALPHA_KIND: tl.constexpr, BOUNDARY: tl.constexpr,
                           CANDIDATES: tl.constexpr):
     """One key tile of `_running_capture_pass`: captures its scores above each row's lower
     bound and rewrites its flag at that bound (lo only rises, so a tile without a score
     above it has none above tau). Returns the rows' counts, those past the slots too."""
     b_u = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                      start_n, q_len, k_len, head_e, scale, b_shift, is_causal,
-                      BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
+                      start_n, q_len, k_len, head_e, scale, b_shift, is_causal, pos_shift,
+                      win_left, win_right, softcap, slope,
+                      BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, OPTIONS, BOUNDARY)
     b_ncand, b_count = _capture(p_cand, b_u, _capture_key(b_u, b_lo, inv_am1, ALPHA_KIND),
                                 b_ncand, CANDIDATES, BLOCK_N)
     b_alive = tl.max(tl.where(m_rows, b_count, 0.0), 0)
@@ -644,11 +708,12 @@ def _running_capture_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq
 
 @triton.jit
 def _running_capture_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk,
-                          o_m, n_full, q_len, k_len, kv_end, head_e, scale, b_mz, is_causal,
+                          o_m, kv_begin, full_begin, n_full, q_len, k_len, kv_end, head_e, scale,
+                          b_mz, is_causal, pos_shift, win_left, win_right, softcap, slope,
                           m_rows, p_flags, p_tiles, n_listed, am1, inv_am1, b_lo, b_hi,
                           m_done, p_cand, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
-                          MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr,
+                          MASK_KIND: tl.constexpr, OPTIONS: tl.constexpr, ALPHA_KIND: tl.constexpr,
                           CANDIDATES: tl.constexpr, NEAR_ONE: tl.constexpr):
     """The first threshold pass: captures every score above a lower bound of tau that
     rises as the pass goes (`_compact`), so that at its end each row's slots hold every
@@ -668,17 +733,35 @@ def _running_capture_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq
     fit: its block takes the passes over the tiles)."""
     b_ncand = tl.zeros([BLOCK_M], dtype=tl.int32)
     # the tiles that cross a mask's edge first: at most BLOCK_M + BLOCK_N keys, within the
-    # slots of an empty row
+    # slots of an empty row (a window's two edges, below, can give a row twice that)
     for start_n in range(n_full, kv_end, BLOCK_N):
         if tl.load(p_flags + start_n // BLOCK_N) != 0:
             b_ncand = _running_capture_tile(
                 b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                start_n, q_len, k_len, head_e, scale, b_mz, is_causal, m_rows, p_flags,
-                inv_am1, b_lo, p_cand, b_ncand, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND,
+                start_n, q_len, k_len, head_e, scale, b_mz, is_causal, pos_shift, win_left,
+                win_right, softcap, slope, m_rows, p_flags,
+                inv_am1, b_lo, p_cand, b_ncand, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, OPTIONS,
                 ALPHA_KIND, True, CANDIDATES)
+    if (SCORE_WINDOW_C & OPTIONS) != 0:
+        # the tiles that cross the window's leading edge
+        for start_n in range(kv_begin, full_begin, BLOCK_N):
+            if tl.load(p_flags + start_n // BLOCK_N) != 0:
+                b_ncand = _running_capture_tile(
+                    b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
+                    start_n, q_len, k_len, head_e, scale, b_mz, is_causal, pos_shift, win_left,
+                    win_right, softcap, slope, m_rows, p_flags,
+                    inv_am1, b_lo, p_cand, b_ncand, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, OPTIONS,
+                    ALPHA_KIND, True, CANDIDATES)
     n_compact = n_listed * 0
     max_compactions = COMPACT_MIN_C + n_listed // COMPACT_TILES_C
     start = n_listed * 0
+    if (SCORE_WINDOW_C & OPTIONS) != 0:
+        # A row past its slots after the window's edge tiles lost scores that a compaction,
+        # which keeps only stored ones, would not count: the block keeps its count past
+        # CANDIDATES, skips the listed tiles (their flags stay the max pass's) and takes the
+        # passes over the tiles from lo.
+        if tl.max(tl.where(m_done, 0, b_ncand), 0) > CANDIDATES:
+            start = n_listed
     while start < n_listed:
         end = tl.minimum(start + COMPACT_SEGMENT_C, n_listed)
         b_next = b_ncand
@@ -686,8 +769,9 @@ def _running_capture_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq
             b_next = _running_capture_tile(
                 b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                 tl.load(p_tiles + i) * BLOCK_N, q_len, k_len, head_e, scale, b_mz, is_causal,
+                pos_shift, win_left, win_right, softcap, slope,
                 m_rows, p_flags, inv_am1, b_lo, p_cand, b_next, BLOCK_N, BLOCK_E, BLOCK_EC,
-                MASK_KIND, ALPHA_KIND, False, CANDIDATES)
+                MASK_KIND, OPTIONS, ALPHA_KIND, False, CANDIDATES)
         n_most = tl.max(tl.where(m_done, 0, b_next), 0)
         if n_most > CANDIDATES:
             if n_compact < max_compactions:
@@ -711,10 +795,12 @@ def _running_capture_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq
 
 @triton.jit
 def _passes_over_tiles(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                       n_full, q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows,
+                       kv_begin, full_begin, n_full, q_len, k_len, kv_end, head_e, scale, b_mz,
+                       is_causal, pos_shift, win_left, win_right, softcap, slope, m_rows,
                        p_flags, p_tiles, p_cand, am1, inv_am1, b_lo, b_hi, b_tau, m_done,
                        n_listed, n_pass, capture, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr,
+                       OPTIONS: tl.constexpr,
                        ALPHA_KIND: tl.constexpr, CANDIDATES: tl.constexpr,
                        NEAR_ONE: tl.constexpr):
     """The threshold passes over the tiles, for blocks the first pass's capture did not
@@ -725,11 +811,13 @@ def _passes_over_tiles(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, s
     guess, listed tiles, passes so far)."""
     b_mid = 0.5 * (b_lo + b_hi)
     b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, b_ncand = _threshold_pass(
-        b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full, q_len,
-        k_len, kv_end, head_e, scale, b_mz, is_causal, _threshold_in_z(b_lo, inv_am1, ALPHA_KIND),
+        b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, kv_begin,
+        full_begin, n_full, q_len,
+        k_len, kv_end, head_e, scale, b_mz, is_causal, pos_shift, win_left, win_right, softcap,
+        slope, _threshold_in_z(b_lo, inv_am1, ALPHA_KIND),
         _threshold_in_z(b_mid, inv_am1, ALPHA_KIND), _threshold_in_z(b_lo, inv_am1, ALPHA_KIND),
         m_rows, p_flags, p_tiles, n_listed, inv_am1, p_cand, True, False, CANDIDATES,
-        BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, NEAR_ONE)
+        BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, OPTIONS, ALPHA_KIND, NEAR_ONE)
     b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
     b_a1, b_b1, b_c1, b_n1 = _sums_in_u(b_a1, b_b1, b_c1, b_n1, am1, inv_am1, ALPHA_KIND)
     b_first = b_lo
@@ -759,28 +847,34 @@ def _passes_over_tiles(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, s
             if capture:
                 b_lo, b_hi, b_tau, m_done, m_tight, b_guess, b_ncand = _one_point_pass(
                     b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                    n_full, q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows,
+                    kv_begin, full_begin, n_full, q_len, k_len, kv_end, head_e, scale, b_mz,
+                    is_causal, pos_shift, win_left, win_right, softcap, slope, m_rows,
                     p_flags, p_tiles, n_listed, am1, inv_am1, b_t2, b_lo, b_hi, b_tau, m_done,
                     m_tight, p_cand, True, CANDIDATES, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC,
-                    MASK_KIND, ALPHA_KIND, NEAR_ONE)
+                    MASK_KIND, OPTIONS, ALPHA_KIND, NEAR_ONE)
                 n_cand = tl.max(tl.where(m_done, 0, b_ncand), 0)
             else:
                 b_lo, b_hi, b_tau, m_done, m_tight, b_guess, b_ncand = _one_point_pass(
                     b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                    n_full, q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows,
+                    kv_begin, full_begin, n_full, q_len, k_len, kv_end, head_e, scale, b_mz,
+                    is_causal, pos_shift, win_left, win_right, softcap, slope, m_rows,
                     p_flags, p_tiles, n_listed, am1, inv_am1, b_t2, b_lo, b_hi, b_tau, m_done,
                     m_tight, p_cand, True, 0, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND,
+                    OPTIONS,
                     ALPHA_KIND, NEAR_ONE)
         else:
             b_lo, b_hi, b_tau, m_done, m_tight, b_guess, b_ncand = _one_point_pass(
-                b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
-                q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows, p_flags, p_tiles,
+                b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, kv_begin,
+                full_begin, n_full,
+                q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, pos_shift, win_left,
+                win_right, softcap, slope, m_rows, p_flags, p_tiles,
                 n_listed, am1, inv_am1, b_lo, b_lo, b_hi, b_tau, m_done, m_tight, p_cand, True,
-                CANDIDATES, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, NEAR_ONE)
+                CANDIDATES, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, OPTIONS, ALPHA_KIND,
+                NEAR_ONE)
             n_cand = tl.max(tl.where(m_done, 0, b_ncand), 0)
         # (the barrier also orders the captured scores' stores before their loads)
         tl.debug_barrier()
-        n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
+        n_listed = listed_tiles(p_flags, 1, full_begin // BLOCK_N, n_full // BLOCK_N, p_tiles)
         tl.debug_barrier()
         n_pass += 1
     if (CANDIDATES > 0) & (not NEAR_ONE):
@@ -795,11 +889,13 @@ def _passes_over_tiles(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, s
                 b_guess, n_pass, BLOCK_M, CANDIDATES, ALPHA_KIND, NEAR_ONE)
     while (tl.max(tl.where(m_done, 0, 1), 0) > 0) & (n_pass < MAX_TAU_PASSES_C):
         b_lo, b_hi, b_tau, m_done, m_tight, b_guess, b_ncand = _one_point_pass(
-            b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
-            q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows, p_flags, p_tiles,
+            b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, kv_begin,
+            full_begin, n_full,
+            q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, pos_shift, win_left, win_right,
+            softcap, slope, m_rows, p_flags, p_tiles,
             n_listed, am1, inv_am1, _trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND),
             b_lo, b_hi, b_tau, m_done, m_tight, p_cand, False, CANDIDATES, BLOCK_M, BLOCK_N,
-            BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, NEAR_ONE)
+            BLOCK_E, BLOCK_EC, MASK_KIND, OPTIONS, ALPHA_KIND, NEAR_ONE)
         n_pass += 1
     return b_lo, b_hi, b_tau, m_done, m_tight, b_guess, n_listed, n_pass
 
@@ -841,10 +937,11 @@ def _capture_fits(b_u, b_lo, inv_am1, m_done, BLOCK_N: tl.constexpr, ALPHA_KIND:
 
 @triton.jit
 def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                    n_full, q_len, k_len, kv_end, head_e, scale, b_mz, b_ycol, is_causal, m_rows,
+                    kv_begin, full_begin, n_full, q_len, k_len, kv_end, head_e, scale, b_mz,
+                    b_ycol, is_causal, pos_shift, win_left, win_right, softcap, slope, m_rows,
                     p_flags, p_tiles, p_cand, am1, inv_am1, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
-                    MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr,
+                    MASK_KIND: tl.constexpr, OPTIONS: tl.constexpr, ALPHA_KIND: tl.constexpr,
                     CANDIDATES: tl.constexpr, NEAR_ONE: tl.constexpr):
     """Passes 2 and on: the tiles' threshold (`_threshold_in_z`) of every row, [BM], and the
     number of listed tiles (p_tiles) the output pass visits, from the flags the max pass
@@ -868,7 +965,7 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
     b_guess = b_lo
     # the list of the tiles the max pass flagged (from other threads' flags)
     tl.debug_barrier()
-    n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
+    n_listed = listed_tiles(p_flags, 1, full_begin // BLOCK_N, n_full // BLOCK_N, p_tiles)
     tl.debug_barrier()
     n_pass = 0
     # the most scores any open row captured; past CANDIDATES when nothing was captured
@@ -884,14 +981,16 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
             capture = _capture_fits(b_ysub, b_lo, inv_am1, m_done, BLOCK_N, ALPHA_KIND)
     if capture:
         b_lo, b_ncand = _running_capture_pass(
-            b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
-            q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows, p_flags, p_tiles,
+            b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, kv_begin,
+            full_begin, n_full,
+            q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, pos_shift, win_left, win_right,
+            softcap, slope, m_rows, p_flags, p_tiles,
             n_listed, am1, inv_am1, b_lo, b_hi, m_done, p_cand, BLOCK_M, BLOCK_N, BLOCK_E,
-            BLOCK_EC, MASK_KIND, ALPHA_KIND, CANDIDATES, NEAR_ONE)
+            BLOCK_EC, MASK_KIND, OPTIONS, ALPHA_KIND, CANDIDATES, NEAR_ONE)
         n_cand = tl.max(tl.where(m_done, 0, b_ncand), 0)
         # (the barrier also orders the captured scores' stores before their loads)
         tl.debug_barrier()
-        n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
+        n_listed = listed_tiles(p_flags, 1, full_begin // BLOCK_N, n_full // BLOCK_N, p_tiles)
         tl.debug_barrier()
         n_pass = 1
         if n_cand <= CANDIDATES:
@@ -900,10 +999,13 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
                 b_guess, n_pass, BLOCK_M, CANDIDATES, ALPHA_KIND, NEAR_ONE)
     if (tl.max(tl.where(m_done, 0, 1), 0) > 0) & (n_pass < MAX_TAU_PASSES_C):
         b_lo, b_hi, b_tau, m_done, m_tight, b_guess, n_listed, n_pass = _passes_over_tiles(
-            b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
-            q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, m_rows, p_flags, p_tiles,
+            b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, kv_begin,
+            full_begin, n_full,
+            q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, pos_shift, win_left, win_right,
+            softcap, slope, m_rows, p_flags, p_tiles,
             p_cand, am1, inv_am1, b_lo, b_hi, b_tau, m_done, n_listed, n_pass, capture,
-            BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, ALPHA_KIND, CANDIDATES, NEAR_ONE)
+            BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, OPTIONS, ALPHA_KIND, CANDIDATES,
+            NEAR_ONE)
     # rows still open after MAX_TAU_PASSES: the last lower bound (a Newton step). From here
     # on the tiles' threshold (`_threshold_in_z`), which the statistics store too.
     b_tau = _threshold_in_z(tl.where(m_done, b_tau, b_lo), inv_am1, ALPHA_KIND)
@@ -913,18 +1015,21 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
 @triton.jit
 def _output_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq,
                  stride_mk, o_m, start_n, q_len, k_len, head_e, head_ev, scale, inv_am1,
-                 b_mz, b_tau, m_rows, is_causal, p_flags, seed, pid_bh, seqlen_q, seqlen_k,
+                 b_mz, b_tau, m_rows, is_causal, pos_shift, win_left, win_right, softcap, slope,
+                 p_flags, seed, pid_bh, seqlen_q, seqlen_k,
                  dropout_p, b_sum, b_ssum, b_plogp, b_acc, b_dacc,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
                  BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr,
+                 OPTIONS: tl.constexpr,
                  ALPHA_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                  NEED_GRAD: tl.constexpr, BOUNDARY: tl.constexpr, NEAR_ONE: tl.constexpr):
     """Adds one key tile to the output sums and, when gradients are needed, rewrites its
     flag to "holds a non-zero weight". The tiles the last threshold pass kept hold weight
     almost always: the products run unconditionally, which keeps the loop pipelined."""
     b_u = _score_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                      start_n, q_len, k_len, head_e, scale, b_mz, is_causal,
-                      BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, BOUNDARY)
+                      start_n, q_len, k_len, head_e, scale, b_mz, is_causal, pos_shift, win_left,
+                      win_right, softcap, slope,
+                      BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, OPTIONS, BOUNDARY)
     b_g = gap(b_u, b_tau, inv_am1, ALPHA_KIND)  # [BM, BN]
     if NEED_GRAD >= GRAD_INPUTS:
         b_p, b_s = weights_and_sensitivity(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)
@@ -967,11 +1072,14 @@ def _output_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, st
 
 @triton.jit
 def _output_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq,
-                 stride_mk, o_m, n_full, kv_end, n_listed, p_tiles, q_len, k_len, head_e,
-                 head_ev, scale, inv_am1, b_mz, b_tau, m_rows, is_causal, p_flags, seed, pid_bh,
+                 stride_mk, o_m, kv_begin, full_begin, n_full, kv_end, n_listed, p_tiles, q_len,
+                 k_len, head_e,
+                 head_ev, scale, inv_am1, b_mz, b_tau, m_rows, is_causal, pos_shift, win_left,
+                 win_right, softcap, slope, p_flags, seed, pid_bh,
                  seqlen_q, seqlen_k, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr,
-                 MASK_KIND: tl.constexpr, ALPHA_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                 MASK_KIND: tl.constexpr, OPTIONS: tl.constexpr, ALPHA_KIND: tl.constexpr,
+                 HAS_DROPOUT: tl.constexpr,
                  NEED_GRAD: tl.constexpr, NEAR_ONE: tl.constexpr):
     """The output pass (sparse): `_output_tile` over the listed full tiles (p_tiles) and the
     flagged ones that cross a mask's edge; (sum p, sum s, sum p log p, p V, s V)."""
@@ -985,17 +1093,31 @@ def _output_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, st
         b_sum, b_ssum, b_plogp, b_acc, b_dacc = _output_tile(
             b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq, stride_mk,
             o_m, start_n, q_len, k_len, head_e, head_ev, scale, inv_am1, b_mz, b_tau,
-            m_rows, is_causal, p_flags, seed, pid_bh, seqlen_q, seqlen_k, dropout_p,
+            m_rows, is_causal, pos_shift, win_left, win_right, softcap, slope, p_flags, seed,
+            pid_bh, seqlen_q, seqlen_k, dropout_p,
             b_sum, b_ssum, b_plogp, b_acc, b_dacc, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
-            BLOCK_EC, MASK_KIND, ALPHA_KIND, HAS_DROPOUT, NEED_GRAD, False, NEAR_ONE)
+            BLOCK_EC, MASK_KIND, OPTIONS, ALPHA_KIND, HAS_DROPOUT, NEED_GRAD, False, NEAR_ONE)
     for start_n in range(n_full, kv_end, BLOCK_N):
         if tl.load(p_flags + start_n // BLOCK_N) != 0:
             b_sum, b_ssum, b_plogp, b_acc, b_dacc = _output_tile(
                 b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq,
                 stride_mk, o_m, start_n, q_len, k_len, head_e, head_ev, scale, inv_am1, b_mz,
-                b_tau, m_rows, is_causal, p_flags, seed, pid_bh, seqlen_q, seqlen_k, dropout_p,
+                b_tau, m_rows, is_causal, pos_shift, win_left, win_right, softcap, slope, p_flags,
+                seed, pid_bh, seqlen_q, seqlen_k, dropout_p,
                 b_sum, b_ssum, b_plogp, b_acc, b_dacc, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
-                BLOCK_EC, MASK_KIND, ALPHA_KIND, HAS_DROPOUT, NEED_GRAD, True, NEAR_ONE)
+                BLOCK_EC, MASK_KIND, OPTIONS, ALPHA_KIND, HAS_DROPOUT, NEED_GRAD, True, NEAR_ONE)
+    if (SCORE_WINDOW_C & OPTIONS) != 0:
+        # the tiles that cross the window's leading edge
+        for start_n in range(kv_begin, full_begin, BLOCK_N):
+            if tl.load(p_flags + start_n // BLOCK_N) != 0:
+                b_sum, b_ssum, b_plogp, b_acc, b_dacc = _output_tile(
+                    b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq,
+                    stride_mk, o_m, start_n, q_len, k_len, head_e, head_ev, scale, inv_am1, b_mz,
+                    b_tau, m_rows, is_causal, pos_shift, win_left, win_right, softcap, slope,
+                    p_flags, seed, pid_bh, seqlen_q, seqlen_k, dropout_p,
+                    b_sum, b_ssum, b_plogp, b_acc, b_dacc, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
+                    BLOCK_EC, MASK_KIND, OPTIONS, ALPHA_KIND, HAS_DROPOUT, NEED_GRAD, True,
+                    NEAR_ONE)
     return b_sum, b_ssum, b_plogp, b_acc, b_dacc
 
 
@@ -1010,10 +1132,12 @@ def entmax_attn_fwd_kernel(
     stride_mb, stride_mh, stride_mq, stride_mk,
     stride_sb, stride_sh, stride_stat,
     n_heads, kv_group, seqlen_q, seqlen_k, n_qblocks, n_kblocks, head_e, head_ev,
-    scale, dropout_p, is_causal,
+    scale, dropout_p, is_causal, window_left, window_right, softcap,
+    alibi_ptr, stride_alibi_b, stride_alibi_h,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
-    MASK_KIND: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    MASK_KIND: tl.constexpr, OPTIONS: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
     NEED_GRAD: tl.constexpr, PHASE: tl.constexpr, CANDIDATES: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
@@ -1045,15 +1169,30 @@ def entmax_attn_fwd_kernel(
     kv_end = k_len
     if is_causal != 0:
         kv_end = tl.minimum(k_len, start_m + BLOCK_M)
+    pos_shift, win_left, win_right, slope = score_option_values(
+        i_b, i_h, q_len, k_len, window_left, window_right, alibi_ptr, stride_alibi_b,
+        stride_alibi_h, OPTIONS)
+    # the key tiles every pass visits: [kv_begin, kv_end), those in [full_begin, n_full)
+    # without masks (`window_key_tiles`; without a window all before kv_end, the full ones
+    # first)
+    kv_begin = 0
+    full_begin = 0
+    window_full_end = 0
+    if (SCORE_WINDOW_C & OPTIONS) != 0:
+        kv_begin, full_begin, window_full_end, kv_end = window_key_tiles(
+            start_m, kv_end, full_tiles_end(start_m, k_len, is_causal, BLOCK_N), pos_shift,
+            win_left, win_right, BLOCK_M, BLOCK_N)
 
     if PHASE == PHASE_OUTPUT_C:
         b_m = tl.load(p_stats + STAT_MAX_C * stride_stat, mask=m_m, other=float("-inf"))
     else:
         # pass 1: row max and the tiles the threshold passes need
         b_m, b_ycol = _row_max(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq,
-                               stride_mk, o_m, m_m, start_m, q_len, k_len, kv_end, head_e,
-                               scale, is_causal, p_flags, inv_am1, BLOCK_M, BLOCK_N, BLOCK_E,
-                               BLOCK_EC, MASK_KIND)
+                               stride_mk, o_m, m_m, start_m, q_len, k_len, kv_begin,
+                               full_begin, window_full_end, kv_end, head_e,
+                               scale, is_causal, pos_shift, win_left, win_right, softcap, slope,
+                               p_flags, inv_am1, BLOCK_M, BLOCK_N, BLOCK_E,
+                               BLOCK_EC, MASK_KIND, OPTIONS)
     # torch.softmax's rule: a NaN or +inf score makes its row NaN; a row with every key
     # masked gets zeros. Neither has a threshold to find.
     m_bad = (b_m != b_m) | (b_m == float("inf"))
@@ -1061,6 +1200,8 @@ def entmax_attn_fwd_kernel(
     b_mz = tl.where(m_rows, b_m, 0.0)
 
     n_full = full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
+    if (SCORE_WINDOW_C & OPTIONS) != 0:
+        n_full = window_full_end
     # A head's alpha is one value: the threshold search and the output pass are compiled
     # for heads near alpha = 1 and for the others (`log2_base`), so that the passes' loops
     # of the usual heads hold no near-one log (sm_90, bf16, E 64, alpha >= 1.25: the
@@ -1070,19 +1211,25 @@ def entmax_attn_fwd_kernel(
         near_one = inv_am1 > NEAR_ONE_INV_AM1
     if PHASE == PHASE_OUTPUT_C:
         b_tau = tl.load(p_stats + STAT_TAU_C * stride_stat, mask=m_m, other=0.0)
-        n_listed = listed_tiles(p_flags, 1, 0, n_full // BLOCK_N, p_tiles)
+        n_listed = listed_tiles(p_flags, 1, full_begin // BLOCK_N, n_full // BLOCK_N, p_tiles)
     else:
         if near_one:
             b_tau, n_listed = _find_threshold(
-                b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
-                q_len, k_len, kv_end, head_e, scale, b_mz, b_ycol, is_causal, m_rows, p_flags,
+                b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, kv_begin,
+                full_begin, n_full,
+                q_len, k_len, kv_end, head_e, scale, b_mz, b_ycol, is_causal, pos_shift, win_left,
+                win_right, softcap, slope, m_rows, p_flags,
                 p_tiles, p_cand, am1, inv_am1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND,
+                OPTIONS,
                 ALPHA_KIND, CANDIDATES, True)
         else:
             b_tau, n_listed = _find_threshold(
-                b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, n_full,
-                q_len, k_len, kv_end, head_e, scale, b_mz, b_ycol, is_causal, m_rows, p_flags,
+                b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, kv_begin,
+                full_begin, n_full,
+                q_len, k_len, kv_end, head_e, scale, b_mz, b_ycol, is_causal, pos_shift, win_left,
+                win_right, softcap, slope, m_rows, p_flags,
                 p_tiles, p_cand, am1, inv_am1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND,
+                OPTIONS,
                 ALPHA_KIND, CANDIDATES, False)
         if PHASE == PHASE_THRESHOLD_C:
             tl.store(p_stats + STAT_MAX_C * stride_stat, b_m, mask=m_m)
@@ -1096,16 +1243,20 @@ def entmax_attn_fwd_kernel(
     if near_one:
         b_sum, b_ssum, b_plogp, b_acc, b_dacc = _output_pass(
             b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq, stride_mk,
-            o_m, n_full, kv_end, n_listed, p_tiles, q_len, k_len, head_e, head_ev, scale,
-            inv_am1, b_mz, b_tau, m_rows, is_causal, p_flags, seed, pid_bh, seqlen_q,
-            seqlen_k, dropout_p, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, MASK_KIND,
+            o_m, kv_begin, full_begin, n_full, kv_end, n_listed, p_tiles, q_len, k_len, head_e,
+            head_ev, scale,
+            inv_am1, b_mz, b_tau, m_rows, is_causal, pos_shift, win_left, win_right, softcap,
+            slope, p_flags, seed, pid_bh, seqlen_q,
+            seqlen_k, dropout_p, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, MASK_KIND, OPTIONS,
             ALPHA_KIND, HAS_DROPOUT, NEED_GRAD, True)
     else:
         b_sum, b_ssum, b_plogp, b_acc, b_dacc = _output_pass(
             b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq, stride_mk,
-            o_m, n_full, kv_end, n_listed, p_tiles, q_len, k_len, head_e, head_ev, scale,
-            inv_am1, b_mz, b_tau, m_rows, is_causal, p_flags, seed, pid_bh, seqlen_q,
-            seqlen_k, dropout_p, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, MASK_KIND,
+            o_m, kv_begin, full_begin, n_full, kv_end, n_listed, p_tiles, q_len, k_len, head_e,
+            head_ev, scale,
+            inv_am1, b_mz, b_tau, m_rows, is_causal, pos_shift, win_left, win_right, softcap,
+            slope, p_flags, seed, pid_bh, seqlen_q,
+            seqlen_k, dropout_p, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, MASK_KIND, OPTIONS,
             ALPHA_KIND, HAS_DROPOUT, NEED_GRAD, False)
 
     m_pos = b_sum > 0
@@ -1134,7 +1285,8 @@ def entmax_attn_fwd_kernel(
 def aot_configs():
     """Every forward configuration the launcher can choose."""
     configs = []
-    for dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout in config_space():
+    for (dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout,
+         options) in config_space():
         block_m, block_n = block_sizes(block_e, dtype_key, dropout)
         # a differentiable alpha is a tensor: the general kind
         grads = (common.GRAD_NONE, common.GRAD_INPUTS) + (
@@ -1146,12 +1298,13 @@ def aot_configs():
         for launch in launches:
             constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_E": block_e,
                           "BLOCK_EV": block_e, "BLOCK_EC": chunk_width("fwd", block_e, dtype_key),
-                          "ALPHA_KIND": alpha_kind, "MASK_KIND": mask_kind,
+                          "ALPHA_KIND": alpha_kind, "MASK_KIND": mask_kind, "OPTIONS": options,
                           "IS_VARLEN": int(varlen), "HAS_DROPOUT": int(dropout),
                           "NEED_GRAD": launch.need_grad, "PHASE": launch.phase,
                           "CANDIDATES": candidate_slots(alpha_kind),
                           **mask_specialisation(mask_kind)}
-            suffix = config_suffix(dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout)
+            suffix = config_suffix(dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout,
+                               options)
             configs.append({
                 "name": f"entmax_attn_{launch.kernel}_{suffix}_g{launch.need_grad}",
                 "options": launch_options(launch.maxnreg),

@@ -19,7 +19,7 @@ from ...triton_kernels.signature import DTYPE_KEYS
 from .. import unimplemented_score_options
 
 # The score options (backends.SCORE_OPTIONS) the kernels implement.
-SCORE_OPTIONS_IMPLEMENTED = frozenset()
+SCORE_OPTIONS_IMPLEMENTED = frozenset({"window", "lower_right_causal", "softcap", "alibi_slopes"})
 OPS = {"entmax": "rowwise", "attention": "attention", "attention_varlen": "attention"}
 
 def interpreting() -> bool:

@@ -21,7 +21,7 @@ from ... import common
 from .. import refuse_score_options
 from ...triton_kernels import attention_bwd, attention_common, attention_fwd
 from ...triton_kernels.signature import DTYPE_KEYS
-from . import _capability, interpreting
+from . import SCORE_OPTIONS_IMPLEMENTED, _capability, interpreting
 
 __all__ = ["attention_forward", "attention_backward", "attention_varlen_forward",
            "attention_varlen_backward"]
@@ -170,14 +170,35 @@ def _mask_args(attn_mask, geo, q):
     return mask_kind, mask, tuple(mask.stride())
 
 
+def _score_option_args(window_left, window_right, softcap, alibi_slopes, q):
+    """(OPTIONS, kernel arguments) of the score options: the window's bounds, the softcap,
+    and the ALiBi slopes as an fp32 tensor with its strides over (batch entry or sequence,
+    head), 0 over the first for (H,) slopes."""
+    options = 0
+    if (window_left, window_right) != (-1, -1):
+        options |= attention_common.SCORE_WINDOW
+    if softcap > 0:
+        options |= attention_common.SCORE_SOFTCAP
+    if alibi_slopes is None:
+        slopes, strides = _placeholder(q.device, torch.float32), (0, 0)
+    else:
+        options |= attention_common.SCORE_ALIBI
+        slopes = alibi_slopes.to(torch.float32)
+        strides = (0, slopes.stride(0)) if slopes.dim() == 1 else tuple(slopes.stride())
+    return options, (int(window_left), int(window_right), float(softcap), slopes, *strides)
+
+
 def _launch_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is_causal, scale,
-                    need_grad, cu_q=None, cu_k=None, max_q=0, max_k=0):
+                    need_grad, cu_q=None, cu_k=None, max_q=0, max_k=0, window_left=-1,
+                    window_right=-1, softcap=0.0, alibi_slopes=None):
     """Launch the forward kernel. Returns (out, stats, dvec, flags).
 
     alpha: fp32 tensor (H,); alpha_kind: common.ALPHA_* specialisation;
     seed: int64 tensor (1,) for dropout.
     stats: (4, B, H, Lq) or (4, H, total_q) fp32 row statistics (attention_common.STAT_*);
     need_grad: common.GRAD_* (what the backward will need);
+    window_left, window_right, softcap, alibi_slopes: the score options (-1, -1, 0 and None
+    for none; `attention_forward`);
     dvec: fp32 like out (the D-vector; a placeholder without gradients);
     flags: (B, H, n_qblocks, n_kblocks) int8, 1 where a tile holds non-zero weight.
     """
@@ -198,6 +219,8 @@ def _launch_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is_c
     tiles = geo.tile_lists(q.device)
     slots = attention_common.candidate_slots(alpha_kind)
     candidates = geo.candidate_scratch(slots, q.device)
+    score_options, option_args = _score_option_args(window_left, window_right, softcap,
+                                                    alibi_slopes, q)
     for launch in attention_common.forward_launches(geo.block_e, geo.dtype_key, mask_kind,
                                                     int(need_grad)):
         options = attention_common.launch_options(launch.maxnreg)
@@ -208,11 +231,11 @@ def _launch_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is_c
             *mask_strides, *geo.stats_strides(stats),
             geo.n_heads, geo.kv_group, geo.seqlen_q, geo.seqlen_k, geo.n_qblocks,
             geo.n_kblocks, geo.head_e, geo.head_ev, float(scale), float(dropout_p),
-            int(is_causal),
+            int(is_causal), *option_args,
             BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e,
             BLOCK_EV=geo.block_ev, BLOCK_EC=geo.block_ec["fwd"], ALPHA_KIND=alpha_kind,
-            MASK_KIND=mask_kind, IS_VARLEN=geo.varlen, HAS_DROPOUT=dropout_p > 0.0,
-            NEED_GRAD=launch.need_grad, PHASE=launch.phase,
+            MASK_KIND=mask_kind, OPTIONS=score_options, IS_VARLEN=geo.varlen,
+            HAS_DROPOUT=dropout_p > 0.0, NEED_GRAD=launch.need_grad, PHASE=launch.phase,
             CANDIDATES=slots, num_warps=launch.num_warps,
             num_stages=launch.num_stages, **options,
         )
@@ -232,7 +255,8 @@ def _dq_mode(geo, need_alpha_grad):
 
 def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha_kind, seed,
                      dropout_p, is_causal, scale, need_alpha_grad, cu_q=None, cu_k=None,
-                     max_q=0, max_k=0):
+                     max_q=0, max_k=0, window_left=-1, window_right=-1, softcap=0.0,
+                     alibi_slopes=None):
     """Launch the backward kernels. Returns (dq, dk, dv, dalpha (H,) fp32)."""
     q, k, v, o, do = (_last_dim_contiguous(t) for t in (q, k, v, o, do))
     if do.stride() != o.stride():
@@ -253,6 +277,8 @@ def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha
     sb, sh, sstat = geo.stats_strides(stats)
     tiles = geo.tile_lists(q.device)
     dq_mode = _dq_mode(geo, need_alpha_grad)
+    score_options, option_args = _score_option_args(window_left, window_right, softcap,
+                                                    alibi_slopes, q)
     if dq_mode == attention_common.DQ_KERNEL:
         # dq first: it writes delta = dO . D per row, which the dk/dv kernel reads
         attention_bwd.entmax_attn_bwd_dq_kernel[geo.query_grid()](
@@ -262,9 +288,10 @@ def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha
             *geo.token_strides(dq), *mask_strides, sb, sh, sstat, rows.stride(0),
             geo.n_heads, geo.kv_group, geo.seqlen_q, geo.seqlen_k, geo.n_qblocks, geo.n_kblocks,
             geo.head_e, geo.head_ev, float(scale), float(dropout_p), int(is_causal),
+            *option_args,
             BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e,
             BLOCK_EV=geo.block_ev, BLOCK_EC=geo.block_ec["dq"], ALPHA_KIND=alpha_kind,
-            MASK_KIND=mask_kind, IS_VARLEN=geo.varlen,
+            MASK_KIND=mask_kind, OPTIONS=score_options, IS_VARLEN=geo.varlen,
             HAS_DROPOUT=dropout_p > 0.0, NEED_DALPHA=bool(need_alpha_grad),
             **geo.launch["dq"],
         )
@@ -290,10 +317,10 @@ def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha
         *mask_strides, sb, sh, sstat,
         rows.stride(0), geo.n_heads, geo.n_kv_heads, geo.kv_group, geo.seqlen_q, geo.seqlen_k,
         geo.n_qblocks, geo.n_kblocks, geo.head_e, geo.head_ev, float(scale),
-        float(dropout_p), int(is_causal),
+        float(dropout_p), int(is_causal), *option_args,
         BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e, BLOCK_EV=geo.block_ev,
         BLOCK_EC=geo.block_ec["dkdv"], ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind,
-        IS_VARLEN=geo.varlen,
+        OPTIONS=score_options, IS_VARLEN=geo.varlen,
         HAS_DROPOUT=dropout_p > 0.0, DQ_MODE=dq_mode,
         **geo.launch["dkdv"],
     )
@@ -319,15 +346,18 @@ def _attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tenso
                       alpha: Tensor, seed: Tensor, cu_seqlens_q: Optional[Tensor],
                       cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
                       dropout_p: float, is_causal: bool, scale: float, alpha_kind: int,
-                      need_grad: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                      need_grad: int, window_left: int = -1, window_right: int = -1,
+                      softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _launch_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is_causal,
                            scale, need_grad, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                           max_seqlen_k)
+                           max_seqlen_k, window_left, window_right, softcap, alibi_slopes)
 
 
 @_attention_fwd_op.register_fake
 def _(q, k, v, attn_mask, alpha, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-      dropout_p, is_causal, scale, alpha_kind, need_grad):
+      dropout_p, is_causal, scale, alpha_kind, need_grad, window_left=-1, window_right=-1,
+      softcap=0.0, alibi_slopes=None):
     geo = _Geometry(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     dropout_p > 0.0)
     out = q.new_empty(geo.out_shape(q, geo.head_ev))
@@ -345,15 +375,19 @@ def _attention_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, dv
                       seed: Tensor, cu_seqlens_q: Optional[Tensor],
                       cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
                       dropout_p: float, is_causal: bool, scale: float, alpha_kind: int,
-                      need_alpha_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                      need_alpha_grad: bool, window_left: int = -1, window_right: int = -1,
+                      softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha_kind,
                             seed, dropout_p, is_causal, scale, need_alpha_grad,
-                            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            window_left, window_right, softcap, alibi_slopes)
 
 
 @_attention_bwd_op.register_fake
 def _(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, seed, cu_seqlens_q, cu_seqlens_k,
-      max_seqlen_q, max_seqlen_k, dropout_p, is_causal, scale, alpha_kind, need_alpha_grad):
+      max_seqlen_q, max_seqlen_k, dropout_p, is_causal, scale, alpha_kind, need_alpha_grad,
+      window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(alpha)
 
 
@@ -382,25 +416,26 @@ def _alpha_grad(dalpha_heads, alpha, need_alpha_grad):
 
 
 def _forward(q, k, v, attn_mask, alpha, cu_q, cu_k, max_q, max_k, scale, is_causal, dropout_p,
-             need_grad):
+             need_grad, window_size, softcap, alibi_slopes):
     # (B, H, L, E) and the packed (total, H, E) both hold the query heads in dimension 1
     alpha_heads = _alpha_heads(alpha, q.shape[1], q.device)
     seed = _seed(dropout_p, q.device)
     out, stats, dvec, flags = torch.ops.entmax_fast.triton_attention_fwd(
         q, k, v, attn_mask, alpha_heads, seed, cu_q, cu_k, max_q, max_k, float(dropout_p),
-        bool(is_causal), float(scale), common.alpha_kind(alpha), int(need_grad))
+        bool(is_causal), float(scale), common.alpha_kind(alpha), int(need_grad),
+        int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes)
     return out, (stats, dvec, flags, seed)
 
 
 def _backward(grad_out, q, k, v, attn_mask, alpha, out, saved, cu_q, cu_k, max_q, max_k, scale,
-              is_causal, dropout_p, need_alpha_grad):
+              is_causal, dropout_p, need_alpha_grad, window_size, softcap, alibi_slopes):
     stats, dvec, flags, seed = saved
     alpha_heads = _alpha_heads(alpha, q.shape[1], q.device)
     need_alpha_grad = bool(need_alpha_grad) and isinstance(alpha, torch.Tensor)
     dq, dk, dv, dalpha = torch.ops.entmax_fast.triton_attention_bwd(
         grad_out, q, k, v, out, dvec, stats, flags, attn_mask, alpha_heads, seed, cu_q, cu_k,
         max_q, max_k, float(dropout_p), bool(is_causal), float(scale), common.alpha_kind(alpha),
-        need_alpha_grad)
+        need_alpha_grad, int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes)
     return dq, dk, dv, _alpha_grad(dalpha, alpha, need_alpha_grad)
 
 
@@ -418,12 +453,14 @@ def attention_forward(query, key, value, attn_mask, alpha, *, scale, is_causal, 
     Returns (out, saved), saved = (stats, dvec, flags, seed): the row statistics, the
     D-vector (a placeholder under GRAD_NONE), the tiles holding non-zero weight, and the
     dropout seed (drawn here from torch's generator), which the backward regenerates the
-    dropout mask from. The kernels have no score options (window_size, softcap,
-    alibi_slopes, sinks): ``supports`` refuses calls that set one.
+    dropout mask from. Score options (docs/attention.md, "Score options"): window_size
+    (left, right), softcap and alibi_slopes ((H,) or (B, H) fp32); the kernels have no
+    sinks yet (``supports`` refuses calls that set them).
     """
-    refuse_score_options("the fused attention", window_size, softcap, alibi_slopes, sinks)
+    refuse_score_options("the fused attention", window_size, softcap, alibi_slopes, sinks,
+                         implemented=SCORE_OPTIONS_IMPLEMENTED)
     return _forward(query, key, value, attn_mask, alpha, None, None, 0, 0, scale, is_causal,
-                    dropout_p, need_grad)
+                    dropout_p, need_grad, window_size, softcap, alibi_slopes)
 
 
 def attention_backward(grad_out, query, key, value, attn_mask, alpha, out, saved, *, scale,
@@ -434,13 +471,14 @@ def attention_backward(grad_out, query, key, value, attn_mask, alpha, out, saved
     GRAD_ALPHA when need_alpha_grad): (dq, dk, dv, None, dalpha or None, None), dalpha in
     alpha's shape and dtype. The kernels do not differentiate attn_mask: ``supports``
     refuses the calls that would need it."""
-    refuse_score_options("the fused attention", window_size, softcap, alibi_slopes, sinks)
+    refuse_score_options("the fused attention", window_size, softcap, alibi_slopes, sinks,
+                         implemented=SCORE_OPTIONS_IMPLEMENTED)
     if need_mask_grad:
         raise RuntimeError("the Triton attention does not differentiate attn_mask "
                            "(supports() refuses a mask that requires grad)")
     dq, dk, dv, dalpha = _backward(grad_out, query, key, value, attn_mask, alpha, out, saved,
                                    None, None, 0, 0, scale, is_causal, dropout_p,
-                                   need_alpha_grad)
+                                   need_alpha_grad, window_size, softcap, alibi_slopes)
     return dq, dk, dv, None, dalpha, None
 
 
@@ -452,12 +490,15 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     q (total_q, H, E), k (total_k, Hkv, E), v (total_k, Hkv, Ev) -> out (total_q, H, Ev);
     sequence b holds tokens cu_seqlens_q[b]:cu_seqlens_q[b+1] (int32, length B + 1) and
     attends only to its own keys cu_seqlens_k[b]:cu_seqlens_k[b+1]; max_seqlen_q/_k bound
-    every sequence length. is_causal is top-left aligned per sequence. Returns (out, saved)
-    as `attention_forward`.
+    every sequence length. is_causal is top-left aligned per sequence, the window
+    bottom-right; alibi_slopes (B, H) hold a row per sequence. Returns (out, saved) as
+    `attention_forward`.
     """
-    refuse_score_options("the fused attention", window_size, softcap, alibi_slopes, sinks)
+    refuse_score_options("the fused attention", window_size, softcap, alibi_slopes, sinks,
+                         implemented=SCORE_OPTIONS_IMPLEMENTED)
     return _forward(q, k, v, None, alpha, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                    int(max_seqlen_k), scale, is_causal, dropout_p, need_grad)
+                    int(max_seqlen_k), scale, is_causal, dropout_p, need_grad, window_size,
+                    softcap, alibi_slopes)
 
 
 def attention_varlen_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -465,8 +506,10 @@ def attention_varlen_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, max
                               need_alpha_grad, window_size=(-1, -1), softcap=0.0,
                               alibi_slopes=None, sinks=None, need_sinks_grad=False):
     """Gradients of `attention_varlen_forward`: (dq, dk, dv, dalpha or None, None)."""
-    refuse_score_options("the fused attention", window_size, softcap, alibi_slopes, sinks)
+    refuse_score_options("the fused attention", window_size, softcap, alibi_slopes, sinks,
+                         implemented=SCORE_OPTIONS_IMPLEMENTED)
     dq, dk, dv, dalpha = _backward(grad_out, q, k, v, None, alpha, out, saved, cu_seqlens_q,
                                    cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale,
-                                   is_causal, dropout_p, need_alpha_grad)
+                                   is_causal, dropout_p, need_alpha_grad, window_size, softcap,
+                                   alibi_slopes)
     return dq, dk, dv, dalpha, None
