@@ -171,6 +171,30 @@ def test_module_paths_agree_and_match_the_functional_form(kind, attention):
     torch.testing.assert_close(fused, expected, atol=1e-9, rtol=1e-9)
 
 
+@pytest.mark.parametrize("kind", ["ssmax", "asentmax"])
+def test_causal_module_counts_the_keys_up_to_each_query(kind):
+    torch.manual_seed(8)
+    module = MultiheadEntmaxAttention(8, 2, batch_first=True, attention="entmax15", length_scale=kind,
+                                      dtype=torch.float64)
+    x = torch.randn(2, 7, 8, dtype=torch.float64)
+    causal = torch.ones(7, 7, dtype=torch.bool).triu(1)
+    fused, _ = module(x, x, x, attn_mask=causal, is_causal=True, key_padding_mask=PADDING, need_weights=False)
+    explicit, _ = module(x, x, x, attn_mask=causal, is_causal=True, key_padding_mask=PADDING, need_weights=True)
+    torch.testing.assert_close(fused, explicit, atol=1e-9, rtol=1e-9)
+    q, k, v = nn.functional.linear(x, module.in_proj_weight, module.in_proj_bias).split(8, dim=-1)
+    q, k, v = (t.view(2, 7, 2, 4).transpose(1, 2) for t in (q, k, v))
+    params = ({"s": module.length_scale_s} if kind == "ssmax" else
+              {"beta": module.length_scale_beta, "gamma": module.length_scale_gamma})
+    n_keys = attended_keys(7, 7, is_causal=True, key_padding_mask=PADDING)
+    out = entmax_attention(length_scaled_query(q, n_keys, kind, **params), k, v, is_causal=True,
+                           attn_mask=~PADDING.view(2, 1, 1, 7), alpha=1.5)
+    torch.testing.assert_close(fused, module.out_proj(out.transpose(1, 2).reshape(2, 7, 8)), atol=1e-9, rtol=1e-9)
+    # Scaling by the key count of a non-causal query instead changes the output.
+    wrong = entmax_attention(length_scaled_query(q, attended_keys(7, 7, key_padding_mask=PADDING), kind, **params),
+                             k, v, is_causal=True, attn_mask=~PADDING.view(2, 1, 1, 7), alpha=1.5)
+    assert not torch.allclose(out, wrong, atol=1e-6)
+
+
 @pytest.mark.parametrize("attention", ["softmax", "entmax15"])
 def test_length_scale_none_leaves_the_output_unchanged(attention):
     torch.manual_seed(5)
