@@ -106,7 +106,9 @@ def _worker(rank, world_size, port, args, out_dir):
         cp.dist = counter
     dtype = getattr(torch, args.dtype)
     rows = []
-    for length in args.lengths:
+    # A first step at a small length, so that one-time allocations (thread pools, kernel
+    # workspaces, gloo buffers) are not counted in the first measured peak.
+    for warmup, length in [(True, 2 * world_size * 64), *((False, length) for length in args.lengths)]:
         local = length // world_size
 
         def inputs():
@@ -133,6 +135,8 @@ def _worker(rank, world_size, port, args, out_dir):
             step(*tensors)
             received = 0 if counter is None else counter.received
             seconds, cpu_seconds = _median_times(lambda: step(*tensors), args.repeats)
+            if warmup:
+                continue
             rows.append({"L": length, "P": world_size, "method": method, "layout": layout, "rank": rank,
                          "seconds": seconds, "cpu_seconds": cpu_seconds, "peak_bytes": peak,
                          "received_bytes": received})
