@@ -190,14 +190,17 @@ def test_passes_visit_only_the_tiles_of_the_window(monkeypatch, lq, lk, window):
     window (so a pass costs O(L x window), not O(L^2)), and every tile with a key inside a
     row's window is visited. Keys and values no row sees, and queries that see no key, are
     NaN: a skipped tile is never read, and the output and gradients are the oracle's (on
-    zeros there, which reach nothing)."""
+    zeros there, which reach nothing); those tiles lie wholly outside every window."""
     torch.manual_seed(lq)
     q, k, v = _inputs(1, 1, 1, lq, lk, 16)
     left, right = window
     rows = torch.arange(lq).view(-1, 1) + lk - lq
     keys = torch.arange(lk).view(1, -1)
     band = (keys >= rows - left) & (keys <= rows + right)
-    unseen_keys, blind_rows = ~band.any(0), ~band.any(1)
+    # whole tiles (the lengths are multiples of the tiles): a visited tile's keys outside
+    # the band are masked, but NaN there would still reach the products (0 x NaN)
+    unseen_keys = (~band.view(lq, -1, BLOCK_N).any(2).any(0)).repeat_interleave(BLOCK_N)
+    blind_rows = (~band.view(-1, BLOCK_M, lk).any(2).any(1)).repeat_interleave(BLOCK_M)
     assert unseen_keys.any() or blind_rows.any() or lq == lk
     grad_out = torch.randn(1, 1, lq, 16)
     q_nan, k_nan, v_nan, g_nan = q.clone(), k.clone(), v.clone(), grad_out.clone()
