@@ -4,7 +4,8 @@ head, or fusedmax; and :func:`replace_attention`, which swaps it into an existin
 
 It subclasses ``nn.MultiheadAttention``, so the constructor, the parameters, their
 initialisation and the ``state_dict`` keys are torch's own: weights copy both ways (a
-learned α adds one key, ``alpha_logit``). Only ``forward`` is new: projections as torch,
+learned α, sinks and a length scale add their own keys, which a plain checkpoint leaves at
+their initial values). Only ``forward`` is new: projections as torch,
 then :func:`entmax_fast.entmax_attention` (dispatched to the fused kernels) or, when the
 weights are asked for, the explicit mapping over the score matrix.
 """
