@@ -18,12 +18,14 @@ support, a model's attention a different one).
 
 Ratios in the table come from the same run: x sdpa = entmax step / SDPA, paged/contig =
 paged step / contiguous step. Timing: ``torch.utils.benchmark`` (median of blocked runs),
-under ``torch.inference_mode()``. Writes bench/out/decode.csv.
+under ``torch.inference_mode()``, the methods taking turns (3 rounds with ``--quick``, 5
+otherwise) and each reporting its median turn. Writes bench/out/decode.csv.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 import torch
@@ -67,7 +69,7 @@ def _support(q, k_cache, length, alpha: float) -> float:
 
 
 def run(batch: int, length: int, heads: int, kv_heads: int, head_dim: int, dtype, alpha: float, block_size: int,
-        min_run_time: float) -> dict:
+        min_run_time: float, rounds: int) -> dict:
     generator = torch.Generator().manual_seed(length + batch)
 
     def randn(*shape):
@@ -96,13 +98,17 @@ def run(batch: int, length: int, heads: int, kv_heads: int, head_dim: int, dtype
         return entmax_fast.entmax_attention(q, k_cache[:, :, :length], v_cache[:, :, :length], enable_gqa=True,
                                             alpha=alpha)
 
+    methods = {"sdpa": sdpa, "contiguous": contiguous, "paged": paged, "prefill": prefill_shaped}
     with torch.inference_mode():
         torch.testing.assert_close(paged(), contiguous(), atol=1e-5, rtol=1e-5)
         backend = dispatch.last_choice("attention_kvcache").backend
-        sdpa_ms = _time_ms(sdpa, min_run_time)
-        contiguous_ms = _time_ms(contiguous, min_run_time)
-        paged_ms = _time_ms(paged, min_run_time)
-        prefill_ms = _time_ms(prefill_shaped, min_run_time)
+        # The methods take turns, `rounds` times, and each keeps its median turn: on a shared
+        # machine the load drifts within seconds, and turns expose every method to the same drift.
+        turns = {name: [] for name in methods}
+        for _ in range(rounds):
+            for name, method in methods.items():
+                turns[name].append(_time_ms(method, min_run_time / rounds))
+        sdpa_ms, contiguous_ms, paged_ms, prefill_ms = (statistics.median(turns[name]) for name in methods)
         support = _support(q, k_cache, length, alpha)
     return {"batch": batch, "keys": length, "backend": backend, "sdpa_ms": sdpa_ms, "contig_ms": contiguous_ms,
             "paged_ms": paged_ms, "prefill_ms": prefill_ms, "x_sdpa": contiguous_ms / sdpa_ms,
@@ -132,11 +138,12 @@ def main(argv=None) -> list:
         configs = [(1, 4096), (1, 16384), (4, 4096)]
     else:
         configs = [(1, 4096), (1, 16384), (1, 65536), (4, 4096), (4, 16384), (16, 4096)]
-    min_run_time = 0.5 if args.quick else 1.0
+    min_run_time = 0.6 if args.quick else 1.5
+    rounds = 3 if args.quick else 5
     print(f"{machine()}\ndecoding step: H={args.heads} Hkv={args.kv_heads} E={args.head_dim} Lq=1 {args.dtype} "
           f"alpha={args.alpha:g}, paged block size {args.block_size}")
     rows = [run(batch, length, args.heads, args.kv_heads, args.head_dim, getattr(torch, args.dtype), args.alpha,
-                args.block_size, min_run_time) for batch, length in configs]
+                args.block_size, min_run_time, rounds) for batch, length in configs]
     print_table(rows, "Decoding step (ms; ratios from the same run)")
     print("x_sdpa: contiguous-cache step / SDPA; paged_x_sdpa: paged step / SDPA; paged/contig: paged step / "
           "contiguous step;\nprefill_x_sdpa: entmax_attention on the cache's slice / SDPA; support_%: keys in an "
