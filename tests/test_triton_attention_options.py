@@ -145,6 +145,26 @@ def test_softcap_and_alibi_alone_and_with_a_window(slopes):
         _check_against_oracle(q, k, v, alpha, torch.randn(2, 2, lq, 16), **options)
 
 
+def test_softcap_gradient_where_tanh_rounds_to_one():
+    """Scores 10-14 softcaps high: tanh rounds to 1 in float32, where 1 - tanh^2 would be 0;
+    the kernels' 1 / cosh^2 keeps dq and dk (of order 1e-9 here) to their relative
+    accuracy."""
+    torch.manual_seed(13)
+    lq, lk = 40, 70
+    direction = torch.nn.functional.normalize(torch.randn(16), dim=0)
+    q = (40.0 * direction + 0.01 * torch.randn(lq, 16)).view(1, 1, lq, 16)
+    k = ((1.0 + 0.4 * torch.rand(lk, 1)) * direction + 0.01 * torch.randn(lk, 16)).view(
+        1, 1, lk, 16)
+    v = torch.randn(1, 1, lk, 16)
+    grad_out = torch.randn(1, 1, lq, 16)
+    _, grads = _run(lambda *t: triton_attention(*t, alpha=1.5, softcap=1.0), [q, k, v], grad_out)
+    _, expected = _run(lambda *t: oracle_attention(*t, alpha=1.5, softcap=1.0),
+                       [t.double() for t in (q, k, v)], grad_out.double())
+    for name, got, want in zip(("dq", "dk"), grads[:2], expected[:2]):
+        assert 0 < want.abs().max() < 1e-6, name
+        assert (got.double() - want).abs().max() <= 1e-3 * want.abs().max(), name
+
+
 def test_all_options_with_a_float_mask_and_float_alpha():
     torch.manual_seed(12)
     lq, lk = 101, 70

@@ -166,8 +166,7 @@ BACKWARD_VARIANTS = {
     "kernel": [],
     # p and s normalised per score rather than by the row factors of `_row_weights`
     "norm_per_score": [
-        (" window_key_tiles, window_query_tiles)\n",
-         " window_key_tiles, window_query_tiles, sensitivity, weights)\n"),
+        (" window_query_tiles)\n", " window_query_tiles, sensitivity, weights)\n"),
         ("    if ALPHA_KIND == ALPHA_ENTMAX15:\n        b_c = tl.math.rsqrt(b_l)\n",
          "    if ALPHA_KIND == ALPHA_KIND:\n"
          "        b_g = gap(b_u, b_thr, inv_am1, ALPHA_KIND)\n"

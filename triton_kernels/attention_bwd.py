@@ -91,7 +91,7 @@ def _dq_tile(b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, st
         b_kt = tl.trans(b_k)  # one load of k for the scores and for dQ
     else:
         b_kt = 0.0
-    b_u, b_tanh = shifted_scores(b_q, b_kt, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq,
+    b_u, b_cap_slope = shifted_scores(b_q, b_kt, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq,
                          stride_mk, o_m, start_n, q_len, k_len, head_e, scale, b_mz,
                          is_causal, pos_shift, win_left, win_right, softcap, slope, BLOCK_N,
                          BLOCK_E, BLOCK_EC, MASK_KIND, OPTIONS, BOUNDARY)
@@ -104,8 +104,8 @@ def _dq_tile(b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, st
                                   BLOCK_M, BLOCK_N, HAS_DROPOUT)
     b_dz = b_s * (b_g - b_delta[:, None])
     if (SCORE_SOFTCAP_C & OPTIONS) != 0:
-        # through the cap: d(softcap tanh(s / softcap))/ds = 1 - tanh^2
-        b_dz = b_dz * (1.0 - b_tanh * b_tanh)
+        # through the cap: d(softcap tanh(s / softcap))/ds = 1 / cosh^2(s / softcap)
+        b_dz = b_dz * b_cap_slope
     if BLOCK_EC < BLOCK_E:
         # loaded only now, so that it is not live during the chunked products
         b_k = load_rows(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E, BOUNDARY)
@@ -360,7 +360,7 @@ def _dkdv_tile(b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do,
     b_l = _row_values(p_stats + STAT_SUM_C * stride_stat, o_m, q_len, BOUNDARY)
     b_l = tl.where(b_l > 0, b_l, 1.0)
     b_delta = _row_values(p_rows + ROW_DELTA_C * stride_row, o_m, q_len, BOUNDARY)
-    b_u, b_tanh = shifted_scores(b_q, b_kt, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq,
+    b_u, b_cap_slope = shifted_scores(b_q, b_kt, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq,
                          stride_mk, o_m, start_n, q_len, k_len, head_e, scale, b_mz,
                          is_causal, pos_shift, win_left, win_right, softcap, slope, BLOCK_N,
                          BLOCK_E, BLOCK_EC, MASK_KIND, OPTIONS, BOUNDARY)
@@ -374,8 +374,8 @@ def _dkdv_tile(b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do,
         b_p = b_p * b_drop
     b_dz = b_s * (b_g - b_delta[:, None])
     if (SCORE_SOFTCAP_C & OPTIONS) != 0:
-        # through the cap: d(softcap tanh(s / softcap))/ds = 1 - tanh^2
-        b_dz = b_dz * (1.0 - b_tanh * b_tanh)
+        # through the cap: d(softcap tanh(s / softcap))/ds = 1 / cosh^2(s / softcap)
+        b_dz = b_dz * b_cap_slope
     if BLOCK_EC < BLOCK_E:
         # loaded only now, so that they are not live during the chunked products
         b_q = load_rows(p_q, stride_ql, o_m, q_len, head_e, BLOCK_E, BOUNDARY)

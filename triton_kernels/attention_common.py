@@ -516,11 +516,17 @@ WINDOW_UNBOUNDED_C = tl.constexpr(1 << 30)
 
 
 @triton.jit
-def tanh_exp2(b_x):
-    """tanh from one exp2: 1 - 2 / (e^(2x) + 1), exact at the saturated ends (e^(2x) = inf
-    gives 1, 0 gives -1); near 0 its error is absolute, about 1e-7, which a softcap's
-    scale multiplies (libdevice's tanh is not one call on every triton this runs on)."""
-    return 1.0 - 2.0 / (tl.exp2(b_x * 2.8853900817779268) + 1.0)
+def softcap_tanh(b_x):
+    """(tanh x, 1 / cosh^2 x) from one exp2 of -2|x|: with e = e^(-2|x|) in (0, 1],
+    tanh |x| = (1 - e) / (1 + e) and 1 / cosh^2 x = 4 e / (1 + e)^2, which overflow at
+    neither end and keep the derivative's relative accuracy where tanh rounds to +-1 (where
+    1 - tanh^2 would round to 0: docs/attention.md, "Score options"). Near 0, tanh's error
+    is absolute, about 1e-7 (1 - e cancels), times the softcap. (libdevice's tanh is not one
+    call on every triton this runs on.)"""
+    b_e = tl.exp2(tl.abs(b_x) * -2.8853900817779268)
+    b_r = 1.0 / (1.0 + b_e)
+    b_t = (1.0 - b_e) * b_r
+    return tl.where(b_x < 0, -b_t, b_t), 4.0 * b_e * b_r * b_r
 
 
 @triton.jit
@@ -529,9 +535,9 @@ def shifted_scores(b_q, b_kt, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_b
                    is_causal, pos_shift, win_left, win_right, softcap, slope,
                    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
                    MASK_KIND: tl.constexpr, OPTIONS: tl.constexpr, BOUNDARY: tl.constexpr):
-    """Scores z of one tile minus the per-row shift b_shift [BM], -inf where masked, and
-    tanh(s / softcap) of the scaled scores s = scale * q k^T where OPTIONS caps them (0.0
-    otherwise: the backward's chain rule through the cap, 1 - tanh^2). [BM, BN]
+    """Scores z of one tile minus the per-row shift b_shift [BM], -inf where masked, and the
+    cap's derivative 1 / cosh^2(s / softcap) at the scaled scores s = scale * q k^T where
+    OPTIONS caps them (1.0 otherwise), the backward's chain rule through the cap. [BM, BN]
 
     z is s, capped (softcap tanh(s / softcap)), less ALiBi's slope |pos - j| (the query
     row i at key position pos = i + pos_shift), plus an additive mask (docs/attention.md,
@@ -549,11 +555,11 @@ def shifted_scores(b_q, b_kt, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_b
     m_load = o_m[:, None] < q_len
     if BOUNDARY:
         m_load = m_load & (o_n[None, :] < k_len)
-    b_tanh = 0.0
+    b_cap_slope = 1.0
     if ((SCORE_SOFTCAP_C | SCORE_ALIBI_C) & OPTIONS) != 0:
         b_s = b_qk * scale
         if (SCORE_SOFTCAP_C & OPTIONS) != 0:
-            b_tanh = tanh_exp2(b_s * (1.0 / softcap))
+            b_tanh, b_cap_slope = softcap_tanh(b_s * (1.0 / softcap))
             b_s = softcap * b_tanh
         if (SCORE_ALIBI_C & OPTIONS) != 0:
             b_dist = tl.abs((o_m + pos_shift)[:, None] - o_n[None, :]).to(tl.float32)
@@ -583,7 +589,7 @@ def shifted_scores(b_q, b_kt, p_q_base, stride_ql, p_k_base, stride_kl, p_mask_b
             m_valid = m_valid & (o_n[None, :] >= (o_pos - win_left)[:, None]) & (
                 o_n[None, :] <= (o_pos + win_right)[:, None])
         b_z = tl.where(m_valid, b_z, float("-inf"))
-    return b_z, b_tanh
+    return b_z, b_cap_slope
 
 
 @triton.jit
