@@ -20,6 +20,11 @@ Ratios in the table come from the same run: x sdpa = entmax step / SDPA, paged/c
 paged step / contiguous step. Timing: ``torch.utils.benchmark`` (median of blocked runs),
 under ``torch.inference_mode()``, the methods taking turns (3 rounds with ``--quick``, 5
 otherwise) and each reporting its median turn. Writes bench/out/decode.csv.
+
+On a shared machine a parallel region waits for a thread the scheduler has put aside: on the
+2-core development machine under a load average of 7, the contiguous step at B 1, 4k keys
+took 20 ms on two threads and 7.4 ms with ``--threads 1`` (commit b03ada4); compare runs at
+one thread count.
 """
 from __future__ import annotations
 
@@ -127,7 +132,8 @@ def main(argv=None) -> list:
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     parser.add_argument("--alpha", type=float, default=1.5)
     parser.add_argument("--block-size", type=int, default=16, help="the paged cache's block size (a multiple of 16)")
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice); on a busy "
+                        "machine 1 avoids threads waiting for each other")
     parser.add_argument("--out", default=OUT_DIR)
     args = parser.parse_args(argv)
     if args.threads:
