@@ -753,12 +753,12 @@ def test_the_grid_compiles_every_cell_it_times_before_timing():
                   grid_bench.HEADS * length, grid_bench.HEADS * length * head_dim]
         return [(n == 1, n % 16 == 0) for n in values]
 
-    for grid in (grid_bench.GRID, grid_bench.QUICK_GRID):
+    for grid in (grid_bench.GRID + grid_bench.WINDOW_GRID, grid_bench.QUICK_GRID + grid_bench.WINDOW_GRID):
         runs = [grid_bench.parse_args(command[2:]) for command in grid_bench.compile_commands(grid)]
         compiled = {}
         for run in runs:
-            length, head_dim, causal = (int(v) for v in run.compile_only.split("x"))
-            compiled.setdefault((head_dim, bool(causal)), []).append((length, run.method))
+            length, head_dim, causal = grid_bench.parse_cell(run.compile_only)
+            compiled.setdefault((head_dim, causal), []).append((length, run.method))
         assert {(e, c) for _, e, c in grid} == set(compiled)
         for length, head_dim, causal in grid:
             (compile_length,) = {at for at, _ in compiled[(head_dim, causal)]}
@@ -768,6 +768,7 @@ def test_the_grid_compiles_every_cell_it_times_before_timing():
     assert grid_bench.QUICK_GRID[0] == grid_bench.GRID[0]
     for name in grid_bench.ENTMAX_METHODS:
         grid_bench.compile_only("16x8x1", name, device="cpu")
+        grid_bench.compile_only("16x8xw4", name, device="cpu")
 
 
 DQ_FUSED = [pytest.param(attention_common.DQ_ATOMIC, id="atomic"),
