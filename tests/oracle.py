@@ -85,6 +85,21 @@ def oracle_entmax(X: torch.Tensor, alpha, dim: int = -1) -> torch.Tensor:
     return p.movedim(-1, dim)
 
 
+def attention_leaves(q, k, v, alpha, options):
+    """The tensors an attention call differentiates: q, k, v, a tensor α, the sinks."""
+    leaves = [q, k, v]
+    if isinstance(alpha, torch.Tensor):
+        leaves.append(alpha)
+    if options.get("sinks") is not None:
+        leaves.append(options["sinks"])
+    return leaves
+
+
+def as_float64(tensors):
+    """Float64 copies, leaves again where the originals require grad (the oracle's inputs)."""
+    return [t.detach().double().requires_grad_(t.requires_grad) for t in tensors]
+
+
 def oracle_attention(query, key, value, attn_mask=None, is_causal=False, scale=None, alpha=1.5, *,
                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
     """Dense float64 entmax attention (no dropout); GQA by repeating key/value heads.

@@ -17,7 +17,7 @@ import entmax_fast
 from entmax_fast import dispatch
 from entmax_fast.backends import triton as triton_backend
 from devices import cpu_backends
-from oracle import oracle_attention, oracle_entmax
+from oracle import as_float64, attention_leaves, oracle_attention, oracle_entmax
 
 B, H, HKV, E = 2, 4, 2, 8
 # One α per head, none of them 1: the oracle's α = 1 rows are torch.softmax, which has no
@@ -61,28 +61,15 @@ def _inputs(lq, lk, dtype, scale=2.0):
     return q, k, v
 
 
-def _leaves(q, k, v, alpha, options):
-    leaves = [q, k, v]
-    if isinstance(alpha, torch.Tensor):
-        leaves.append(alpha)
-    if options.get("sinks") is not None:
-        leaves.append(options["sinks"])
-    return leaves
-
-
-def _as_float64(tensors):
-    return [t.detach().double().requires_grad_(t.requires_grad) for t in tensors]
-
-
 def _oracle_and_grads(q, k, v, alpha, options, grad_out, **kwargs):
     """The oracle's output and its gradients with respect to the same leaves, in float64."""
-    q64, k64, v64 = _as_float64((q, k, v))
-    alpha64 = _as_float64([alpha])[0] if isinstance(alpha, torch.Tensor) else alpha
+    q64, k64, v64 = as_float64((q, k, v))
+    alpha64 = as_float64([alpha])[0] if isinstance(alpha, torch.Tensor) else alpha
     options64 = dict(options)
     if options.get("sinks") is not None:
-        options64["sinks"] = _as_float64([options["sinks"]])[0]
+        options64["sinks"] = as_float64([options["sinks"]])[0]
     out = oracle_attention(q64, k64, v64, alpha=alpha64, **options64, **kwargs)
-    grads = torch.autograd.grad(out, _leaves(q64, k64, v64, alpha64, options64), grad_out.double())
+    grads = torch.autograd.grad(out, attention_leaves(q64, k64, v64, alpha64, options64), grad_out.double())
     return out, grads
 
 
@@ -137,11 +124,11 @@ def test_options_match_the_oracle_through_dispatch(monkeypatch, first_backend, n
 
     out = entmax_fast.entmax_attention(q, k, v, enable_gqa=True, alpha=alpha, **options)
     _check_fallback("attention", first_backend, names)
-    grads = torch.autograd.grad(out, _leaves(q, k, v, alpha, options), grad_out)
+    grads = torch.autograd.grad(out, attention_leaves(q, k, v, alpha, options), grad_out)
 
     expected, expected_grads = _oracle_and_grads(q, k, v, alpha, options, grad_out)
     torch.testing.assert_close(out.double(), expected, **TOL[dtype])
-    for leaf, got, want in zip(_leaves(q, k, v, alpha, options), grads, expected_grads):
+    for leaf, got, want in zip(attention_leaves(q, k, v, alpha, options), grads, expected_grads):
         torch.testing.assert_close(got.double(), want, **(ALPHA_TOL if leaf is alpha else TOL)[dtype])
 
 
@@ -171,7 +158,7 @@ def test_all_options_with_masks_and_a_float_alpha(mask, alpha):
         out = entmax_fast.entmax_attention(q, k, v, enable_gqa=True, alpha=alpha, **masks, **options)
     grads = torch.autograd.grad(out, leaves, grad_out)
 
-    leaves64 = _as_float64(leaves)
+    leaves64 = as_float64(leaves)
     q64, k64, v64, sinks64 = leaves64[:4]
     masks64 = {"attn_mask": leaves64[4]} if mask == "float" else masks
     expected = oracle_attention(q64, k64, v64, alpha=alpha, **masks64, **{**options, "sinks": sinks64})
@@ -261,7 +248,7 @@ def test_varlen_options_match_each_sequence_alone(monkeypatch, first_backend):
     grad_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v, alpha, sinks), grad_out)
 
-    leaves64 = _as_float64((q, k, v, alpha, sinks))
+    leaves64 = as_float64((q, k, v, alpha, sinks))
     q64, k64, v64, alpha64, sinks64 = leaves64
     expected = torch.zeros(13, H, E, dtype=torch.float64)
     for b in range(4):

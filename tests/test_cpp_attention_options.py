@@ -20,7 +20,7 @@ from entmax_fast.backends.cpp import loader
 from entmax_fast.backends.cpp import ops as cpp_ops
 from entmax_fast.reference.attention import attention_backward as reference_backward
 from entmax_fast.reference.attention import attention_forward as reference_forward
-from oracle import oracle_attention, oracle_entmax
+from oracle import as_float64, attention_leaves, oracle_attention, oracle_entmax
 
 _AVAILABLE, _REASON = dispatch.availability("cpp")
 _AVAILABLE = _AVAILABLE and loader.has_entmax_ops()
@@ -94,19 +94,6 @@ def _attention_on(backend, q, k, v, **kwargs):
     return out
 
 
-def _leaves(q, k, v, alpha, options):
-    leaves = [q, k, v]
-    if isinstance(alpha, torch.Tensor):
-        leaves.append(alpha)
-    if options.get("sinks") is not None:
-        leaves.append(options["sinks"])
-    return leaves
-
-
-def _as_float64(tensors):
-    return [t.detach().double().requires_grad_(t.requires_grad) for t in tensors]
-
-
 def _assert_within_reference_error(name, got, reference, oracle, atol):
     """|got − oracle| ≤ 2 |reference − oracle| + atol·max(1, |oracle|), largest entries
     (FlashAttention's rule, as tests/test_cpp_ops.py): in float32 the reference's own error,
@@ -120,7 +107,7 @@ def _assert_within_reference_error(name, got, reference, oracle, atol):
 def _check_against_oracle(q, k, v, alpha, options, dtype, **masks):
     """The C++ call's output and gradients of every leaf against the oracle's in float64:
     within a few ulps in float64, within the float32 reference's own error in float32."""
-    leaves = _leaves(q, k, v, alpha, options)
+    leaves = attention_leaves(q, k, v, alpha, options)
     grad_out = torch.randn(q.shape[:-1] + v.shape[-1:], dtype=dtype)
     results = {}
     for backend in ("cpp", "reference") if dtype == torch.float32 else ("cpp",):
@@ -128,7 +115,7 @@ def _check_against_oracle(q, k, v, alpha, options, dtype, **masks):
         assert out.dtype == dtype
         results[backend] = (out, *torch.autograd.grad(out, leaves, grad_out))
 
-    leaves64 = _as_float64(leaves)
+    leaves64 = as_float64(leaves)
     q64, k64, v64 = leaves64[:3]
     alpha64 = leaves64[3] if isinstance(alpha, torch.Tensor) else alpha
     options64 = dict(options)
