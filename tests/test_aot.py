@@ -2,7 +2,7 @@
 shared memory (triton_kernels/aot.py, docs/checking.md item 2); spills are printed as a
 diagnostic, not failed (time on a GPU is the measure of speed).
 
-The modules list 366 (row-wise) and 1008 + 1560 (attention) configurations, so the suite
+The modules list 366 (row-wise) and 8064 + 12480 (attention) configurations, so the suite
 compiles a covering sample in which every option value (dtype, head dim, alpha kind, mask
 kind, varlen, dropout, ...) occurs at least once, around the configurations whose loops
 must be pipelined: once per run, in parallel processes, one test per kernel module reading
