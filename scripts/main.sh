@@ -7,7 +7,7 @@
 #      learned-α attention (+ bench/out/train/attention_heatmaps.png);
 #   5. length generalisation: softmax, SSMax, sparsemax, 1.5-entmax, learned α and ASEntmax
 #      trained at one length, scored up to 16x longer (docs/length_generalization.md).
-# Parts 1-4 took 3.6 minutes on an idle 2-core CPU after setup, part 5 5.8 minutes on a busy one;
+# Parts 1-4 took 3.6 minutes on an idle 2-core CPU after setup, part 5 1.7 minutes;
 # outputs in bench/out/
 set -euo pipefail
 cd "$(dirname "$0")/.."
