@@ -289,6 +289,22 @@ def _check_attention_args(query, key, value, attn_mask, dropout_p, scale, enable
     return _check_dropout_scale_alpha(dropout_p, scale, alpha, heads, query)
 
 
+def checked_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alpha, window_size,
+                      softcap, alibi_slopes, sinks):
+    """:func:`entmax_attention`'s arguments checked, a CausalBias mask resolved: (attn_mask
+    tensor or None, is_causal, lower_right, alpha, window_size, softcap)."""
+    bias = _causal_bias(attn_mask)
+    if bias is not None:
+        attn_mask = None
+    alpha = _check_attention_args(query, key, value, attn_mask, dropout_p, scale, enable_gqa, alpha)
+    lower_right = False
+    if bias is not None:
+        is_causal, lower_right = _resolve_causal_bias(bias, query.shape[2], key.shape[2], bool(is_causal))
+    window_size, softcap = _check_score_options(window_size, softcap, alibi_slopes, sinks, query.shape[0],
+                                                query.shape[1], "query", query)
+    return attn_mask, is_causal, lower_right, alpha, window_size, softcap
+
+
 def entmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                      enable_gqa=False, *, alpha=1.5, window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None,
                      sinks=None):
@@ -325,15 +341,9 @@ def entmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     Zero-size dims: Lk = 0 gives zeros; B, H, Lq or Ev = 0 an empty output; E = 0 scores
     every key 0 (uniform weights unless masked). Once differentiable: double backward raises.
     """
-    bias = _causal_bias(attn_mask)
-    if bias is not None:
-        attn_mask = None
-    alpha = _check_attention_args(query, key, value, attn_mask, dropout_p, scale, enable_gqa, alpha)
-    lower_right = False
-    if bias is not None:
-        is_causal, lower_right = _resolve_causal_bias(bias, query.shape[2], key.shape[2], bool(is_causal))
-    window_size, softcap = _check_score_options(window_size, softcap, alibi_slopes, sinks, query.shape[0],
-                                                query.shape[1], "query", query)
+    attn_mask, is_causal, lower_right, alpha, window_size, softcap = checked_arguments(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alpha, window_size, softcap,
+        alibi_slopes, sinks)
     if is_empty_attention(query, key, value):
         return zero_attention(query, key, value, alpha, sinks)
     if query.shape[-1] == 0:

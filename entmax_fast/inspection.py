@@ -11,45 +11,43 @@ import math
 
 import torch
 
-from .attention import (NO_WINDOW, _causal_bias, _check_attention_args, _check_score_options,
-                        _resolve_causal_bias)
+from .attention import NO_WINDOW, checked_arguments
+from .common import compute_dtype
 from .mappings import entmax_bisect
-from .reference.attention import CHUNK_ELEMENTS, _as_4d_mask, expand_heads, masked_scores
+from .reference.attention import CHUNK_ELEMENTS, _as_4d_mask, _with_sink, expand_heads, masked_scores
 
 __all__ = ["attention_weights", "support_size"]
 
 
 def _prepared(query, key, attn_mask, is_causal, scale, enable_gqa, alpha, window_size, softcap, alibi_slopes,
               sinks):
-    """The checked arguments as the score function wants them: (key with H heads, mask, is_causal,
-    scale, alpha, score options)."""
-    bias = _causal_bias(attn_mask)
-    if bias is not None:
-        attn_mask = None
-    alpha = _check_attention_args(query, key, key, attn_mask, 0.0, scale, enable_gqa, alpha)
-    lower_right = False
-    if bias is not None:
-        is_causal, lower_right = _resolve_causal_bias(bias, query.shape[2], key.shape[2], bool(is_causal))
-    window_size, softcap = _check_score_options(window_size, softcap, alibi_slopes, sinks, query.shape[0],
-                                                query.shape[1], "query", query)
+    """The checked arguments as the score function wants them: (query and key with H heads in
+    the compute dtype, mask, is_causal, scale, alpha, score options). E = 0 becomes one zero
+    feature, as in entmax_attention (every key scores 0)."""
+    attn_mask, is_causal, lower_right, alpha, window_size, softcap = checked_arguments(
+        query, key, key, attn_mask, 0.0, is_causal, scale, enable_gqa, alpha, window_size, softcap, alibi_slopes,
+        sinks)
     if lower_right:
         window_size = (window_size[0], 0)
+    if query.shape[-1] == 0:
+        query, key = torch.nn.functional.pad(query, (0, 1)), torch.nn.functional.pad(key, (0, 1))
+        scale = 1.0
     if scale is None:
-        scale = 1.0 / math.sqrt(query.shape[-1]) if query.shape[-1] else 1.0
+        scale = 1.0 / math.sqrt(query.shape[-1])
     options = {"query_length": query.shape[2], "window_size": window_size, "softcap": softcap,
                "alibi_slopes": alibi_slopes}
-    mask = _as_4d_mask(attn_mask)
-    return expand_heads(key, query.shape[1]), mask, bool(is_causal), float(scale), alpha, options
+    compute = compute_dtype(query.dtype)
+    return (query.to(compute), expand_heads(key, query.shape[1]).to(compute), _as_4d_mask(attn_mask),
+            bool(is_causal), float(scale), alpha, options)
 
 
 def _row_weights(scores, alpha, sinks):
     """Entmax of each row (the sink appended as a last key), without the sink's entry."""
-    if sinks is not None:
-        scores = torch.cat([scores, sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
     if isinstance(alpha, torch.Tensor):
         alpha = alpha.to(scores.dtype).expand(scores.shape[1]).view(1, -1, 1, 1)
-    weights = entmax_bisect(scores, alpha=alpha, dim=-1)
-    return weights[..., :-1] if sinks is not None else weights
+    if sinks is None:
+        return entmax_bisect(scores, alpha=alpha, dim=-1)
+    return entmax_bisect(_with_sink(scores, sinks), alpha=alpha, dim=-1)[..., :-1]
 
 
 def attention_weights(query, key, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, *, alpha=1.5,
@@ -62,16 +60,12 @@ def attention_weights(query, key, attn_mask=None, is_causal=False, scale=None, e
     Dense, for inspection (as ``"eager"`` attention gives): it holds B·H·Lq·Lk entries.
     In query's dtype, computed in float32 (float64 for float64 inputs).
     """
-    key_h, mask, is_causal, scale, alpha, options = _prepared(query, key, attn_mask, is_causal, scale, enable_gqa,
-                                                              alpha, window_size, softcap, alibi_slopes, sinks)
+    q, k, mask, is_causal, scale, alpha, options = _prepared(query, key, attn_mask, is_causal, scale, enable_gqa,
+                                                             alpha, window_size, softcap, alibi_slopes, sinks)
     batch, heads, lq, _ = query.shape
-    if key_h.shape[2] == 0 or batch * heads * lq == 0:
-        return query.new_zeros(batch, heads, lq, key_h.shape[2])
-    if query.shape[-1] == 0:
-        # The empty dot product scores every key 0, as in entmax_attention.
-        query, key_h = torch.nn.functional.pad(query, (0, 1)), torch.nn.functional.pad(key_h, (0, 1))
-    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
-    scores = masked_scores(query.to(compute), key_h.to(compute), scale, mask, 0, lq, is_causal, **options)
+    if key.shape[2] == 0 or batch * heads * lq == 0:
+        return query.new_zeros(batch, heads, lq, key.shape[2])
+    scores = masked_scores(q, k, scale, mask, 0, lq, is_causal, **options)
     return _row_weights(scores, alpha, sinks).to(query.dtype)
 
 
@@ -82,18 +76,14 @@ def support_size(query, key, attn_mask=None, is_causal=False, scale=None, enable
     chunks of query rows, each at most ``CHUNK_ELEMENTS`` scores, so memory does not grow as
     Lq·Lk; no gradient."""
     with torch.no_grad():
-        key_h, mask, is_causal, scale, alpha, options = _prepared(query, key, attn_mask, is_causal, scale,
-                                                                  enable_gqa, alpha, window_size, softcap,
-                                                                  alibi_slopes, sinks)
+        q, k, mask, is_causal, scale, alpha, options = _prepared(query, key, attn_mask, is_causal, scale,
+                                                                 enable_gqa, alpha, window_size, softcap,
+                                                                 alibi_slopes, sinks)
         batch, heads, lq, _ = query.shape
-        lk = key_h.shape[2]
+        lk = key.shape[2]
         counts = torch.zeros(batch, heads, lq, dtype=torch.int64, device=query.device)
         if lk == 0 or batch * heads * lq == 0:
             return counts
-        if query.shape[-1] == 0:
-            query, key_h = torch.nn.functional.pad(query, (0, 1)), torch.nn.functional.pad(key_h, (0, 1))
-        compute = torch.float64 if query.dtype == torch.float64 else torch.float32
-        q, k = query.to(compute), key_h.to(compute)
         rows = max(1, CHUNK_ELEMENTS // max(1, batch * heads * (lk + 1)))
         for start in range(0, lq, rows):
             stop = min(lq, start + rows)
