@@ -14,7 +14,7 @@ import torch
 from .attention import NO_WINDOW, checked_arguments
 from .common import compute_dtype
 from .mappings import entmax_bisect
-from .reference.attention import CHUNK_ELEMENTS, _as_4d_mask, _with_sink, expand_heads, masked_scores
+from .reference.attention import CHUNK_ELEMENTS, _as_4d_mask, expand_heads, masked_scores, with_sink
 
 __all__ = ["attention_weights", "support_size"]
 
@@ -47,7 +47,7 @@ def _row_weights(scores, alpha, sinks):
         alpha = alpha.to(scores.dtype).expand(scores.shape[1]).view(1, -1, 1, 1)
     if sinks is None:
         return entmax_bisect(scores, alpha=alpha, dim=-1)
-    return entmax_bisect(_with_sink(scores, sinks), alpha=alpha, dim=-1)[..., :-1]
+    return entmax_bisect(with_sink(scores, sinks), alpha=alpha, dim=-1)[..., :-1]
 
 
 def attention_weights(query, key, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, *, alpha=1.5,

@@ -22,6 +22,7 @@ from torch import nn
 from .attention import NO_WINDOW, _check_softcap, _check_window_size, entmax_attention
 from .length_scale import LENGTH_SCALES, attended_keys, length_scaled_query
 from .mappings import entmax15, entmax_bisect, sparsemax
+from .reference.attention import with_score_options, with_sink
 
 __all__ = ["MultiheadEntmaxAttention", "replace_attention", "alibi_slopes", "ATTENTION_KINDS"]
 
@@ -401,27 +402,13 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
             raise ValueError("need_weights=True builds this rank's local scores, not the whole sequence's: pass "
                              "need_weights=False under entmax_fast.distributed.context_parallel")
         scores = (q * (1.0 / math.sqrt(q.shape[-1]))) @ k.transpose(-2, -1)
-        tgt_len, src_len = scores.shape[-2:]
-        # Query i sits at key position i + S − L (bottom-right, as the fused kernels).
-        distance = (torch.arange(tgt_len, device=q.device)[:, None] + (src_len - tgt_len)
-                    - torch.arange(src_len, device=q.device)[None, :])
         if self.softcap:
             scores = self.softcap * torch.tanh(scores / self.softcap)
-        if self.alibi_slopes is not None:
-            scores = scores - self.alibi_slopes.to(scores.dtype).view(1, -1, 1, 1) * distance.abs()
-        if mask is not None:
-            if mask.dtype == torch.bool:
-                scores = scores.masked_fill(~mask, float("-inf"))
-            else:
-                scores = scores + mask
-        left, right = self.window_size
-        if left >= 0:
-            scores = scores.masked_fill(distance > left, float("-inf"))
-        if right >= 0:
-            scores = scores.masked_fill(distance < -right, float("-inf"))
+        tgt_len = scores.shape[-2]
+        scores = with_score_options(scores, mask, 0, tgt_len, False, query_length=tgt_len,
+                                    window_size=self.window_size, alibi_slopes=self.alibi_slopes)
         if self.sinks is not None:
-            sink = self.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-            weights = self._weights(torch.cat([scores, sink], dim=-1))[..., :-1]
+            weights = self._weights(with_sink(scores, self.sinks))[..., :-1]
         else:
             weights = self._weights(scores)
         if dropout_p > 0.0:

@@ -17,7 +17,8 @@ from .._validation import once_differentiable_grads
 from ..common import compute_dtype
 from .mappings import entmax_backward, entmax_forward
 
-__all__ = ["entmax_attention", "entmax_attention_varlen", "masked_scores", "expand_heads", "zero_attention",
+__all__ = ["entmax_attention", "entmax_attention_varlen", "masked_scores", "with_score_options", "with_sink",
+           "expand_heads", "zero_attention",
            "is_empty_attention", "CHUNK_ELEMENTS", "NO_WINDOW"]
 
 # Scores per chunk: 4M entries, 16 MB in float32.
@@ -72,8 +73,15 @@ def masked_scores(q_chunk, key, scale, mask, start, stop, is_causal, *, query_le
     attend; float: added; broadcastable, size 1 or Lq along dim −2), the top-left causal
     mask, the window ``pos − left ≤ j ≤ pos + right`` (−1: unbounded), pos = i + Lk − Lq.
     Returns (..., c, Lk); the sink is appended later, to the masked row."""
-    lk = key.shape[-2]
-    scores = capped_scores(q_chunk, key, scale, softcap)
+    return with_score_options(capped_scores(q_chunk, key, scale, softcap), mask, start, stop, is_causal,
+                              query_length=query_length, window_size=window_size, alibi_slopes=alibi_slopes)
+
+
+def with_score_options(scores, mask, start, stop, is_causal, *, query_length, window_size=NO_WINDOW,
+                       alibi_slopes=None):
+    """:func:`masked_scores` after the (capped) scores (..., c, Lk) are formed: ALiBi, the
+    masks and the window."""
+    lk = scores.shape[-1]
     needs_positions = alibi_slopes is not None or window_size != NO_WINDOW
     if needs_positions:
         positions, keys = _positions(start, stop, query_length, lk, scores.device)
@@ -97,7 +105,7 @@ def masked_scores(q_chunk, key, scale, mask, start, stop, is_causal, *, query_le
     return scores
 
 
-def _with_sink(scores, sinks):
+def with_sink(scores, sinks):
     """The row with each head's sink logit appended as a last, virtual key: (..., c, Lk + 1)."""
     column = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
     return torch.cat([scores, column], dim=-1)
@@ -109,7 +117,7 @@ def _weights(scores, alpha_rows, sinks):
     if sinks is None:
         weights = entmax_forward(scores, alpha_rows, dim=-1)
         return weights, weights
-    full = entmax_forward(_with_sink(scores, sinks), alpha_rows, dim=-1)
+    full = entmax_forward(with_sink(scores, sinks), alpha_rows, dim=-1)
     return full[..., :-1], full
 
 
