@@ -40,7 +40,7 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
 from .attention import entmax_attention
 from .inspection import attention_weights
 from .multihead import _active_context_parallel
-from .reference.attention import NO_WINDOW
+from .reference.attention import NO_WINDOW, expand_heads
 
 __all__ = ["register", "entmax_attention_forward", "entmax_attention_mask", "DEFAULT_IMPLEMENTATIONS"]
 
@@ -119,8 +119,7 @@ def _with_weights(module, query, key, value, attention_mask, dropout, is_causal,
                                 enable_gqa=key.shape[1] != query.shape[1], alpha=alpha, window_size=window_size,
                                 softcap=0.0 if softcap is None else softcap, sinks=sinks)
     dropped = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
-    value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
-    return (dropped @ value).transpose(1, 2).contiguous(), weights
+    return (dropped @ expand_heads(value, query.shape[1])).transpose(1, 2).contiguous(), weights
 
 
 def _is_causal_sliding_window(mask_function, window: int) -> bool:
