@@ -260,16 +260,19 @@ def _with_options(family, attn_implementation):
 
 
 def _record_calls(monkeypatch):
-    """What each layer passes to entmax_attention: (mask given, window_size, softcap, sinks given)."""
+    """What each layer passes to entmax_attention, or to entmax_attention_with_kvcache for a
+    decoding step: (mask given, window_size, softcap, sinks given)."""
     calls = []
-    original = entmax_fast.hf.entmax_attention
 
-    def recording(query, key, value, **kwargs):
-        calls.append((kwargs["attn_mask"] is not None, kwargs["window_size"], kwargs["softcap"],
-                      kwargs["sinks"] is not None))
-        return original(query, key, value, **kwargs)
+    def recording(original):
+        def record(query, key, value, **kwargs):
+            calls.append((kwargs.get("attn_mask") is not None, kwargs["window_size"], kwargs["softcap"],
+                          kwargs["sinks"] is not None))
+            return original(query, key, value, **kwargs)
+        return record
 
-    monkeypatch.setattr(entmax_fast.hf, "entmax_attention", recording)
+    for name in ("entmax_attention", "entmax_attention_with_kvcache"):
+        monkeypatch.setattr(entmax_fast.hf, name, recording(getattr(entmax_fast.hf, name)))
     return calls
 
 
