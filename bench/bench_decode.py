@@ -6,6 +6,8 @@ and vs today's alternative, a prefill-shaped ``entmax_attention`` call on the ca
     python bench/bench_decode.py --quick      # CPU, < 2 minutes
     python bench/bench_decode.py              # B 1 at 4k..64k keys, B 4 and 16 at 4k (and 16k for B 4)
     python bench/bench_decode.py --batches 1 --lengths 32768 --block-size 256 --threads 1
+    python bench/bench_decode.py --device cuda --dtype float16 --batches 1 4 16 \
+        --lengths 1024 8192 32768 131072     # a GPU: the Triton decoding kernels
 
 A step is what a serving loop pays per token: the public call appends the new token's key
 and value (idempotently, at the same place each repeat) and attends the sequence's keys, the
@@ -58,8 +60,8 @@ def _paged(cache: torch.Tensor, block_size: int, generator: torch.Generator):
     """The cache's contents as a paged pool with its blocks shuffled, and the block table."""
     batch, kv_heads, length, width = cache.shape
     n_blocks = length // block_size
-    order = torch.randperm(batch * n_blocks, generator=generator)
-    pool = torch.empty(batch * n_blocks, kv_heads, block_size, width, dtype=cache.dtype)
+    order = torch.randperm(batch * n_blocks, generator=generator).to(cache.device)
+    pool = torch.empty(batch * n_blocks, kv_heads, block_size, width, dtype=cache.dtype, device=cache.device)
     pool[order] = cache.view(batch, kv_heads, n_blocks, block_size, width).transpose(1, 2).reshape(
         batch * n_blocks, kv_heads, block_size, width)
     return pool, order.view(batch, n_blocks).to(torch.int32)
@@ -74,11 +76,12 @@ def _support(q, k_cache, length, alpha: float) -> float:
 
 
 def run(batch: int, length: int, heads: int, kv_heads: int, head_dim: int, dtype, alpha: float, block_size: int,
-        min_run_time: float, rounds: int) -> dict:
-    generator = torch.Generator().manual_seed(length + batch)
+        min_run_time: float, rounds: int, device: str = "cpu") -> dict:
+    # drawn where they are used: a GPU's caches (up to 4 GiB) would take seconds to draw on the CPU
+    generator = torch.Generator(device).manual_seed(length + batch)
 
     def randn(*shape):
-        return torch.randn(*shape, generator=generator, dtype=torch.float32).to(dtype)
+        return torch.randn(*shape, generator=generator, dtype=torch.float32, device=device).to(dtype)
 
     q = randn(batch, heads, 1, head_dim)
     k_cache, v_cache = randn(batch, kv_heads, length, head_dim), randn(batch, kv_heads, length, head_dim)
@@ -86,7 +89,7 @@ def run(batch: int, length: int, heads: int, kv_heads: int, head_dim: int, dtype
     # One seed for both pools: their blocks are shuffled alike, so one table serves both.
     pool_k, table = _paged(k_cache, block_size, torch.Generator().manual_seed(length))
     pool_v, _ = _paged(v_cache, block_size, torch.Generator().manual_seed(length))
-    before = torch.full((batch,), length - 1, dtype=torch.int32)
+    before = torch.full((batch,), length - 1, dtype=torch.int32, device=device)
 
     def contiguous():
         return entmax_fast.entmax_attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=before,
@@ -134,6 +137,7 @@ def main(argv=None) -> list:
     parser.add_argument("--block-size", type=int, default=16, help="the paged cache's block size (a multiple of 16)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice); on a busy "
                         "machine 1 avoids threads waiting for each other")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (the Triton kernels; --dtype float16 there)")
     parser.add_argument("--out", default=OUT_DIR)
     args = parser.parse_args(argv)
     if args.threads:
@@ -147,14 +151,14 @@ def main(argv=None) -> list:
     min_run_time = 0.6 if args.quick else 1.5
     rounds = 3 if args.quick else 5
     print(f"{machine()}\ndecoding step: H={args.heads} Hkv={args.kv_heads} E={args.head_dim} Lq=1 {args.dtype} "
-          f"alpha={args.alpha:g}, paged block size {args.block_size}")
+          f"alpha={args.alpha:g}, paged block size {args.block_size}, {args.device}")
     rows = [run(batch, length, args.heads, args.kv_heads, args.head_dim, getattr(torch, args.dtype), args.alpha,
-                args.block_size, min_run_time, rounds) for batch, length in configs]
+                args.block_size, min_run_time, rounds, args.device) for batch, length in configs]
     print_table(rows, "Decoding step (ms; ratios from the same run)")
     print("x_sdpa: contiguous-cache step / SDPA; paged_x_sdpa: paged step / SDPA; paged/contig: paged step / "
           "contiguous step;\nprefill_x_sdpa: entmax_attention on the cache's slice / SDPA; support_%: keys in an "
           "average row's support")
-    csv_path = os.path.join(args.out, "decode.csv")
+    csv_path = os.path.join(args.out, "decode.csv" if args.device == "cpu" else f"decode_{args.device}.csv")
     write_csv(rows, csv_path)
     print(f"wrote {csv_path}")
     return rows

@@ -17,6 +17,10 @@
 #              inputs); QUICK=1 times four cells only; ATTENTION_ARGS replaces the
 #              default "--baseline-budget 120" (AdaSplash autotunes for about a minute per
 #              shape: past 120 s it is no longer timed);
+#   decode     one decoding step against a key/value cache (bench/bench_decode.py --device
+#              cuda: the Triton decoding kernels, contiguous and paged, against SDPA on
+#              the same cache and the prefill-shaped entmax_attention call), fp16, B 1, 4,
+#              16 at 1k to 128k keys; DECODE_ARGS replaces those batches and lengths;
 #   rowwise    the row-wise mappings (bench/bench_rowwise_gpu.py);
 #   structured fusedmax/oscarmax, when the extension is built for CUDA: the CUDA ops
 #              against the float64 reference (tests/test_structured.py -k cuda_ops),
@@ -41,7 +45,7 @@
 #              alone); VARIANTS_ARGS picks them (e.g. "--variants kernel cap2 cap3");
 #   bwd_variants  the same for the backward (--backward: forward and backward timed, the
 #              backward kernels edited); BWD_VARIANTS_ARGS picks them.
-# STEPS picks and orders them (default: tests train hf attention rowwise structured). The exit
+# STEPS picks and orders them (default: tests train hf attention decode rowwise structured). The exit
 # status is the number of failed steps. COMPILE_JOBS (default 8) is how many processes the
 # attention, rowwise and hf steps compile their kernels in before timing them.
 # A caller with a fixed time limit gives DEADLINE, seconds since the epoch, or BUDGET,
@@ -132,10 +136,11 @@ has_cuda_extension() {
   python -c "import torch, entmax_fast._C, sys; sys.exit(not torch._C._dispatch_has_kernel_for_dispatch_key('entmax_fast::fusedmax_forward', 'CUDA'))" 2>/dev/null
 }
 
-for name in ${STEPS:-tests train hf attention rowwise structured}; do
+for name in ${STEPS:-tests train hf attention decode rowwise structured}; do
   case "$name" in
     tests) step tests "${TESTS_LIMIT:-300}" python -m pytest -q -p no:cacheprovider "${workers[@]}" \
-             tests/test_triton_attention.py tests/test_triton_rowwise.py tests/test_tools.py ;;
+             tests/test_triton_attention.py tests/test_triton_rowwise.py tests/test_triton_kvcache.py \
+             tests/test_tools.py ;;
     train) CUDA_LAUNCH_BLOCKING=1 step train "${TRAIN_LIMIT:-120}" python -m entmax_fast.train --quick \
              --device cuda --no-progress --out "$OUT_DIR/train" ;;
     hf) step hf "${HF_LIMIT:-180}" python bench/bench_hf_training.py --out "$OUT_DIR" \
@@ -145,6 +150,8 @@ for name in ${STEPS:-tests train hf attention rowwise structured}; do
       [ "${QUICK:-0}" = "1" ] && quick=(--quick)
       step attention "${ATTENTION_LIMIT:-300}" python bench/bench_attention_gpu.py "${quick[@]}" \
         --out "$OUT_DIR" --jobs "$compile_jobs" ${ATTENTION_ARGS:---baseline-budget 120} ;;
+    decode) step decode "${DECODE_LIMIT:-300}" python bench/bench_decode.py --device cuda --dtype float16 \
+              --out "$OUT_DIR" ${DECODE_ARGS:---batches 1 4 16 --lengths 1024 8192 32768 131072} ;;
     profile) step profile "${PROFILE_LIMIT:-120}" python tools/profile_attention_gpu.py --causal ;;
     tune) step tune "${TUNE_LIMIT:-300}" python tools/tune_attention.py --causal ${TUNE_ARGS:-} ;;
     masked) step masked "${MASKED_LIMIT:-400}" python tools/tune_attention.py --causal --mask bool \
