@@ -26,9 +26,10 @@ row's scores are formed first and τ is found exactly over all of them:
 Every buffer's size follows from the shapes alone (the cache's capacity, not the lengths
 in cache_seqlens), so nothing waits on the host and a CUDA graph can capture the call; keys
 past a sequence's length are never loaded (their block-table entries may be garbage) and
-score −inf. The products are fp32 (three TF32 products, `attention_common.dot`): decoding
-is bound by memory, not by the tensor cores, so fp16/bf16 values are widened rather than
-the weights narrowed.
+score −inf. q·k is a tensor-core product in the cache's dtype with fp32 accumulation (fp32:
+three TF32 products, `attention_common.dot`); in p·v the fp32 weights meet fp16/bf16 values
+as two parts in the values' dtype (hi + lo), so that they keep 22 (fp16) or 16 (bf16) bits
+where one part would keep 11 or 8, and the values are used as stored.
 
 The launchers (`entmax_fast/backends/triton/kvcache.py`) choose the tiles and the number of
 splits; this module holds what they launch and what the AOT check compiles.
@@ -52,9 +53,12 @@ HEAD_BLOCKS = (16, 32, 64, 128, 256)
 # The score options with per-score work, compiled in only where used; the window is a
 # comparison every score makes anyway (an unbounded left side lies past every key).
 DECODE_OPTION_SETS = (0, SCORE_SOFTCAP, SCORE_ALIBI, SCORE_SOFTCAP | SCORE_ALIBI)
-# Keys per tile: wide heads take narrower tiles, so that a [BLOCK_E, BLOCK_N] key tile
-# stays within the registers.
-_KEY_BLOCK = {16: 64, 32: 64, 64: 64, 128: 64, 256: 32}
+# Elements of a [BLOCK_N, BLOCK_E] key or value tile in two-byte elements: 64 keys up to
+# E 128 in fp16/bf16, 32 at E 256; fp32 tiles half as many keys (three TF32 products hold
+# more of them: AOT, sm_90, 64 rows by 256 of fp32 at 32 keys took 192 KiB of shared memory).
+_TILE_HALFS = 8192
+_MAX_KEY_BLOCK = 64
+_MIN_KEY_BLOCK = 16
 NUM_WARPS = 4
 
 
@@ -64,15 +68,21 @@ def _head_block(dim: int) -> int:
     return max(HEAD_BLOCKS[0], 1 << max(0, dim - 1).bit_length())
 
 
-def tiles(n_rows: int, head_e: int, head_ev: int, interpreting: bool = False) -> dict:
+def _key_block(block_e: int, element_bytes: int) -> int:
+    return max(_MIN_KEY_BLOCK, min(_MAX_KEY_BLOCK, _TILE_HALFS * 2 // (block_e * element_bytes)))
+
+
+def tiles(n_rows: int, head_e: int, head_ev: int, element_bytes: int, interpreting: bool = False) -> tuple:
     """(scores kernel's constexprs, output kernel's) of a call with ``n_rows`` rows per
-    key/value head: BLOCK_M rows per program, BLOCK_N keys per tile, BLOCK_E / BLOCK_EV the
-    head dim padded to a power of two. The interpreter takes 16-key tiles, so that small
-    tests cross several tiles and splits."""
+    key/value head and a cache of ``element_bytes`` per element: BLOCK_M rows per program,
+    BLOCK_N keys per tile, BLOCK_E / BLOCK_EV the head dim padded to a power of two. The
+    interpreter takes 16-key tiles, so that small tests cross several tiles and splits."""
     block_m = ROW_BLOCKS[0] if n_rows <= ROW_BLOCKS[0] else ROW_BLOCKS[1]
     block_e, block_ev = _head_block(head_e), _head_block(head_ev)
-    return ({"BLOCK_M": block_m, "BLOCK_N": 16 if interpreting else _KEY_BLOCK[block_e], "BLOCK_E": block_e},
-            {"BLOCK_M": block_m, "BLOCK_N": 16 if interpreting else _KEY_BLOCK[block_ev], "BLOCK_EV": block_ev})
+    key_block, value_block = ((_MIN_KEY_BLOCK, _MIN_KEY_BLOCK) if interpreting else
+                              (_key_block(block_e, element_bytes), _key_block(block_ev, element_bytes)))
+    return ({"BLOCK_M": block_m, "BLOCK_N": key_block, "BLOCK_E": block_e},
+            {"BLOCK_M": block_m, "BLOCK_N": value_block, "BLOCK_EV": block_ev})
 
 
 @triton.jit
@@ -196,7 +206,15 @@ def kvcache_output_kernel(
                             PAGED)
             b_v = tl.load(v_ptr + o_v[:, None] + o_e[None, :] * stride_ve, mask=m_n[:, None] & m_e[None, :],
                           other=0.0)
-            b_acc += dot(b_p, b_v.to(tl.float32))
+            if b_v.dtype == tl.float32:
+                b_acc += dot(b_p, b_v)
+            else:
+                # the weights as two parts in the values' dtype, hi + lo (22 bits of fp16,
+                # 16 of bf16), each a tensor-core product with the values as they are stored
+                b_p_hi = b_p.to(b_v.dtype)
+                b_p_lo = (b_p - b_p_hi.to(tl.float32)).to(b_v.dtype)
+                b_acc = tl.dot(b_p_hi, b_v, b_acc)
+                b_acc = tl.dot(b_p_lo, b_v, b_acc)
     p_out = partial_ptr + (pid_split * n_rows + o_row[:, None]) * head_ev + o_e[None, :]
     tl.store(p_out, b_acc, mask=m_r[:, None] & m_e[None, :])
 
@@ -210,10 +228,10 @@ OUTPUT_POINTERS = {"p_ptr": "*fp32", "v_ptr": TENSOR, "seqlens_ptr": "*i32", "ta
 def aot_configs() -> list[dict]:
     """Every configuration the launcher can choose (`tiles` on a GPU), for triton_kernels/aot.py."""
     configs = []
-    for dtype_key in DTYPE_KEYS.values():
+    for dtype, dtype_key in DTYPE_KEYS.items():
         for block_m in ROW_BLOCKS:
             for block_e in HEAD_BLOCKS:
-                block_n = _KEY_BLOCK[block_e]
+                block_n = _key_block(block_e, dtype.itemsize)
                 for paged in (False, True):
                     tag = f"{dtype_key}_m{block_m}_e{block_e}_{'paged' if paged else 'contiguous'}"
                     for options in DECODE_OPTION_SETS:

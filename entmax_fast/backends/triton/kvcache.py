@@ -10,8 +10,10 @@ not from the lengths in ``seqlens_k``.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
+from torch import Tensor
 
 from ...triton_kernels.attention_common import SCORE_ALIBI, SCORE_SOFTCAP
 from ...triton_kernels.kvcache_decode import NUM_WARPS, kvcache_output_kernel, kvcache_scores_kernel, tiles
@@ -61,8 +63,24 @@ def _alpha_rows(alpha, batch, heads, lq):
 
 def attention_kvcache_forward(query, k_cache, v_cache, seqlens_k, block_table, alpha, *, scale, window_size=(-1, -1),
                               softcap=0.0, alibi_slopes=None, sinks=None):
-    return decode(query, k_cache, v_cache, seqlens_k, block_table, alpha, scale=scale, window_size=window_size,
-                  softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    alpha_heads, alpha_value = (alpha, 0.0) if isinstance(alpha, torch.Tensor) else (None, float(alpha))
+    return _decode_op(query, k_cache, v_cache, seqlens_k, block_table, alpha_heads, alpha_value, float(scale),
+                      int(window_size[0]), float(softcap), alibi_slopes, sinks)
+
+
+# torch.library registration: opaque to torch.compile, which would otherwise trace the launchers
+@torch.library.custom_op("entmax_fast::triton_attention_kvcache_fwd", mutates_args=())
+def _decode_op(query: Tensor, k_cache: Tensor, v_cache: Tensor, seqlens_k: Tensor, block_table: Optional[Tensor],
+               alpha_heads: Optional[Tensor], alpha_value: float, scale: float, window_left: int, softcap: float,
+               alibi_slopes: Optional[Tensor], sinks: Optional[Tensor]) -> Tensor:
+    return decode(query, k_cache, v_cache, seqlens_k, block_table, alpha_value if alpha_heads is None else alpha_heads,
+                  scale=scale, window_size=(window_left, -1), softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+
+
+@_decode_op.register_fake
+def _(query, k_cache, v_cache, seqlens_k, block_table, alpha_heads, alpha_value, scale, window_left, softcap,
+      alibi_slopes, sinks):
+    return query.new_empty(*query.shape[:3], v_cache.shape[3])
 
 
 def decode(query, k_cache, v_cache, seqlens_k, block_table, alpha, *, scale, window_size=(-1, -1), softcap=0.0,
@@ -77,7 +95,7 @@ def decode(query, k_cache, v_cache, seqlens_k, block_table, alpha, *, scale, win
     n_keys = block_table.shape[1] * block_size if paged else k_cache.shape[2]
     n_rows = batch * heads * lq
     device = query.device
-    scores_tiles, output_tiles = tiles(group * lq, head_e, head_ev, interpreting())
+    scores_tiles, output_tiles = tiles(group * lq, head_e, head_ev, k_cache.element_size(), interpreting())
     n_row_blocks = _cdiv(group * lq, scores_tiles["BLOCK_M"])
     row_programs = batch * kv_heads * n_row_blocks
     split_len = _split_length(n_keys, row_programs, max(scores_tiles["BLOCK_N"], output_tiles["BLOCK_N"]),
