@@ -13,11 +13,13 @@ row's scores are formed first and τ is found exactly over all of them:
    or from the contiguous cache; it writes the scores after the score options and masks
    (scale, softcap, ALiBi, lower-right causal and window: docs/attention.md, "Score
    options") to an fp32 buffer (rows, Lk + sink), masked entries −inf, and the head's sink
-   logit in the row's last column. The buffer is Lk·4 bytes per row against the Lk·E·2 of
-   an fp16 key cache: a small share of the traffic.
+   logit in the row's last column. Each write or read of the buffer (and of the weights)
+   costs 4·G bytes per key of a kv head against the 4·E of its fp16 key and value: a small
+   share of the traffic where G is well below E.
 2. The row-wise solver (triton_kernels/rowwise.py, exact, any α) maps each buffer row to
    its weights p, which sum to one; the sink is one more entry of the row and its weight
-   reaches no value.
+   reaches no value. The weights are stored rather than τ: the output launch then needs no
+   per-α power, and its rows are convex combinations as the solver normalised them.
 3. `kvcache_output_kernel`, same grid: each split accumulates p·v over its keys into a
    per-split fp32 partial output, skipping the value tiles where the row block has no
    weight (entmax's zeros: their values are never read); the launcher sums the splits on
