@@ -10,7 +10,9 @@ tau, weight sum l) and the D-vector ``D = sum_j s_j v_j / sum_j s_j`` (docs/atte
 
 Two kernels, each writing its outputs exactly once:
 - `entmax_attn_bwd_dq_kernel`, one program per query block: dQ, delta per row, and the
-  per-row term of d(alpha) (Correia et al. 2019; docs/attention.md, "Gradient of alpha");
+  per-row terms of d(alpha) (Correia et al. 2019; docs/attention.md, "Gradient of alpha")
+  and of d(sink), -s_sink delta (a sink is one more entry of the row with a zero value,
+  whose weight the statistics and the D-vector include);
 - `entmax_attn_bwd_dkdv_kernel`, one program per key block of one key/value head: dK and
   dV, summing over the query heads of its group (GQA) in a fixed order.
 Both visit only the tiles the forward flagged as holding non-zero weight, the full ones
@@ -22,21 +24,25 @@ import triton.language as tl
 
 from .. import common
 from .attention_common import (DQ_KERNEL, DQ_KERNEL_C, DQ_MAX_POLLS_C, DQ_MODES, DQ_ORDERED_C,
-                               NEAR_ONE_INV_AM1, SCORE_ALIBI_C, SCORE_SOFTCAP_C, SCORE_WINDOW_C,
+                               NEAR_ONE_INV_AM1, SCORE_ALIBI_C, SCORE_SINK_C, SCORE_SOFTCAP_C,
+                               SCORE_WINDOW_C,
                                STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C, STAT_TAU_C, arch_chunks,
                                attention_signature, backward_launch, block_sizes, chunk_width,
                                config_space, config_suffix, dot, dot_rows, dropout_scale,
                                full_tiles_end, gap, held_cols, held_rows, listed_tiles, load_rows,
                                log2_base, mask_specialisation, program_sequence, query_block,
-                               score_option_values, shifted_scores, window_key_tiles,
+                               score_option_values, shifted_scores, sink_logit,
+                               window_key_tiles,
                                window_query_tiles)
 from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX
 
-# rows of the backward's per-row buffer
-ROW_DELTA, ROW_DALPHA = 0, 1
-NUM_ROWS = 2
+# rows of the backward's per-row buffer: delta, the row's d(alpha) term and its d(sink)
+# term, which the launcher sums per head
+ROW_DELTA, ROW_DALPHA, ROW_DSINK = 0, 1, 2
+NUM_ROWS = 3
 ROW_DELTA_C = tl.constexpr(ROW_DELTA)
 ROW_DALPHA_C = tl.constexpr(ROW_DALPHA)
+ROW_DSINK_C = tl.constexpr(ROW_DSINK)
 
 
 @triton.jit
@@ -186,7 +192,7 @@ def entmax_attn_bwd_dq_kernel(
     stride_sb, stride_sh, stride_stat, stride_row,
     n_heads, kv_group, seqlen_q, seqlen_k, n_qblocks, n_kblocks, head_e, head_ev,
     scale, dropout_p, is_causal, window_left, window_right, softcap,
-    alibi_ptr, stride_alibi_b, stride_alibi_h,
+    alibi_ptr, stride_alibi_b, stride_alibi_h, sinks_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
     MASK_KIND: tl.constexpr, OPTIONS: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -292,6 +298,14 @@ def entmax_attn_bwd_dq_kernel(
     tl.store(dq_ptr + dq_off + o_m[:, None] * stride_dql + o_e[None, :],
              b_dq.to(dq_ptr.dtype.element_ty), mask=m_qe)
     tl.store(p_rows + ROW_DELTA_C * stride_row, b_delta, mask=m_m)
+    if (SCORE_SINK_C & OPTIONS) != 0:
+        # The sink is one more entry of the row, with a zero value: delta and the sums of
+        # the forward's statistics include it, so the keys' gradients need nothing more.
+        # Its own dz, s_sink (0 - delta), is the row's term of d(sink); NaN on NaN rows.
+        b_sink = sink_logit(sinks_ptr, i_h, OPTIONS) - b_mz
+        _, _, b_s_sink = _row_weights(b_sink[:, None], b_tau, b_l, am1, inv_am1, ALPHA_KIND)
+        b_dsink = tl.where(b_mz != b_mz, float("nan"), -tl.sum(b_s_sink, 1) * b_delta)
+        tl.store(p_rows + ROW_DSINK_C * stride_row, b_dsink, mask=m_m)
     if NEED_DALPHA:
         # dalpha = sum_i g_i dp_i/dalpha with sum g p = dO.o, sum g p~ = delta
         # (docs/attention.md, "Gradient of alpha")

@@ -507,10 +507,13 @@ def dot_rows(b_a, b_bt, p_a, stride_a, o_a, n_a, p_b, stride_b, o_b, n_b, width,
 # Score options a kernel is compiled with (its OPTIONS, a sum of these; docs/attention.md,
 # "Score options"): each adds its per-score work only where set, so that a kernel compiled
 # without them is the kernel without options.
-SCORE_WINDOW, SCORE_SOFTCAP, SCORE_ALIBI = 1, 2, 4
+SCORE_WINDOW, SCORE_SOFTCAP, SCORE_ALIBI, SCORE_SINK = 1, 2, 4, 8
 SCORE_WINDOW_C = tl.constexpr(SCORE_WINDOW)
 SCORE_SOFTCAP_C = tl.constexpr(SCORE_SOFTCAP)
 SCORE_ALIBI_C = tl.constexpr(SCORE_ALIBI)
+# The sink is no score of a tile: one more entry per row, with a zero value, that the
+# kernels add to each row's sums (`sink_logit`), never per score.
+SCORE_SINK_C = tl.constexpr(SCORE_SINK)
 # An unbounded side of the window, past every key position (`window_bounds`).
 WINDOW_UNBOUNDED_C = tl.constexpr(1 << 30)
 
@@ -634,6 +637,16 @@ def score_option_values(i_b, i_h, q_len, k_len, window_left, window_right, alibi
     if (SCORE_ALIBI_C & OPTIONS) != 0:
         slope = tl.load(alibi_ptr + i_b * stride_alibi_b + i_h * stride_alibi_h).to(tl.float32)
     return pos_shift, win_left, win_right, slope
+
+
+@triton.jit
+def sink_logit(sinks_ptr, i_h, OPTIONS: tl.constexpr):
+    """Head i_h's sink logit (z units: not scaled, capped or shifted by ALiBi), 0.0 when
+    OPTIONS has no sink (then no kernel reads it)."""
+    sink = 0.0
+    if (SCORE_SINK_C & OPTIONS) != 0:
+        sink = tl.load(sinks_ptr + i_h).to(tl.float32)
+    return sink
 
 
 @triton.jit
@@ -845,7 +858,7 @@ POINTER_TYPES = {"q_ptr": TENSOR, "k_ptr": TENSOR, "v_ptr": TENSOR, "o_ptr": TEN
                  "alpha_ptr": "*fp32", "seed_ptr": "*i64",
                  "cu_q_ptr": "*i32", "cu_k_ptr": "*i32",
                  "dqacc_ptr": "*fp32", "locks_ptr": "*i32", "turns_ptr": "*i32",
-                 "alibi_ptr": "*fp32"}
+                 "alibi_ptr": "*fp32", "sinks_ptr": "*fp32"}
 FLOAT_PARAMETERS = ("scale", "dropout_p", "softcap")
 
 
@@ -886,10 +899,11 @@ def _attention_signature(fn, dtype_key, mask_kind):
 
 
 # The OPTIONS values (sums of SCORE_*) the launchers can choose: every combination.
-SCORE_OPTION_SETS = tuple(range(SCORE_WINDOW + SCORE_SOFTCAP + SCORE_ALIBI + 1))
+SCORE_OPTION_SETS = tuple(range(SCORE_WINDOW + SCORE_SOFTCAP + SCORE_ALIBI + SCORE_SINK + 1))
 # Each option's token in a configuration's name (`config_suffix`): one per option, so that
 # the AOT check's covering sample covers each option as a value of its own.
-SCORE_OPTION_TOKENS = ((SCORE_WINDOW, "win"), (SCORE_SOFTCAP, "cap"), (SCORE_ALIBI, "alibi"))
+SCORE_OPTION_TOKENS = ((SCORE_WINDOW, "win"), (SCORE_SOFTCAP, "cap"), (SCORE_ALIBI, "alibi"),
+                      (SCORE_SINK, "sink"))
 
 
 def config_space():

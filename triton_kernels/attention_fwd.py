@@ -62,14 +62,15 @@ from .. import common
 from .attention_common import (CANDIDATE_CHUNK_C, CAPTURE_MAX_COLUMN_SHARE_C, COMPACT_FILL_C,
                                COMPACT_MIN_C, COMPACT_SEGMENT_C, COMPACT_STEPS, COMPACT_TILES_C,
                                MAX_TAU_PASSES_C, NEAR_ONE_INV_AM1, PHASE_OUTPUT_C,
-                               PHASE_THRESHOLD_C, SCORE_WINDOW_C, STAT_ENTROPY_C, STAT_MAX_C,
+                               PHASE_THRESHOLD_C, SCORE_SINK_C, SCORE_WINDOW_C, STAT_ENTROPY_C,
+                               STAT_MAX_C,
                                STAT_SUM_C, STAT_TAU_C, SUBSET_STEPS_C, TAU_STEP_TOL_C, arch_chunks,
                                attention_signature, block_sizes, candidate_slots, chunk_width,
                                config_space, config_suffix, dot, dropout_scale, forward_launches,
                                full_tiles_end, gap, held_cols, held_rows, launch_options,
                                listed_tiles, log2_base, mask_specialisation, program_sequence,
                                query_block, score_option_values, sensitivity, shifted_scores,
-                               weights, weights_and_sensitivity, window_key_tiles)
+                               sink_logit, weights, weights_and_sensitivity, window_key_tiles)
 from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX, GRAD_ALPHA, GRAD_INPUTS
 from .support import count_and_smallest, positive_f16, store_above, support_bits
 
@@ -140,11 +141,12 @@ def _max_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk,
 @triton.jit
 def _row_max(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, m_m,
              start_m, q_len, k_len, kv_begin, full_begin, window_full_end, kv_end, head_e, scale,
-             is_causal, pos_shift, win_left, win_right, softcap, slope, p_flags, inv_am1,
+             is_causal, pos_shift, win_left, win_right, softcap, slope, sink, p_flags, inv_am1,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
              BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr, OPTIONS: tl.constexpr):
-    """Pass 1: the row maximum of the scores (NaN if any score is NaN, -inf if all are
-    masked), [BM], and the first tile flags. tau lies at or above max - 1/(alpha - 1) in z
+    """Pass 1: the row maximum of the scores and the sink logit when OPTIONS has one (NaN if
+    any is NaN, -inf if every score is masked and there is no sink), [BM], and the first
+    tile flags. tau lies at or above max - 1/(alpha - 1) in z
     units (the bracket's lower end), so a tile none of whose scores come within 1/(alpha - 1)
     of their row's maximum holds no weight and no threshold pass needs it. The running
     maximum is at most the final one, so flagging against it keeps every tile that matters;
@@ -156,6 +158,10 @@ def _row_max(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, 
     then the full ones (`window_key_tiles`: from kv_begin, full_begin and window_full_end
     to kv_end) leftwards from the tile of the block's first key position, wrapping round."""
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    if (SCORE_SINK_C & OPTIONS) != 0:
+        # the sink is an entry of every row: from the start, the running maximum is at
+        # least the sink logit, and the tiles far below it go unflagged
+        b_m = _max_nan(b_m, tl.zeros([BLOCK_M], dtype=tl.float32) + sink)
     b_ycol = tl.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=tl.float32)
     if (SCORE_WINDOW_C & OPTIONS) != 0:
         b_m, b_ycol = _max_boundary_tiles(
@@ -541,10 +547,34 @@ def _trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND: tl.constexpr)
 
 
 @triton.jit
+def _with_sink(b_t, b_a, b_b, b_c, b_dmin, b_sink, inv_am1, OPTIONS: tl.constexpr,
+               ALPHA_KIND: tl.constexpr, NEAR_ONE: tl.constexpr):
+    """`_moments` sums (a, b, c, dmin) at the trial point t (c units) of a row's scores,
+    with its sink's entry added when OPTIONS has one: b_sink [BM], the sink logit less the
+    row's maximum (z units). Every evaluation of the threshold adds it, whether its sums
+    come from the tiles, the captured scores or a subset of them (a subset with the sink
+    is still a subset of the row with it), so that tau is the threshold of the row with
+    the sink: one entry per row, nothing per score."""
+    if (SCORE_SINK_C & OPTIONS) != 0:
+        b_sa, b_sb, b_sc, b_sn = _moments(
+            gap(b_sink[:, None], _threshold_in_z(b_t, inv_am1, ALPHA_KIND), inv_am1, ALPHA_KIND),
+            inv_am1, ALPHA_KIND, NEAR_ONE)
+        b_a += b_sa
+        b_b += b_sb
+        b_c += b_sc
+        b_dmin = tl.minimum(b_dmin, b_sn)
+    return b_a, b_b, b_c, b_dmin
+
+
+@triton.jit
 def _update_from_sums(b_t, b_a, b_b, b_c, b_dmin, b_lo, b_hi, b_tau, m_done, m_tight, am1,
-                      inv_am1, ALPHA_KIND: tl.constexpr):
-    """`_update_threshold` from a pass's `_moments` sums at t (z units), and the
-    `_model_root` of those sums: (lo, hi, tau, done, tight, guess)."""
+                      inv_am1, b_sink, OPTIONS: tl.constexpr, ALPHA_KIND: tl.constexpr,
+                      NEAR_ONE: tl.constexpr):
+    """`_update_threshold` from a pass's `_moments` sums at t (z units), with the sink's
+    entry (`_with_sink`), and the `_model_root` of those sums: (lo, hi, tau, done, tight,
+    guess)."""
+    b_a, b_b, b_c, b_dmin = _with_sink(b_t, b_a, b_b, b_c, b_dmin, b_sink, inv_am1, OPTIONS,
+                                       ALPHA_KIND, NEAR_ONE)
     b_a, b_b, b_c, b_dmin = _sums_in_u(b_a, b_b, b_c, b_dmin, am1, inv_am1, ALPHA_KIND)
     b_lo, b_hi, b_tau, m_done, m_tight = _update_threshold(
         b_t, b_a, b_b, b_c, b_dmin, b_lo, b_hi, b_tau, m_done, m_tight, am1, ALPHA_KIND)
@@ -553,7 +583,7 @@ def _update_from_sums(b_t, b_a, b_b, b_c, b_dmin, b_lo, b_hi, b_tau, m_done, m_t
 
 @triton.jit
 def _one_point_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                    kv_begin, full_begin, n_full, q_len, k_len, kv_end, head_e, scale, b_mz,
+                    kv_begin, full_begin, n_full, q_len, k_len, kv_end, head_e, scale, b_mz, b_sink,
                     is_causal, pos_shift, win_left, win_right, softcap, slope, m_rows,
                     p_flags, p_tiles, n_listed, am1, inv_am1, b_t, b_lo, b_hi, b_tau, m_done,
                     m_tight, p_cand, REFLAG: tl.constexpr, CANDIDATES: tl.constexpr,
@@ -575,15 +605,16 @@ def _one_point_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
         inv_am1, p_cand, False, REFLAG, CANDIDATES, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC,
         MASK_KIND, OPTIONS, ALPHA_KIND, NEAR_ONE)
     b_lo, b_hi, b_tau, m_done, m_tight, b_guess = _update_from_sums(
-        b_t, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi, b_tau, m_done, m_tight, am1, inv_am1,
-        ALPHA_KIND)
+        b_t, b_a0, b_b0, b_c0, b_n0, b_lo, b_hi, b_tau, m_done, m_tight, am1, inv_am1, b_sink,
+        OPTIONS, ALPHA_KIND, NEAR_ONE)
     return b_lo, b_hi, b_tau, m_done, m_tight, b_guess, b_ncand
 
 
 @triton.jit
-def _candidate_pass(p_cand, b_ncand, n_cand, am1, inv_am1, b_t, b_lo, b_hi, b_tau, m_done,
+def _candidate_pass(p_cand, b_ncand, n_cand, am1, inv_am1, b_sink, b_t, b_lo, b_hi, b_tau, m_done,
                     m_tight, BLOCK_M: tl.constexpr, CANDIDATES: tl.constexpr,
-                    CHUNK: tl.constexpr, ALPHA_KIND: tl.constexpr, NEAR_ONE: tl.constexpr):
+                    CHUNK: tl.constexpr, OPTIONS: tl.constexpr, ALPHA_KIND: tl.constexpr,
+                    NEAR_ONE: tl.constexpr):
     """`_one_point_pass` over the captured scores alone (b_ncand[row] of them in
     p_cand[row], at most n_cand in any row): the same sums, without a score product. The
     chunks' terms are summed entry by entry and reduced across threads once (a compaction,
@@ -611,13 +642,13 @@ def _candidate_pass(p_cand, b_ncand, n_cand, am1, inv_am1, b_t, b_lo, b_hi, b_ta
     b_a, b_b, b_c, b_dmin = _sum_moments(b_ta, b_tb, b_neg, b_low,
                                          tl.cdiv(n_cand, CHUNK) * CHUNK, ALPHA_KIND)
     return _update_from_sums(b_t, b_a, b_b, b_c, b_dmin, b_lo, b_hi, b_tau, m_done, m_tight,
-                             am1, inv_am1, ALPHA_KIND)
+                             am1, inv_am1, b_sink, OPTIONS, ALPHA_KIND, NEAR_ONE)
 
 
 @triton.jit
-def _passes_over_captured(p_cand, b_ncand, n_cand, am1, inv_am1, b_lo, b_hi, b_tau, m_done,
+def _passes_over_captured(p_cand, b_ncand, n_cand, am1, inv_am1, b_sink, b_lo, b_hi, b_tau, m_done,
                           m_tight, b_guess, n_pass, BLOCK_M: tl.constexpr,
-                          CANDIDATES: tl.constexpr, ALPHA_KIND: tl.constexpr,
+                          CANDIDATES: tl.constexpr, OPTIONS: tl.constexpr, ALPHA_KIND: tl.constexpr,
                           NEAR_ONE: tl.constexpr):
     """Threshold passes over the captured scores alone (`_candidate_pass`) until every row
     of the block is done or MAX_TAU_PASSES passes were made in all: (lo, hi, tau, done,
@@ -625,8 +656,8 @@ def _passes_over_captured(p_cand, b_ncand, n_cand, am1, inv_am1, b_lo, b_hi, b_t
     while (tl.max(tl.where(m_done, 0, 1), 0) > 0) & (MAX_TAU_PASSES_C > n_pass):
         b_t = _trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND)
         b_lo, b_hi, b_tau, m_done, m_tight, b_guess = _candidate_pass(
-            p_cand, b_ncand, n_cand, am1, inv_am1, b_t, b_lo, b_hi, b_tau, m_done, m_tight,
-            BLOCK_M, CANDIDATES, CANDIDATE_CHUNK_C, ALPHA_KIND, NEAR_ONE)
+            p_cand, b_ncand, n_cand, am1, inv_am1, b_sink, b_t, b_lo, b_hi, b_tau, m_done, m_tight,
+            BLOCK_M, CANDIDATES, CANDIDATE_CHUNK_C, OPTIONS, ALPHA_KIND, NEAR_ONE)
         n_pass += 1
     return b_lo, b_hi, b_tau, m_done, m_tight, b_guess, n_pass
 
@@ -645,9 +676,9 @@ def _capture_key(b_u, b_lo, inv_am1, ALPHA_KIND: tl.constexpr):
 
 
 @triton.jit
-def _compact(p_cand, b_stored, b_keep, am1, inv_am1, b_lo, b_hi, m_done, BLOCK_M: tl.constexpr,
-             CANDIDATES: tl.constexpr, CHUNK: tl.constexpr, ALPHA_KIND: tl.constexpr,
-             NEAR_ONE: tl.constexpr):
+def _compact(p_cand, b_stored, b_keep, am1, inv_am1, b_sink, b_lo, b_hi, m_done,
+             BLOCK_M: tl.constexpr, CANDIDATES: tl.constexpr, CHUNK: tl.constexpr,
+             OPTIONS: tl.constexpr, ALPHA_KIND: tl.constexpr, NEAR_ONE: tl.constexpr):
     """Raises each open row's lower bound of tau from the scores in its first b_stored slots
     and keeps, of its first b_keep, those above the new bound: (lo, count kept). The slots
     hold scores of the row above its bound at the time, a subset of the row: their f is at
@@ -668,8 +699,8 @@ def _compact(p_cand, b_stored, b_keep, am1, inv_am1, b_lo, b_hi, m_done, BLOCK_M
     for _ in tl.static_range(COMPACT_STEPS):
         b_t = _trial_point(b_lo_s, b_hi_s, m_done_s, m_tight_s, b_guess, ALPHA_KIND)
         b_lo_s, b_hi_s, b_tau_s, m_done_s, m_tight_s, b_guess = _candidate_pass(
-            p_cand, b_stored, n_stored, am1, inv_am1, b_t, b_lo_s, b_hi_s, b_tau_s, m_done_s,
-            m_tight_s, BLOCK_M, CANDIDATES, CHUNK, ALPHA_KIND, NEAR_ONE)
+            p_cand, b_stored, n_stored, am1, inv_am1, b_sink, b_t, b_lo_s, b_hi_s, b_tau_s,
+            m_done_s, m_tight_s, BLOCK_M, CANDIDATES, CHUNK, OPTIONS, ALPHA_KIND, NEAR_ONE)
     b_lo = tl.where(m_done, b_lo, tl.maximum(b_lo, b_lo_s))
     b_kept = tl.zeros([BLOCK_M], dtype=tl.int32)
     for start in tl.static_range(0, CANDIDATES, CHUNK):
@@ -709,7 +740,7 @@ def _running_capture_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq
 @triton.jit
 def _running_capture_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk,
                           o_m, kv_begin, full_begin, n_full, q_len, k_len, kv_end, head_e, scale,
-                          b_mz, is_causal, pos_shift, win_left, win_right, softcap, slope,
+                          b_mz, b_sink, is_causal, pos_shift, win_left, win_right, softcap, slope,
                           m_rows, p_flags, p_tiles, n_listed, am1, inv_am1, b_lo, b_hi,
                           m_done, p_cand, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
@@ -775,9 +806,9 @@ def _running_capture_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq
         n_most = tl.max(tl.where(m_done, 0, b_next), 0)
         if n_most > CANDIDATES:
             if n_compact < max_compactions:
-                b_lo, b_ncand = _compact(p_cand, b_next, b_ncand, am1, inv_am1, b_lo, b_hi,
+                b_lo, b_ncand = _compact(p_cand, b_next, b_ncand, am1, inv_am1, b_sink, b_lo, b_hi,
                                          m_done, BLOCK_M, CANDIDATES, CANDIDATE_CHUNK_C,
-                                         ALPHA_KIND, NEAR_ONE)
+                                         OPTIONS, ALPHA_KIND, NEAR_ONE)
                 n_compact += 1
             else:
                 b_ncand = b_next
@@ -786,9 +817,9 @@ def _running_capture_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq
             b_ncand = b_next
             start = end
             if (n_most > CANDIDATES * COMPACT_FILL_C) & (n_compact < max_compactions):
-                b_lo, b_ncand = _compact(p_cand, b_ncand, b_ncand, am1, inv_am1, b_lo, b_hi,
+                b_lo, b_ncand = _compact(p_cand, b_ncand, b_ncand, am1, inv_am1, b_sink, b_lo, b_hi,
                                          m_done, BLOCK_M, CANDIDATES, CANDIDATE_CHUNK_C,
-                                         ALPHA_KIND, NEAR_ONE)
+                                         OPTIONS, ALPHA_KIND, NEAR_ONE)
                 n_compact += 1
     return b_lo, b_ncand
 
@@ -796,6 +827,7 @@ def _running_capture_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq
 @triton.jit
 def _passes_over_tiles(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
                        kv_begin, full_begin, n_full, q_len, k_len, kv_end, head_e, scale, b_mz,
+                       b_sink,
                        is_causal, pos_shift, win_left, win_right, softcap, slope, m_rows,
                        p_flags, p_tiles, p_cand, am1, inv_am1, b_lo, b_hi, b_tau, m_done,
                        n_listed, n_pass, capture, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -818,6 +850,10 @@ def _passes_over_tiles(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, s
         _threshold_in_z(b_mid, inv_am1, ALPHA_KIND), _threshold_in_z(b_lo, inv_am1, ALPHA_KIND),
         m_rows, p_flags, p_tiles, n_listed, inv_am1, p_cand, True, False, CANDIDATES,
         BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, OPTIONS, ALPHA_KIND, NEAR_ONE)
+    b_a0, b_b0, b_c0, b_n0 = _with_sink(b_lo, b_a0, b_b0, b_c0, b_n0, b_sink, inv_am1, OPTIONS,
+                                        ALPHA_KIND, NEAR_ONE)
+    b_a1, b_b1, b_c1, b_n1 = _with_sink(b_mid, b_a1, b_b1, b_c1, b_n1, b_sink, inv_am1, OPTIONS,
+                                        ALPHA_KIND, NEAR_ONE)
     b_a0, b_b0, b_c0, b_n0 = _sums_in_u(b_a0, b_b0, b_c0, b_n0, am1, inv_am1, ALPHA_KIND)
     b_a1, b_b1, b_c1, b_n1 = _sums_in_u(b_a1, b_b1, b_c1, b_n1, am1, inv_am1, ALPHA_KIND)
     b_first = b_lo
@@ -847,7 +883,7 @@ def _passes_over_tiles(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, s
             if capture:
                 b_lo, b_hi, b_tau, m_done, m_tight, b_guess, b_ncand = _one_point_pass(
                     b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                    kv_begin, full_begin, n_full, q_len, k_len, kv_end, head_e, scale, b_mz,
+                    kv_begin, full_begin, n_full, q_len, k_len, kv_end, head_e, scale, b_mz, b_sink,
                     is_causal, pos_shift, win_left, win_right, softcap, slope, m_rows,
                     p_flags, p_tiles, n_listed, am1, inv_am1, b_t2, b_lo, b_hi, b_tau, m_done,
                     m_tight, p_cand, True, CANDIDATES, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC,
@@ -856,7 +892,7 @@ def _passes_over_tiles(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, s
             else:
                 b_lo, b_hi, b_tau, m_done, m_tight, b_guess, b_ncand = _one_point_pass(
                     b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                    kv_begin, full_begin, n_full, q_len, k_len, kv_end, head_e, scale, b_mz,
+                    kv_begin, full_begin, n_full, q_len, k_len, kv_end, head_e, scale, b_mz, b_sink,
                     is_causal, pos_shift, win_left, win_right, softcap, slope, m_rows,
                     p_flags, p_tiles, n_listed, am1, inv_am1, b_t2, b_lo, b_hi, b_tau, m_done,
                     m_tight, p_cand, True, 0, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND,
@@ -866,7 +902,7 @@ def _passes_over_tiles(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, s
             b_lo, b_hi, b_tau, m_done, m_tight, b_guess, b_ncand = _one_point_pass(
                 b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, kv_begin,
                 full_begin, n_full,
-                q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, pos_shift, win_left,
+                q_len, k_len, kv_end, head_e, scale, b_mz, b_sink, is_causal, pos_shift, win_left,
                 win_right, softcap, slope, m_rows, p_flags, p_tiles,
                 n_listed, am1, inv_am1, b_lo, b_lo, b_hi, b_tau, m_done, m_tight, p_cand, True,
                 CANDIDATES, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, OPTIONS, ALPHA_KIND,
@@ -885,13 +921,14 @@ def _passes_over_tiles(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, s
         # its block through the passes over the tiles below.
         if n_cand <= CANDIDATES:
             b_lo, b_hi, b_tau, m_done, m_tight, b_guess, n_pass = _passes_over_captured(
-                p_cand, b_ncand, n_cand, am1, inv_am1, b_lo, b_hi, b_tau, m_done, m_tight,
-                b_guess, n_pass, BLOCK_M, CANDIDATES, ALPHA_KIND, NEAR_ONE)
+                p_cand, b_ncand, n_cand, am1, inv_am1, b_sink, b_lo, b_hi, b_tau, m_done, m_tight,
+                b_guess, n_pass, BLOCK_M, CANDIDATES, OPTIONS, ALPHA_KIND, NEAR_ONE)
     while (tl.max(tl.where(m_done, 0, 1), 0) > 0) & (n_pass < MAX_TAU_PASSES_C):
         b_lo, b_hi, b_tau, m_done, m_tight, b_guess, b_ncand = _one_point_pass(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, kv_begin,
             full_begin, n_full,
-            q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, pos_shift, win_left, win_right,
+            q_len, k_len, kv_end, head_e, scale, b_mz, b_sink, is_causal, pos_shift, win_left,
+            win_right,
             softcap, slope, m_rows, p_flags, p_tiles,
             n_listed, am1, inv_am1, _trial_point(b_lo, b_hi, m_done, m_tight, b_guess, ALPHA_KIND),
             b_lo, b_hi, b_tau, m_done, m_tight, p_cand, False, CANDIDATES, BLOCK_M, BLOCK_N,
@@ -901,7 +938,8 @@ def _passes_over_tiles(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, s
 
 
 @triton.jit
-def _subset_bound(b_u, am1, inv_am1, b_lo, b_hi, m_done, ALPHA_KIND: tl.constexpr,
+def _subset_bound(b_u, am1, inv_am1, b_sink, b_lo, b_hi, m_done, OPTIONS: tl.constexpr,
+                  ALPHA_KIND: tl.constexpr,
                   NEAR_ONE: tl.constexpr):
     """Each open row's lower bound of tau from a subset of its scores: b_u [BM, BN], the
     largest shifted score of each column over the tiles the max pass visited (masked
@@ -920,7 +958,7 @@ def _subset_bound(b_u, am1, inv_am1, b_lo, b_hi, m_done, ALPHA_KIND: tl.constexp
                                              inv_am1, ALPHA_KIND), inv_am1, ALPHA_KIND, NEAR_ONE)
         b_lo_s, b_hi_s, b_tau_s, m_done_s, m_tight_s, b_guess = _update_from_sums(
             b_t, b_a, b_b, b_c, b_dmin, b_lo_s, b_hi_s, b_tau_s, m_done_s, m_tight_s, am1,
-            inv_am1, ALPHA_KIND)
+            inv_am1, b_sink, OPTIONS, ALPHA_KIND, NEAR_ONE)
     return tl.where(m_done, b_lo, tl.maximum(b_lo, b_lo_s))
 
 
@@ -937,7 +975,7 @@ def _capture_fits(b_u, b_lo, inv_am1, m_done, BLOCK_N: tl.constexpr, ALPHA_KIND:
 
 @triton.jit
 def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
-                    kv_begin, full_begin, n_full, q_len, k_len, kv_end, head_e, scale, b_mz,
+                    kv_begin, full_begin, n_full, q_len, k_len, kv_end, head_e, scale, b_mz, b_sink,
                     b_ycol, is_causal, pos_shift, win_left, win_right, softcap, slope, m_rows,
                     p_flags, p_tiles, p_cand, am1, inv_am1, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
@@ -960,7 +998,8 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
     m_done = ~m_rows
     m_tight = tl.zeros_like(m_done)
     b_ysub = b_ycol - b_mz[:, None]
-    b_lo = _subset_bound(b_ysub, am1, inv_am1, b_lo, b_hi, m_done, ALPHA_KIND, NEAR_ONE)
+    b_lo = _subset_bound(b_ysub, am1, inv_am1, b_sink, b_lo, b_hi, m_done, OPTIONS, ALPHA_KIND,
+                         NEAR_ONE)
     b_tau = b_lo
     b_guess = b_lo
     # the list of the tiles the max pass flagged (from other threads' flags)
@@ -983,7 +1022,8 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
         b_lo, b_ncand = _running_capture_pass(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, kv_begin,
             full_begin, n_full,
-            q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, pos_shift, win_left, win_right,
+            q_len, k_len, kv_end, head_e, scale, b_mz, b_sink, is_causal, pos_shift, win_left,
+            win_right,
             softcap, slope, m_rows, p_flags, p_tiles,
             n_listed, am1, inv_am1, b_lo, b_hi, m_done, p_cand, BLOCK_M, BLOCK_N, BLOCK_E,
             BLOCK_EC, MASK_KIND, OPTIONS, ALPHA_KIND, CANDIDATES, NEAR_ONE)
@@ -995,13 +1035,14 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
         n_pass = 1
         if n_cand <= CANDIDATES:
             b_lo, b_hi, b_tau, m_done, m_tight, b_guess, n_pass = _passes_over_captured(
-                p_cand, b_ncand, n_cand, am1, inv_am1, b_lo, b_hi, b_tau, m_done, m_tight,
-                b_guess, n_pass, BLOCK_M, CANDIDATES, ALPHA_KIND, NEAR_ONE)
+                p_cand, b_ncand, n_cand, am1, inv_am1, b_sink, b_lo, b_hi, b_tau, m_done, m_tight,
+                b_guess, n_pass, BLOCK_M, CANDIDATES, OPTIONS, ALPHA_KIND, NEAR_ONE)
     if (tl.max(tl.where(m_done, 0, 1), 0) > 0) & (n_pass < MAX_TAU_PASSES_C):
         b_lo, b_hi, b_tau, m_done, m_tight, b_guess, n_listed, n_pass = _passes_over_tiles(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, kv_begin,
             full_begin, n_full,
-            q_len, k_len, kv_end, head_e, scale, b_mz, is_causal, pos_shift, win_left, win_right,
+            q_len, k_len, kv_end, head_e, scale, b_mz, b_sink, is_causal, pos_shift, win_left,
+            win_right,
             softcap, slope, m_rows, p_flags, p_tiles,
             p_cand, am1, inv_am1, b_lo, b_hi, b_tau, m_done, n_listed, n_pass, capture,
             BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, OPTIONS, ALPHA_KIND, CANDIDATES,
@@ -1062,19 +1103,46 @@ def _output_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, st
         else:
             b_dacc += dot(b_s.to(b_v.dtype), b_v)
     if NEED_GRAD >= GRAD_ALPHA:
-        # p log p = p * log(base) / (alpha - 1)
-        b_log2 = log2_base(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)
-        if ALPHA_KIND == ALPHA_GENERAL:
-            b_log2 = tl.where(b_g > -1.0, b_log2, 0.0)
-        b_plogp += tl.sum(b_p * b_log2, 1) * (inv_am1 * 0.6931471805599453)
+        b_plogp += _row_plogp(b_g, b_p, inv_am1, ALPHA_KIND, NEAR_ONE)
     return b_sum, b_ssum, b_plogp, b_acc, b_dacc
+
+
+@triton.jit
+def _row_plogp(b_g, b_p, inv_am1, ALPHA_KIND: tl.constexpr, NEAR_ONE: tl.constexpr):
+    """Row sums of p log p (unnormalised weights b_p of the `gap` b_g), for the entropy:
+    p log p = p * log(base) / (alpha - 1)."""
+    b_log2 = log2_base(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)
+    if ALPHA_KIND == ALPHA_GENERAL:
+        b_log2 = tl.where(b_g > -1.0, b_log2, 0.0)
+    return tl.sum(b_p * b_log2, 1) * (inv_am1 * 0.6931471805599453)
+
+
+@triton.jit
+def _sink_sums(b_sink, b_tau, inv_am1, b_sum, b_ssum, b_plogp, OPTIONS: tl.constexpr,
+               ALPHA_KIND: tl.constexpr, NEED_GRAD: tl.constexpr, NEAR_ONE: tl.constexpr):
+    """The output sums (sum p, sum s, sum p log p) with the sink's entry added when OPTIONS
+    has one (b_sink: its logit less the row's maximum, z units): its weight takes part in
+    the row's normalisation, its sensitivity in the D-vector's (its value is zero, so it
+    adds nothing to p V or s V), its p log p in the entropy."""
+    if (SCORE_SINK_C & OPTIONS) != 0:
+        b_g = gap(b_sink[:, None], b_tau, inv_am1, ALPHA_KIND)
+        if NEED_GRAD >= GRAD_INPUTS:
+            b_p, b_s = weights_and_sensitivity(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)
+            b_ssum += tl.sum(b_s, 1)
+        else:
+            b_p = weights(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)
+        b_sum += tl.sum(b_p, 1)
+        if NEED_GRAD >= GRAD_ALPHA:
+            b_plogp += _row_plogp(b_g, b_p, inv_am1, ALPHA_KIND, NEAR_ONE)
+    return b_sum, b_ssum, b_plogp
 
 
 @triton.jit
 def _output_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq,
                  stride_mk, o_m, kv_begin, full_begin, n_full, kv_end, n_listed, p_tiles, q_len,
                  k_len, head_e,
-                 head_ev, scale, inv_am1, b_mz, b_tau, m_rows, is_causal, pos_shift, win_left,
+                 head_ev, scale, inv_am1, b_mz, b_sink, b_tau, m_rows, is_causal, pos_shift,
+                 win_left,
                  win_right, softcap, slope, p_flags, seed, pid_bh,
                  seqlen_q, seqlen_k, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr,
@@ -1082,7 +1150,8 @@ def _output_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, st
                  HAS_DROPOUT: tl.constexpr,
                  NEED_GRAD: tl.constexpr, NEAR_ONE: tl.constexpr):
     """The output pass (sparse): `_output_tile` over the listed full tiles (p_tiles) and the
-    flagged ones that cross a mask's edge; (sum p, sum s, sum p log p, p V, s V)."""
+    flagged ones that cross a mask's edge, and the sink's entry (`_sink_sums`); (sum p,
+    sum s, sum p log p, p V, s V)."""
     b_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_plogp = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_ssum = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -1118,6 +1187,8 @@ def _output_pass(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, st
                     b_sum, b_ssum, b_plogp, b_acc, b_dacc, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
                     BLOCK_EC, MASK_KIND, OPTIONS, ALPHA_KIND, HAS_DROPOUT, NEED_GRAD, True,
                     NEAR_ONE)
+    b_sum, b_ssum, b_plogp = _sink_sums(b_sink, b_tau, inv_am1, b_sum, b_ssum, b_plogp, OPTIONS,
+                                        ALPHA_KIND, NEED_GRAD, NEAR_ONE)
     return b_sum, b_ssum, b_plogp, b_acc, b_dacc
 
 
@@ -1133,7 +1204,7 @@ def entmax_attn_fwd_kernel(
     stride_sb, stride_sh, stride_stat,
     n_heads, kv_group, seqlen_q, seqlen_k, n_qblocks, n_kblocks, head_e, head_ev,
     scale, dropout_p, is_causal, window_left, window_right, softcap,
-    alibi_ptr, stride_alibi_b, stride_alibi_h,
+    alibi_ptr, stride_alibi_b, stride_alibi_h, sinks_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
     MASK_KIND: tl.constexpr, OPTIONS: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -1172,6 +1243,7 @@ def entmax_attn_fwd_kernel(
     pos_shift, win_left, win_right, slope = score_option_values(
         i_b, i_h, q_len, k_len, window_left, window_right, alibi_ptr, stride_alibi_b,
         stride_alibi_h, OPTIONS)
+    sink = sink_logit(sinks_ptr, i_h, OPTIONS)
     # the key tiles every pass visits: [kv_begin, kv_end), those in [full_begin, n_full)
     # without masks (`window_key_tiles`; without a window all before kv_end, the full ones
     # first)
@@ -1191,13 +1263,17 @@ def entmax_attn_fwd_kernel(
                                stride_mk, o_m, m_m, start_m, q_len, k_len, kv_begin,
                                full_begin, window_full_end, kv_end, head_e,
                                scale, is_causal, pos_shift, win_left, win_right, softcap, slope,
+                               sink,
                                p_flags, inv_am1, BLOCK_M, BLOCK_N, BLOCK_E,
                                BLOCK_EC, MASK_KIND, OPTIONS)
     # torch.softmax's rule: a NaN or +inf score makes its row NaN; a row with every key
-    # masked gets zeros. Neither has a threshold to find.
+    # masked gets zeros (with a sink, its row is the sink alone, whose value is zero).
+    # Neither has a threshold to find.
     m_bad = (b_m != b_m) | (b_m == float("inf"))
     m_rows = m_m & (b_m > float("-inf")) & (b_m < float("inf"))
     b_mz = tl.where(m_rows, b_m, 0.0)
+    # the sink's entry in z units shifted by the row maximum, as the tiles' scores
+    b_sink = sink - b_mz
 
     n_full = full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
     if (SCORE_WINDOW_C & OPTIONS) != 0:
@@ -1217,7 +1293,8 @@ def entmax_attn_fwd_kernel(
             b_tau, n_listed = _find_threshold(
                 b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, kv_begin,
                 full_begin, n_full,
-                q_len, k_len, kv_end, head_e, scale, b_mz, b_ycol, is_causal, pos_shift, win_left,
+                q_len, k_len, kv_end, head_e, scale, b_mz, b_sink, b_ycol, is_causal, pos_shift,
+                win_left,
                 win_right, softcap, slope, m_rows, p_flags,
                 p_tiles, p_cand, am1, inv_am1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND,
                 OPTIONS,
@@ -1226,7 +1303,8 @@ def entmax_attn_fwd_kernel(
             b_tau, n_listed = _find_threshold(
                 b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, kv_begin,
                 full_begin, n_full,
-                q_len, k_len, kv_end, head_e, scale, b_mz, b_ycol, is_causal, pos_shift, win_left,
+                q_len, k_len, kv_end, head_e, scale, b_mz, b_sink, b_ycol, is_causal, pos_shift,
+                win_left,
                 win_right, softcap, slope, m_rows, p_flags,
                 p_tiles, p_cand, am1, inv_am1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND,
                 OPTIONS,
@@ -1245,7 +1323,8 @@ def entmax_attn_fwd_kernel(
             b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq, stride_mk,
             o_m, kv_begin, full_begin, n_full, kv_end, n_listed, p_tiles, q_len, k_len, head_e,
             head_ev, scale,
-            inv_am1, b_mz, b_tau, m_rows, is_causal, pos_shift, win_left, win_right, softcap,
+            inv_am1, b_mz, b_sink, b_tau, m_rows, is_causal, pos_shift, win_left, win_right,
+            softcap,
             slope, p_flags, seed, pid_bh, seqlen_q,
             seqlen_k, dropout_p, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, MASK_KIND, OPTIONS,
             ALPHA_KIND, HAS_DROPOUT, NEED_GRAD, True)
@@ -1254,7 +1333,8 @@ def entmax_attn_fwd_kernel(
             b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq, stride_mk,
             o_m, kv_begin, full_begin, n_full, kv_end, n_listed, p_tiles, q_len, k_len, head_e,
             head_ev, scale,
-            inv_am1, b_mz, b_tau, m_rows, is_causal, pos_shift, win_left, win_right, softcap,
+            inv_am1, b_mz, b_sink, b_tau, m_rows, is_causal, pos_shift, win_left, win_right,
+            softcap,
             slope, p_flags, seed, pid_bh, seqlen_q,
             seqlen_k, dropout_p, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, MASK_KIND, OPTIONS,
             ALPHA_KIND, HAS_DROPOUT, NEED_GRAD, False)

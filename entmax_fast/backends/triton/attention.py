@@ -18,10 +18,9 @@ import torch
 from torch import Tensor
 
 from ... import common
-from .. import refuse_score_options
 from ...triton_kernels import attention_bwd, attention_common, attention_fwd
 from ...triton_kernels.signature import DTYPE_KEYS
-from . import SCORE_OPTIONS_IMPLEMENTED, _capability, interpreting
+from . import _capability, interpreting
 
 __all__ = ["attention_forward", "attention_backward", "attention_varlen_forward",
            "attention_varlen_backward"]
@@ -170,11 +169,17 @@ def _mask_args(attn_mask, geo, q):
     return mask_kind, mask, tuple(mask.stride())
 
 
-def _score_option_args(window_left, window_right, softcap, alibi_slopes, q):
-    """(OPTIONS, kernel arguments) of the score options: the window's bounds, the softcap,
-    and the ALiBi slopes as an fp32 tensor with its strides over (batch entry or sequence,
-    head), 0 over the first for (H,) slopes."""
+def _score_option_args(window_left, window_right, softcap, alibi_slopes, sinks, q):
+    """(OPTIONS, kernel arguments, sinks argument) of the score options: the window's
+    bounds, the softcap, and the ALiBi slopes as an fp32 tensor with its strides over
+    (batch entry or sequence, head), 0 over the first for (H,) slopes; the sink logits
+    (H,) as an fp32 tensor (the forward and dQ kernels' last argument)."""
     options = 0
+    if sinks is None:
+        sinks_arg = _placeholder(q.device, torch.float32)
+    else:
+        options |= attention_common.SCORE_SINK
+        sinks_arg = sinks.to(torch.float32).contiguous()
     if (window_left, window_right) != (-1, -1):
         options |= attention_common.SCORE_WINDOW
     if softcap > 0:
@@ -185,20 +190,21 @@ def _score_option_args(window_left, window_right, softcap, alibi_slopes, q):
         options |= attention_common.SCORE_ALIBI
         slopes = alibi_slopes.to(torch.float32)
         strides = (0, slopes.stride(0)) if slopes.dim() == 1 else tuple(slopes.stride())
-    return options, (int(window_left), int(window_right), float(softcap), slopes, *strides)
+    return options, (int(window_left), int(window_right), float(softcap), slopes,
+                     *strides), sinks_arg
 
 
 def _launch_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is_causal, scale,
                     need_grad, cu_q=None, cu_k=None, max_q=0, max_k=0, window_left=-1,
-                    window_right=-1, softcap=0.0, alibi_slopes=None):
+                    window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None):
     """Launch the forward kernel. Returns (out, stats, dvec, flags).
 
     alpha: fp32 tensor (H,); alpha_kind: common.ALPHA_* specialisation;
     seed: int64 tensor (1,) for dropout.
     stats: (4, B, H, Lq) or (4, H, total_q) fp32 row statistics (attention_common.STAT_*);
     need_grad: common.GRAD_* (what the backward will need);
-    window_left, window_right, softcap, alibi_slopes: the score options (-1, -1, 0 and None
-    for none; `attention_forward`);
+    window_left, window_right, softcap, alibi_slopes, sinks: the score options (-1, -1, 0,
+    None and None for none; `attention_forward`);
     dvec: fp32 like out (the D-vector; a placeholder without gradients);
     flags: (B, H, n_qblocks, n_kblocks) int8, 1 where a tile holds non-zero weight.
     """
@@ -219,8 +225,8 @@ def _launch_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is_c
     tiles = geo.tile_lists(q.device)
     slots = attention_common.candidate_slots(alpha_kind)
     candidates = geo.candidate_scratch(slots, q.device)
-    score_options, option_args = _score_option_args(window_left, window_right, softcap,
-                                                    alibi_slopes, q)
+    score_options, option_args, sinks_arg = _score_option_args(window_left, window_right,
+                                                               softcap, alibi_slopes, sinks, q)
     for launch in attention_common.forward_launches(geo.block_e, geo.dtype_key, mask_kind,
                                                     int(need_grad)):
         options = attention_common.launch_options(launch.maxnreg)
@@ -231,7 +237,7 @@ def _launch_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is_c
             *mask_strides, *geo.stats_strides(stats),
             geo.n_heads, geo.kv_group, geo.seqlen_q, geo.seqlen_k, geo.n_qblocks,
             geo.n_kblocks, geo.head_e, geo.head_ev, float(scale), float(dropout_p),
-            int(is_causal), *option_args,
+            int(is_causal), *option_args, sinks_arg,
             BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e,
             BLOCK_EV=geo.block_ev, BLOCK_EC=geo.block_ec["fwd"], ALPHA_KIND=alpha_kind,
             MASK_KIND=mask_kind, OPTIONS=score_options, IS_VARLEN=geo.varlen,
@@ -243,9 +249,10 @@ def _launch_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is_c
 
 
 def _dq_mode(geo, need_alpha_grad):
-    """attention_common.backward_dq's choice, but the dQ kernel for a learned alpha (it
-    sums the d(alpha) terms) and, under torch.use_deterministic_algorithms, instead of
-    unordered atomic adds."""
+    """attention_common.backward_dq's choice, but the dQ kernel for a learned alpha or
+    sinks (it forms the rows' d(alpha) and d(sink) terms; `need_alpha_grad` stands for
+    either) and, under torch.use_deterministic_algorithms, instead of unordered atomic
+    adds."""
     dq_mode = attention_common.backward_dq(geo.block_e, geo.dtype_key, need_alpha_grad)
     if need_alpha_grad or (dq_mode == attention_common.DQ_ATOMIC
                            and torch.are_deterministic_algorithms_enabled()):
@@ -256,8 +263,9 @@ def _dq_mode(geo, need_alpha_grad):
 def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha_kind, seed,
                      dropout_p, is_causal, scale, need_alpha_grad, cu_q=None, cu_k=None,
                      max_q=0, max_k=0, window_left=-1, window_right=-1, softcap=0.0,
-                     alibi_slopes=None):
-    """Launch the backward kernels. Returns (dq, dk, dv, dalpha (H,) fp32)."""
+                     alibi_slopes=None, sinks=None, need_sinks_grad=False):
+    """Launch the backward kernels. Returns (dq, dk, dv, dalpha (H,) fp32, dsinks (H,)
+    fp32), dalpha and dsinks zeros when not needed."""
     q, k, v, o, do = (_last_dim_contiguous(t) for t in (q, k, v, o, do))
     if do.stride() != o.stride():
         # the kernels address o, do and dvec with one set of strides
@@ -273,12 +281,14 @@ def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha
     cu_q_arg = cu_q if geo.varlen else cu_dummy
     cu_k_arg = cu_k if geo.varlen else cu_dummy
     if geo.batch * geo.n_heads == 0 or geo.seqlen_q == 0 or geo.seqlen_k == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_(), torch.zeros_like(alpha)
+        return (dq.zero_(), dk.zero_(), dv.zero_(), torch.zeros_like(alpha),
+                torch.zeros_like(alpha))
     sb, sh, sstat = geo.stats_strides(stats)
     tiles = geo.tile_lists(q.device)
-    dq_mode = _dq_mode(geo, need_alpha_grad)
-    score_options, option_args = _score_option_args(window_left, window_right, softcap,
-                                                    alibi_slopes, q)
+    need_sinks_grad = need_sinks_grad and sinks is not None
+    dq_mode = _dq_mode(geo, need_alpha_grad or need_sinks_grad)
+    score_options, option_args, sinks_arg = _score_option_args(window_left, window_right,
+                                                               softcap, alibi_slopes, sinks, q)
     if dq_mode == attention_common.DQ_KERNEL:
         # dq first: it writes delta = dO . D per row, which the dk/dv kernel reads
         attention_bwd.entmax_attn_bwd_dq_kernel[geo.query_grid()](
@@ -288,7 +298,7 @@ def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha
             *geo.token_strides(dq), *mask_strides, sb, sh, sstat, rows.stride(0),
             geo.n_heads, geo.kv_group, geo.seqlen_q, geo.seqlen_k, geo.n_qblocks, geo.n_kblocks,
             geo.head_e, geo.head_ev, float(scale), float(dropout_p), int(is_causal),
-            *option_args,
+            *option_args, sinks_arg,
             BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e,
             BLOCK_EV=geo.block_ev, BLOCK_EC=geo.block_ec["dq"], ALPHA_KIND=alpha_kind,
             MASK_KIND=mask_kind, OPTIONS=score_options, IS_VARLEN=geo.varlen,
@@ -329,12 +339,15 @@ def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha
         row_max = stats[attention_common.STAT_MAX]
         nan_rows = (row_max.t() if geo.varlen else row_max).isnan().unsqueeze(-1)
         dq.copy_(torch.where(nan_rows, float("nan"), dq_acc * scale))
-    if need_alpha_grad:
-        dalpha_rows = rows[attention_bwd.ROW_DALPHA]
-        dalpha = dalpha_rows.sum(1) if geo.varlen else dalpha_rows.sum((0, 2))
-    else:
-        dalpha = torch.zeros_like(alpha)
-    return dq, dk, dv, dalpha
+    dalpha, dsinks = (_per_head(rows[row], geo) if need else torch.zeros_like(alpha)
+                      for row, need in ((attention_bwd.ROW_DALPHA, need_alpha_grad),
+                                        (attention_bwd.ROW_DSINK, need_sinks_grad)))
+    return dq, dk, dv, dalpha, dsinks
+
+
+def _per_head(row_terms, geo):
+    """The sum per head of a row of the backward's per-row buffer: (H,)."""
+    return row_terms.sum(1) if geo.varlen else row_terms.sum((0, 2))
 
 
 # --------------------------------------------------------------------------------------
@@ -347,17 +360,19 @@ def _attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tenso
                       cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
                       dropout_p: float, is_causal: bool, scale: float, alpha_kind: int,
                       need_grad: int, window_left: int = -1, window_right: int = -1,
-                      softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None
+                      softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+                      sinks: Optional[Tensor] = None
                       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _launch_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is_causal,
                            scale, need_grad, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                           max_seqlen_k, window_left, window_right, softcap, alibi_slopes)
+                           max_seqlen_k, window_left, window_right, softcap, alibi_slopes,
+                           sinks)
 
 
 @_attention_fwd_op.register_fake
 def _(q, k, v, attn_mask, alpha, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
       dropout_p, is_causal, scale, alpha_kind, need_grad, window_left=-1, window_right=-1,
-      softcap=0.0, alibi_slopes=None):
+      softcap=0.0, alibi_slopes=None, sinks=None):
     geo = _Geometry(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     dropout_p > 0.0)
     out = q.new_empty(geo.out_shape(q, geo.head_ev))
@@ -376,19 +391,23 @@ def _attention_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, dv
                       cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
                       dropout_p: float, is_causal: bool, scale: float, alpha_kind: int,
                       need_alpha_grad: bool, window_left: int = -1, window_right: int = -1,
-                      softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None
-                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                      softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+                      sinks: Optional[Tensor] = None, need_sinks_grad: bool = False
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha_kind,
                             seed, dropout_p, is_causal, scale, need_alpha_grad,
                             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            window_left, window_right, softcap, alibi_slopes)
+                            window_left, window_right, softcap, alibi_slopes, sinks,
+                            need_sinks_grad)
 
 
 @_attention_bwd_op.register_fake
 def _(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, seed, cu_seqlens_q, cu_seqlens_k,
       max_seqlen_q, max_seqlen_k, dropout_p, is_causal, scale, alpha_kind, need_alpha_grad,
-      window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(alpha)
+      window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None,
+      need_sinks_grad=False):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            torch.empty_like(alpha), torch.empty_like(alpha))
 
 
 # --------------------------------------------------------------------------------------
@@ -416,27 +435,31 @@ def _alpha_grad(dalpha_heads, alpha, need_alpha_grad):
 
 
 def _forward(q, k, v, attn_mask, alpha, cu_q, cu_k, max_q, max_k, scale, is_causal, dropout_p,
-             need_grad, window_size, softcap, alibi_slopes):
+             need_grad, window_size, softcap, alibi_slopes, sinks):
     # (B, H, L, E) and the packed (total, H, E) both hold the query heads in dimension 1
     alpha_heads = _alpha_heads(alpha, q.shape[1], q.device)
     seed = _seed(dropout_p, q.device)
     out, stats, dvec, flags = torch.ops.entmax_fast.triton_attention_fwd(
         q, k, v, attn_mask, alpha_heads, seed, cu_q, cu_k, max_q, max_k, float(dropout_p),
         bool(is_causal), float(scale), common.alpha_kind(alpha), int(need_grad),
-        int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes)
+        int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes, sinks)
     return out, (stats, dvec, flags, seed)
 
 
 def _backward(grad_out, q, k, v, attn_mask, alpha, out, saved, cu_q, cu_k, max_q, max_k, scale,
-              is_causal, dropout_p, need_alpha_grad, window_size, softcap, alibi_slopes):
+              is_causal, dropout_p, need_alpha_grad, window_size, softcap, alibi_slopes, sinks,
+              need_sinks_grad):
     stats, dvec, flags, seed = saved
     alpha_heads = _alpha_heads(alpha, q.shape[1], q.device)
     need_alpha_grad = bool(need_alpha_grad) and isinstance(alpha, torch.Tensor)
-    dq, dk, dv, dalpha = torch.ops.entmax_fast.triton_attention_bwd(
+    need_sinks_grad = bool(need_sinks_grad) and sinks is not None
+    dq, dk, dv, dalpha, dsinks = torch.ops.entmax_fast.triton_attention_bwd(
         grad_out, q, k, v, out, dvec, stats, flags, attn_mask, alpha_heads, seed, cu_q, cu_k,
         max_q, max_k, float(dropout_p), bool(is_causal), float(scale), common.alpha_kind(alpha),
-        need_alpha_grad, int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes)
-    return dq, dk, dv, _alpha_grad(dalpha, alpha, need_alpha_grad)
+        need_alpha_grad, int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes,
+        sinks, need_sinks_grad)
+    return (dq, dk, dv, _alpha_grad(dalpha, alpha, need_alpha_grad),
+            dsinks.to(sinks.dtype) if need_sinks_grad else None)
 
 
 def attention_forward(query, key, value, attn_mask, alpha, *, scale, is_causal, dropout_p,
@@ -454,13 +477,11 @@ def attention_forward(query, key, value, attn_mask, alpha, *, scale, is_causal, 
     D-vector (a placeholder under GRAD_NONE), the tiles holding non-zero weight, and the
     dropout seed (drawn here from torch's generator), which the backward regenerates the
     dropout mask from. Score options (docs/attention.md, "Score options"): window_size
-    (left, right), softcap and alibi_slopes ((H,) or (B, H) fp32); the kernels have no
-    sinks yet (``supports`` refuses calls that set them).
+    (left, right), softcap, alibi_slopes ((H,) or (B, H) fp32) and sinks ((H,): each head's
+    sink logit, one more entry of every row with a zero value).
     """
-    refuse_score_options("the fused attention", window_size, softcap, alibi_slopes, sinks,
-                         implemented=SCORE_OPTIONS_IMPLEMENTED)
     return _forward(query, key, value, attn_mask, alpha, None, None, 0, 0, scale, is_causal,
-                    dropout_p, need_grad, window_size, softcap, alibi_slopes)
+                    dropout_p, need_grad, window_size, softcap, alibi_slopes, sinks)
 
 
 def attention_backward(grad_out, query, key, value, attn_mask, alpha, out, saved, *, scale,
@@ -468,18 +489,17 @@ def attention_backward(grad_out, query, key, value, attn_mask, alpha, out, saved
                        window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
                        need_sinks_grad=False):
     """Gradients of `attention_forward` (which ran with need_grad GRAD_INPUTS, or
-    GRAD_ALPHA when need_alpha_grad): (dq, dk, dv, None, dalpha or None, None), dalpha in
-    alpha's shape and dtype. The kernels do not differentiate attn_mask: ``supports``
-    refuses the calls that would need it."""
-    refuse_score_options("the fused attention", window_size, softcap, alibi_slopes, sinks,
-                         implemented=SCORE_OPTIONS_IMPLEMENTED)
+    GRAD_ALPHA when need_alpha_grad): (dq, dk, dv, None, dalpha or None, dsinks or None),
+    dalpha in alpha's shape and dtype, dsinks in sinks' (when need_sinks_grad). The kernels
+    do not differentiate attn_mask: ``supports`` refuses the calls that would need it."""
     if need_mask_grad:
         raise RuntimeError("the Triton attention does not differentiate attn_mask "
                            "(supports() refuses a mask that requires grad)")
-    dq, dk, dv, dalpha = _backward(grad_out, query, key, value, attn_mask, alpha, out, saved,
-                                   None, None, 0, 0, scale, is_causal, dropout_p,
-                                   need_alpha_grad, window_size, softcap, alibi_slopes)
-    return dq, dk, dv, None, dalpha, None
+    dq, dk, dv, dalpha, dsinks = _backward(
+        grad_out, query, key, value, attn_mask, alpha, out, saved, None, None, 0, 0, scale,
+        is_causal, dropout_p, need_alpha_grad, window_size, softcap, alibi_slopes, sinks,
+        need_sinks_grad)
+    return dq, dk, dv, None, dalpha, dsinks
 
 
 def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -494,22 +514,19 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     bottom-right; alibi_slopes (B, H) hold a row per sequence. Returns (out, saved) as
     `attention_forward`.
     """
-    refuse_score_options("the fused attention", window_size, softcap, alibi_slopes, sinks,
-                         implemented=SCORE_OPTIONS_IMPLEMENTED)
     return _forward(q, k, v, None, alpha, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                     int(max_seqlen_k), scale, is_causal, dropout_p, need_grad, window_size,
-                    softcap, alibi_slopes)
+                    softcap, alibi_slopes, sinks)
 
 
 def attention_varlen_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                               max_seqlen_k, alpha, out, saved, *, scale, is_causal, dropout_p,
                               need_alpha_grad, window_size=(-1, -1), softcap=0.0,
                               alibi_slopes=None, sinks=None, need_sinks_grad=False):
-    """Gradients of `attention_varlen_forward`: (dq, dk, dv, dalpha or None, None)."""
-    refuse_score_options("the fused attention", window_size, softcap, alibi_slopes, sinks,
-                         implemented=SCORE_OPTIONS_IMPLEMENTED)
-    dq, dk, dv, dalpha = _backward(grad_out, q, k, v, None, alpha, out, saved, cu_seqlens_q,
-                                   cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale,
-                                   is_causal, dropout_p, need_alpha_grad, window_size, softcap,
-                                   alibi_slopes)
-    return dq, dk, dv, dalpha, None
+    """Gradients of `attention_varlen_forward`: (dq, dk, dv, dalpha or None, dsinks or
+    None)."""
+    dq, dk, dv, dalpha, dsinks = _backward(
+        grad_out, q, k, v, None, alpha, out, saved, cu_seqlens_q, cu_seqlens_k,
+        int(max_seqlen_q), int(max_seqlen_k), scale, is_causal, dropout_p, need_alpha_grad,
+        window_size, softcap, alibi_slopes, sinks, need_sinks_grad)
+    return dq, dk, dv, dalpha, dsinks
