@@ -5,6 +5,8 @@ attention heat-maps.
     python -m entmax_fast.train            # defaults: < 5 minutes on a 2-core CPU
     python -m entmax_fast.train --quick    # < 1 minute
     python -m entmax_fast.train --help
+    python -m entmax_fast.train --quick --attention entmax15 --save recall_models
+                                           # also saves each model (load_model reads it back)
 
 The task (generated on the fly, seeded): a sequence holds ``pairs`` (key, value) tokens —
 each the sum of a key embedding and a value embedding, keys distinct — followed by
@@ -202,6 +204,22 @@ def evaluate(config: Config, model: RecallTransformer) -> dict:
     return {"accuracy": accuracy, "loss": loss, "support": support, "alpha": alphas, "example_weights": first_example}
 
 
+def save_model(path: str, model: RecallTransformer, config: Config, attention) -> None:
+    """A checkpoint :func:`load_model` reads back: the config, the attention kind, the weights."""
+    torch.save({"config": dataclasses.asdict(config), "attention": attention,
+                "state_dict": {name: tensor.cpu() for name, tensor in model.state_dict().items()}}, path)
+
+
+def load_model(path: str, device="cpu") -> tuple:
+    """(model in eval mode, config) from a :func:`save_model` checkpoint."""
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    config = Config(**{**checkpoint["config"], "attentions": tuple(checkpoint["config"]["attentions"]),
+                       "device": str(device)})
+    model = RecallTransformer(config, checkpoint["attention"])
+    model.load_state_dict(checkpoint["state_dict"])
+    return model.to(device).eval(), config
+
+
 # ---------------------------------------------------------------------------------------
 # Heat-maps: matplotlib when installed, else grey-scale PNGs written with zlib.
 
@@ -345,6 +363,7 @@ def parse_args(argv=None) -> tuple:
                         help="kinds to compare: softmax sparsemax entmax15 learned fusedmax or a float alpha >= 1")
     parser.add_argument("--out", default="train_out", help="folder for the heat-map PNG")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--save", metavar="DIR", help="save each trained model to DIR/recall_<kind>.pt (load_model)")
     args = parser.parse_args(argv)
     config = Config(pairs=args.pairs, queries=args.queries,
                     keys=args.keys, values=args.values, d_model=args.d_model, heads=args.heads, layers=args.layers,
@@ -393,6 +412,12 @@ def _run(config: Config, args) -> dict:
     _print_table(rows)
     paths = save_heatmaps(results, config, args.out)
     print(f"\nheat-maps: {', '.join(paths)}")
+    if args.save:
+        os.makedirs(args.save, exist_ok=True)
+        for attention in config.attentions:
+            path = os.path.join(args.save, f"recall_{_label(attention).replace('=', '')}.pt")
+            save_model(path, results[_label(attention)]["model"], config, attention)
+            print(f"saved {path}")
     print(f"wall time: {time.perf_counter() - start:.1f} s")
     return {"config": config, "results": results, "rows": rows, "heatmaps": paths}
 

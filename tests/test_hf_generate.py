@@ -130,3 +130,18 @@ def test_left_padded_batch_decodes_as_each_sequence_alone(monkeypatch, caplog, f
         torch.testing.assert_close(torch.stack(alone.scores)[:, 0], torch.stack(batched.scores)[:, row],
                                    **TOLERANCES[family])
     assert len(calls) > 0
+
+
+def test_decode_benchmark_dry_run(tmp_path):
+    """bench/bench_hf_decode.py on a tiny model: a time per token for each method, the
+    kvcache op's tokens equal to the masked path's, a row per cache."""
+    from test_tools import load_script
+
+    bench = load_script("bench/bench_hf_decode.py")
+    rows = bench.main(["--hidden", "32", "--layers", "1", "--vocab", "61", "--prompt", "16", "--new-tokens", "3",
+                       "--rounds", "1", "--out", str(tmp_path)])
+    assert [(row["cache"], row["method"]) for row in rows] == [
+        (cache, method) for cache in ("dynamic", "static") for method in ("kvcache op", "masked", "sdpa (softmax)")]
+    assert all(row["ms/token"] > 0 for row in rows)
+    assert [row["tokens = masked's"] for row in rows if row["method"] == "kvcache op"] == ["True", "True"]
+    assert (tmp_path / "hf_decode.csv").exists()
