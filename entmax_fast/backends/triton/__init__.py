@@ -20,7 +20,10 @@ from .. import unimplemented_score_options
 
 # The score options (backends.SCORE_OPTIONS) the kernels implement.
 SCORE_OPTIONS_IMPLEMENTED = frozenset({"window", "lower_right_causal", "softcap", "alibi_slopes"})
-OPS = {"entmax": "rowwise", "attention": "attention", "attention_varlen": "attention"}
+# The decoding kernels (triton_kernels/kvcache_decode.py) implement every score option.
+KVCACHE_SCORE_OPTIONS_IMPLEMENTED = frozenset({"window", "lower_right_causal", "softcap", "alibi_slopes", "sinks"})
+OPS = {"entmax": "rowwise", "attention": "attention", "attention_varlen": "attention",
+       "attention_kvcache": "kvcache"}
 
 def interpreting() -> bool:
     """Whether triton runs in its interpreter (CPU tensors) rather than compiling for a GPU."""
@@ -68,6 +71,17 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return _capability_at(torch.cuda.current_device() if device.index is None else device.index)
 
 
+def _capability_refusal(device: torch.device, what: str) -> Optional[str]:
+    """None where ``what`` (kernels with tensor-core products) can run on ``device``."""
+    if device.type == "cuda":
+        capability = _capability(device)
+        if capability < ATTENTION_MIN_CAPABILITY:
+            return (f"{what} need a GPU of compute capability "
+                    f"{'.'.join(map(str, ATTENTION_MIN_CAPABILITY))} or newer, got "
+                    f"{'.'.join(map(str, capability))}")
+    return None
+
+
 def supports(op: str, request) -> Optional[str]:
     """None if the kernels can run this call of ``op``, else why not."""
     if op == "entmax":
@@ -88,13 +102,17 @@ def supports(op: str, request) -> Optional[str]:
         unimplemented = unimplemented_score_options(request, "the fused attention", SCORE_OPTIONS_IMPLEMENTED)
         if unimplemented is not None:
             return unimplemented
-        if request.device.type == "cuda":
-            capability = _capability(request.device)
-            if capability < ATTENTION_MIN_CAPABILITY:
-                return ("the fused attention kernels need a GPU of compute capability "
-                        f"{'.'.join(map(str, ATTENTION_MIN_CAPABILITY))} or newer, got "
-                        f"{'.'.join(map(str, capability))}")
-        return None
+        return _capability_refusal(request.device, "the fused attention kernels")
+    if op == "attention_kvcache":
+        if request.dtype not in DTYPE_KEYS:
+            return f"the decoding kernels take float32/float16/bfloat16, got {request.dtype}"
+        if request.options.get("head_dim", 0) > 256:
+            return f"head dims above 256 are not supported by the decoding kernels, got {request.options['head_dim']}"
+        unimplemented = unimplemented_score_options(request, "the Triton decoding attention",
+                                                    KVCACHE_SCORE_OPTIONS_IMPLEMENTED)
+        if unimplemented is not None:
+            return unimplemented
+        return _capability_refusal(request.device, "the decoding kernels")
     return f"the Triton backend has no {op}"
 
 
