@@ -1,13 +1,14 @@
 """Score options of the fused Triton attention (window_size, a lower-right causal mask,
-softcap, ALiBi) in the kernels themselves: compiled on CUDA when there is a GPU, in the
+softcap, ALiBi, sinks) in the kernels themselves: compiled on CUDA when there is a GPU, in the
 Triton interpreter on CPU tensors otherwise (tests/devices.py).
 
 Shapes cross the interpreter's tiles (attention_common.INTERPRETER_BLOCKS: 64 query rows by
 32 keys): ragged lengths, Lq < Lk and Lq > Lk, windows bounded on the left, the right, both,
-neither side within the sequence, rows left with no key. Forward and gradients (q, k, v and
-a per-head alpha) against the float64 oracle; the key and query tiles the kernels visit
-against the window's band (a pass visits only tiles that hold a key of some row's window);
-fp16 against plain torch in fp16; dropout against the kernel's own mask; varlen.
+neither side within the sequence, rows left with no key. Forward and gradients (q, k, v,
+a per-head alpha and the sinks) against the float64 oracle; the key and query tiles the
+kernels visit against the window's band (a pass visits only tiles that hold a key of some
+row's window); fp16 against plain torch in fp16; dropout against the kernel's own mask;
+varlen.
 """
 import math
 
@@ -19,6 +20,7 @@ import entmax_fast
 from entmax_fast import dispatch
 from entmax_fast.backends import triton as triton_backend
 from entmax_fast.backends.triton import attention as tri
+from entmax_fast.reference.attention import with_sink
 from entmax_fast.reference.mappings import entmax_backward, entmax_forward
 from entmax_fast.triton_kernels import attention_bwd, attention_common, attention_fwd
 from devices import LOW_PRECISION, ON_GPU, on_test_device, triton_attention
@@ -63,32 +65,34 @@ def _run(fn, inputs, grad_out):
     return out.detach(), grads
 
 
-def _check_against_oracle(q, k, v, alpha, grad_out, **options):
-    """The Triton backend ran the call, and its output and gradients (q, k, v, alpha) are the
-    float64 oracle's."""
-    out, grads = _run(lambda q_, k_, v_, a_: triton_attention(q_, k_, v_, enable_gqa=True, alpha=a_,
-                                                            **options),
-                      [q, k, v, alpha], grad_out)
+def _check_against_oracle(q, k, v, alpha, grad_out, sinks=None, **options):
+    """The Triton backend ran the call, and its output and gradients (q, k, v, alpha, and
+    the sinks when given) are the float64 oracle's."""
+    inputs = [q, k, v, alpha] + ([] if sinks is None else [sinks])
+
+    def call(attention, q_, k_, v_, a_, *sinks_, **extra):
+        return attention(q_, k_, v_, alpha=a_, **options, **extra,
+                         **({"sinks": sinks_[0]} if sinks_ else {}))
+
+    out, grads = _run(lambda *t: call(triton_attention, *t, enable_gqa=True), inputs, grad_out)
     assert dispatch.last_choice("attention").backend == "triton"
-    expected, expected_grads = _run(
-        lambda q_, k_, v_, a_: oracle_attention(q_, k_, v_, alpha=a_, **options),
-        [t.double() for t in (q, k, v, alpha)], grad_out.double())
+    expected, expected_grads = _run(lambda *t: call(oracle_attention, *t),
+                                    [t.double() for t in inputs], grad_out.double())
     assert torch.isfinite(out).all()
     assert _err(out, expected) <= OUT_TOL
-    for name, got, want in zip(("dq", "dk", "dv", "dalpha"), grads, expected_grads):
+    for name, got, want in zip(("dq", "dk", "dv", "dalpha", "dsinks"), grads, expected_grads):
         assert _err(got, want) <= GRAD_TOL, name
     return out
 
 
 def test_the_backend_lists_the_options_it_implements():
     assert triton_backend.SCORE_OPTIONS_IMPLEMENTED == {"window", "lower_right_causal", "softcap",
-                                                        "alibi_slopes"}
-    options = {"alpha": 1.5, "window": True, "softcap": True, "alibi_slopes": True}
+                                                        "alibi_slopes", "sinks"}
+    options = {"alpha": 1.5, "window": True, "softcap": True, "alibi_slopes": True,
+               "sinks": True}
     request = dispatch.Request(torch.device("cpu"), torch.float32, options)
     assert triton_backend.supports("attention", request) is None
-    refused = triton_backend.supports("attention", dispatch.Request(
-        torch.device("cpu"), torch.float32, {"alpha": 1.5, "window": True, "sinks": True}))
-    assert refused == "the fused attention does not implement sinks yet"
+    assert triton_backend.supports("attention_varlen", request) is None
 
 
 WINDOWS = {"left": (20, -1), "right": (-1, 20), "both": (21, 6), "lower-right": (-1, 0),
@@ -145,6 +149,52 @@ def test_softcap_and_alibi_alone_and_with_a_window(slopes):
     for options in ({"softcap": 1.5}, {"alibi_slopes": alibi},
                     {"softcap": 2.0, "alibi_slopes": alibi, "window_size": (30, 10)}):
         _check_against_oracle(q, k, v, alpha, torch.randn(2, 2, lq, 16), **options)
+
+
+# Sink logits per head (the virtual key's score: not scaled, capped or shifted by ALiBi),
+# near the row maxima of `_inputs`' scores at scale 3 (a spread of about 3): with
+# test_sinks_match_the_oracle's shapes the first head's sink takes about a fifth of the
+# weight, the second's three quarters, and the whole row (zero output) in 7-70 % of the
+# second head's rows, by alpha (the float64 reference).
+SINKS = (6.0, 9.0)
+
+
+@pytest.mark.parametrize("options", [{}, {"window_size": (20, 0)}, {"softcap": 1.5}],
+                         ids=["alone", "window", "softcap"])
+def test_sinks_match_the_oracle(options):
+    """Sinks alone and with a window (Lq > Lk: the first rows have no key, only the sink)
+    or a softcap, GQA, ragged lengths, a per-head alpha of each kind (general and
+    sparsemax, then 1.5 and general): forward and gradients, dsinks included."""
+    torch.manual_seed(31 + len(options))
+    lq, lk = (133, 70) if options else (70, 101)
+    q, k, v = _inputs(1, 2, 1, lq, lk, 16, scale=3.0)
+    sinks = torch.tensor(SINKS)
+    for alpha in (torch.tensor([1.25, 2.0]), torch.tensor([1.5, 1.75])):
+        _check_against_oracle(q, k, v, alpha, torch.randn(1, 2, lq, 16), sinks=sinks,
+                              **options)
+
+
+def test_sinks_with_a_float_alpha_and_a_row_of_masked_keys():
+    """alpha 1.5 (the closed-form kind) with sinks and a bool mask that hides every key of
+    some rows: those rows hold only their sink (zero output and gradients) and must not
+    make the others' NaN."""
+    torch.manual_seed(33)
+    lq, lk = 70, 45
+    q, k, v = _inputs(1, 2, 2, lq, lk, 16, scale=3.0)
+    keep = torch.rand(1, 1, lq, lk) > 0.5
+    keep[..., :5, :] = False
+    sinks = torch.tensor([1.0, -1.0])
+    grad_out = torch.randn(1, 2, lq, 16)
+    out, grads = _run(lambda *t: triton_attention(*t[:3], alpha=1.5, attn_mask=keep,
+                                                  sinks=t[3]), [q, k, v, sinks], grad_out)
+    assert dispatch.last_choice("attention").backend == "triton"
+    expected, expected_grads = _run(
+        lambda *t: oracle_attention(*t[:3], alpha=1.5, attn_mask=keep, sinks=t[3]),
+        [t.double() for t in (q, k, v, sinks)], grad_out.double())
+    assert torch.equal(out[..., :5, :], torch.zeros_like(out[..., :5, :]))
+    assert _err(out, expected) <= OUT_TOL
+    for name, got, want in zip(("dq", "dk", "dv", "dsinks"), grads, expected_grads):
+        assert _err(got, want) <= GRAD_TOL, name
 
 
 def test_softcap_gradient_where_tanh_rounds_to_one():
@@ -284,9 +334,11 @@ def test_window_edges_holding_more_scores_than_the_capture_slots(monkeypatch):
             assert _err(got, want) <= GRAD_TOL, name
 
 
-def test_varlen_with_options_matches_each_sequence_alone():
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["options", "options-and-sinks"])
+def test_varlen_with_options_matches_each_sequence_alone(with_sinks):
     """Packed sequences of ragged lengths (Lq < Lk, Lq > Lk, equal), each with its own
-    bottom-right window position and its own row of (B, H) ALiBi slopes."""
+    bottom-right window position and its own row of (B, H) ALiBi slopes; and with sinks,
+    whose gradient sums over the sequences."""
     torch.manual_seed(21)
     lens_q, lens_k = [5, 70, 100], [37, 70, 66]
     h, hkv, e = 2, 1, 16
@@ -299,31 +351,35 @@ def test_varlen_with_options_matches_each_sequence_alone():
     k = torch.randn(sum(lens_k), hkv, e)
     v = torch.randn(sum(lens_k), hkv, e)
     grad_out = torch.randn(sum(lens_q), h, e)
+    inputs = [q, k, v, alpha] + ([torch.tensor(SINKS)] if with_sinks else [])
 
-    def packed(q_, k_, v_, a_):
+    def sink_option(leaves):
+        return {"sinks": leaves[4]} if with_sinks else {}
+
+    def packed(*leaves):
         with entmax_fast.use_backend("triton"):
             return entmax_fast.entmax_attention_varlen(
-                q_, k_, v_, cu_q, cu_k, max(lens_q), max(lens_k), alpha=a_, alibi_slopes=slopes,
-                **options)
+                *leaves[:3], cu_q, cu_k, max(lens_q), max(lens_k), alpha=leaves[3],
+                alibi_slopes=slopes, **options, **sink_option(leaves))
 
-    out, grads = _run(packed, [q, k, v, alpha], grad_out)
+    out, grads = _run(packed, inputs, grad_out)
     assert dispatch.last_choice("attention_varlen").backend == "triton"
-    leaves = [t.double().requires_grad_() for t in (q, k, v, alpha)]
+    leaves = [t.double().requires_grad_() for t in inputs]
     outs = []
     for i in range(len(lens_q)):
         sq, sk = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
         outs.append(oracle_attention(
             leaves[0][sq].transpose(0, 1)[None], leaves[1][sk].transpose(0, 1)[None],
             leaves[2][sk].transpose(0, 1)[None], alpha=leaves[3], alibi_slopes=slopes[i],
-            **options)[0].transpose(0, 1))
+            **options, **sink_option(leaves))[0].transpose(0, 1))
     expected = torch.cat(outs)
     expected_grads = torch.autograd.grad(expected, leaves, grad_out.double())
     assert _err(out, expected) <= OUT_TOL
-    for name, got, want in zip(("dq", "dk", "dv", "dalpha"), grads, expected_grads):
+    for name, got, want in zip(("dq", "dk", "dv", "dalpha", "dsinks"), grads, expected_grads):
         assert _err(got, want) <= GRAD_TOL, name
 
 
-def _plain_torch_attention(q, k, v, alpha, window_size, softcap, alibi_slopes):
+def _plain_torch_attention(q, k, v, alpha, window_size, softcap, alibi_slopes, sinks=None):
     """What a user gets composing torch ops in q's dtype: low-precision products, the options
     and the entmax mapping in fp32, weights rounded back to q's dtype."""
     scores = ((q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))).float()
@@ -334,16 +390,23 @@ def _plain_torch_attention(q, k, v, alpha, window_size, softcap, alibi_slopes):
     scores = scores - alibi_slopes.view(1, -1, 1, 1) * (pos - j).abs()
     left, right = window_size
     scores = scores.masked_fill((j < pos - left) | (j > pos + right), -math.inf)
-    weights = entmax_forward(scores, alpha).to(q.dtype)
+    if sinks is not None:
+        scores = with_sink(scores, sinks.float())
+    weights = entmax_forward(scores, alpha)[..., :lk].to(q.dtype)
     return weights @ v
 
 
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["options", "options-and-sinks"])
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
-def test_low_precision_error_at_most_twice_plain_torch(dtype):
+def test_low_precision_error_at_most_twice_plain_torch(dtype, with_sinks):
     torch.manual_seed(8)
     lq, lk = 70, 133
     q, k, v = _inputs(1, 2, 2, lq, lk, 64, dtype)
     options = {"window_size": (40, 20), "softcap": 3.0, "alibi_slopes": torch.rand(2)}
+    if with_sinks:
+        # the sinks take about half of the weight here (0.41 and 0.54 of it on average,
+        # the float64 reference at alpha 1.5)
+        options["sinks"] = torch.tensor([1.0, 2.0], dtype=dtype)
     out = triton_attention(q, k, v, alpha=1.5, **options)
     base = _plain_torch_attention(q, k, v, 1.5, **options)
     expected = oracle_attention(q, k, v, alpha=1.5, **options)

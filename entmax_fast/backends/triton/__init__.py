@@ -19,7 +19,8 @@ from ...triton_kernels.signature import DTYPE_KEYS
 from .. import unimplemented_score_options
 
 # The score options (backends.SCORE_OPTIONS) the kernels implement.
-SCORE_OPTIONS_IMPLEMENTED = frozenset({"window", "lower_right_causal", "softcap", "alibi_slopes"})
+SCORE_OPTIONS_IMPLEMENTED = frozenset({"window", "lower_right_causal", "softcap", "alibi_slopes",
+                                       "sinks"})
 # The decoding kernels (triton_kernels/kvcache_decode.py) implement every score option.
 KVCACHE_SCORE_OPTIONS_IMPLEMENTED = frozenset({"window", "lower_right_causal", "softcap", "alibi_slopes", "sinks"})
 OPS = {"entmax": "rowwise", "attention": "attention", "attention_varlen": "attention",
