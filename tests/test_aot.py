@@ -2,10 +2,11 @@
 shared memory (triton_kernels/aot.py, docs/checking.md item 2); spills are printed as a
 diagnostic, not failed (time on a GPU is the measure of speed).
 
-The modules list 366 (row-wise) and 8064 + 12480 (attention) configurations, so the suite
+The modules list hundreds (row-wise) and tens of thousands (attention) of configurations, so the suite
 compiles a covering sample in which every option value (dtype, head dim, alpha kind, mask
-kind, varlen, dropout, ...) occurs at least once, around the configurations whose loops
-must be pipelined: once per run, in parallel processes, one test per kernel module reading
+kind, varlen, dropout, ...) occurs at least once per kernel, options slow to compile spread
+over cheap configurations (aot.compile_cost), around the configurations whose loops must be
+pipelined: once per run, in parallel processes, one test per kernel module reading
 its rows, so that a module that fails does not hide the others.
 ENTMAX_FAST_AOT_SAMPLE=pairs covers every pair of values, ENTMAX_FAST_AOT_FULL=1 compiles
 everything, ENTMAX_FAST_AOT_JOBS sets the processes (default: one per core).
@@ -158,6 +159,20 @@ def test_covering_sample_is_taken_around_included_configurations():
     together = {t for c in sample + included for t in c["name"].split("_")}
     assert together == tokens and not {c["name"] for c in sample} & {c["name"] for c in included}
     assert len(sample) == 1, "fp32 is the one value the included configurations miss"
+
+
+def test_covering_sample_spreads_what_is_slow_to_compile():
+    def config(name):
+        return {"name": name, "fn": test_covering_sample_spreads_what_is_slow_to_compile}
+
+    names = [f"k_{d}_{e}" for d in ("fp32", "fp16") for e in ("e256", "e64")]
+    slow = lambda name: 10 if {"fp32", "e256"} <= set(name.split("_")) else 1  # noqa: E731
+    sample = aot.covering_sample([config(n) for n in names], pairs=False, cost=slow)
+    assert sorted(c["name"] for c in sample) == ["k_fp16_e256", "k_fp32_e64"]
+    assert [c["name"] for c in aot.covering_sample([config(n) for n in names], pairs=False,
+                                                   cost=lambda name: 1)] == ["k_fp32_e256", "k_fp16_e64"]
+    assert aot.compile_cost("entmax_attn_fwd_fp32_e256_a0_m0_g0") == 8
+    assert aot.compile_cost("entmax_attn_fwd_fp16_e64_a2_m0_g0") == 1
 
 
 def test_programs_per_sm_from_registers_and_shared_memory():

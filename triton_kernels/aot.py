@@ -95,16 +95,32 @@ def _resource_usage(cubin: bytes, kernel_name: str) -> dict:
     return {field: int(usage.get(field, 0)) for field in _FIELDS}
 
 
-def covering_sample(configs: list[dict], pairs: bool = True, covered=()) -> list[dict]:
+# Options that make a configuration slow to compile: fp32 operands, general-alpha root
+# finding (a0) and wide heads unroll longer loops for ptxas. Compile times of the fused
+# forward for sm_90 (triton 3.9, one x86 core each, at 559d955): fp32_e16_a3 12 s,
+# fp16_e256_a2 17 s, fp32_e16_a0 29 s, bf16_e256_a0 30 s, fp32_e256_a0 49 s, fp32_e32_a0_m2
+# 52 s: each such option about doubles the time.
+SLOW_TO_COMPILE = frozenset({"fp32", "a0", "e128", "e256"})
+
+
+def compile_cost(name: str) -> int:
+    """The relative compile time of the configuration `name`: 2 ** (its options in
+    SLOW_TO_COMPILE). The covering sample weighs what a configuration adds by it."""
+    return 2 ** len(SLOW_TO_COMPILE.intersection(name.split("_")))
+
+
+def covering_sample(configs: list[dict], pairs: bool = True, covered=(), cost=compile_cost) -> list[dict]:
     """A subset of ``configs`` in which every pair of option values that occurs together
     in some config still occurs together (pairwise coverage), or, without ``pairs``, in
     which every option value occurs at least once.
 
     Config names are ``<kernel>_<option>_<option>...`` (e.g. ``entmax_attn_fwd_fp16_e128_a0_m1_dropout``);
     per kernel function, configs are taken greedily by how many not yet covered token pairs
-    (dtype × head dim, head dim × variant, ...) they add. Used where the full cross product
-    is too slow to compile on every CI run; interactions of three options may be missed.
-    What the configs in ``covered`` hold counts as covered already (they are not returned).
+    (dtype × head dim, head dim × variant, ...) they add per unit of ``cost(name)`` (the
+    weighted set-cover greedy: slow options are spread over cheap configurations instead
+    of stacked in one). Used where the full cross product is too slow to compile on every
+    CI run; interactions of three options may be missed. What the configs in ``covered``
+    hold counts as covered already (they are not returned).
     """
     def tokens_covered(cfg):
         tokens = sorted(set(cfg["name"].split("_")))
@@ -115,12 +131,13 @@ def covering_sample(configs: list[dict], pairs: bool = True, covered=()) -> list
     by_kernel: dict[str, list[dict]] = {}
     for cfg in configs:
         by_kernel.setdefault(cfg["fn"].__name__, []).append(cfg)
-    for group in by_kernel.values():
+    for kernel, group in by_kernel.items():
         covers = [tokens_covered(cfg) for cfg in group]
+        costs = [cost(cfg["name"]) for cfg in group]
         uncovered = set().union(*covers).difference(
-            *(tokens_covered(cfg) for cfg in covered if cfg["fn"].__name__ == group[0]["fn"].__name__))
+            *(tokens_covered(cfg) for cfg in covered if cfg["fn"].__name__ == kernel))
         while uncovered:
-            best = max(range(len(group)), key=lambda i: (len(covers[i] & uncovered), -i))
+            best = max(range(len(group)), key=lambda i: (len(covers[i] & uncovered) / costs[i], -i))
             chosen.append(group[best])
             uncovered -= covers[best]
     return chosen
