@@ -302,7 +302,7 @@ def register(name: str, alpha: float = 1.5, *, decode_with_kvcache: bool = True)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (math.isfinite(alpha) and alpha >= 1):
         raise ValueError(f"alpha must be a finite float >= 1, got {alpha!r}")
     if not isinstance(decode_with_kvcache, bool):
-        raise ValueError(f"decode_with_kvcache must be a bool, got {decode_with_kvcache!r}")
+        raise TypeError(f"decode_with_kvcache must be a bool, got {decode_with_kvcache!r}")
     function = partial(entmax_attention_forward, alpha=float(alpha), config_override=name == "entmax",
                        decode_with_kvcache=decode_with_kvcache)
     AttentionInterface.register(name, function)
