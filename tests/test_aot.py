@@ -2,7 +2,7 @@
 shared memory (triton_kernels/aot.py, docs/checking.md item 2); spills are printed as a
 diagnostic, not failed (time on a GPU is the measure of speed).
 
-The modules list hundreds (row-wise) and tens of thousands (attention) of configurations, so the suite
+The modules list hundreds (row-wise, decoding) and tens of thousands (attention) of configurations, so the suite
 compiles a covering sample in which every option value (dtype, head dim, alpha kind, mask
 kind, varlen, dropout, ...) occurs at least once per kernel, options slow to compile spread
 over cheap configurations (aot.compile_cost), around the configurations whose loops must be
