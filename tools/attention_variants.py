@@ -129,8 +129,8 @@ VARIANTS = {
     # the threshold passes from the bracket's lower end: no column maxima in the max pass
     # (one max per score) and no lower bound from them (`_subset_bound`)
     "no_subset_bound": [("    b_ycol = tl.maximum(b_ycol, b_y)\n", ""),
-                        ("    b_lo = _subset_bound(b_ysub, am1, inv_am1, b_lo, b_hi, m_done, ALPHA_KIND, "
-                         "NEAR_ONE)\n", "")],
+                        ("    b_lo = _subset_bound(b_ysub, am1, inv_am1, b_sink, b_lo, b_hi, m_done, OPTIONS, ALPHA_KIND,\n"
+                         "                         NEAR_ONE)\n", "")],
     # the slots read with a masked load per entry rather than as whole chunks
     # (`_candidate_pass`, `_compact`)
     "masked_slot_loads": [
