@@ -23,6 +23,12 @@ paged step / contiguous step. Timing: ``torch.utils.benchmark`` (median of block
 under ``torch.inference_mode()``, the methods taking turns (3 rounds with ``--quick``, 5
 otherwise) and each reporting its median turn. Writes bench/out/decode.csv.
 
+A paged cache's blocks lie at unrelated addresses, so on CPU its keys cross a 4 KiB page
+every few keys and the step waits on address translation: with ``THP_MEM_ALLOC_ENABLE=1``
+in the environment (torch's CPU allocator then asks for 2 MiB pages) the paged step took
+1.05-1.16x the contiguous one, without it 1.03-1.26x (docs/performance.md). The header
+says which.
+
 On a shared machine a parallel region waits for a thread the scheduler has put aside: on the
 2-core development machine under a load average of 7, the contiguous step at B 1, 4k keys
 took 20 ms on two threads and 7.4 ms with ``--threads 1`` (commit b03ada4); compare runs at
@@ -150,8 +156,10 @@ def main(argv=None) -> list:
         configs = [(1, 4096), (1, 16384), (1, 65536), (4, 4096), (4, 16384), (16, 4096)]
     min_run_time = 0.6 if args.quick else 1.5
     rounds = 3 if args.quick else 5
+    pages = "2 MiB pages (THP_MEM_ALLOC_ENABLE=1)" if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" else "4 KiB pages"
     print(f"{machine()}\ndecoding step: H={args.heads} Hkv={args.kv_heads} E={args.head_dim} Lq=1 {args.dtype} "
-          f"alpha={args.alpha:g}, paged block size {args.block_size}, {args.device}")
+          f"alpha={args.alpha:g}, paged block size {args.block_size}, {args.device}"
+          + (f", CPU tensors on {pages}" if args.device == "cpu" else ""))
     rows = [run(batch, length, args.heads, args.kv_heads, args.head_dim, getattr(torch, args.dtype), args.alpha,
                 args.block_size, min_run_time, rounds, args.device) for batch, length in configs]
     print_table(rows, "Decoding step (ms; ratios from the same run)")
