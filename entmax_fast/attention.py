@@ -255,6 +255,17 @@ def _score_request(request_options, window_size, lower_right, softcap, alibi_slo
     return request_options
 
 
+def attention_request(query, value, attn_mask, alpha, dropout_p, is_causal, window_size, lower_right, softcap,
+                      alibi_slopes, sinks) -> dict:
+    """The dispatch.Request options of an attention call with checked arguments."""
+    request_options = {"alpha": alpha if isinstance(alpha, float) else "tensor", "dropout_p": float(dropout_p),
+                       "head_dim": max(query.shape[-1], value.shape[-1]), "is_causal": bool(is_causal),
+                       "mask": None if attn_mask is None else attn_mask.dtype,
+                       "mask_requires_grad": attn_mask is not None and attn_mask.requires_grad
+                       and torch.is_grad_enabled()}
+    return _score_request(request_options, window_size, lower_right, softcap, alibi_slopes, sinks)
+
+
 def _check_attention_args(query, key, value, attn_mask, dropout_p, scale, enable_gqa, alpha):
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         check_floating(name, tensor)
@@ -353,12 +364,8 @@ def entmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
         scale = 1.0
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    request_options = {"alpha": alpha if isinstance(alpha, float) else "tensor", "dropout_p": float(dropout_p),
-                       "head_dim": max(query.shape[-1], value.shape[-1]), "is_causal": bool(is_causal),
-                       "mask": None if attn_mask is None else attn_mask.dtype,
-                       "mask_requires_grad": attn_mask is not None and attn_mask.requires_grad
-                       and torch.is_grad_enabled()}
-    _score_request(request_options, window_size, lower_right, softcap, alibi_slopes, sinks)
+    request_options = attention_request(query, value, attn_mask, alpha, dropout_p, is_causal, window_size, lower_right,
+                                        softcap, alibi_slopes, sinks)
     # A lower-right causal mask is the window's right bound 0 (pos − left ≤ j ≤ pos).
     kernel_window = (window_size[0], 0) if lower_right else window_size
     options = {"scale": float(scale), "is_causal": bool(is_causal), "dropout_p": float(dropout_p),

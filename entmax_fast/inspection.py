@@ -11,10 +11,12 @@ import math
 
 import torch
 
-from .attention import NO_WINDOW, checked_arguments
+from . import dispatch
+from ._validation import check_backend_dtype
+from .attention import NO_WINDOW, _per_head, attention_request, checked_arguments
 from .common import compute_dtype
 from .mappings import entmax_bisect
-from .reference.attention import CHUNK_ELEMENTS, _as_4d_mask, expand_heads, masked_scores, with_sink
+from .reference.attention import _as_4d_mask, expand_heads, masked_scores, with_sink
 
 __all__ = ["attention_weights", "support_size"]
 
@@ -72,21 +74,28 @@ def attention_weights(query, key, attn_mask=None, is_causal=False, scale=None, e
 def support_size(query, key, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, *, alpha=1.5,
                  window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None, sinks=None):
     """(B, H, Lq) int64: how many keys each query row of :func:`entmax_fast.entmax_attention`
-    gives a nonzero weight (the sink not counted), with the same arguments. Computed over
-    chunks of query rows, each at most ``CHUNK_ELEMENTS`` scores, so memory does not grow as
-    Lq·Lk; no gradient."""
+    gives a nonzero weight (the sink not counted; a NaN row counts none), with the same
+    arguments. No gradient, and no (Lq, Lk) tensor per head: the dispatched backend (op
+    ``"attention_support"``, ``entmax_fast.backend_info()`` says which and why) counts from
+    the row thresholds of its own attention forward, or, on the reference backend, over
+    chunks of at most ``CHUNK_ELEMENTS`` scores."""
+    attn_mask, is_causal, lower_right, alpha, window_size, softcap = checked_arguments(
+        query, key, key, attn_mask, 0.0, is_causal, scale, enable_gqa, alpha, window_size, softcap, alibi_slopes,
+        sinks)
+    batch, heads, lq, _ = query.shape
+    if key.shape[2] == 0 or batch * heads * lq == 0:
+        return torch.zeros(batch, heads, lq, dtype=torch.int64, device=query.device)
+    if query.shape[-1] == 0:
+        query, key = torch.nn.functional.pad(query, (0, 1)), torch.nn.functional.pad(key, (0, 1))
+        scale = 1.0
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    request_options = attention_request(query, key, attn_mask, alpha, 0.0, is_causal, window_size, lower_right,
+                                        softcap, alibi_slopes, sinks)
+    (forward, _), choice = dispatch.select("attention_support",
+                                           dispatch.Request(query.device, query.dtype, request_options))
+    check_backend_dtype(choice, query)
     with torch.no_grad():
-        q, k, mask, is_causal, scale, alpha, options = _prepared(query, key, attn_mask, is_causal, scale,
-                                                                 enable_gqa, alpha, window_size, softcap,
-                                                                 alibi_slopes, sinks)
-        batch, heads, lq, _ = query.shape
-        lk = key.shape[2]
-        counts = torch.zeros(batch, heads, lq, dtype=torch.int64, device=query.device)
-        if lk == 0 or batch * heads * lq == 0:
-            return counts
-        rows = max(1, CHUNK_ELEMENTS // max(1, batch * heads * (lk + 1)))
-        for start in range(0, lq, rows):
-            stop = min(lq, start + rows)
-            scores = masked_scores(q[..., start:stop, :], k, scale, mask, start, stop, is_causal, **options)
-            counts[..., start:stop] = (_row_weights(scores, alpha, sinks) > 0).sum(-1)
-        return counts
+        return forward(query, key, attn_mask, _per_head(alpha, heads), scale=float(scale), is_causal=bool(is_causal),
+                       enable_gqa=bool(enable_gqa), window_size=(window_size[0], 0) if lower_right else window_size,
+                       softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)

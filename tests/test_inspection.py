@@ -7,7 +7,7 @@ import torch
 from torch.nn.attention.bias import causal_lower_right
 
 import entmax_fast
-from entmax_fast import inspection
+from entmax_fast.reference import attention as reference_attention
 from devices import cpu_backends
 from oracle import oracle_attention
 
@@ -86,13 +86,38 @@ def test_weights_times_value_is_entmax_attention_and_gradients_match_the_oracle(
         torch.testing.assert_close(got, want, atol=1e-8, rtol=1e-7)
 
 
-def test_support_size_works_in_chunks(monkeypatch):
-    """A chunk of a few rows at a time gives the same counts as one dense block."""
+def test_support_size_works_in_chunks():
+    """The reference backend's counts over a few rows at a time equal one dense block's."""
     q, k = _inputs(torch.float32, seed=5)
     dense = (entmax_fast.attention_weights(q, k, enable_gqa=True, alpha=2.0, is_causal=True) > 0).sum(-1)
-    monkeypatch.setattr(inspection, "CHUNK_ELEMENTS", B * H * (LK + 1) * 2)
-    torch.testing.assert_close(entmax_fast.support_size(q, k, enable_gqa=True, alpha=2.0, is_causal=True), dense)
+    counts = reference_attention.attention_support_forward(q, k, None, 2.0, scale=E ** -0.5, is_causal=True,
+                                                           enable_gqa=True, chunk_elements=B * H * (LK + 1) * 2)
+    torch.testing.assert_close(counts, dense)
     assert (dense[..., 0] == 1).all()  # causal: the first query sees one key
+
+
+SUPPORT_PARAMS = [pytest.param(backend, case, id=f"{case}-{backend}") for backend in cpu_backends("attention_support")
+                  for case in CASES]
+
+
+@pytest.mark.parametrize("backend,case", SUPPORT_PARAMS)
+def test_support_size_of_each_attention_backend_matches_the_oracle(backend, case):
+    """Each backend counts from its own float32 forward: every key whose float64 weight p has
+    a clear gap p^(α-1) > 1e-5 to the threshold, none the oracle weighs 0; the keys between
+    are float32 rounding's to decide."""
+    q, k = _inputs(torch.float32, seed=7)
+    alpha = torch.tensor(ALPHA_HEADS[1:] + (1.75,), dtype=torch.float32)
+    options = _cast(CASES[case], torch.float32)
+    with entmax_fast.use_backend(backend):
+        counts = entmax_fast.support_size(q, k, enable_gqa=True, alpha=alpha, **options)
+    assert entmax_fast.backend_info()["last_choice"]["attention_support"]["backend"] == backend
+    expected = _oracle_weights(q, k, alpha.double(), _cast(options, torch.float64))
+    assert counts.dtype == torch.int64 and counts.shape == (B, H, LQ)
+    gaps = expected ** (alpha.double() - 1).view(1, -1, 1, 1)
+    clear, whole = (gaps > 1e-5).sum(-1), (expected > 0).sum(-1)
+    assert ((clear <= counts) & (counts <= whole)).all()
+    assert (clear == whole).float().mean() > 0.9
+    assert ((counts > 0) & (counts < LK)).any()
 
 
 def test_zero_sizes_and_bad_input():

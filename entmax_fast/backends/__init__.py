@@ -20,7 +20,7 @@ triton nor the extension nor any kernel) and defines
     describe(op, request) -> what runs the call, in a user's words
 
 and, in the submodule OPS names, a forward and a backward for each op (a forward only for
-attention_kvcache). They compute; they hold no autograd.
+attention_kvcache and attention_support). They compute; they hold no autograd.
 The public layer (mappings.py, structured.py, attention.py) validates the arguments once
 and holds the one torch.autograd.Function of each op, which calls the dispatched pair:
 
@@ -75,6 +75,14 @@ and holds the one torch.autograd.Function of each op, which calls the dispatched
                 (the new tokens already written), query i at position seqlens_k[b] − Lq + i,
                 lower-right causal; entries of block_table past a sequence's blocks are
                 not read
+    attention_support  (forward only: inspection, no autograd)
+                attention_support_forward(query, key, attn_mask, alpha, *, scale,
+                                          is_causal, enable_gqa, window_size, softcap,
+                                          alibi_slopes, sinks) -> (B, H, Lq) int64
+                arguments as attention_forward's (no value): how many keys each query
+                row gives a nonzero weight in that backend's attention_forward (the sink
+                not counted, a NaN row none), without an (Lq, Lk) block per head beyond
+                what the backend's forward holds
 
 A backend that does not implement a score option refuses the call in ``supports`` (dispatch
 then falls back, with the reason), naming it with `unimplemented_score_options`; its package

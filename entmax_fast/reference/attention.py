@@ -189,6 +189,29 @@ def attention_forward(query, key, value, attn_mask, alpha, *, scale, is_causal, 
     return out.to(query.dtype), (seed,)
 
 
+def attention_support_forward(query, key, attn_mask, alpha, *, scale, is_causal, enable_gqa=False,
+                              window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None, sinks=None,
+                              chunk_elements=CHUNK_ELEMENTS):
+    """(B, H, Lq) int64: how many keys each query row of :func:`attention_forward` with the
+    same arguments gives a nonzero weight (the sink not counted; a NaN row counts none),
+    over chunks of rows of at most ``chunk_elements`` scores (the backend contract)."""
+    cdt = compute_dtype(query.dtype)
+    heads = query.shape[-3]
+    q, k = query.to(cdt), expand_heads(key, heads).to(cdt)
+    mask = _as_4d_mask(attn_mask)
+    alpha_rows = alpha.to(cdt).view(1, -1, 1, 1) if isinstance(alpha, torch.Tensor) else alpha
+    batch, _, lq, _ = q.shape
+    lk = k.shape[-2]
+    score_options = {"query_length": lq, "window_size": window_size, "softcap": softcap,
+                     "alibi_slopes": alibi_slopes}
+    counts = torch.empty(batch, heads, lq, dtype=torch.int64, device=q.device)
+    for start, stop in _chunk_bounds(batch * heads, lq, lk + (sinks is not None), chunk_elements):
+        scores = masked_scores(q[..., start:stop, :], k, scale, mask, start, stop, is_causal, **score_options)
+        weights, _ = _weights(scores, alpha_rows, sinks)
+        counts[..., start:stop] = (weights > 0).sum(-1)
+    return counts
+
+
 def attention_backward(grad_out, query, key, value, attn_mask, alpha, out, saved, *, scale, is_causal, dropout_p,
                        enable_gqa=False, need_mask_grad=False, need_alpha_grad=False, window_size=NO_WINDOW,
                        softcap=0.0, alibi_slopes=None, sinks=None, need_sinks_grad=False,

@@ -18,7 +18,7 @@ from ...reference.mappings import entmax_rowwise_forward as entmax_forward
 __all__ = ["entmax_forward", "entmax_backward", "normmax_forward", "normmax_backward", "budget_forward",
            "budget_backward", "fusedmax_forward", "fusedmax_backward", "oscarmax_forward", "oscarmax_backward",
            "attention_forward", "attention_backward", "attention_varlen_forward", "attention_varlen_backward",
-           "attention_kvcache_forward"]
+           "attention_kvcache_forward", "attention_support_forward"]
 
 normmax_forward = _normmax_budget.normmax_forward
 normmax_backward = _normmax_budget.normmax_backward
@@ -29,6 +29,7 @@ attention_backward = _attention.attention_backward
 attention_varlen_forward = _attention.attention_varlen_forward
 attention_varlen_backward = _attention.attention_varlen_backward
 attention_kvcache_forward = _kvcache.attention_kvcache_forward
+attention_support_forward = _attention.attention_support_forward
 
 
 def _vector_jacobian(mapping, grad, x, lengths, reg):
