@@ -166,6 +166,45 @@ class _AllGatherSequence(torch.autograd.Function):
         return out, None, None, None, None
 
 
+class _GatheredSpans(torch.autograd.Function):
+    """Spans ``[start, end)`` along the sequence (dim 2) of every rank's shard gathered in
+    sequence order: one output per span, views of one gathered tensor. The backward adds
+    each span's gradient in place into the ranks' parts and reduce-scatters them. Slicing
+    one gathered tensor instead would fill each span's gradient out to the whole length in
+    the backward, and split the sum into the ranks' parts in another copy."""
+
+    @staticmethod
+    def forward(ctx, x, spans, group, world_size, layout):
+        ctx.set_materialize_grads(False)
+        ctx.args = x.shape, x.dtype, x.device, spans, group, world_size, layout
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(world_size)]
+        dist.all_gather(parts, x, group=group)
+        whole = _join_from_ranks(parts, 2, world_size, layout, along_sequence=True)
+        return tuple(whole[:, :, start:end] for start, end in spans)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        shape, dtype, device, spans, group, world_size, layout = ctx.args
+        size = shape[2] * world_size // _chunk_count(world_size, layout)
+        # where each chunk of the sequence lies in the ranks' parts: (rank, first row)
+        place = {chunk: (rank, slot * size) for rank in range(world_size)
+                 for slot, chunk in enumerate(_rank_chunks(rank, world_size, layout))}
+        # every rank takes part in the reduce-scatter, even with no gradient of its own
+        parts = torch.zeros(world_size, *shape, dtype=dtype, device=device)
+        for grad, (start, end) in zip(grads, spans):
+            if grad is None:
+                continue
+            for chunk in range(start // size, -(-end // size)):
+                lo, hi = max(start, chunk * size), min(end, (chunk + 1) * size)
+                rank, row = place[chunk]
+                row += lo - chunk * size
+                parts[rank, :, :, row:row + hi - lo] += grad[:, :, lo - start:hi - start]
+        out = torch.empty(shape, dtype=dtype, device=device)
+        dist.reduce_scatter(out, list(parts.unbind(0)), group=group)
+        return out, None, None, None, None
+
+
 def _all_to_all(x, scatter_dim, gather_dim, sequence_dim, group, world_size, layout):
     """Cut ``x`` into P parts along ``scatter_dim``, send part j to rank j, and join the
     parts received along ``gather_dim``; whichever of the two is ``sequence_dim`` follows
@@ -335,31 +374,28 @@ def _attention_all_to_all(query, key, value, mask, *, world_size, rank, group, l
 
 def _attention_all_gather(query, key, value, mask, *, world_size, rank, group, layout, is_causal, window_size,
                           **options):
-    keys = _AllGatherSequence.apply(key, 2, group, world_size, layout)
-    values = _AllGatherSequence.apply(value, 2, group, world_size, layout)
+    length = key.shape[2] * world_size
     if not is_causal:
+        keys, values = (_GatheredSpans.apply(x, ((0, length),), group, world_size, layout)[0] for x in (key, value))
         return entmax_attention(query, keys, values, attn_mask=mask, is_causal=False, window_size=window_size,
                                 **options)
     left = window_size[0]
     chunks = _rank_chunks(rank, world_size, layout)
     size = query.shape[2] // len(chunks)
+    # The chunk's queries sit at offset..offset+size−1 and, causal, see no key past its end;
+    # a window's left bound drops the keys before offset − left as well. The window (left,
+    # 0) is the lower-right causal mask of these Lq = size, Lk = end − start (query i at key
+    # position i + Lk − Lq, its global position minus start).
+    spans = tuple(((max(0, chunk * size - left) if left >= 0 else 0), (chunk + 1) * size) for chunk in chunks)
+    keys, values = (_GatheredSpans.apply(x, spans, group, world_size, layout) for x in (key, value))
     outs = []
-    for index, chunk in enumerate(chunks):
-        offset = chunk * size
-        # The chunk's queries sit at offset..offset+size−1 and, causal, see no key past its
-        # end; a window's left bound drops the keys before offset − left as well. The window
-        # (left, 0) is the lower-right causal mask of these Lq = size, Lk = end − start
-        # (query i at key position i + Lk − Lq, its global position minus start).
-        start, end = (max(0, offset - left) if left >= 0 else 0), offset + size
+    for index, (start, end) in enumerate(spans):
         rows = slice(index * size, (index + 1) * size)
         chunk_mask = None
         if mask is not None:
             chunk_mask = mask[:, :, rows] if mask.shape[2] > 1 else mask
             chunk_mask = chunk_mask[..., start:end] if mask.shape[3] > 1 else chunk_mask
-        # Slicing all of the keys would still cost a zero-filled copy in the backward.
-        chunk_keys, chunk_values = ((keys, values) if (start, end) == (0, keys.shape[2])
-                                    else (keys[:, :, start:end], values[:, :, start:end]))
-        outs.append(entmax_attention(query[:, :, rows], chunk_keys, chunk_values, attn_mask=chunk_mask,
+        outs.append(entmax_attention(query[:, :, rows], keys[index], values[index], attn_mask=chunk_mask,
                                      is_causal=False, window_size=(left, 0), **options))
     return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
 
