@@ -383,6 +383,18 @@ std::tuple<at::Tensor, at::Tensor> entmax_attention_fwd_cpu(const at::Tensor& qu
   return {out.to(query.scalar_type()), stats};
 }
 
+// The p of a General-kind row from its saved (max, mu), written over the row's scores z (the
+// sink's entry included): the forward's kernel at its final mu, renormalised as the forward
+// did, gives the forward's p; scalar pow per entry here cost more than the rest of the backward.
+template <typename T>
+void saved_general_probs(T* z, int64_t n, T zmax, double mu, const EntmaxParams<T>& prm) {
+  const double p_total = general_probs(z, n, static_cast<double>(zmax), prm.law(), mu);
+  if (p_total > 0) {
+    const T inv = static_cast<T>(1.0 / p_total);
+    for (int64_t j = 0; j < n; ++j) z[j] *= inv;
+  }
+}
+
 template <typename T>
 void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                              const at::Tensor& v, const std::optional<at::Tensor>& mask, const at::Tensor& stats,
@@ -464,13 +476,7 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
             // scaled, masked scores are still in the row.
             double s_total = 0, sg_total = 0;
             if (prm.kind == AlphaKind::kGeneral) {
-              // The forward's kernel at its final mu, renormalised as the forward did, gives the
-              // forward's p; scalar pow per entry here cost more than the rest of the backward.
-              const double p_total = general_probs(p, n, static_cast<double>(zmax), prm.law(), mu);
-              if (p_total > 0) {
-                const T inv = static_cast<T>(1.0 / p_total);
-                for (int64_t j = 0; j < n; ++j) p[j] *= inv;
-              }
+              saved_general_probs(p, n, zmax, mu, prm);
               std::tie(s_total, sg_total) = general_weights(p, g, weights.data(), n, 2.0 - prm.alpha);
             } else {
               for (int64_t j = 0; j < n; ++j) {
@@ -555,6 +561,89 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> entmax_at
   return {dq.to(out_t), dk.to(out_t), dv.to(out_t), dalpha, dsinks};
 }
 
+// How many keys of the span of each query row get a nonzero weight at the row's saved
+// (max, mu), the sink's entry not counted: the backward's recomputation of p, tile by tile,
+// without its gradients. Rows of (B, H) and tiles are independent, split as the forward's.
+template <typename T>
+void attention_support_impl(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& mask,
+                            const at::Tensor& stats, const double* alpha, double scale_d, bool is_causal,
+                            const ScoreOptionTensors& option_tensors, const AttentionShape& s, at::Tensor& counts) {
+  at::Tensor mask_holder;
+  const MaskView<T> mask_view = make_mask_view<T>(mask, s, mask_holder);
+  const ScoreOptions<T> opts(option_tensors);
+  const T scale = static_cast<T>(scale_d);
+  const double* stats_ptr = stats.const_data_ptr<double>();
+  int64_t* counts_ptr = counts.data_ptr<int64_t>();
+  const int64_t row_capacity = widest_tile_span(s, is_causal, opts) + opts.sink_columns();
+  at::parallel_for(0, s.B * s.H * s.n_tiles, 1, at::wrapPropagateTLSState([&](int64_t begin, int64_t end) {
+    at::Tensor buffer = at::empty({kQueryTile * row_capacity}, q.options());
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = (task / s.n_tiles) % s.H;
+      const int64_t b = task / (s.n_tiles * s.H);
+      const int64_t hk = h / s.group;
+      const QueryTile tile = query_tile(task % s.n_tiles, s, is_causal, opts);
+      // counts starts at zero: rows without a nonzero weight are skipped.
+      int64_t* row_counts = counts_ptr + (b * s.H + h) * s.Lq + tile.q0;
+      if (tile.kn == 0) continue;
+      const double* st = stats_ptr + ((b * s.H + h) * s.Lq + tile.q0) * 2;
+      const EntmaxParams<T> prm(alpha[h]);
+      at::Tensor scores = tile_scores<T>(buffer, nullptr, q.select(0, b).select(0, h), k.select(0, b).select(0, hk),
+                                         tile, scale, opts, mask_view, s, is_causal, b, h);
+      T* z = scores.data_ptr<T>();
+      for (int64_t i = 0; i < tile.tq; ++i) {
+        const RowSpan span = row_span(tile, i, s, is_causal, opts.window_left, opts.window_right);
+        const T zmax = static_cast<T>(st[2 * i]);
+        const double mu = st[2 * i + 1];
+        // A NaN row of the forward has no nonzero weight to count; a row without keys, or with
+        // every key masked, has only zeros (a sink alone takes its whole weight).
+        if (std::isnan(zmax) || span.len == 0 || !(zmax > -std::numeric_limits<T>::infinity())) continue;
+        T* p = z + i * tile.ld + span.start;
+        int64_t support = 0;
+        if (prm.kind == AlphaKind::kGeneral) {
+          int64_t n = span.len;
+          // The sink's entry takes part in the renormalisation, as in the forward.
+          if (opts.has_sink()) p[n++] = opts.sinks[h];
+          saved_general_probs(p, n, zmax, mu, prm);
+          for (int64_t j = 0; j < span.len; ++j) support += p[j] > T(0);
+        } else {
+          for (int64_t j = 0; j < span.len; ++j) support += prm.prob(p[j], zmax, mu) > T(0);
+        }
+        row_counts[i] = support;
+      }
+    }
+  }));
+}
+
+// Returns (B, H, Lq) int64: per query row, the keys given a nonzero weight by the forward
+// whose stats (B, H, Lq, 2) these are, with the same arguments (the sink not counted).
+at::Tensor entmax_attention_support_cpu(const at::Tensor& query, const at::Tensor& key,
+                                        const std::optional<at::Tensor>& attn_mask, const at::Tensor& stats_in,
+                                        const at::Tensor& alpha_in, double scale, bool is_causal,
+                                        at::IntArrayRef window_size, double softcap,
+                                        const std::optional<at::Tensor>& alibi_slopes,
+                                        const std::optional<at::Tensor>& sinks) {
+  // The key stands in for the value, which the count never reads: its checks are the key's.
+  const AttentionShape s = entmax_fast_cpu::check_attention_args(query, key, key, attn_mask, alpha_in);
+  TORCH_CHECK(stats_in.dim() == 4 && stats_in.size(0) == s.B && stats_in.size(1) == s.H && stats_in.size(2) == s.Lq &&
+                  stats_in.size(3) == 2,
+              "entmax_attention_support (cpu): stats must have shape (", s.B, ", ", s.H, ", ", s.Lq, ", 2), got ",
+              stats_in.sizes());
+  const at::ScalarType ct = compute_type(query.scalar_type());
+  const ScoreOptionTensors options = check_score_options(s, ct, window_size, softcap, alibi_slopes, sinks);
+  const at::Tensor q = query.detach().to(ct).contiguous();
+  const at::Tensor k = key.detach().to(ct).contiguous();
+  const at::Tensor stats = stats_in.detach().to(at::kDouble).contiguous();
+  const at::Tensor alpha = alpha_in.detach().to(at::kDouble).contiguous();
+  at::Tensor counts = at::zeros({s.B, s.H, s.Lq}, q.options().dtype(at::kLong));
+  if (s.Lk > 0 && s.Lq > 0 && s.B > 0 && s.H > 0) {
+    AT_DISPATCH_FLOATING_TYPES(ct, "entmax_attention_support", [&] {
+      attention_support_impl<scalar_t>(q, k, attn_mask, stats, alpha.const_data_ptr<double>(), scale, is_causal,
+                                       options, s, counts);
+    });
+  }
+  return counts;
+}
+
 }  // namespace
 }  // namespace entmax_fast_cpu
 
@@ -570,9 +659,14 @@ TORCH_LIBRARY_FRAGMENT(entmax_fast, m) {
       "Tensor stats, Tensor alpha, float scale, bool is_causal, bool need_alpha_grad, "
       "int[2] window_size=[-1, -1], float softcap=0., Tensor? alibi_slopes=None, Tensor? sinks=None, "
       "bool need_sinks_grad=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "entmax_attention_support(Tensor query, Tensor key, Tensor? attn_mask, Tensor stats, Tensor alpha, "
+      "float scale, bool is_causal, int[2] window_size=[-1, -1], float softcap=0., Tensor? alibi_slopes=None, "
+      "Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(entmax_fast, CPU, m) {
   m.impl("entmax_attention_fwd", &entmax_fast_cpu::entmax_attention_fwd_cpu);
   m.impl("entmax_attention_bwd", &entmax_fast_cpu::entmax_attention_bwd_cpu);
+  m.impl("entmax_attention_support", &entmax_fast_cpu::entmax_attention_support_cpu);
 }

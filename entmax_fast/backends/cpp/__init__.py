@@ -16,7 +16,8 @@ from .. import unimplemented_score_options
 # it as the window's right bound 0, and in the decoding operator (csrc/cpu/entmax_kvcache.cpp),
 # which is lower-right causal by definition.
 SCORE_OPTIONS_IMPLEMENTED = frozenset({"window", "lower_right_causal", "softcap", "alibi_slopes", "sinks"})
-OPS = {"entmax": "ops", "attention": "ops", "attention_kvcache": "ops", "fusedmax": "ops", "oscarmax": "ops"}
+OPS = {"entmax": "ops", "attention": "ops", "attention_kvcache": "ops", "attention_support": "ops", "fusedmax": "ops",
+       "oscarmax": "ops"}
 _FLOAT_TYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
@@ -56,6 +57,11 @@ def supports(op: str, request) -> str | None:
             return ("entmax_fast._C has no decoding operator (built before csrc/cpu/entmax_kvcache.cpp existed); "
                     "rebuild it: pip install --no-build-isolation -e .")
         return unimplemented_score_options(request, "the C++ decoding attention", SCORE_OPTIONS_IMPLEMENTED)
+    if op == "attention_support":
+        if not loader.has_support_op():
+            return ("entmax_fast._C has no attention support-size operator (built before it existed); "
+                    "rebuild it: pip install --no-build-isolation -e .")
+        return unimplemented_score_options(request, "the C++ attention", SCORE_OPTIONS_IMPLEMENTED)
     return None
 
 

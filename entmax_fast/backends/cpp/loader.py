@@ -13,6 +13,7 @@ import torch
 
 _ENTMAX_OPS = ("entmax_rowwise_fwd", "entmax_rowwise_bwd", "entmax_attention_fwd", "entmax_attention_bwd")
 _KVCACHE_OP = "entmax_attention_kvcache_fwd"
+_SUPPORT_OP = "entmax_attention_support"
 _STRUCTURED_OPS = ("fusedmax_forward", "fusedmax_backward", "oscarmax_forward", "oscarmax_backward")
 
 # Held while loading: two threads registering fake kernels at once would register twice
@@ -63,6 +64,12 @@ def has_kvcache_op() -> bool:
     return has_entmax_ops() and _has(_KVCACHE_OP)
 
 
+def has_support_op() -> bool:
+    """Whether the extension has the attention support-size operator (an extension built
+    from an older checkout has the other entmax ops without it)."""
+    return has_entmax_ops() and _has(_SUPPORT_OP)
+
+
 def structured_devices() -> frozenset:
     """Device types with a fusedmax/oscarmax kernel ("cpu", and "cuda" where built); read
     once, since every fusedmax/oscarmax call asks."""
@@ -111,6 +118,10 @@ def _register_fakes() -> None:
         batch, heads, lq, _ = query.shape
         return query.new_empty((batch, heads, lq, v_cache.shape[-1]))
 
+    def attention_support(query, key, attn_mask, stats, alpha, scale, is_causal, window_size=(-1, -1), softcap=0.0,
+                          alibi_slopes=None, sinks=None):
+        return query.new_empty(query.shape[:3], dtype=torch.int64)
+
     def structured_fwd(x, reg, lengths=None):
         return torch.empty_like(x), torch.empty_like(x)
 
@@ -119,7 +130,7 @@ def _register_fakes() -> None:
 
     fakes = {"entmax_rowwise_fwd": rowwise_fwd, "entmax_rowwise_bwd": rowwise_bwd,
              "entmax_attention_fwd": attention_fwd, "entmax_attention_bwd": attention_bwd,
-             _KVCACHE_OP: attention_kvcache_fwd,
+             _KVCACHE_OP: attention_kvcache_fwd, _SUPPORT_OP: attention_support,
              "fusedmax_forward": structured_fwd, "oscarmax_forward": structured_fwd,
              "fusedmax_backward": structured_bwd, "oscarmax_backward": structured_bwd}
     for name, fake in fakes.items():

@@ -14,8 +14,8 @@ from .. import refuse_score_options
 from . import SCORE_OPTIONS_IMPLEMENTED
 
 __all__ = ["entmax_forward", "entmax_backward", "attention_forward", "attention_backward",
-           "attention_kvcache_forward", "fusedmax_forward", "fusedmax_backward", "oscarmax_forward",
-           "oscarmax_backward"]
+           "attention_kvcache_forward", "attention_support_forward", "fusedmax_forward", "fusedmax_backward",
+           "oscarmax_forward", "oscarmax_backward"]
 
 
 def _alphas(alpha, count: int, device) -> torch.Tensor:
@@ -69,6 +69,23 @@ def attention_kvcache_forward(query, k_cache, v_cache, seqlens_k, block_table, a
     return torch.ops.entmax_fast.entmax_attention_kvcache_fwd(
         query, k_cache, v_cache, seqlens_k, block_table, _alphas(alpha, query.shape[1], query.device), float(scale),
         [int(bound) for bound in window_size], float(softcap), alibi_slopes, sinks)
+
+
+def attention_support_forward(query, key, attn_mask, alpha, *, scale, is_causal, enable_gqa, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, sinks=None):
+    """Counts from the forward's own row statistics (max, mu): the forward runs on a value of
+    one zero feature, which leaves its P.V negligible, then the count recomputes the scores
+    tile by tile."""
+    refuse_score_options("the C++ attention", window_size, softcap, alibi_slopes, sinks,
+                         implemented=SCORE_OPTIONS_IMPLEMENTED)
+    batch, kv_heads, key_length, _ = key.shape
+    value = query.new_zeros((batch, kv_heads, key_length, 1))
+    alphas = _alphas(alpha, query.shape[1], query.device)
+    window = [int(bound) for bound in window_size]
+    _, stats = torch.ops.entmax_fast.entmax_attention_fwd(query, key, value, attn_mask, alphas, float(scale),
+                                                          bool(is_causal), window, float(softcap), alibi_slopes, sinks)
+    return torch.ops.entmax_fast.entmax_attention_support(query, key, attn_mask, stats, alphas, float(scale),
+                                                          bool(is_causal), window, float(softcap), alibi_slopes, sinks)
 
 
 def fusedmax_forward(x, reg, lengths):
