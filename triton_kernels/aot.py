@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-KERNEL_MODULES = ("rowwise", "attention_fwd", "attention_bwd", "kvcache_decode")
+KERNEL_MODULES = ("rowwise", "attention_fwd", "attention_bwd", "kvcache_decode", "attention_support")
 ARCHS = (80, 90)
 SHARED_LIMIT_BYTES = 163 * 1024
 MODULE_TIMEOUT_S = 3600.0

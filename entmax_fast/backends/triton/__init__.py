@@ -24,7 +24,7 @@ SCORE_OPTIONS_IMPLEMENTED = frozenset({"window", "lower_right_causal", "softcap"
 # The decoding kernels (triton_kernels/kvcache_decode.py) implement every score option.
 KVCACHE_SCORE_OPTIONS_IMPLEMENTED = frozenset({"window", "lower_right_causal", "softcap", "alibi_slopes", "sinks"})
 OPS = {"entmax": "rowwise", "attention": "attention", "attention_varlen": "attention",
-       "attention_kvcache": "kvcache"}
+       "attention_kvcache": "kvcache", "attention_support": "attention"}
 
 def interpreting() -> bool:
     """Whether triton runs in its interpreter (CPU tensors) rather than compiling for a GPU."""
@@ -89,7 +89,8 @@ def supports(op: str, request) -> Optional[str]:
         if request.dtype not in DTYPE_KEYS:
             return f"triton row-wise kernels take float32/float16/bfloat16, got {request.dtype}"
         return None
-    if op in ("attention", "attention_varlen"):
+    # attention_support runs the attention forward: the same calls are refused
+    if op in ("attention", "attention_varlen", "attention_support"):
         if request.dtype not in DTYPE_KEYS:
             return f"the fused kernels take float32/float16/bfloat16, got {request.dtype}"
         alpha = request.options.get("alpha")

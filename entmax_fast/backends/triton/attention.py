@@ -1,5 +1,6 @@
-"""Host side of the fused entmax attention: the Triton backend of the ops ``attention`` and
-``attention_varlen`` (kernels: triton_kernels/attention_fwd.py, attention_bwd.py).
+"""Host side of the fused entmax attention: the Triton backend of the ops ``attention``,
+``attention_varlen`` and ``attention_support`` (kernels: triton_kernels/attention_fwd.py,
+attention_bwd.py, attention_support.py).
 
 Layers (top to bottom):
 - `attention_forward` / `attention_backward` and `attention_varlen_forward` /
@@ -7,7 +8,8 @@ Layers (top to bottom):
   They hold no autograd: the public layer's torch.autograd.Function calls them;
 - ``torch.ops.entmax_fast.triton_attention_fwd/_bwd``: custom ops with fake
   implementations, so that torch.compile traces them as opaque ops;
-- `_launch_forward`, `_launch_backward`: the kernel launchers (allocation, grid).
+- `_launch_forward`, `_launch_backward`, `_launch_support`: the kernel launchers
+  (allocation, grid).
 
 Causal masks are top-left aligned, as drawn in entmax_fast/attention.py. A row whose keys
 are all masked gets zero output and zero gradients.
@@ -18,12 +20,12 @@ import torch
 from torch import Tensor
 
 from ... import common
-from ...triton_kernels import attention_bwd, attention_common, attention_fwd
+from ...triton_kernels import attention_bwd, attention_common, attention_fwd, attention_support
 from ...triton_kernels.signature import DTYPE_KEYS
 from . import _capability, interpreting
 
 __all__ = ["attention_forward", "attention_backward", "attention_varlen_forward",
-           "attention_varlen_backward"]
+           "attention_varlen_backward", "attention_support_forward"]
 
 
 def _block_e(dim):
@@ -350,6 +352,34 @@ def _per_head(row_terms, geo):
     return row_terms.sum(1) if geo.varlen else row_terms.sum((0, 2))
 
 
+def _launch_support(q, k, stats, attn_mask, alpha, alpha_kind, is_causal, scale,
+                    window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+    """Launch the support kernel on the row statistics of the forward that ran on q and k
+    with these arguments. Returns (B, H, Lq) int32 counts."""
+    q, k = (_last_dim_contiguous(t) for t in (q, k))
+    # the forward's geometry (its value had head dim 1, which pads to no wider BLOCK_E)
+    geo = _Geometry(q, k, k[..., :1], None, None, 0, 0, False)
+    counts = torch.empty((geo.batch, geo.n_heads, geo.seqlen_q), dtype=torch.int32,
+                         device=q.device)
+    if counts.numel() == 0:
+        return counts
+    mask_kind, mask, mask_strides = _mask_args(attn_mask, geo, q)
+    score_options, option_args, _ = _score_option_args(window_left, window_right, softcap,
+                                                       alibi_slopes, None, q)
+    num_warps, num_stages, block_ec = attention_support.launch(geo.block_e, geo.dtype_key)
+    attention_support.entmax_attn_support_kernel[geo.query_grid()](
+        q, k, stats, mask, alpha, counts,
+        *geo.q_strides, *geo.k_strides, *mask_strides, *geo.stats_strides(stats),
+        geo.n_heads, geo.kv_group, geo.seqlen_q, geo.seqlen_k, geo.n_qblocks, geo.head_e,
+        float(scale), int(is_causal), *option_args,
+        BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e, BLOCK_EC=block_ec,
+        ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind,
+        OPTIONS=attention_support.kernel_options(score_options),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return counts
+
+
 # --------------------------------------------------------------------------------------
 # torch.library registration: opaque to torch.compile, no autograd (the public layer's)
 # --------------------------------------------------------------------------------------
@@ -408,6 +438,22 @@ def _(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, seed, cu_seqlens_q, 
       need_sinks_grad=False):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             torch.empty_like(alpha), torch.empty_like(alpha))
+
+
+@torch.library.custom_op("entmax_fast::triton_attention_support", mutates_args=())
+def _attention_support_op(q: Tensor, k: Tensor, stats: Tensor, attn_mask: Optional[Tensor],
+                          alpha: Tensor, is_causal: bool,
+                          scale: float, alpha_kind: int, window_left: int = -1,
+                          window_right: int = -1, softcap: float = 0.0,
+                          alibi_slopes: Optional[Tensor] = None) -> Tensor:
+    return _launch_support(q, k, stats, attn_mask, alpha, alpha_kind, is_causal, scale,
+                           window_left, window_right, softcap, alibi_slopes)
+
+
+@_attention_support_op.register_fake
+def _(q, k, stats, attn_mask, alpha, is_causal, scale, alpha_kind, window_left=-1,
+      window_right=-1, softcap=0.0, alibi_slopes=None):
+    return q.new_empty((q.shape[0], q.shape[1], q.shape[2]), dtype=torch.int32)
 
 
 # --------------------------------------------------------------------------------------
@@ -530,3 +576,24 @@ def attention_varlen_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, max
         int(max_seqlen_q), int(max_seqlen_k), scale, is_causal, dropout_p, need_alpha_grad,
         window_size, softcap, alibi_slopes, sinks, need_sinks_grad)
     return dq, dk, dv, dalpha, dsinks
+
+
+def attention_support_forward(query, key, attn_mask, alpha, *, scale, is_causal, enable_gqa,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
+    """(B, H, Lq) int64: how many keys each query row gives a nonzero weight in
+    `attention_forward` with the same arguments (the sink not counted, a NaN row none).
+
+    Runs that forward without gradients on a value of head dim 1 (zeros: only its row
+    statistics are kept, which the value does not change), then the support kernel, which
+    recomputes the scores tile by tile and counts the keys above each row's stored
+    threshold: no (Lq, Lk) block per head. A head of a per-head alpha at 1 counts as
+    softmax (triton_kernels/attention_support.py)."""
+    value = torch.zeros(key.shape[:-1] + (1,), dtype=key.dtype, device=key.device)
+    _, (stats, _, _, _) = _forward(query, key, value, attn_mask, alpha, None, None, 0, 0, scale,
+                                   is_causal, 0.0, common.GRAD_NONE, window_size, softcap,
+                                   alibi_slopes, sinks)
+    counts = torch.ops.entmax_fast.triton_attention_support(
+        query, key, stats, attn_mask, _alpha_heads(alpha, query.shape[1], query.device),
+        bool(is_causal), float(scale), common.alpha_kind(alpha), int(window_size[0]),
+        int(window_size[1]), float(softcap), alibi_slopes)
+    return counts.to(torch.int64)
