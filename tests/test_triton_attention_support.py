@@ -7,7 +7,7 @@ Shapes cross the interpreter's tiles (attention_common.INTERPRETER_BLOCKS: 64 qu
 32 keys): Lq 1, 7, 70 against Lk 1, 11, 100; GQA; alpha 1.5, 2 and a tensor mixing 1.25,
 1.5 and 2 per head; causal, bool and additive masks (a row with every key masked), a
 lower-right causal mask, a window, softcap, ALiBi and sinks together; a NaN query; a head
-at alpha 1 (softmax).
+at alpha 1, outside the fused kernels' range, refused.
 """
 import math
 
@@ -151,11 +151,27 @@ def test_support_size_matches_the_reference(case):
         assert (counts[0, :, 2] == 0).all()  # the row with every key masked
 
 
-def test_a_nan_query_row_counts_none_and_a_head_at_alpha_1_is_softmax():
+def test_a_nan_query_row_counts_none():
     q, k = _inputs(1, 2, 1, 7, 100, torch.float32, seed=11)
     q[0, 1, 5, 0] = float("nan")
-    counts = _check(q, k, torch.tensor([1.0, 2.0]), {"is_causal": True})
+    counts = _check(q, k, torch.tensor([1.5, 2.0]), {"is_causal": True})
     assert counts[0, 1, 5] == 0
     assert (counts[0, 1, :5] > 0).all() and counts[0, 1, 6] > 0
-    # causal softmax: query i weighs each of its i + 1 keys
-    assert (counts[0, 0] == torch.arange(1, 8)).all()
+
+
+@pytest.mark.parametrize("alpha", [(1.0, 2.0), (1.5, 2.5)], ids=["alpha-1", "alpha-above-2"])
+def test_a_per_head_alpha_outside_the_fused_range_is_refused(alpha):
+    """The fused kernels take 1 < alpha <= 2; a per-head alpha outside would give NaN (alpha 1)
+    or a wrong threshold (above 2), so each fused op refuses it once Triton is chosen."""
+    q, k = _inputs(1, 2, 1, 7, 11, torch.float32, seed=12)
+    alpha = torch.tensor(alpha)
+    message = "the fused Triton kernels take a per-head alpha in \\(1, 2\\]"
+    with entmax_fast.use_backend("triton"):
+        with pytest.raises(ValueError, match=f"attention_support: {message}"):
+            entmax_fast.support_size(q, k, enable_gqa=True, alpha=alpha)
+        with pytest.raises(ValueError, match=f"attention: {message}"):
+            entmax_fast.entmax_attention(q, k, k, enable_gqa=True, alpha=alpha)
+        packed = q[0].transpose(0, 1).contiguous()
+        cu = torch.tensor([0, 7], dtype=torch.int32)
+        with pytest.raises(ValueError, match=f"attention_varlen: {message}"):
+            entmax_fast.entmax_attention_varlen(packed, packed, packed, cu, cu, 7, 7, alpha=alpha)

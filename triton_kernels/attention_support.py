@@ -8,9 +8,8 @@ causal end, the window's tiles), and forms the weights with the dQ kernel's `_ro
 so that a key counts exactly when the backward gives it a weight. The sink is no key and
 is never counted (its share is in the stored sum l); a row whose stored shift is NaN (its
 forward is NaN) counts none, a row whose keys are all masked none (its scores are -inf).
-A head of a per-head alpha at 1 is softmax (every key whose weight exp(u) / l does not
-underflow), which the fused kernels' threshold does not describe (their weights are NaN
-there): it is counted from the stored shift alone, as the public layer defines alpha = 1.
+Like the other fused attention kernels it takes 1 < alpha <= 2 (the public layer refuses a
+per-head alpha outside).
 """
 import triton
 import triton.language as tl
@@ -57,11 +56,7 @@ def _count_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_m
                             is_causal, pos_shift, win_left, win_right, softcap, slope, BLOCK_N,
                             BLOCK_E, BLOCK_EC, MASK_KIND, OPTIONS, BOUNDARY)
     _, b_p, _ = _row_weights(b_u, b_tau, b_l, am1, inv_am1, ALPHA_KIND, NEAR_ONE)  # [BM, BN]
-    m_support = b_p > 0
-    if ALPHA_KIND == ALPHA_GENERAL:
-        # alpha = 1: softmax, whose weights the threshold does not give (module docstring)
-        m_support = tl.where(am1 == 0.0, tl.exp(b_u) > 0, m_support)
-    return b_count + tl.sum(m_support.to(tl.int32), 1)
+    return b_count + tl.sum((b_p > 0).to(tl.int32), 1)
 
 
 @triton.jit
