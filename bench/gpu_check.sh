@@ -26,6 +26,9 @@
 #              against the float64 reference (tests/test_structured.py -k cuda_ops),
 #              then the GPU table of bench/bench_structured.py (--gpu-only: its CPU table is
 #              the CPU's figure, timed where the project is built without a GPU).
+#   context_parallel  examples/context_parallel.py under torchrun on nccl, one process per
+#              GPU: a context-parallel training step's loss against the single process's
+#              (with one GPU the group has one rank: the nccl code path, not the split).
 # Steps run only when STEPS names them:
 #   extension  builds the C++/CUDA extension in place (MAX_JOBS, default 16 jobs), so
 #              that the structured step has CUDA kernels to time;
@@ -45,7 +48,8 @@
 #              alone); VARIANTS_ARGS picks them (e.g. "--variants kernel cap2 cap3");
 #   bwd_variants  the same for the backward (--backward: forward and backward timed, the
 #              backward kernels edited); BWD_VARIANTS_ARGS picks them.
-# STEPS picks and orders them (default: tests train hf attention decode rowwise structured). The exit
+# STEPS picks and orders them (default: tests train hf attention decode rowwise structured
+# context_parallel). The exit
 # status is the number of failed steps. COMPILE_JOBS (default 8) is how many processes the
 # attention, rowwise and hf steps compile their kernels in before timing them.
 # A caller with a fixed time limit gives DEADLINE, seconds since the epoch, or BUDGET,
@@ -136,7 +140,7 @@ has_cuda_extension() {
   python -c "import torch, entmax_fast._C, sys; sys.exit(not torch._C._dispatch_has_kernel_for_dispatch_key('entmax_fast::fusedmax_forward', 'CUDA'))" 2>/dev/null
 }
 
-for name in ${STEPS:-tests train hf attention decode rowwise structured}; do
+for name in ${STEPS:-tests train hf attention decode rowwise structured context_parallel}; do
   case "$name" in
     tests) step tests "${TESTS_LIMIT:-300}" python -m pytest -q -p no:cacheprovider "${workers[@]}" \
              tests/test_triton_attention.py tests/test_triton_rowwise.py tests/test_triton_kvcache.py \
@@ -175,6 +179,9 @@ for name in ${STEPS:-tests train hf attention decode rowwise structured}; do
       else
         echo "=== structured: skipped (entmax_fast._C has no CUDA kernels here)"
       fi ;;
+    context_parallel) step context_parallel "${CONTEXT_PARALLEL_LIMIT:-120}" python -m torch.distributed.run \
+             --standalone --nproc_per_node "$(python -c 'import torch; print(max(1, torch.cuda.device_count()))')" \
+             examples/context_parallel.py --backend nccl --steps 2 ;;
     *) echo "=== $name: unknown step"; failed=$((failed + 1)) ;;
   esac
 done

@@ -4,13 +4,16 @@ processes inside ``entmax_fast.distributed.context_parallel`` (the model's code 
 changed).
 
     torchrun --nproc_per_node 2 examples/context_parallel.py
+    torchrun --nproc_per_node <GPUs> examples/context_parallel.py --backend nccl
 
-CPU processes talk over gloo; on GPUs use the nccl backend and one device per process.
+CPU processes talk over gloo; with ``--backend nccl`` each process runs on its own GPU
+(``LOCAL_RANK``), the attention on the fused kernels.
 The gradients are summed over the ranks as DDP does (here with an explicit all_reduce),
 and the first step's loss is checked against the same model run on the whole sequence in
 one process.
 """
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -42,12 +45,18 @@ def main():
     parser.add_argument("--length", type=int, default=256, help="whole sequence length (divisible by 2P)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--layout", default="balanced", choices=cp.LAYOUTS)
+    parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
+                        help="gloo: CPU tensors; nccl: one GPU per process")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
+    dist.init_process_group(args.backend)
     rank = dist.get_rank()
+    device = torch.device("cpu")
+    if args.backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
     torch.manual_seed(0)
-    model = TinyCausalLM(vocab=50, embed=32, heads=4, max_length=args.length)
+    model = TinyCausalLM(vocab=50, embed=32, heads=4, max_length=args.length).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(args.steps):
         generator = torch.Generator().manual_seed(step)
@@ -56,6 +65,7 @@ def main():
         # Next-token targets over the whole sequence, so that a shard's last token is scored
         # against the next shard's first; then everything is sharded alike.
         targets = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+        ids, positions, targets = ids.to(device), positions.to(device), targets.to(device)
         count = (targets != -100).sum()
         local_ids, local_positions, local_targets = (cp.shard(x, seq_dim=1, layout=args.layout)
                                                      for x in (ids, positions, targets))

@@ -81,8 +81,8 @@ def test_the_timing_steps_compile_their_kernels_first_in_parallel(tmp_path):
         assert "--jobs 5" in command, (name, command)
 
 
-ALL_STEPS = ("tests train hf attention rowwise sweep extension profile tune masked variants "
-             "bwd_variants structured")
+ALL_STEPS = ("tests train hf attention decode rowwise sweep extension profile tune masked variants "
+             "bwd_variants structured context_parallel")
 
 
 def test_every_step_runs_a_file_that_is_there(tmp_path):
@@ -99,7 +99,7 @@ def test_every_step_runs_a_file_that_is_there(tmp_path):
     assert set(ALL_STEPS.split()) - {"structured"} <= set(commands)
     root = SCRIPT.parent.parent
     for name, command in commands.items():
-        for path in re.findall(r"(?:^|\s)((?:bench|tools|tests)/\S+\.py)\b", command):
+        for path in re.findall(r"(?:^|\s)((?:bench|tools|tests|examples)/\S+\.py)\b", command):
             assert (root / path).is_file(), (name, path)
     folders = {name: re.search(r"python ((?:bench|tools)/)\S+\.py", command)
                for name, command in commands.items()}
@@ -108,3 +108,4 @@ def test_every_step_runs_a_file_that_is_there(tmp_path):
     for name in ("hf", "attention", "rowwise", "sweep"):
         assert folders[name].group(1) == "bench/", (name, commands[name])
     assert "tests/test_tools.py" in commands["tests"]
+    assert "examples/context_parallel.py --backend nccl" in commands["context_parallel"]
