@@ -383,6 +383,15 @@ std::tuple<at::Tensor, at::Tensor> entmax_attention_fwd_cpu(const at::Tensor& qu
   return {out.to(query.scalar_type()), stats};
 }
 
+// The forward's saved (B, H, Lq, 2) row statistics, checked against the call's shape, in
+// float64 and contiguous, for the backward and the support count.
+at::Tensor checked_stats(const at::Tensor& stats, const AttentionShape& s, const char* op) {
+  TORCH_CHECK(stats.dim() == 4 && stats.size(0) == s.B && stats.size(1) == s.H && stats.size(2) == s.Lq &&
+                  stats.size(3) == 2,
+              op, " (cpu): stats must have shape (", s.B, ", ", s.H, ", ", s.Lq, ", 2), got ", stats.sizes());
+  return stats.detach().to(at::kDouble).contiguous();
+}
+
 // The p of a General-kind row from its saved (max, mu), written over the row's scores z (the
 // sink's entry included): the forward's kernel at its final mu, renormalised as the forward
 // did, gives the forward's p; scalar pow per entry here cost more than the rest of the backward.
@@ -530,17 +539,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> entmax_at
                   grad_out.size(3) == s.Ev,
               "entmax_attention_backward (cpu): grad_out must have shape (", s.B, ", ", s.H, ", ", s.Lq, ", ", s.Ev,
               "), got ", grad_out.sizes());
-  TORCH_CHECK(stats_in.dim() == 4 && stats_in.size(0) == s.B && stats_in.size(1) == s.H && stats_in.size(2) == s.Lq &&
-                  stats_in.size(3) == 2,
-              "entmax_attention_backward (cpu): stats must have shape (", s.B, ", ", s.H, ", ", s.Lq, ", 2), got ",
-              stats_in.sizes());
+  const at::Tensor stats = checked_stats(stats_in, s, "entmax_attention_backward");
   const at::ScalarType ct = compute_type(query.scalar_type());
   const ScoreOptionTensors options = check_score_options(s, ct, window_size, softcap, alibi_slopes, sinks);
   const at::Tensor q = query.detach().to(ct).contiguous();
   const at::Tensor k = key.detach().to(ct).contiguous();
   const at::Tensor v = value.detach().to(ct).contiguous();
   const at::Tensor g = grad_out.detach().to(ct).contiguous();
-  const at::Tensor stats = stats_in.detach().to(at::kDouble).contiguous();
   const at::Tensor alpha = alpha_in.detach().to(at::kDouble).contiguous();
   at::Tensor dq = at::zeros_like(q);
   at::Tensor dk = at::zeros_like(k);
@@ -624,15 +629,11 @@ at::Tensor entmax_attention_support_cpu(const at::Tensor& query, const at::Tenso
                                         const std::optional<at::Tensor>& sinks) {
   // The key stands in for the value, which the count never reads: its checks are the key's.
   const AttentionShape s = entmax_fast_cpu::check_attention_args(query, key, key, attn_mask, alpha_in);
-  TORCH_CHECK(stats_in.dim() == 4 && stats_in.size(0) == s.B && stats_in.size(1) == s.H && stats_in.size(2) == s.Lq &&
-                  stats_in.size(3) == 2,
-              "entmax_attention_support (cpu): stats must have shape (", s.B, ", ", s.H, ", ", s.Lq, ", 2), got ",
-              stats_in.sizes());
+  const at::Tensor stats = checked_stats(stats_in, s, "entmax_attention_support");
   const at::ScalarType ct = compute_type(query.scalar_type());
   const ScoreOptionTensors options = check_score_options(s, ct, window_size, softcap, alibi_slopes, sinks);
   const at::Tensor q = query.detach().to(ct).contiguous();
   const at::Tensor k = key.detach().to(ct).contiguous();
-  const at::Tensor stats = stats_in.detach().to(at::kDouble).contiguous();
   const at::Tensor alpha = alpha_in.detach().to(at::kDouble).contiguous();
   at::Tensor counts = at::zeros({s.B, s.H, s.Lq}, q.options().dtype(at::kLong));
   if (s.Lk > 0 && s.Lq > 0 && s.B > 0 && s.H > 0) {
