@@ -1,9 +1,12 @@
 """Fused entmax attention, backward kernels (deterministic: no atomics).
 
-From q, k, v, dO, the row statistics of the forward (the shift m = max of y = (alpha-1) z,
-tau, weight sum l) and the D-vector ``D = sum_j s_j v_j / sum_j s_j`` (docs/attention.md,
-"Backward"), one row's weights are ``p_j = [y_j - m - tau]_+^(1/(alpha-1)) / l`` and, with
-``g_j = dO . v_j`` (times the dropout factor) and ``delta = dO . D``:
+From q, k, v, dO, the row statistics of the forward (the shift m = max of the scores z,
+the threshold tau and the weight sum l; attention_fwd.py) and the D-vector
+``D = sum_j s_j v_j / sum_j s_j`` (docs/attention.md, "Backward"), one row's weights are
+``p_j = [z_j - m - tau]_+^(1/(alpha-1)) / l`` (tau in z units for alpha 2 and 1.5; the
+general kind keeps its threshold in (alpha-1) z units, `attention_common.gap`, and l takes
+up the constant factor) and, with ``g_j = dO . v_j`` (times the dropout factor) and
+``delta = dO . D``:
 
     dV_j += p_j dO,   dz_j = s_j (g_j - delta),   dQ = scale sum_j dz_j k_j,
     dK_j += scale dz_j q,   s_j = p_j^(2 - alpha).
