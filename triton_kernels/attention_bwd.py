@@ -32,11 +32,10 @@ from .attention_common import (DQ_KERNEL, DQ_KERNEL_C, DQ_MAX_POLLS_C, DQ_MODES,
                                STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C, STAT_TAU_C, arch_chunks,
                                attention_signature, backward_launch, block_sizes, chunk_width,
                                config_space, config_suffix, dot, dot_rows, dropout_scale,
-                               full_tiles_end, gap, held_cols, held_rows, listed_tiles, load_rows,
-                               log2_base, mask_specialisation, program_sequence, query_block,
-                               score_option_values, shifted_scores, sink_logit,
-                               window_key_tiles,
-                               window_query_tiles)
+                               gap, held_cols, held_rows, listed_tiles, load_rows, log2_base,
+                               mask_specialisation, program_sequence, query_block,
+                               query_block_key_tiles, score_option_values, shifted_scores,
+                               sink_logit, window_query_tiles)
 from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX
 
 # rows of the backward's per-row buffer: delta, the row's d(alpha) term and its d(sink)
@@ -256,18 +255,9 @@ def entmax_attn_bwd_dq_kernel(
     inv_am1 = 1.0 / am1
     seed = tl.load(seed_ptr)
 
-    kv_end = k_len
-    if is_causal != 0:
-        kv_end = tl.minimum(k_len, start_m + BLOCK_M)
-    n_full = full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
-    pos_shift, win_left, win_right, slope = score_option_values(
-        i_b, i_h, q_len, k_len, window_left, window_right, alibi_ptr, stride_alibi_b,
-        stride_alibi_h, OPTIONS)
-    kv_begin = 0
-    full_begin = 0
-    if (SCORE_WINDOW_C & OPTIONS) != 0:
-        kv_begin, full_begin, n_full, kv_end = window_key_tiles(
-            start_m, kv_end, n_full, pos_shift, win_left, win_right, BLOCK_M, BLOCK_N)
+    kv_begin, full_begin, n_full, kv_end, pos_shift, win_left, win_right, slope = query_block_key_tiles(
+        i_b, i_h, start_m, q_len, k_len, is_causal, window_left, window_right, alibi_ptr,
+        stride_alibi_b, stride_alibi_h, BLOCK_M, BLOCK_N, OPTIONS)
     # the full tiles the forward flagged through their list: a pipelined loop
     n_listed = listed_tiles(p_flags, 1, full_begin // BLOCK_N, n_full // BLOCK_N, p_tiles)
     tl.debug_barrier()

@@ -683,6 +683,31 @@ def window_key_tiles(start_m, kv_end, n_full, pos_shift, win_left, win_right,
 
 
 @triton.jit
+def query_block_key_tiles(i_b, i_h, start_m, q_len, k_len, is_causal, window_left, window_right,
+                          alibi_ptr, stride_alibi_b, stride_alibi_h, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, OPTIONS: tl.constexpr):
+    """The key tiles the query block at start_m visits when it recomputes its weights from
+    the forward's statistics (dQ, the support count), with the score options' values:
+    (kv_begin, full_begin, n_full, kv_end, pos_shift, win_left, win_right, slope).
+    [full_begin, n_full) need no mask; [n_full, kv_end) cross the key end, the causal
+    diagonal or the window's trailing edge and [kv_begin, full_begin) its leading edge
+    (`full_tiles_end`, `window_key_tiles`, `score_option_values`)."""
+    kv_end = k_len
+    if is_causal != 0:
+        kv_end = tl.minimum(k_len, start_m + BLOCK_M)
+    n_full = full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
+    pos_shift, win_left, win_right, slope = score_option_values(
+        i_b, i_h, q_len, k_len, window_left, window_right, alibi_ptr, stride_alibi_b,
+        stride_alibi_h, OPTIONS)
+    kv_begin = 0
+    full_begin = 0
+    if (SCORE_WINDOW_C & OPTIONS) != 0:
+        kv_begin, full_begin, n_full, kv_end = window_key_tiles(
+            start_m, kv_end, n_full, pos_shift, win_left, win_right, BLOCK_M, BLOCK_N)
+    return kv_begin, full_begin, n_full, kv_end, pos_shift, win_left, win_right, slope
+
+
+@triton.jit
 def window_query_tiles(start_n, q_len, m_begin, m_full, pos_shift, win_left, win_right,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """`window_key_tiles` for the key block at start_n (dK/dV): the query rows it visits

@@ -18,10 +18,10 @@ from .attention_bwd import _row_weights
 from .attention_common import (ALPHA_KINDS, BLOCK_ES, FLOAT_PARAMETERS, MASK_KINDS,
                                NEAR_ONE_INV_AM1, POINTER_TYPES, SCORE_OPTION_SETS,
                                SCORE_OPTION_TOKENS, SCORE_SINK, SCORE_WINDOW_C, STAT_MAX_C,
-                               STAT_SUM_C, STAT_TAU_C, block_sizes, chunk_width, full_tiles_end,
-                               held_cols, held_rows, launch_config, mask_pointer_type,
-                               mask_specialisation, program_sequence, query_block,
-                               score_option_values, shifted_scores, window_key_tiles)
+                               STAT_SUM_C, STAT_TAU_C, block_sizes, chunk_width, held_cols,
+                               held_rows, launch_config, mask_pointer_type, mask_specialisation,
+                               program_sequence, query_block, query_block_key_tiles,
+                               shifted_scores)
 from .kinds import ALPHA_GENERAL
 from .signature import DTYPE_KEYS, kernel_signature
 
@@ -136,18 +136,9 @@ def entmax_attn_support_kernel(
     am1 = alpha - 1.0
     inv_am1 = 1.0 / am1
 
-    kv_end = k_len
-    if is_causal != 0:
-        kv_end = tl.minimum(k_len, start_m + BLOCK_M)
-    n_full = full_tiles_end(start_m, k_len, is_causal, BLOCK_N)
-    pos_shift, win_left, win_right, slope = score_option_values(
-        i_b, i_h, q_len, k_len, window_left, window_right, alibi_ptr, stride_alibi_b,
-        stride_alibi_h, OPTIONS)
-    kv_begin = 0
-    full_begin = 0
-    if (SCORE_WINDOW_C & OPTIONS) != 0:
-        kv_begin, full_begin, n_full, kv_end = window_key_tiles(
-            start_m, kv_end, n_full, pos_shift, win_left, win_right, BLOCK_M, BLOCK_N)
+    kv_begin, full_begin, n_full, kv_end, pos_shift, win_left, win_right, slope = query_block_key_tiles(
+        i_b, i_h, start_m, q_len, k_len, is_causal, window_left, window_right, alibi_ptr,
+        stride_alibi_b, stride_alibi_h, BLOCK_M, BLOCK_N, OPTIONS)
     # general alpha near 1 takes `log2_base`'s log1p form, as in the forward and dQ
     near_one = False
     if ALPHA_KIND == ALPHA_GENERAL:
