@@ -143,6 +143,15 @@ def _as_communicable(x):
     return (x.to(torch.uint8), True) if x.dtype == torch.bool else (x, False)
 
 
+def _gather_sequence(x, dim, group, world_size, layout):
+    """Every rank's shard ``x`` gathered into the whole sequence along ``dim``, in sequence
+    order (no autograd)."""
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(world_size)]
+    dist.all_gather(parts, x, group=group)
+    return _join_from_ranks(parts, dim, world_size, layout, along_sequence=True)
+
+
 class _AllGatherSequence(torch.autograd.Function):
     """Every rank's shard gathered into the whole sequence along ``dim``, in sequence order.
     The backward sums the ranks' gradients of this rank's shard (reduce_scatter): the
@@ -151,10 +160,8 @@ class _AllGatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group, world_size, layout):
         ctx.args = dim, group, world_size, layout
-        x, was_bool = _as_communicable(x.contiguous())
-        parts = [torch.empty_like(x) for _ in range(world_size)]
-        dist.all_gather(parts, x, group=group)
-        out = _join_from_ranks(parts, dim, world_size, layout, along_sequence=True)
+        x, was_bool = _as_communicable(x)
+        out = _gather_sequence(x, dim, group, world_size, layout)
         return out.bool() if was_bool else out
 
     @staticmethod
@@ -177,10 +184,7 @@ class _GatheredSpans(torch.autograd.Function):
     def forward(ctx, x, spans, group, world_size, layout):
         ctx.set_materialize_grads(False)
         ctx.args = x.shape, x.dtype, x.device, spans, group, world_size, layout
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(world_size)]
-        dist.all_gather(parts, x, group=group)
-        whole = _join_from_ranks(parts, 2, world_size, layout, along_sequence=True)
+        whole = _gather_sequence(x, 2, group, world_size, layout)
         return tuple(whole[:, :, start:end] for start, end in spans)
 
     @staticmethod

@@ -21,26 +21,34 @@ from .reference.attention import _as_4d_mask, expand_heads, masked_scores, with_
 __all__ = ["attention_weights", "support_size"]
 
 
-def _prepared(query, key, attn_mask, is_causal, scale, enable_gqa, alpha, window_size, softcap, alibi_slopes,
-              sinks):
-    """The checked arguments as the score function wants them: (query and key with H heads in
-    the compute dtype, mask, is_causal, scale, alpha, score options). E = 0 becomes one zero
-    feature, as in entmax_attention (every key scores 0)."""
+def _checked(query, key, attn_mask, is_causal, scale, enable_gqa, alpha, window_size, softcap, alibi_slopes, sinks):
+    """The arguments checked by entmax_attention's rules and completed as it completes them:
+    (query, key, attn_mask, is_causal, lower_right, alpha, window_size, softcap, scale), E = 0
+    as one zero feature (every key scores 0), the default scale 1/sqrt(E)."""
     attn_mask, is_causal, lower_right, alpha, window_size, softcap = checked_arguments(
         query, key, key, attn_mask, 0.0, is_causal, scale, enable_gqa, alpha, window_size, softcap, alibi_slopes,
         sinks)
-    if lower_right:
-        window_size = (window_size[0], 0)
     if query.shape[-1] == 0:
         query, key = torch.nn.functional.pad(query, (0, 1)), torch.nn.functional.pad(key, (0, 1))
         scale = 1.0
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
+    return query, key, attn_mask, bool(is_causal), lower_right, alpha, window_size, softcap, float(scale)
+
+
+def _prepared(query, key, attn_mask, is_causal, scale, enable_gqa, alpha, window_size, softcap, alibi_slopes,
+              sinks):
+    """The checked arguments as the score function wants them: (query and key with H heads in
+    the compute dtype, mask, is_causal, scale, alpha, score options)."""
+    query, key, attn_mask, is_causal, lower_right, alpha, window_size, softcap, scale = _checked(
+        query, key, attn_mask, is_causal, scale, enable_gqa, alpha, window_size, softcap, alibi_slopes, sinks)
+    if lower_right:
+        window_size = (window_size[0], 0)
     options = {"query_length": query.shape[2], "window_size": window_size, "softcap": softcap,
                "alibi_slopes": alibi_slopes}
     compute = compute_dtype(query.dtype)
     return (query.to(compute), expand_heads(key, query.shape[1]).to(compute), _as_4d_mask(attn_mask),
-            bool(is_causal), float(scale), alpha, options)
+            is_causal, scale, alpha, options)
 
 
 def _row_weights(scores, alpha, sinks):
@@ -79,17 +87,11 @@ def support_size(query, key, attn_mask=None, is_causal=False, scale=None, enable
     ``"attention_support"``, ``entmax_fast.backend_info()`` says which and why) counts from
     the row thresholds of its own attention forward, or, on the reference backend, over
     chunks of at most ``CHUNK_ELEMENTS`` scores."""
-    attn_mask, is_causal, lower_right, alpha, window_size, softcap = checked_arguments(
-        query, key, key, attn_mask, 0.0, is_causal, scale, enable_gqa, alpha, window_size, softcap, alibi_slopes,
-        sinks)
+    query, key, attn_mask, is_causal, lower_right, alpha, window_size, softcap, scale = _checked(
+        query, key, attn_mask, is_causal, scale, enable_gqa, alpha, window_size, softcap, alibi_slopes, sinks)
     batch, heads, lq, _ = query.shape
     if key.shape[2] == 0 or batch * heads * lq == 0:
         return torch.zeros(batch, heads, lq, dtype=torch.int64, device=query.device)
-    if query.shape[-1] == 0:
-        query, key = torch.nn.functional.pad(query, (0, 1)), torch.nn.functional.pad(key, (0, 1))
-        scale = 1.0
-    if scale is None:
-        scale = 1.0 / math.sqrt(query.shape[-1])
     request_options = attention_request(query, key, attn_mask, alpha, 0.0, is_causal, window_size, lower_right,
                                         softcap, alibi_slopes, sinks)
     (forward, _), choice = dispatch.select("attention_support",
@@ -97,6 +99,6 @@ def support_size(query, key, attn_mask=None, is_causal=False, scale=None, enable
     check_backend_dtype(choice, query)
     check_backend_alpha(choice, alpha)
     with torch.no_grad():
-        return forward(query, key, attn_mask, _per_head(alpha, heads), scale=float(scale), is_causal=bool(is_causal),
+        return forward(query, key, attn_mask, _per_head(alpha, heads), scale=scale, is_causal=is_causal,
                        enable_gqa=bool(enable_gqa), window_size=(window_size[0], 0) if lower_right else window_size,
                        softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)

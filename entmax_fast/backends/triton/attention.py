@@ -586,8 +586,7 @@ def attention_support_forward(query, key, attn_mask, alpha, *, scale, is_causal,
     Runs that forward without gradients on a value of head dim 1 (zeros: only its row
     statistics are kept, which the value does not change), then the support kernel, which
     recomputes the scores tile by tile and counts the keys above each row's stored
-    threshold: no (Lq, Lk) block per head. A head of a per-head alpha at 1 counts as
-    softmax (triton_kernels/attention_support.py)."""
+    threshold: no (Lq, Lk) block per head (triton_kernels/attention_support.py)."""
     value = torch.zeros(key.shape[:-1] + (1,), dtype=key.dtype, device=key.device)
     _, (stats, _, _, _) = _forward(query, key, value, attn_mask, alpha, None, None, 0, 0, scale,
                                    is_causal, 0.0, common.GRAD_NONE, window_size, softcap,
