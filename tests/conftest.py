@@ -3,6 +3,9 @@
 - Without a CUDA device, TRITON_INTERPRET=1 before anything imports triton, so the Triton
   tests run the kernels in the Triton interpreter on CPU tensors; with one, they run the
   compiled kernels on CUDA tensors (tests/devices.py).
+- Under the interpreter, its reduction with a kernel's own combine function calls that function
+  once per slice rather than once per element (tests/triton_interpreter.py): the same values,
+  a fraction of the time.
 - `torch.empty`/`torch.empty_like` return NaN-filled float tensors, so an output a kernel
   or launcher forgets to write fails loudly instead of passing on lucky zeros.
 - Under pytest-xdist each worker takes its share of the cores for torch's threads, so that
@@ -17,6 +20,10 @@ import torch  # importing torch does not import triton
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import triton_interpreter
+
+    triton_interpreter.install()
 
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
