@@ -1,7 +1,7 @@
-"""The interpreter's reduction by slices (tests/triton_interpreter.py, installed by conftest.py)
-gives the values of the interpreter's own element-by-element reduction: NaN rows, signed zeros,
-a combine function whose result depends on the order of the elements, two outputs, every axis
-and keep_dims."""
+"""tests/triton_interpreter.py, installed by conftest.py: the reduction by slices gives the
+values of the interpreter's own element-by-element reduction (NaN rows, signed zeros, a combine
+function whose result depends on the order of the elements, two outputs, every axis and
+keep_dims); a helper runs on the launch's patched language, which is restored after it."""
 import os
 
 import pytest
@@ -68,8 +68,34 @@ def element_by_element(monkeypatch):
     return use
 
 
-def test_conftest_installed_the_reduction_by_slices():
+def test_conftest_installed_both_parts():
     assert interpreter.ReduceOps.generic_reduce is triton_interpreter._reduce_by_slices
+    assert interpreter._patch_lang.func is triton_interpreter._patch_lang_once
+
+
+@triton.jit
+def _helper_that_uses_the_language(b_x):
+    return tl.sum(tl.where(b_x > 0, b_x, 0.0), 0) + tl.max(b_x, 0) + tl.math.exp2(tl.min(b_x, 0))
+
+
+@triton.jit
+def _helper_kernel(p_x, p_out, N: tl.constexpr):
+    b_x = tl.load(p_x + tl.arange(0, N))
+    tl.store(p_out, _helper_that_uses_the_language(b_x))
+
+
+def test_helpers_run_on_the_launchs_patched_language_and_it_is_restored_after():
+    """A helper skips the patch (the launch's is in place), and the launch's end restores the
+    language as before it."""
+    import triton.language as tl_module
+
+    before = {name: getattr(tl_module, name) for name in ("sum", "max", "where", "load")}
+    x = torch.tensor([3.0, -1.0, 2.0, -4.0])
+    out = torch.zeros(1)
+    _helper_kernel[(1,)](x, out, N=4)
+    torch.testing.assert_close(out, torch.tensor([5.0 + 3.0 + 2.0 ** -4.0]))
+    assert {name: getattr(tl_module, name) for name in before} == before
+    assert getattr(triton_interpreter._launch, "modules", None) is None
 
 
 @pytest.mark.parametrize("combine", [0, 1], ids=["max_nan", "order-sensitive"])

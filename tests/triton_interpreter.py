@@ -1,5 +1,7 @@
-"""The Triton interpreter's reduction with a combine function of the kernel's own, one call of
-that function per slice along the axis instead of one per element.
+"""Two parts of the Triton interpreter done with less Python, for the same values.
+
+**Reductions by slices.** The interpreter's reduction with a combine function of the kernel's
+own calls that function once per slice along the axis instead of once per element.
 
 The interpreter of triton 3.9 reduces with a combine function it does not know (the NaN-keeping
 row maximum of attention_fwd, `_max_nan`) element by element: a Python call of the function and
@@ -12,9 +14,21 @@ dtype after each call as the interpreter does, gives the interpreter's values.
 tests/test_triton_interpreter.py compares the two on NaN, signed zeros and an order-sensitive
 combine function.
 
-`install()` replaces the method when the interpreter has the shape this was written against,
+**The language patched once per launch.** The interpreter swaps triton.language's builtins
+for its own when a kernel launches, and again on every call of a `@triton.jit` helper inside
+it: a scan of the language modules' members, 0.3 ms a call. The kernels call many small
+helpers per tile, so that on test_dq_in_the_dkdv_kernel_varlen_and_dropout those scans took
+26 of 63 s (cProfile). The launch's patch is in place until the launch ends, and a helper's
+scan of the modules the launch patched finds nothing left to swap, so a helper whose language
+modules the running launch patched skips it.
+
+`install()` replaces each part when the interpreter has the shape this was written against,
 and leaves it alone otherwise (the tests are then slower, not different).
 """
+import functools
+import inspect
+import threading
+
 import numpy as np
 
 
@@ -56,16 +70,61 @@ def _reduce_by_slices(self, input):
     return ret
 
 
+_launch = threading.local()
+
+
+@functools.lru_cache(maxsize=None)
+def _language_modules(fn):
+    """The triton.language modules `fn` sees, as the interpreter's `_patch_lang` finds them (a
+    module's names are bound when it is imported)."""
+    import triton.language as tl
+
+    return frozenset(value for value in fn.__globals__.values()
+                     if inspect.ismodule(value) and value in (tl, tl.core))
+
+
+def _patch_lang_once(patch_lang, fn):
+    """`_patch_lang`, skipped for a helper whose modules the running launch patched."""
+    from triton.runtime import interpreter
+
+    modules = _language_modules(fn)
+    patched = getattr(_launch, "modules", None)
+    if patched is not None and modules <= patched:
+        return interpreter._LangPatchScope()
+    scope = patch_lang(fn)
+    if getattr(_launch, "running", False):
+        _launch.modules = (patched or frozenset()) | modules
+    return scope
+
+
+def _launch_call(call, self, *args, **kwargs):
+    """GridExecutor.__call__, recording the modules its own `_patch_lang` patches."""
+    outer = getattr(_launch, "modules", None), getattr(_launch, "running", False)
+    _launch.modules, _launch.running = None, True
+    try:
+        return call(self, *args, **kwargs)
+    finally:
+        _launch.modules, _launch.running = outer
+
+
 def install():
-    """Use `_reduce_by_slices` as the interpreter's generic reduction; returns whether it did."""
+    """Installs both parts where the interpreter has what they replace; returns the names of
+    those installed."""
     try:
         from triton.runtime import interpreter
     except ImportError:
-        return False
+        return ()
+    installed = []
     reduce_ops = getattr(interpreter, "ReduceOps", None)
-    needed = ("generic_reduce", "unravel", "to_tensor", "apply_impl")
-    if reduce_ops is None or not all(hasattr(reduce_ops, name) for name in needed):
-        return False
-    reduce_ops.element_by_element_reduce = reduce_ops.generic_reduce
-    reduce_ops.generic_reduce = _reduce_by_slices
-    return True
+    if reduce_ops is not None and all(hasattr(reduce_ops, name) for name in
+                                      ("generic_reduce", "unravel", "to_tensor", "apply_impl")):
+        reduce_ops.element_by_element_reduce = reduce_ops.generic_reduce
+        reduce_ops.generic_reduce = _reduce_by_slices
+        installed.append("reduce_by_slices")
+    executor = getattr(interpreter, "GridExecutor", None)
+    if all(hasattr(interpreter, name) for name in ("_patch_lang", "_LangPatchScope")) and executor is not None:
+        launch = executor.__call__
+        interpreter._patch_lang = functools.partial(_patch_lang_once, interpreter._patch_lang)
+        executor.__call__ = lambda self, *args, **kwargs: _launch_call(launch, self, *args, **kwargs)
+        installed.append("patch_lang_once")
+    return tuple(installed)
