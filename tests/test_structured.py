@@ -646,9 +646,10 @@ def test_cuda_ops_nan_rows_large_scores_and_clamped_lengths(kind):
 # ---------------------------------------------------------------------------------------
 # The CUDA kernels, run on the host: csrc/cuda/structured.cu compiled by g++ with the CUDA
 # built-ins it uses defined by the harness below (ENTMAX_FAST_HOST_EMULATION): each block's
-# threads are std::threads, __syncthreads a barrier, the warp intrinsics exchanges through
-# memory with a warp barrier; blocks run one after another. A synchronisation that not every
-# thread reaches aborts (a hang on the GPU). Shared memory and scratch start filled with NaN
+# threads are contexts (ucontext) on one host thread, each run until it waits at a barrier or
+# returns, __syncthreads a barrier, the warp intrinsics exchanges through memory with a warp
+# barrier; blocks run one after another. A synchronisation that not every thread reaches
+# aborts (a hang on the GPU). Shared memory and scratch start filled with NaN
 # bytes, so a read of an unwritten entry shows. This runs the device code itself: the
 # launch plan (threads by length, shared or global row arrays, the grid-stride loop), the
 # ballot compaction, the bitonic sort, the block reductions and segmented scans, and the
@@ -656,16 +657,15 @@ def test_cuda_ops_nan_rows_large_scores_and_clamped_lengths(kind):
 
 EMULATION_HARNESS = r"""
 #include <algorithm>
-#include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
-#include <thread>
+#include <functional>
 #include <vector>
+#include <sys/mman.h>
+#include <ucontext.h>
 using std::max;
 using std::min;
 
@@ -677,28 +677,39 @@ using std::min;
 
 struct EmulatedIndex { unsigned x = 0, y = 0, z = 0; };
 static EmulatedIndex blockIdx, blockDim, gridDim;
-static thread_local EmulatedIndex threadIdx;
+// The running thread's index, set before the scheduler resumes it. External linkage, so that
+// the compiler reloads it after a switch (an external call).
+EmulatedIndex threadIdx;
+
+// A thread of the block: a context with its own stack, below a guard page.
+struct Fiber {
+  ucontext_t context;
+  bool done = false;
+};
+constexpr size_t kFiberStackBytes = 256 * 1024, kGuardBytes = 4096;
+static std::vector<Fiber> fibers;
+static std::vector<char*> fiber_stacks;
+static ucontext_t scheduler_context;
+static const std::function<void()>* fiber_body = nullptr;
+static int running_fiber = -1;
+static long progress = 0;  // barrier arrivals and finished threads
+
+inline void yield_to_scheduler() { swapcontext(&fibers[running_fiber].context, &scheduler_context); }
 
 class Barrier {
  public:
   void reset(int count) { count_ = count; waiting_ = 0; }
   void wait() {
-    std::unique_lock<std::mutex> lock(mutex_);
+    ++progress;
     const long generation = generation_;
     if (++waiting_ == count_) {
       waiting_ = 0;
       ++generation_;
-      cv_.notify_all();
       return;
     }
-    if (!cv_.wait_for(lock, std::chrono::seconds(60), [&] { return generation_ != generation; })) {
-      std::fprintf(stderr, "emulated CUDA: a barrier timed out (threads diverged at a synchronisation)\n");
-      std::abort();
-    }
+    while (generation_ == generation) yield_to_scheduler();
   }
  private:
-  std::mutex mutex_;
-  std::condition_variable cv_;
   int count_ = 0, waiting_ = 0;
   long generation_ = 0;
 };
@@ -752,6 +763,15 @@ unsigned char* dynamic_shared_memory() { return shared_buffer.data(); }
 using namespace entmax_fast::structured_cuda;
 using entmax_fast::structured::Prox;
 
+static void fiber_entry() {
+  (*fiber_body)();
+  fibers[running_fiber].done = true;
+  ++progress;
+}
+
+// Runs the block's threads round-robin on this host thread until every one has returned; a
+// round in which no thread arrived at a barrier or returned while some still wait is a
+// synchronisation that not every thread reaches (a hang on the GPU): it aborts.
 template <typename Kernel>
 void run_grid(const LaunchPlan& plan, Kernel kernel) {
   shared_buffer.assign(plan.shared_bytes + 16, 0xff);
@@ -759,15 +779,43 @@ void run_grid(const LaunchPlan& plan, Kernel kernel) {
   gridDim.x = static_cast<unsigned>(plan.blocks);
   block_barrier.reset(plan.threads);
   for (int w = 0; w < plan.threads / 32; ++w) warp_barrier[w].reset(32);
+  while (static_cast<int>(fiber_stacks.size()) < plan.threads) {
+    void* memory = mmap(nullptr, kFiberStackBytes + kGuardBytes, PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (memory == MAP_FAILED || mprotect(memory, kGuardBytes, PROT_NONE) != 0) {
+      std::fprintf(stderr, "emulated CUDA: no memory for a thread's stack\n");
+      std::abort();
+    }
+    fiber_stacks.push_back(static_cast<char*>(memory));
+  }
+  const std::function<void()> body = [&kernel] { kernel(); };
+  fiber_body = &body;
+  fibers.assign(plan.threads, Fiber{});
   for (int64_t block = 0; block < plan.blocks; ++block) {
     blockIdx.x = static_cast<unsigned>(block);
-    std::vector<std::thread> threads;
-    for (int t = 0; t < plan.threads; ++t)
-      threads.emplace_back([&kernel, t] {
+    for (int t = 0; t < plan.threads; ++t) {
+      Fiber& fiber = fibers[t];
+      fiber.done = false;
+      getcontext(&fiber.context);
+      fiber.context.uc_stack.ss_sp = fiber_stacks[t] + kGuardBytes;
+      fiber.context.uc_stack.ss_size = kFiberStackBytes;
+      fiber.context.uc_link = &scheduler_context;
+      makecontext(&fiber.context, fiber_entry, 0);
+    }
+    for (int live = plan.threads; live > 0;) {
+      const long before = progress;
+      for (int t = 0; t < plan.threads; ++t) {
+        if (fibers[t].done) continue;
+        running_fiber = t;
         threadIdx.x = static_cast<unsigned>(t);
-        kernel();
-      });
-    for (auto& thread : threads) thread.join();
+        swapcontext(&scheduler_context, &fibers[t].context);
+        live -= fibers[t].done;
+      }
+      if (live > 0 && progress == before) {
+        std::fprintf(stderr, "emulated CUDA: threads wait at a synchronisation that not every thread reaches\n");
+        std::abort();
+      }
+    }
   }
 }
 
@@ -849,6 +897,13 @@ void sort_by_magnitude(const T* values, int count, int threads, uint64_t* keys, 
 }
 
 extern "C" {
+// One block whose threads all meet at __syncthreads, or all but thread 0, which returns first.
+void synchronise_block(int threads, int thread_zero_returns) {
+  run_grid(LaunchPlan{threads, true, 0, 0, 1, 0}, [thread_zero_returns] {
+    if (thread_zero_returns && threadIdx.x == 0) return;
+    __syncthreads();
+  });
+}
 void sort_by_magnitude_f32(const float* values, int count, int threads, uint64_t* keys, int* indices, int* order) {
   sort_by_magnitude<float>(values, count, threads, keys, indices, order);
 }
@@ -900,7 +955,7 @@ def emulated_cuda(tmp_path_factory):
     build = tmp_path_factory.mktemp("cuda_emulation")
     (build / "harness.cpp").write_text(EMULATION_HARNESS)
     library = build / "harness.so"
-    result = subprocess.run([compiler, "-O1", "-std=c++17", "-shared", "-fPIC", "-pthread", "-I", str(source_dir),
+    result = subprocess.run([compiler, "-O1", "-std=c++17", "-shared", "-fPIC", "-I", str(source_dir),
                              str(build / "harness.cpp"), "-o", str(library)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-6000:]
     return ctypes.CDLL(str(library))
@@ -1104,6 +1159,17 @@ def test_emulated_cuda_rows_valid_on_a_prefix(emulated_cuda, kind, reg, dtype, a
     # interior mask is packed. The backward packs OSCAR's non-zero entries either way.
     X, lengths = prefix_rows(dtype)
     check_emulated_against_reference(emulated_cuda, kind, X, reg, lengths, atol, rtol)
+
+
+def test_emulated_cuda_aborts_at_a_synchronisation_not_every_thread_reaches(emulated_cuda):
+    import subprocess
+    import sys
+
+    script = (f"import ctypes\nlib = ctypes.CDLL({emulated_cuda._name!r})\nlib.synchronise_block(64, 0)\n"
+              "print('all threads met', flush=True)\nlib.synchronise_block(64, 1)\nprint('not reached')\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.stdout == "all threads met\n", result.stdout + result.stderr
+    assert result.returncode != 0 and "not every thread reaches" in result.stderr
 
 
 def test_emulated_cuda_launch_plan(emulated_cuda):
