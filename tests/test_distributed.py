@@ -439,6 +439,9 @@ def group_failures(tmp_path_factory):
             for world_size in (2, 4)}
 
 
+# One pytest-xdist worker runs them all (scripts/test.sh distributes by group), so that the
+# groups are spawned once per run rather than once per worker.
+@pytest.mark.xdist_group("context_parallel_groups")
 @pytest.mark.parametrize("world_size,check", [(world_size, name) for world_size in (2, 4)
                                               for name in _checks(world_size)])
 def test_context_parallel(group_failures, world_size, check):
