@@ -1,7 +1,8 @@
 """tests/triton_interpreter.py, installed by conftest.py: the reduction by slices gives the
 values of the interpreter's own element-by-element reduction (NaN rows, signed zeros, a combine
 function whose result depends on the order of the elements, two outputs, every axis and
-keep_dims); a helper runs on the launch's patched language, which is restored after it."""
+keep_dims); a helper runs on the launch's patched language, which is restored after it; integer
+overflow is caught exactly when the interpreter's assertions are on."""
 import os
 
 import pytest
@@ -71,6 +72,8 @@ def element_by_element(monkeypatch):
 def test_conftest_installed_both_parts():
     assert interpreter.ReduceOps.generic_reduce is triton_interpreter._reduce_by_slices
     assert interpreter._patch_lang.func is triton_interpreter._patch_lang_once
+    assert (interpreter.interpreter_semantic.binary_op_sanitize_overflow_impl.func
+            is triton_interpreter._sanitize_overflow_when_asserted)
 
 
 @triton.jit
@@ -111,3 +114,29 @@ def test_reduction_by_slices_gives_the_element_by_element_values(element_by_elem
     for got, want in zip(by_slices, expected):
         torch.testing.assert_close(got, want, atol=0.0, rtol=1e-6, equal_nan=True)
     assert torch.isnan(by_slices[0][0]) and torch.isnan(by_slices[2][0])
+
+
+@triton.jit
+def _double_kernel(p_x, p_out, N: tl.constexpr):
+    o_n = tl.arange(0, N)
+    b_x = tl.load(p_x + o_n)
+    tl.store(p_out + o_n, b_x + b_x)
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["assertions-off", "assertions-on"])
+def test_int_overflow_is_checked_exactly_when_the_assertion_is_on(monkeypatch, debug):
+    import dataclasses
+
+    builder = interpreter.interpreter_builder
+    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, debug=debug))
+    fine = torch.tensor([1, -7, 2 ** 29, 5], dtype=torch.int32)
+    out = torch.zeros_like(fine)
+    _double_kernel[(1,)](fine, out, N=4)
+    assert out.tolist() == [2, -14, 2 ** 30, 10]
+    overflowing = torch.tensor([1, 2 ** 30 + 1, 3, 4], dtype=torch.int32)
+    if debug:
+        with pytest.raises(Exception, match="overflow detected"):
+            _double_kernel[(1,)](overflowing, out, N=4)
+    else:
+        _double_kernel[(1,)](overflowing, out, N=4)
+        assert out[1].item() == -2 ** 31 + 2

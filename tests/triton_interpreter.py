@@ -1,4 +1,4 @@
-"""Two parts of the Triton interpreter done with less Python, for the same values.
+"""Three parts of the Triton interpreter done with less Python, for the same values.
 
 **Reductions by slices.** The interpreter's reduction with a combine function of the kernel's
 own calls that function once per slice along the axis instead of once per element.
@@ -21,6 +21,14 @@ helpers per tile, so that on test_dq_in_the_dkdv_kernel_varlen_and_dropout those
 26 of 63 s (cProfile). The launch's patch is in place until the launch ends, and a helper's
 scan of the modules the launch patched finds nothing left to swap, so a helper whose language
 modules the running launch patched skips it.
+
+**No overflow check whose assertion is off.** Every integer add, subtract and multiply of
+the interpreter recomputes itself in int64 and compares the result with the type's range
+(`binary_op_sanitize_overflow_impl`, eight interpreted operations), then hands the comparison
+to `device_assert`, which returns without looking at it unless the builder's `debug` option is
+set (triton 3.9: never in the interpreter). A third of the interpreter's time on
+test_few_capture_slots_stay_exact went there (cProfile: 14 of 44 s). The interpreter's
+semantic object skips the computation when the assertion it feeds is off.
 
 `install()` replaces each part when the interpreter has the shape this was written against,
 and leaves it alone otherwise (the tests are then slower, not different).
@@ -107,6 +115,13 @@ def _launch_call(call, self, *args, **kwargs):
         _launch.modules, _launch.running = outer
 
 
+def _sanitize_overflow_when_asserted(sanitize, self, lhs, rhs, binary_op):
+    """`binary_op_sanitize_overflow_impl` where its `device_assert` would look at the result."""
+    if self.builder.options.debug:
+        return sanitize(lhs, rhs, binary_op)
+    return None
+
+
 def install():
     """Installs both parts where the interpreter has what they replace; returns the names of
     those installed."""
@@ -127,4 +142,9 @@ def install():
         interpreter._patch_lang = functools.partial(_patch_lang_once, interpreter._patch_lang)
         executor.__call__ = lambda self, *args, **kwargs: _launch_call(launch, self, *args, **kwargs)
         installed.append("patch_lang_once")
+    semantic = getattr(interpreter, "interpreter_semantic", None)
+    if hasattr(semantic, "binary_op_sanitize_overflow_impl") and hasattr(semantic, "builder"):
+        semantic.binary_op_sanitize_overflow_impl = functools.partial(
+            _sanitize_overflow_when_asserted, semantic.binary_op_sanitize_overflow_impl, semantic)
+        installed.append("sanitize_overflow_when_asserted")
     return tuple(installed)
