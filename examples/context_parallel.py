@@ -49,15 +49,19 @@ def main():
                         help="gloo: CPU tensors; nccl: one GPU per process")
     args = parser.parse_args()
 
-    dist.init_process_group(args.backend)
-    rank = dist.get_rank()
     device = torch.device("cpu")
     if args.backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     torch.manual_seed(0)
     model = TinyCausalLM(vocab=50, embed=32, heads=4, max_length=args.length).to(device)
+    # The optimizer before the process group: torch 2.13's first optimizer keeps references
+    # to a group that exists then, so that destroy_process_group() does not free it; gloo's
+    # threads then outlive it into interpreter shutdown, and one that frees a tensor there
+    # aborts the rank ("terminate called without an active exception").
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    dist.init_process_group(args.backend)
+    rank = dist.get_rank()
     for step in range(args.steps):
         generator = torch.Generator().manual_seed(step)
         ids = torch.randint(0, 50, (2, args.length), generator=generator)

@@ -24,7 +24,7 @@
 // [0, n] instead of checked. NaN/+inf rows give NaN, as on the CPU.
 //
 // ENTMAX_FAST_HOST_EMULATION: tests/test_structured.py compiles this file with g++, defines
-// the CUDA built-ins it uses (threads of a block are std::threads, __syncthreads a barrier,
+// the CUDA built-ins it uses (threads of a block are contexts on one host thread, __syncthreads a barrier,
 // warp intrinsics exchanges through memory) and runs the kernels on the host.
 #ifndef ENTMAX_FAST_HOST_EMULATION
 #include <cuda_runtime.h>
