@@ -55,10 +55,11 @@ def main():
         torch.cuda.set_device(device)
     torch.manual_seed(0)
     model = TinyCausalLM(vocab=50, embed=32, heads=4, max_length=args.length).to(device)
-    # The optimizer before the process group: torch 2.13's first optimizer keeps references
-    # to a group that exists then, so that destroy_process_group() does not free it; gloo's
-    # threads then outlive it into interpreter shutdown, and one that frees a tensor there
-    # aborts the rank ("terminate called without an active exception").
+    # The optimizer before the process group: torch 2.13's torch._dynamo, which the first
+    # optimizer imports, keeps references to a group that exists when it is imported, so
+    # that destroy_process_group() does not free it; gloo's threads then live into
+    # interpreter shutdown, and one that frees a tensor there aborts the rank ("terminate
+    # called without an active exception").
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     dist.init_process_group(args.backend)
     rank = dist.get_rank()

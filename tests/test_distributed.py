@@ -6,6 +6,7 @@ the single process's loss and gradients; bad inputs raise named errors on every 
 
 Spawning is slow, so each group size is spawned once (a module fixture) and its workers run
 every check in turn, recording each check's failure by name; the tests read those records."""
+import importlib
 import json
 import os
 import socket
@@ -396,6 +397,12 @@ def _checks(world_size):
 
 def _worker(rank, world_size, port, out_dir):
     torch.set_num_threads(1)
+    # Imported before the group exists: torch 2.13's torch._dynamo, imported while a group
+    # exists (the first optimizer imports it), keeps references to it past
+    # destroy_process_group(), so that gloo's threads live into interpreter shutdown, where
+    # one that frees a tensor aborts the process ("terminate called without an active
+    # exception").
+    importlib.import_module("torch._dynamo")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     failures = {}
     try:
