@@ -3,15 +3,16 @@
 - Without a CUDA device, TRITON_INTERPRET=1 before anything imports triton, so the Triton
   tests run the kernels in the Triton interpreter on CPU tensors; with one, they run the
   compiled kernels on CUDA tensors (tests/devices.py).
-- Under the interpreter, its reduction with a kernel's own combine function calls that function
-  once per slice rather than once per element (tests/triton_interpreter.py): the same values,
-  a fraction of the time.
+- Under the interpreter, three of its slow paths take shortcuts with the same values
+  (tests/triton_interpreter.py): reductions with a kernel's own combine function run per
+  slice, helpers called inside a launch do not patch triton.language again, and the overflow
+  recomputation whose assertion is off is skipped.
 - `torch.empty`/`torch.empty_like` return NaN-filled float tensors, so an output a kernel
   or launcher forgets to write fails loudly instead of passing on lucky zeros.
 - Under pytest-xdist each worker takes its share of the cores for torch's threads, so that
   the workers' thread pools do not oversubscribe the machine.
-- Tests marked with an `xdist_group` (the ahead-of-time compiles) are collected first: the
-  longest unit of work starts first when pytest-xdist spreads the suite over the cores.
+- Tests marked with an `xdist_group` (the ahead-of-time compiles, the context-parallel
+  groups) are collected first: the longest units of work start first when pytest-xdist spreads the suite over the cores.
 """
 import os
 
