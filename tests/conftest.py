@@ -12,7 +12,8 @@
 - Under pytest-xdist each worker takes its share of the cores for torch's threads, so that
   the workers' thread pools do not oversubscribe the machine.
 - Tests marked with an `xdist_group` (the ahead-of-time compiles, the context-parallel
-  groups) are collected first: the longest units of work start first when pytest-xdist spreads the suite over the cores.
+  groups) are collected first: the longest units of work start first when pytest-xdist
+  spreads the suite over the cores.
 """
 import os
 

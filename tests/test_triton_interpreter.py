@@ -9,7 +9,7 @@ import pytest
 import torch
 
 if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("the reduction by slices replaces a part of the Triton interpreter only",
+    pytest.skip("tests/triton_interpreter.py replaces parts of the Triton interpreter only",
                 allow_module_level=True)
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
@@ -69,7 +69,7 @@ def element_by_element(monkeypatch):
     return use
 
 
-def test_conftest_installed_both_parts():
+def test_conftest_installed_every_part():
     assert interpreter.ReduceOps.generic_reduce is triton_interpreter._reduce_by_slices
     assert interpreter._patch_lang.func is triton_interpreter._patch_lang_once
     assert (interpreter.interpreter_semantic.binary_op_sanitize_overflow_impl.func

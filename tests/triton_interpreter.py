@@ -57,7 +57,7 @@ def _reduce_by_slices(self, input):
     data = [arg.handle.data for arg in input]
     shape = data[0].shape
     output_shape = shape[:axis] + shape[axis + 1:]
-    running = [np.take(d, 0, axis=axis).astype(d.dtype) for d in data]
+    running = [np.take(d, 0, axis=axis) for d in data]
     for index in range(1, shape[axis]):
         acc = tuple(self.to_tensor(r, arg.dtype) for r, arg in zip(running, input))
         item = tuple(self.to_tensor(np.take(d, index, axis=axis), arg.dtype) for d, arg in zip(data, input))
@@ -66,7 +66,6 @@ def _reduce_by_slices(self, input):
         running = [_running_value(r, d.dtype, output_shape) for r, d in zip(result, data)]
     ret = []
     for value, arg in zip(running, input):
-        value = np.asarray(value, dtype=arg.handle.data.dtype)
         if self.keep_dims:
             if original_axis is not None:
                 value = np.expand_dims(value, axis)
@@ -78,6 +77,8 @@ def _reduce_by_slices(self, input):
     return ret
 
 
+# `modules`: inside a launch, the language modules patched so far in it (empty until the
+# launch's own patch); outside one, None.
 _launch = threading.local()
 
 
@@ -97,22 +98,23 @@ def _patch_lang_once(patch_lang, fn):
 
     modules = _language_modules(fn)
     patched = getattr(_launch, "modules", None)
-    if patched is not None and modules <= patched:
+    if patched is None:
+        return patch_lang(fn)
+    if modules and modules <= patched:
         return interpreter._LangPatchScope()
     scope = patch_lang(fn)
-    if getattr(_launch, "running", False):
-        _launch.modules = (patched or frozenset()) | modules
+    _launch.modules = patched | modules
     return scope
 
 
 def _launch_call(call, self, *args, **kwargs):
     """GridExecutor.__call__, recording the modules its own `_patch_lang` patches."""
-    outer = getattr(_launch, "modules", None), getattr(_launch, "running", False)
-    _launch.modules, _launch.running = None, True
+    outer = getattr(_launch, "modules", None)
+    _launch.modules = frozenset()
     try:
         return call(self, *args, **kwargs)
     finally:
-        _launch.modules, _launch.running = outer
+        _launch.modules = outer
 
 
 def _sanitize_overflow_when_asserted(sanitize, self, lhs, rhs, binary_op):
@@ -123,7 +125,7 @@ def _sanitize_overflow_when_asserted(sanitize, self, lhs, rhs, binary_op):
 
 
 def install():
-    """Installs both parts where the interpreter has what they replace; returns the names of
+    """Installs each part where the interpreter has what it replaces; returns the names of
     those installed."""
     try:
         from triton.runtime import interpreter
