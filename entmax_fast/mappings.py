@@ -106,6 +106,19 @@ def sparsemax(X, dim=-1, k=None):
     """sparsemax: ``argmin_{p ∈ Δ} ‖p − X‖²`` along ``dim`` (exact).
 
     ``k`` is accepted for compatibility with ``entmax.sparsemax``; results never depend on it.
+
+    Args:
+        X: scores, any shape, floating point.
+        dim: the dimension whose entries sum to one.
+        k: ignored (``entmax``'s partial sort size).
+
+    Returns:
+        A tensor of X's shape and dtype, each slice along ``dim`` on the simplex.
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> entmax_fast.sparsemax(torch.tensor([[1.0, 0.8, 0.1, -1.0]]))
+        tensor([[0.6000, 0.4000, 0.0000, 0.0000]])
     """
     return _entmax(X, 2.0, dim)
 
@@ -114,6 +127,19 @@ def entmax15(X, dim=-1, k=None):
     """1.5-entmax: ``argmax_{p ∈ Δ} pᵀX + H_{1.5}(p)`` along ``dim`` (exact).
 
     ``k`` is accepted for compatibility with ``entmax.entmax15``; results never depend on it.
+
+    Args:
+        X: scores, any shape, floating point.
+        dim: the dimension whose entries sum to one.
+        k: ignored (``entmax``'s partial sort size).
+
+    Returns:
+        A tensor of X's shape and dtype, each slice along ``dim`` on the simplex.
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> entmax_fast.entmax15(torch.tensor([[1.0, 0.8, 0.1, -1.0]]))
+        tensor([[0.5292, 0.3937, 0.0770, 0.0000]])
     """
     return _entmax(X, 1.5, dim)
 
@@ -126,12 +152,40 @@ def entmax_bisect(X, alpha=1.5, dim=-1, n_iter=50, ensure_sum_one=True):
     The threshold is found to a tolerance, then the output is normalised exactly on the
     found support, so ``n_iter`` and ``ensure_sum_one`` (kept for compatibility with
     ``entmax.entmax_bisect``) do not change the result.
+
+    Args:
+        X: scores, any shape, floating point.
+        alpha: float > 0, or a tensor broadcastable to X with size 1 along ``dim``.
+        dim: the dimension whose entries sum to one.
+        n_iter: ignored (``entmax``'s bisection steps).
+        ensure_sum_one: ignored (the output always sums to one).
+
+    Returns:
+        A tensor of X's shape and dtype, each slice along ``dim`` on the simplex.
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> x = torch.tensor([[1.0, 0.8, 0.1, -1.0]])
+        >>> entmax_fast.entmax_bisect(x, alpha=1.25)
+        tensor([[0.4787, 0.3736, 0.1356, 0.0121]])
+        >>> torch.equal(entmax_fast.entmax_bisect(x, alpha=1.0), torch.softmax(x, dim=-1))
+        True
+        >>> alpha = torch.tensor([[1.5]], requires_grad=True)  # one α for the row, learned
+        >>> entmax_fast.entmax_bisect(x, alpha=alpha)[0, 0].backward()
+        >>> alpha.grad
+        tensor([[0.2048]])
     """
     return _entmax(X, alpha, dim)
 
 
 def sparsemax_bisect(X, dim=-1, n_iter=50, ensure_sum_one=True):
-    """sparsemax (``entmax_bisect`` at α = 2); ``n_iter``/``ensure_sum_one`` as there."""
+    """sparsemax (``entmax_bisect`` at α = 2); ``n_iter``/``ensure_sum_one`` as there.
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> entmax_fast.sparsemax_bisect(torch.tensor([[1.0, 0.8, 0.1, -1.0]]))
+        tensor([[0.6000, 0.4000, 0.0000, 0.0000]])
+    """
     return _entmax(X, 2.0, dim)
 
 
@@ -215,6 +269,11 @@ def normmax_bisect(X, alpha=2, dim=-1, n_iter=50):
     (one α per row, per head), as ``entmax.normmax_bisect`` takes it. α is not differentiated
     (``entmax`` passes it no gradient either): a tensor that requires grad is refused. The
     threshold is found to a tolerance; ``n_iter`` is kept for compatibility.
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> entmax_fast.normmax_bisect(torch.tensor([[1.0, 0.8, 0.1, -1.0]]), alpha=2)
+        tensor([[0.5714, 0.4286, 0.0000, 0.0000]])
     """
     check_floating("X", X)
     dim = check_dim("X", X, dim)
@@ -234,6 +293,11 @@ def budget_bisect(X, budget=2, dim=-1, n_iter=50):
     with zero gradient (``entmax`` 1.3 returns the same up to its bisection's last step);
     budget n gives all ones. ``n_iter`` is kept for compatibility (the threshold is exact on
     the final active set).
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> entmax_fast.budget_bisect(torch.tensor([[1.0, 0.8, 0.1, -1.0]]), budget=2)
+        tensor([[1.0000, 0.8500, 0.1500, 0.0000]])
     """
     check_floating("X", X)
     dim = check_dim("X", X, dim)
