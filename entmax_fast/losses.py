@@ -130,27 +130,74 @@ def _fy_loss(X: torch.Tensor, target: torch.Tensor, alpha) -> torch.Tensor:
 
 
 def sparsemax_loss(X, target, k=None):
-    """sparsemax loss (``entmax.sparsemax_loss``); ``k`` never changes the result."""
+    """sparsemax loss (``entmax.sparsemax_loss``); ``k`` never changes the result.
+
+    Args:
+        X: (N, C) scores.
+        target: (N,) class indices in [0, C).
+        k: ignored (``entmax``'s partial sort size).
+
+    Returns:
+        (N,) losses; the gradient w.r.t. X is ``sparsemax(X) − one_hot(target)``.
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> X = torch.tensor([[1.0, 0.8, 0.1], [0.2, 0.5, 0.3]], requires_grad=True)
+        >>> loss = entmax_fast.sparsemax_loss(X, torch.tensor([0, 2]))
+        >>> loss
+        tensor([0.1600, 0.3900], grad_fn=<_FenchelYoungLossBackward>)
+        >>> loss.sum().backward()
+        >>> X.grad
+        tensor([[-0.4000,  0.4000,  0.0000],
+                [ 0.2000,  0.5000, -0.7000]])
+    """
     return _fy_loss(X, target, 2.0)
 
 
 def sparsemax_bisect_loss(X, target, n_iter=50):
+    """sparsemax loss (``entmax.sparsemax_bisect_loss``), :func:`sparsemax_loss`'s values;
+    ``n_iter`` never changes the result.
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> entmax_fast.sparsemax_bisect_loss(torch.tensor([[1.0, 0.8, 0.1]]), torch.tensor([0]))
+        tensor([0.1600])
+    """
     return _fy_loss(X, target, 2.0)
 
 
 def entmax15_loss(X, target, k=None):
-    """1.5-entmax loss (``entmax.entmax15_loss``); ``k`` never changes the result."""
+    """1.5-entmax loss (``entmax.entmax15_loss``); ``k`` never changes the result.
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> entmax_fast.entmax15_loss(torch.tensor([[1.0, 0.8, 0.1], [0.2, 0.5, 0.3]]), torch.tensor([0, 2]))
+        tensor([0.3140, 0.6105])
+    """
     return _fy_loss(X, target, 1.5)
 
 
 def entmax_bisect_loss(X, target, alpha=1.5, n_iter=50):
-    """α-entmax loss; ``alpha`` a float or per-row tensor (it receives a gradient)."""
+    """α-entmax loss; ``alpha`` a float or per-row tensor (it receives a gradient).
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> X, target = torch.tensor([[1.0, 0.8, 0.1], [0.2, 0.5, 0.3]]), torch.tensor([0, 2])
+        >>> entmax_fast.entmax_bisect_loss(X, target, alpha=torch.tensor([[1.2], [1.8]]))
+        tensor([0.5395, 0.4582])
+    """
     return _fy_loss(X, target, alpha)
 
 
 def normmax_bisect_loss(X, target, alpha=2, n_iter=50):
     """α-normmax Fenchel–Young loss: ``1 − ‖p*‖_α + (p* − e_y)ᵀX``; ``alpha`` as
-    ``normmax_bisect`` takes it (a number > 1 or one per row, not differentiated)."""
+    ``normmax_bisect`` takes it (a number > 1 or one per row, not differentiated).
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> entmax_fast.normmax_bisect_loss(torch.tensor([[1.0, 0.8, 0.1]]), torch.tensor([0]), alpha=2)
+        tensor([0.2000])
+    """
     _check_loss_args(X, target)
     alpha = _row_parameter("alpha", alpha, X, 1, "normmax_bisect_loss", minimum=1.0, inclusive=False)
     return _FenchelYoungLoss.apply(X, alpha, target, "normmax")
@@ -177,6 +224,19 @@ class _GenericLoss(nn.Module):
 
 
 class SparsemaxLoss(_GenericLoss):
+    """:func:`sparsemax_loss` as a module (``entmax.SparsemaxLoss``): ``forward(X (N, C), target (N,))`` gives
+    the mean over the targets not equal to ``ignore_index`` (``reduction="elementwise_mean"``
+    or ``"mean"``), their sum (``"sum"``) or the (N,) losses (``"none"``, 0 where ignored).
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> X = torch.tensor([[1.0, 0.8, 0.1], [0.2, 0.5, 0.3]])
+        >>> entmax_fast.SparsemaxLoss()(X, torch.tensor([0, 2]))
+        tensor(0.2750)
+        >>> entmax_fast.SparsemaxLoss(reduction="none")(X, torch.tensor([0, -100]))
+        tensor([0.1600, 0.0000])
+    """
+
     def __init__(self, k=None, ignore_index=-100, reduction="elementwise_mean"):
         super().__init__(ignore_index, reduction)
         self.k = k
@@ -186,6 +246,19 @@ class SparsemaxLoss(_GenericLoss):
 
 
 class SparsemaxBisectLoss(_GenericLoss):
+    """:func:`sparsemax_bisect_loss` as a module (``entmax.SparsemaxBisectLoss``): ``forward(X (N, C), target (N,))`` gives
+    the mean over the targets not equal to ``ignore_index`` (``reduction="elementwise_mean"``
+    or ``"mean"``), their sum (``"sum"``) or the (N,) losses (``"none"``, 0 where ignored).
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> X = torch.tensor([[1.0, 0.8, 0.1], [0.2, 0.5, 0.3]])
+        >>> entmax_fast.SparsemaxBisectLoss()(X, torch.tensor([0, 2]))
+        tensor(0.2750)
+        >>> entmax_fast.SparsemaxBisectLoss(reduction="none")(X, torch.tensor([0, -100]))
+        tensor([0.1600, 0.0000])
+    """
+
     def __init__(self, n_iter=50, ignore_index=-100, reduction="elementwise_mean"):
         super().__init__(ignore_index, reduction)
         self.n_iter = n_iter
@@ -195,6 +268,19 @@ class SparsemaxBisectLoss(_GenericLoss):
 
 
 class Entmax15Loss(_GenericLoss):
+    """:func:`entmax15_loss` as a module (``entmax.Entmax15Loss``): ``forward(X (N, C), target (N,))`` gives
+    the mean over the targets not equal to ``ignore_index`` (``reduction="elementwise_mean"``
+    or ``"mean"``), their sum (``"sum"``) or the (N,) losses (``"none"``, 0 where ignored).
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> X = torch.tensor([[1.0, 0.8, 0.1], [0.2, 0.5, 0.3]])
+        >>> entmax_fast.Entmax15Loss()(X, torch.tensor([0, 2]))
+        tensor(0.4622)
+        >>> entmax_fast.Entmax15Loss(reduction="none")(X, torch.tensor([0, -100]))
+        tensor([0.3140, 0.0000])
+    """
+
     def __init__(self, k=100, ignore_index=-100, reduction="elementwise_mean"):
         super().__init__(ignore_index, reduction)
         self.k = k
@@ -204,6 +290,19 @@ class Entmax15Loss(_GenericLoss):
 
 
 class EntmaxBisectLoss(_GenericLoss):
+    """:func:`entmax_bisect_loss` as a module (``entmax.EntmaxBisectLoss``): ``forward(X (N, C), target (N,))`` gives
+    the mean over the targets not equal to ``ignore_index`` (``reduction="elementwise_mean"``
+    or ``"mean"``), their sum (``"sum"``) or the (N,) losses (``"none"``, 0 where ignored).
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> X = torch.tensor([[1.0, 0.8, 0.1], [0.2, 0.5, 0.3]])
+        >>> entmax_fast.EntmaxBisectLoss()(X, torch.tensor([0, 2]))
+        tensor(0.4622)
+        >>> entmax_fast.EntmaxBisectLoss(reduction="none")(X, torch.tensor([0, -100]))
+        tensor([0.3140, 0.0000])
+    """
+
     def __init__(self, alpha=1.5, n_iter=50, ignore_index=-100, reduction="elementwise_mean"):
         super().__init__(ignore_index, reduction)
         self.alpha = alpha
@@ -214,6 +313,19 @@ class EntmaxBisectLoss(_GenericLoss):
 
 
 class NormmaxBisectLoss(_GenericLoss):
+    """:func:`normmax_bisect_loss` as a module (``entmax.NormmaxBisectLoss``): ``forward(X (N, C), target (N,))`` gives
+    the mean over the targets not equal to ``ignore_index`` (``reduction="elementwise_mean"``
+    or ``"mean"``), their sum (``"sum"``) or the (N,) losses (``"none"``, 0 where ignored).
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> X = torch.tensor([[1.0, 0.8, 0.1], [0.2, 0.5, 0.3]])
+        >>> entmax_fast.NormmaxBisectLoss()(X, torch.tensor([0, 2]))
+        tensor(0.3348)
+        >>> entmax_fast.NormmaxBisectLoss(reduction="none")(X, torch.tensor([0, -100]))
+        tensor([0.2000, 0.0000])
+    """
+
     def __init__(self, alpha=2, n_iter=50, ignore_index=-100, reduction="elementwise_mean"):
         super().__init__(ignore_index, reduction)
         self.alpha = alpha
