@@ -325,7 +325,9 @@ def entmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     """Scaled-dot-product attention with α-entmax weights: ``entmax_α(QKᵀ·scale + mask) V``.
 
     Args:
-        query: (B, H, Lq, E). key: (B, Hkv, Lk, E). value: (B, Hkv, Lk, Ev).
+        query: (B, H, Lq, E).
+        key: (B, Hkv, Lk, E).
+        value: (B, Hkv, Lk, Ev).
         attn_mask: bool (True = attend) or float (added to the scores), broadcastable to
             (B, H, Lq, Lk), or a ``torch.nn.attention.bias.CausalBias``
             (``causal_upper_left``: is_causal; ``causal_lower_right``: bottom-right
@@ -354,6 +356,21 @@ def entmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     row whose scores it reaches (a NaN in value: every row that attends to its key).
     Zero-size dims: Lk = 0 gives zeros; B, H, Lq or Ev = 0 an empty output; E = 0 scores
     every key 0 (uniform weights unless masked). Once differentiable: double backward raises.
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> q = torch.tensor([[[[1.0, 0.0]]]])                                # (1, 1, 1, 2)
+        >>> k = torch.tensor([[[[2.0, 0.0], [1.6, 0.0], [0.0, 0.0]]]])        # scores 2, 1.6, 0
+        >>> v = torch.eye(3)[None, None]                                      # the output is the weights
+        >>> entmax_fast.entmax_attention(q, k, v, scale=1.0, alpha=1.5)
+        tensor([[[[0.6400, 0.3600, 0.0000]]]])
+        >>> q, k, v = (torch.randn(2, 8, 128, 64) for _ in range(3))
+        >>> entmax_fast.entmax_attention(q, k, v, is_causal=True).shape
+        torch.Size([2, 8, 128, 64])
+        >>> alpha = torch.nn.Parameter(torch.full((8,), 1.5))                 # one learned α per head
+        >>> entmax_fast.entmax_attention(q, k, v, alpha=alpha).sum().backward()
+        >>> alpha.grad.shape
+        torch.Size([8])
     """
     attn_mask, is_causal, lower_right, alpha, window_size, softcap = checked_arguments(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alpha, window_size, softcap,
@@ -381,7 +398,15 @@ def entmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
 
 def sparsemax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                         enable_gqa=False, *, window_size=NO_WINDOW, softcap=0.0, alibi_slopes=None, sinks=None):
-    """:func:`entmax_attention` with α = 2 (sparsemax weights)."""
+    """:func:`entmax_attention` with α = 2 (sparsemax weights).
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> q = torch.tensor([[[[1.0, 0.0]]]])
+        >>> k = torch.tensor([[[[2.0, 0.0], [1.6, 0.0], [0.0, 0.0]]]])
+        >>> entmax_fast.sparsemax_attention(q, k, torch.eye(3)[None, None], scale=1.0)
+        tensor([[[[0.7000, 0.3000, 0.0000]]]])
+    """
     return entmax_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alpha=2.0,
                             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
 
@@ -420,6 +445,17 @@ def entmax_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     ValueError is raised at once; on CUDA the check runs on the device without a host sync
     (``torch._assert_async``), so a violation surfaces as a device-side assertion at the
     next synchronisation. A sequence without keys gives zeros.
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> cu_seqlens = torch.tensor([0, 5, 8], dtype=torch.int32)          # two sequences: 5 and 3 tokens
+        >>> q, k, v = (torch.randn(8, 4, 16) for _ in range(3))              # (total, H, E)
+        >>> out = entmax_fast.entmax_attention_varlen(q, k, v, cu_seqlens, cu_seqlens, 5, 5, is_causal=True)
+        >>> out.shape
+        torch.Size([8, 4, 16])
+        >>> second = entmax_fast.entmax_attention(*(t[5:].transpose(0, 1)[None] for t in (q, k, v)), is_causal=True)
+        >>> torch.allclose(out[5:], second[0].transpose(0, 1), atol=1e-6)
+        True
     """
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         check_floating(name, tensor)
