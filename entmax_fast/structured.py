@@ -131,6 +131,14 @@ def fusedmax(X: torch.Tensor, lam: float = 1.0, dim: int = -1, lengths: torch.Te
 
     Returns: weights of X's shape and dtype, summing to 1 over each slice with a valid
     position (0 where no position is valid, NaN where a valid position holds NaN or +inf).
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> x = torch.tensor([[1.0, 0.3, 0.9, 0.5, 0.95]])
+        >>> entmax_fast.fusedmax(x, lam=0.1)                  # the neighbours 0.9 and 0.5 tied
+        tensor([[0.3625, 0.0000, 0.1625, 0.1625, 0.3125]])
+        >>> entmax_fast.fusedmax(x, lam=0.1, lengths=torch.tensor([2]))   # only 2 valid positions
+        tensor([[0.7500, 0.2500, 0.0000, 0.0000, 0.0000]])
     """
     return _structured("fusedmax", X, lam, "lam", dim, lengths)
 
@@ -143,6 +151,11 @@ def oscarmax(X: torch.Tensor, beta: float = 1.0, dim: int = -1, lengths: torch.T
     over the n valid positions of each slice; groups equal weights regardless of position.
     Differentiable in X (not in beta). Arguments as :func:`fusedmax`, with ``beta`` >= 0
     (0 gives sparsemax).
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> entmax_fast.oscarmax(torch.tensor([[1.0, 0.3, 0.9, 0.5, 0.95]]), beta=0.05)   # one group of three
+        tensor([[0.3333, 0.0000, 0.3333, 0.0000, 0.3333]])
     """
     return _structured("oscarmax", X, beta, "beta", dim, lengths)
 
@@ -169,6 +182,13 @@ def fusedmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
     Memory: the scores are materialised one query chunk at a time (at most 4M entries per
     chunk), not fused into a flash-style kernel; autograd keeps every chunk's weights, so
     training memory is O(B·H·Lq·Lk).
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> q = torch.tensor([[[[1.0, 0.0]]]])
+        >>> k = torch.tensor([[[[2.0, 0.0], [1.9, 0.0], [1.8, 0.0], [0.0, 0.0]]]])
+        >>> entmax_fast.fusedmax_attention(q, k, torch.eye(4)[None, None], scale=1.0, lam=0.5)
+        tensor([[[[0.3333, 0.3333, 0.3333, 0.0000]]]])
     """
     _check_reg("fusedmax_attention", lam, "lam")
     _check_attention_args("fusedmax_attention", query, key, value, attn_mask, dropout_p, scale, enable_gqa)
@@ -182,6 +202,12 @@ def oscarmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
 
     Arguments, masking, causal alignment and memory as :func:`fusedmax_attention` (scores
     materialised one query chunk at a time).
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
+        >>> entmax_fast.oscarmax_attention(q, k, v, is_causal=True, beta=0.1).shape
+        torch.Size([2, 4, 16, 8])
     """
     _check_reg("oscarmax_attention", beta, "beta")
     _check_attention_args("oscarmax_attention", query, key, value, attn_mask, dropout_p, scale, enable_gqa)
@@ -246,7 +272,13 @@ def _check_reg(name: str, reg, reg_name: str) -> None:
 # Modules.
 
 class Fusedmax(torch.nn.Module):
-    """Module form of :func:`fusedmax`: ``Fusedmax(lam, dim)(X, lengths=None)``."""
+    """Module form of :func:`fusedmax`: ``Fusedmax(lam, dim)(X, lengths=None)``.
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> entmax_fast.Fusedmax(lam=0.1)(torch.tensor([[1.0, 0.3, 0.9, 0.5, 0.95]]))
+        tensor([[0.3625, 0.0000, 0.1625, 0.1625, 0.3125]])
+    """
 
     def __init__(self, lam: float = 1.0, dim: int = -1):
         super().__init__()
@@ -262,7 +294,13 @@ class Fusedmax(torch.nn.Module):
 
 
 class Oscarmax(torch.nn.Module):
-    """Module form of :func:`oscarmax`: ``Oscarmax(beta, dim)(X, lengths=None)``."""
+    """Module form of :func:`oscarmax`: ``Oscarmax(beta, dim)(X, lengths=None)``.
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> entmax_fast.Oscarmax(beta=0.05)(torch.tensor([[1.0, 0.3, 0.9, 0.5, 0.95]]))
+        tensor([[0.3333, 0.0000, 0.3333, 0.0000, 0.3333]])
+    """
 
     def __init__(self, beta: float = 1.0, dim: int = -1):
         super().__init__()
