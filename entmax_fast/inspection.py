@@ -69,6 +69,13 @@ def attention_weights(query, key, attn_mask=None, is_causal=False, scale=None, e
 
     Dense, for inspection (as ``"eager"`` attention gives): it holds B·H·Lq·Lk entries.
     In query's dtype, computed in float32 (float64 for float64 inputs).
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> q = torch.tensor([[[[1.0, 0.0]]]])
+        >>> k = torch.tensor([[[[2.0, 0.0], [1.6, 0.0], [0.0, 0.0]]]])
+        >>> entmax_fast.attention_weights(q, k, scale=1.0, alpha=1.5)
+        tensor([[[[0.6400, 0.3600, 0.0000]]]])
     """
     q, k, mask, is_causal, scale, alpha, options = _prepared(query, key, attn_mask, is_causal, scale, enable_gqa,
                                                              alpha, window_size, softcap, alibi_slopes, sinks)
@@ -86,7 +93,17 @@ def support_size(query, key, attn_mask=None, is_causal=False, scale=None, enable
     arguments. No gradient, and no (Lq, Lk) tensor per head: the dispatched backend (op
     ``"attention_support"``, ``entmax_fast.backend_info()`` says which and why) counts from
     the row thresholds of its own attention forward, or, on the reference backend, over
-    chunks of at most ``CHUNK_ELEMENTS`` scores."""
+    chunks of at most ``CHUNK_ELEMENTS`` scores.
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> q = torch.tensor([[[[1.0, 0.0]]]])
+        >>> k = torch.tensor([[[[2.0, 0.0], [1.6, 0.0], [0.0, 0.0]]]])
+        >>> entmax_fast.support_size(q, k, scale=1.0, alpha=1.5)           # 2 of the 3 keys
+        tensor([[[2]]])
+        >>> entmax_fast.support_size(q, k, scale=1.0, alpha=1.0)           # softmax: every key
+        tensor([[[3]]])
+    """
     query, key, attn_mask, is_causal, lower_right, alpha, window_size, softcap, scale = _checked(
         query, key, attn_mask, is_causal, scale, enable_gqa, alpha, window_size, softcap, alibi_slopes, sinks)
     batch, heads, lq, _ = query.shape
