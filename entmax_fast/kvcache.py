@@ -125,6 +125,21 @@ def entmax_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_
 
     Bad lengths (beyond the cache's capacity) or block table entries out of range raise a
     ValueError on CPU; on CUDA they are checked on the device without a host sync.
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> k_cache, v_cache = torch.zeros(1, 2, 64, 16), torch.zeros(1, 2, 64, 16)    # room for 64 tokens
+        >>> cache_seqlens = torch.tensor([0], dtype=torch.int32)
+        >>> q, k, v = torch.randn(1, 4, 10, 16), torch.randn(1, 2, 10, 16), torch.randn(1, 2, 10, 16)
+        >>> prefill = entmax_fast.entmax_attention_with_kvcache(q, k_cache, v_cache, k, v,
+        ...                                                     cache_seqlens=cache_seqlens)
+        >>> torch.equal(k_cache[:, :, :10], k)                                     # appended in place
+        True
+        >>> q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16)
+        >>> step = entmax_fast.entmax_attention_with_kvcache(q, k_cache, v_cache, k, v,
+        ...                                                  cache_seqlens=cache_seqlens + 10)
+        >>> step.shape
+        torch.Size([1, 4, 1, 16])
     """
     check_floating("q", q)
     if q.dim() != 4:
