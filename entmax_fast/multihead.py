@@ -39,7 +39,13 @@ LEARNED_ALPHA_MIN = 1.01
 def alibi_slopes(num_heads: int) -> torch.Tensor:
     """ALiBi's fixed slope per head (Press et al., 2022; BLOOM's rule), float32 (num_heads,):
     the geometric sequence 2^(-8 i / n), i = 1..n, for the power of two n <= num_heads; more
-    heads take every other slope of the sequence for 2n, as far as needed."""
+    heads take every other slope of the sequence for 2n, as far as needed.
+
+    Examples:
+        >>> import entmax_fast
+        >>> entmax_fast.alibi_slopes(8)
+        tensor([0.5000, 0.2500, 0.1250, 0.0625, 0.0312, 0.0156, 0.0078, 0.0039])
+    """
     if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads < 1:
         raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
     closest = 2 ** math.floor(math.log2(num_heads))
@@ -122,6 +128,17 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
     output (torch's softmax gives NaN). With ``need_weights=True`` (torch's default) the
     full score matrix is built, as torch does; pass ``need_weights=False`` for the fused
     kernels and O(L) memory.
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> mha = entmax_fast.MultiheadEntmaxAttention(64, 4, batch_first=True, attention="sparsemax")
+        >>> x = torch.randn(2, 10, 64)
+        >>> out, weights = mha(x, x, x)                         # weights averaged over the heads
+        >>> out.shape, weights.shape
+        (torch.Size([2, 10, 64]), torch.Size([2, 10, 10]))
+        >>> out, weights = mha(x, x, x, need_weights=False)     # the fused kernels
+        >>> weights is None
+        True
     """
 
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
@@ -445,10 +462,16 @@ def replace_attention(model: nn.Module, attention="entmax15", *, alpha_init: flo
     attention) is switched off, and each layer's fused softmax kernel is bypassed.
     ``include_ours=True`` also re-creates modules that are already entmax attention
     (to change their mapping); otherwise they are left as they are. ``score_options``
-    (``window_size``, ``softcap``, ``alibi``, ``sinks``) go to every new module. ::
+    (``window_size``, ``softcap``, ``alibi``, ``sinks``) go to every new module.
 
-        encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4, batch_first=True), 2)
-        replace_attention(encoder, attention="learned")
+    Examples:
+        >>> import torch, entmax_fast
+        >>> layer = torch.nn.TransformerEncoderLayer(64, 4, batch_first=True)
+        >>> encoder = entmax_fast.replace_attention(torch.nn.TransformerEncoder(layer, 2), attention="learned")
+        >>> type(encoder.layers[0].self_attn).__name__
+        'MultiheadEntmaxAttention'
+        >>> encoder(torch.randn(2, 10, 64)).shape
+        torch.Size([2, 10, 64])
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
