@@ -140,7 +140,15 @@ def _forcing() -> tuple[Optional[str], str]:
 @contextlib.contextmanager
 def use_backend(backend: Optional[str]):
     """Force ``backend`` for every op called inside the block, in this thread (None:
-    default choice)."""
+    default choice).
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> with entmax_fast.use_backend("reference"):
+        ...     p = entmax_fast.entmax15(torch.tensor([[1.0, 0.8, 0.1, -1.0]]))
+        >>> entmax_fast.backend_info()["last_choice"]["entmax"]["backend"]
+        'reference'
+    """
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     previous = getattr(_LOCAL, "forced", None)
