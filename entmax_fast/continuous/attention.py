@@ -27,6 +27,16 @@ class ContinuousAttention(nn.Module):
     forward(query ``[B, Dq]`` or ``[B, Q, Dq]``, keys ``[B, L, Dk]``, values ``[B, L, Dv]``,
     mask ``[B, L]`` bool (True = present) or None) -> context ``[B, Dv]`` or ``[B, Q, Dv]``;
     with ``return_params=True`` also ``(mu, sigma_sq)`` (``[B]`` or ``[B, Q]``).
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> layer = entmax_fast.ContinuousAttention(query_dim=16, key_dim=16, density="sparsemax")
+        >>> query, keys, values = torch.randn(2, 16), torch.randn(2, 30, 16), torch.randn(2, 30, 8)
+        >>> context, (mu, sigma_sq) = layer(query, keys, values, return_params=True)
+        >>> context.shape, mu.shape
+        (torch.Size([2, 8]), torch.Size([2]))
+        >>> bool(((mu > 0) & (mu < 1)).all())                               # positions lie in [0, 1]
+        True
     """
 
     def __init__(

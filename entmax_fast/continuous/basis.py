@@ -25,6 +25,14 @@ def sequence_positions(length: int, mask: Optional[Tensor] = None, dtype=torch.f
     Without ``mask``: ``[length]``. With ``mask`` ``[B, length]`` (bool, True = item present, any
     pattern): the present items of row b get ``(rank + 1/2) / L_b`` in order, L_b their count;
     absent items get 0. Returns ``[B, length]``.
+
+    Examples:
+        >>> import torch
+        >>> from entmax_fast import continuous
+        >>> continuous.sequence_positions(4)
+        tensor([0.1250, 0.3750, 0.6250, 0.8750], dtype=torch.float64)
+        >>> continuous.sequence_positions(4, torch.tensor([[True, True, False, True]]))
+        tensor([[0.1667, 0.5000, 0.0000, 0.8333]], dtype=torch.float64)
     """
     if mask is None:
         return (torch.arange(length, dtype=dtype, device=device) + 0.5) / length
@@ -50,6 +58,14 @@ class GaussianBasis1d(nn.Module):
     Ragged rows (a mask) reuse the cached G of each length when the mask is on the CPU, and
     are solved per call, batched, in float64 otherwise (see :meth:`fit_weights`).
     The basis is fixed (buffers); do not modify ``centers``/``variances`` in place.
+
+    Examples:
+        >>> import torch, entmax_fast
+        >>> basis = entmax_fast.GaussianBasis1d(torch.tensor([0.25, 0.5, 0.75]), torch.full((3,), 0.01))
+        >>> basis(torch.tensor([0.5], dtype=torch.float64))                # psi_j(0.5) = N(0.5; m_j, 0.01)
+        tensor([[0.1753, 3.9894, 0.1753]], dtype=torch.float64)
+        >>> entmax_fast.GaussianBasis1d.grid(num_centers=16, widths=(0.03, 0.1, 0.3)).num_basis
+        48
     """
 
     def __init__(self, centers: Tensor, variances: Tensor, ridge: float = 0.01):

@@ -92,6 +92,15 @@ def continuous_density(density: str, mu: Tensor, sigma_sq: Tensor, basis_centers
     Returns:
         ``[..., N]`` in the promoted dtype of ``mu``/``sigma_sq`` (computed in float64).
         Differentiable w.r.t. ``mu`` and ``sigma_sq`` (closed form).
+
+    Examples:
+        >>> import torch
+        >>> from entmax_fast import continuous
+        >>> centers = torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64)
+        >>> variances = torch.full((3,), 0.01, dtype=torch.float64)
+        >>> mu, sigma_sq = torch.tensor([0.5], dtype=torch.float64), torch.tensor([0.02], dtype=torch.float64)
+        >>> continuous.continuous_density("entmax15", mu, sigma_sq, centers, variances)
+        tensor([[0.8572, 2.2513, 0.8572]], dtype=torch.float64)
     """
     check_density_1d(density)
     check_params_1d(mu, sigma_sq)
@@ -102,7 +111,20 @@ def continuous_density(density: str, mu: Tensor, sigma_sq: Tensor, basis_centers
 def continuous_softmax(mu: Tensor, sigma_sq: Tensor, basis_centers: Tensor, basis_variances: Tensor) -> Tensor:
     """``E_p[psi(t)]`` with p = N(mu, sigma_sq), the maximiser of ``E_p[f] + H(p)`` (Shannon)
     for ``f(t) = -(t - mu)^2 / (2 sigma_sq)``: ``E_p[psi_j] = N(mu; m_j, sigma_sq + s_j^2)``.
-    Shapes as in :func:`continuous_density`."""
+    Shapes as in :func:`continuous_density`.
+
+    Examples:
+        >>> import torch
+        >>> from entmax_fast import continuous
+        >>> centers = torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64)
+        >>> variances = torch.full((3,), 0.01, dtype=torch.float64)
+        >>> mu, sigma_sq = torch.tensor([0.5], dtype=torch.float64), torch.tensor([0.02], dtype=torch.float64)
+        >>> continuous.continuous_softmax(mu, sigma_sq, centers, variances)
+        tensor([[0.8128, 2.3033, 0.8128]], dtype=torch.float64)
+        >>> total = sigma_sq[:, None] + variances                          # N(mu; m_j, sigma_sq + s_j^2)
+        >>> torch.exp(-(mu[:, None] - centers) ** 2 / (2 * total)) / torch.sqrt(2 * torch.pi * total)
+        tensor([[0.8128, 2.3033, 0.8128]], dtype=torch.float64)
+    """
     return continuous_density("softmax", mu, sigma_sq, basis_centers, basis_variances)
 
 
@@ -110,12 +132,32 @@ def continuous_sparsemax(mu: Tensor, sigma_sq: Tensor, basis_centers: Tensor, ba
     """``E_p[psi(t)]`` with p the maximiser of ``E_p[f] - (integral p^2 - 1)/2`` (Tsallis
     alpha = 2) for ``f(t) = -(t - mu)^2 / (2 sigma_sq)``: the truncated parabola
     ``3 (a^2 - (t - mu)^2)_+ / (4 a^3)``, ``a = (3 sigma_sq / 2)^(1/3)``.
-    Shapes as in :func:`continuous_density`."""
+    Shapes as in :func:`continuous_density`.
+
+    Examples:
+        >>> import torch
+        >>> from entmax_fast import continuous
+        >>> centers = torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64)
+        >>> variances = torch.full((3,), 0.01, dtype=torch.float64)
+        >>> mu, sigma_sq = torch.tensor([0.5], dtype=torch.float64), torch.tensor([0.02], dtype=torch.float64)
+        >>> continuous.continuous_sparsemax(mu, sigma_sq, centers, variances)
+        tensor([[0.9029, 2.1646, 0.9029]], dtype=torch.float64)
+    """
     return continuous_density("sparsemax", mu, sigma_sq, basis_centers, basis_variances)
 
 
 def continuous_entmax15(mu: Tensor, sigma_sq: Tensor, basis_centers: Tensor, basis_variances: Tensor) -> Tensor:
     """``E_p[psi(t)]`` with p the Tsallis alpha = 1.5 maximiser for
     ``f(t) = -(t - mu)^2 / (2 sigma_sq)``: the biweight ``15 (a^2 - (t - mu)^2)_+^2 / (16 a^5)``,
-    ``a = (15 sigma_sq^2)^(1/5)``. Shapes as in :func:`continuous_density`."""
+    ``a = (15 sigma_sq^2)^(1/5)``. Shapes as in :func:`continuous_density`.
+
+    Examples:
+        >>> import torch
+        >>> from entmax_fast import continuous
+        >>> centers = torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64)
+        >>> variances = torch.full((3,), 0.01, dtype=torch.float64)
+        >>> mu, sigma_sq = torch.tensor([0.5], dtype=torch.float64), torch.tensor([0.02], dtype=torch.float64)
+        >>> continuous.continuous_entmax15(mu, sigma_sq, centers, variances)
+        tensor([[0.8572, 2.2513, 0.8572]], dtype=torch.float64)
+    """
     return continuous_density("entmax15", mu, sigma_sq, basis_centers, basis_variances)
