@@ -296,7 +296,17 @@ def register(name: str, alpha: float = 1.5, *, decode_with_kvcache: bool = True)
     """Register ``name`` as an ``attn_implementation`` running α-entmax attention (α ≥ 1;
     1 is softmax, 2 sparsemax), with SDPA's mask construction (:func:`entmax_attention_mask`).
     ``decode_with_kvcache=False`` keeps decoding steps on the masked prefill-shaped call
-    instead of :func:`entmax_fast.entmax_attention_with_kvcache`. Idempotent."""
+    instead of :func:`entmax_fast.entmax_attention_with_kvcache`. Idempotent.
+
+    Examples:
+        >>> import torch, transformers, entmax_fast.hf
+        >>> entmax_fast.hf.register("entmax_1.3", alpha=1.3)
+        >>> config = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
+        ...                                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+        >>> model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="entmax_1.3")
+        >>> model(torch.tensor([[1, 5, 7]])).logits.shape
+        torch.Size([1, 3, 100])
+    """
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty string, got {name!r}")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (math.isfinite(alpha) and alpha >= 1):
