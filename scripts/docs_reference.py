@@ -87,7 +87,10 @@ def reference_pages(package) -> list:
         placed.update(modules)
         if not paths:
             continue
-        body = [f"# {title}", "", lead, ""] + [f"::: {path}\n" for path in paths]
+        # A public subpackage's own docstring is its overview: it heads its page.
+        overview = [f"::: {PACKAGE}.{module}\n    options:\n      members: false\n      show_root_heading: false\n"
+                    for module in modules if module in SUBPACKAGES]
+        body = [f"# {title}", "", lead, ""] + overview + [f"::: {path}\n" for path in paths]
         pages.append((f"api/{page}.md", title, "\n".join(body)))
     return pages
 
@@ -109,12 +112,15 @@ def documented_paths(package) -> dict:
 
 
 _ROLE = re.compile(r":(?:py:)?(?:func|class|meth|attr|mod|data|exc|obj):`~?([\w.]+)`")
+# reST's "text::" before an indented literal block; Markdown shows the block as code already.
+_LITERAL_MARKER = re.compile(r"(\S)::$|\s+::$", re.MULTILINE)
 
 
 class SphinxRoles(griffe.Extension):
     """Griffe extension: the docstrings' Sphinx roles (``:func:`name```) become a link to the
-    name's reference entry where it has one, else the name as code, so that the roles,
-    written for readers of the source, do not show as text on the site."""
+    name's reference entry where it has one, else the name as code, and reST's ``::`` before
+    a literal block a colon, so that markup written for readers of the source does not show
+    as text on the site."""
 
     def on_package(self, *, pkg, **kwargs):
         if pkg.name != PACKAGE:
@@ -129,7 +135,8 @@ class SphinxRoles(griffe.Extension):
         while pending:
             obj = pending.pop()
             if obj.docstring is not None:
-                obj.docstring.value = _ROLE.sub(replace, obj.docstring.value)
+                text = _ROLE.sub(replace, obj.docstring.value)
+                obj.docstring.value = _LITERAL_MARKER.sub(lambda match: f"{match.group(1)}:" if match.group(1) else "", text)
             pending.extend(member for member in obj.members.values() if not member.is_alias)
 
 
