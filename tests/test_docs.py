@@ -125,6 +125,8 @@ def test_public_names_cover_the_subpackages():
     assert "entmax_fast.continuous_softmax" in paths and "entmax_fast.continuous.continuous_softmax" not in paths
 
 
+# The site is built once per process that needs it: one pytest-xdist worker runs these.
+@pytest.mark.xdist_group("docs_site")
 @pytest.mark.parametrize("path, obj", PUBLIC, ids=[path for path, _ in PUBLIC])
 def test_public_name_has_reference_entry(reference, path, obj):
     assert path in reference, (f"{path} has no entry in the API reference (scripts/docs_reference.py generates "
