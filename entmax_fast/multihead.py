@@ -94,8 +94,10 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
     :class:`torch.nn.MultiheadAttention` (same constructor and ``forward`` arguments, same
     return values, same ``state_dict`` keys).
 
-    Args (besides torch's ``embed_dim, num_heads, dropout, bias, add_bias_kv,
-    add_zero_attn, kdim, vdim, batch_first, device, dtype``):
+    The arguments besides torch's ``embed_dim, num_heads, dropout, bias, add_bias_kv,
+    add_zero_attn, kdim, vdim, batch_first, device, dtype``:
+
+    Args:
         attention: the mapping from scores to weights:
             ``"softmax"`` (identical to ``nn.MultiheadAttention``), ``"sparsemax"`` (α = 2),
             ``"entmax15"`` (α = 1.5, the default), a float α ≥ 1 (fixed α-entmax),
@@ -104,8 +106,9 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
             total-variation prox of the scores over the key order).
         alpha_init: initial α of every head for ``attention="learned"``, in (1.01, 2).
         lam: fusedmax's total-variation strength (``attention="fusedmax"`` only), > 0.
-        window_size, softcap: the score options of :func:`entmax_fast.entmax_attention`
-            (a sliding window ``(left, right)``, -1 unbounded; a tanh cap of the scores).
+        window_size: a sliding window ``(left, right)``, -1 unbounded, as in
+            :func:`entmax_fast.entmax_attention`.
+        softcap: a tanh cap of the scores, as in :func:`entmax_fast.entmax_attention`.
         alibi: add ALiBi's distance bias with the fixed slopes of :func:`alibi_slopes`
             (a buffer ``alibi_slopes``, not trained).
         sinks: a learned sink logit per head (a parameter ``sinks``, initialised to 0), a
@@ -116,8 +119,9 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
             ``length_scale_s`` per head) or ASEntmax's ``1 + β · (log n)^γ`` (parameters
             ``length_scale_beta``, ``length_scale_gamma`` per head); see
             :mod:`entmax_fast.length_scale` and docs/length_generalization.md.
-        The options apply to every mapping but fusedmax, with and without ``need_weights``
-        (``attention="softmax"`` with an option runs entmax attention at α = 1).
+
+    The options apply to every mapping but fusedmax, with and without ``need_weights``
+    (``attention="softmax"`` with an option runs entmax attention at α = 1).
 
     Masks follow ``nn.MultiheadAttention``: bool ``key_padding_mask`` / ``attn_mask`` mark
     the positions to *ignore* with True; float masks are added to the scores. ``is_causal``
