@@ -112,15 +112,18 @@ def documented_paths(package) -> dict:
 
 
 _ROLE = re.compile(r":(?:py:)?(?:func|class|meth|attr|mod|data|exc|obj):`~?([\w.]+)`")
+# A page of the site named in a docstring (docs/maths.md), made a link from the reference pages
+# (api/), which sit one folder below docs/.
+_DOCS_PAGE = re.compile(r"(?<![\w/`])docs/([\w.-]+\.md)")
 # reST's "text::" before an indented literal block; Markdown shows the block as code already.
 _LITERAL_MARKER = re.compile(r"(\S)::$|\s+::$", re.MULTILINE)
 
 
 class SphinxRoles(griffe.Extension):
     """Griffe extension: the docstrings' Sphinx roles (``:func:`name```) become a link to the
-    name's reference entry where it has one, else the name as code, and reST's ``::`` before
-    a literal block a colon, so that markup written for readers of the source does not show
-    as text on the site."""
+    name's reference entry where it has one, else the name as code; a docs/ page it names
+    becomes a link to that page; reST's ``::`` before a literal block a colon. So markup
+    written for readers of the source does not show as text on the site."""
 
     def on_package(self, *, pkg, **kwargs):
         if pkg.name != PACKAGE:
@@ -135,7 +138,7 @@ class SphinxRoles(griffe.Extension):
         while pending:
             obj = pending.pop()
             if obj.docstring is not None:
-                text = _ROLE.sub(replace, obj.docstring.value)
+                text = _DOCS_PAGE.sub(r"[docs/\1](../\1)", _ROLE.sub(replace, obj.docstring.value))
                 obj.docstring.value = _LITERAL_MARKER.sub(lambda match: f"{match.group(1)}:" if match.group(1) else "", text)
             pending.extend(member for member in obj.members.values() if not member.is_alias)
 
