@@ -36,7 +36,7 @@ def _subpackages() -> tuple:
     """The public subpackages the reference covers, as the site's generator lists them."""
     tree = ast.parse((ROOT / "scripts" / "docs_reference.py").read_text(encoding="utf-8"))
     for node in tree.body:
-        if isinstance(node, ast.Assign) and [target.id for target in node.targets] == ["SUBPACKAGES"]:
+        if isinstance(node, ast.Assign) and [getattr(target, "id", None) for target in node.targets] == ["SUBPACKAGES"]:
             return ast.literal_eval(node.value)
     raise AssertionError("scripts/docs_reference.py lost its SUBPACKAGES")
 
