@@ -76,6 +76,19 @@ def check_scale(scale, prefix: str = ""):
     return value
 
 
+def check_is_causal(is_causal, prefix: str = "") -> bool:
+    """``is_causal`` must be a Python bool, as SDPA requires: a number in its place is
+    usually a scale passed by position (``(q, k, v, None, 0.0, 0.125)``), and a numpy bool or
+    a bool tensor is refused there too."""
+    if not isinstance(is_causal, bool):
+        kind = type(is_causal)
+        # numpy's bool is named "bool" too: its module tells it from Python's.
+        name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+        raise TypeError(f"{prefix}is_causal must be a bool (as in torch.nn.functional.scaled_dot_product_attention), "
+                        f"got {name}")
+    return is_causal
+
+
 def check_dropout(dropout_p, prefix: str = "") -> float:
     value = float(dropout_p)
     if not 0.0 <= value < 1.0:

@@ -52,8 +52,8 @@ import torch
 
 from . import dispatch
 from ._validation import (_assert_values, check_alpha_float, check_alpha_tensor, check_backend_alpha,
-                          check_backend_dtype, check_dropout, check_floating, check_gqa_heads, check_like, check_scale,
-                          once_differentiable_grads)
+                          check_backend_dtype, check_dropout, check_floating, check_gqa_heads, check_is_causal,
+                          check_like, check_scale, once_differentiable_grads)
 from .common import GRAD_ALPHA, GRAD_INPUTS, GRAD_NONE, alpha_vector
 from .reference.attention import NO_WINDOW, is_empty_attention, zero_attention
 
@@ -307,6 +307,7 @@ def checked_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale,
                       softcap, alibi_slopes, sinks):
     """:func:`entmax_attention`'s arguments checked, a CausalBias mask resolved: (attn_mask
     tensor or None, is_causal, lower_right, alpha, window_size, softcap)."""
+    check_is_causal(is_causal)
     bias = _causal_bias(attn_mask)
     if bias is not None:
         attn_mask = None
@@ -331,7 +332,11 @@ def entmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
             (``causal_upper_left``: is_causal; ``causal_lower_right``: bottom-right
             causal, never materialised). May be combined with ``is_causal``.
         dropout_p: dropout on the attention weights (training only; pass 0 in eval).
-        is_causal: top-left aligned causal mask (module docstring draws it).
+        is_causal: a bool (anything else raises TypeError, as in SDPA): the top-left
+            aligned causal mask (module docstring draws it). Unlike flash-attn's
+            ``causal=True`` (bottom-right since flash-attn 2.1), ``is_causal`` is aligned
+            top-left when Lq ≠ Lk, as in SDPA; flash-attn's ``causal=True`` is
+            ``window_size=(-1, 0)`` or ``attn_mask=causal_lower_right(Lq, Lk)`` here.
         scale: score scale, default 1/sqrt(E); any finite number, as in SDPA: 0 scores every
             key alike (uniform weights over the unmasked keys, for every α), a negative scale
             is the positive one with the query negated.
@@ -400,8 +405,8 @@ def _check_offsets(name, cu, total, max_name, max_seqlen):
                                           f"length in {name}")
 
 
-def entmax_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                            is_causal=False, scale=None, *, alpha=1.5, window_size=NO_WINDOW, softcap=0.0,
+def entmax_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, *,
+                            is_causal=False, scale=None, alpha=1.5, window_size=NO_WINDOW, softcap=0.0,
                             alibi_slopes=None, sinks=None):
     """Entmax attention over packed variable-length sequences (flash-attn's varlen layout).
 
@@ -414,6 +419,17 @@ def entmax_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     ALiBi positions bottom-right within each sequence; ``alibi_slopes`` (H,) or (B, H), a
     row per sequence. CUDA tensors run the fused Triton kernel; elsewhere the reference
     loops over the sequences.
+
+    The arguments after ``dropout_p`` are keyword-only. flash-attn's
+    ``flash_attn_varlen_func`` takes ``softmax_scale`` then ``causal`` at those positions,
+    SDPA's order is ``is_causal`` then ``scale``: a positional call written for either would
+    run here with the other's meaning, so both raise a TypeError instead. The names are
+    SDPA's (``is_causal``, ``scale``), as in :func:`entmax_attention`.
+
+    ``is_causal`` must be a bool (TypeError otherwise, as in SDPA). Unlike flash-attn's
+    ``causal=True`` (bottom-right since flash-attn 2.1), ``is_causal`` is aligned top-left
+    when Lq ≠ Lk, as in SDPA; here per sequence: query i sees keys j ≤ i. flash-attn's
+    ``causal=True`` is ``window_size=(-1, 0)`` here.
 
     The offsets are validated: they must start at 0, never decrease, end at total_q
     (total_k), and ``max_seqlen_q``/``max_seqlen_k`` must bound every length. On CPU a
@@ -440,6 +456,7 @@ def entmax_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got "
                          f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    check_is_causal(is_causal)
     _check_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
     _check_offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
     alpha = _check_dropout_scale_alpha(dropout_p, scale, alpha, q.shape[1], q)

@@ -69,6 +69,10 @@ def attention_weights(query, key, attn_mask=None, is_causal=False, scale=None, e
 
     Dense, for inspection (as ``"eager"`` attention gives): it holds B·H·Lq·Lk entries.
     In query's dtype, computed in float32 (float64 for float64 inputs).
+
+    ``is_causal`` must be a bool, as in SDPA. Unlike flash-attn's ``causal=True``
+    (bottom-right since flash-attn 2.1), ``is_causal`` is aligned top-left when Lq ≠ Lk, as
+    in SDPA; flash-attn's ``causal=True`` is ``window_size=(-1, 0)`` here.
     """
     q, k, mask, is_causal, scale, alpha, options = _prepared(query, key, attn_mask, is_causal, scale, enable_gqa,
                                                              alpha, window_size, softcap, alibi_slopes, sinks)
@@ -86,7 +90,11 @@ def support_size(query, key, attn_mask=None, is_causal=False, scale=None, enable
     arguments. No gradient, and no (Lq, Lk) tensor per head: the dispatched backend (op
     ``"attention_support"``, ``entmax_fast.backend_info()`` says which and why) counts from
     the row thresholds of its own attention forward, or, on the reference backend, over
-    chunks of at most ``CHUNK_ELEMENTS`` scores."""
+    chunks of at most ``CHUNK_ELEMENTS`` scores.
+
+    ``is_causal`` must be a bool, as in SDPA. Unlike flash-attn's ``causal=True``
+    (bottom-right since flash-attn 2.1), ``is_causal`` is aligned top-left when Lq ≠ Lk, as
+    in SDPA; flash-attn's ``causal=True`` is ``window_size=(-1, 0)`` here."""
     query, key, attn_mask, is_causal, lower_right, alpha, window_size, softcap, scale = _checked(
         query, key, attn_mask, is_causal, scale, enable_gqa, alpha, window_size, softcap, alibi_slopes, sinks)
     batch, heads, lq, _ = query.shape

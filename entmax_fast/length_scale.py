@@ -25,6 +25,8 @@ from typing import Optional, Union
 
 import torch
 
+from ._validation import check_is_causal
+
 __all__ = ["LENGTH_SCALES", "attended_keys", "length_scale", "length_scaled_query"]
 
 LENGTH_SCALES = ("ssmax", "asentmax")
@@ -59,6 +61,7 @@ def attended_keys(query_length: int, key_length: int, *, is_causal: bool = False
     for name, length in (("query_length", query_length), ("key_length", key_length)):
         if not isinstance(length, int) or isinstance(length, bool) or length < 1:
             raise ValueError(f"{name} must be a positive int, got {length!r}")
+    check_is_causal(is_causal)
     left, right = _check_window(window_size)
     if key_padding_mask is not None:
         device = key_padding_mask.device

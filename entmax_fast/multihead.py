@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._validation import check_is_causal
 from .attention import NO_WINDOW, _check_softcap, _check_window_size, entmax_attention
 from .length_scale import LENGTH_SCALES, attended_keys, length_scaled_query
 from .mappings import entmax15, entmax_bisect, sparsemax
@@ -116,7 +117,10 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
     Masks follow ``nn.MultiheadAttention``: bool ``key_padding_mask`` / ``attn_mask`` mark
     the positions to *ignore* with True; float masks are added to the scores. ``is_causal``
     is a hint that ``attn_mask`` is the causal mask (it must be given, as in torch); it
-    lets the fused kernels skip the masked tiles.
+    lets the fused kernels skip the masked tiles. It must be a bool: anything else raises
+    TypeError (torch raises one only where it calls SDPA). With ``need_weights=False`` the
+    hint runs the top-left causal mask (query i sees keys j ≤ i, as SDPA and torch), for
+    Lq ≠ Lk too, and a length scale counts the keys the same way.
 
     Difference from torch: a query whose keys are all masked gets zero weights and a zero
     output (torch's softmax gives NaN). With ``need_weights=True`` (torch's default) the
@@ -242,6 +246,7 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
         if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
             raise ValueError(f"query, key and value must all be 3-D (batched) or 2-D (unbatched), got shapes "
                              f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+        check_is_causal(is_causal)
         if is_causal and attn_mask is None:
             raise RuntimeError("Need attn_mask if specifying the is_causal hint. You may use the Transformer "
                                "module method `generate_square_subsequent_mask` to create this mask.")
