@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ._validation import check_is_causal
 from .attention import _causal_bias, _check_window_size, entmax_attention
 from .reference.attention import NO_WINDOW
 
@@ -406,7 +407,8 @@ def _attention_all_gather(query, key, value, mask, *, world_size, rank, group, l
 
 def context_parallel_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                enable_gqa=False, *, alpha=1.5, window_size=NO_WINDOW, softcap=0.0,
-                               alibi_slopes=None, sinks=None, group=None, layout="balanced", method="auto"):
+                               alibi_slopes=None, sinks=None, group=None, layout="balanced", method="auto",
+                               check_across_ranks=False):
     """This rank's shard of :func:`entmax_fast.entmax_attention` on the whole sequence, whose
     queries, keys and values are split across the ranks of ``group`` (:func:`shard`).
     Forward and backward are exact: each query row's threshold is taken over all its keys.
@@ -434,13 +436,20 @@ def context_parallel_attention(query, key, value, attn_mask=None, dropout_p=0.0,
             do not divide by P or a tensor mask is given, else the method that moves fewer
             bytes, the all-to-all iff H + Hkv ≤ P·Hkv. A non-causal window or ALiBi needs
             whole rows of positions and runs on the all-to-all.
+        check_across_ranks: first compare the shards' shapes across the ranks (one
+            all_gather of the shapes and a device-to-host copy), so that every rank raises
+            the same ValueError for mismatched shards instead of failing or hanging inside
+            a collective. Off by default: per layer and step it would be a collective and a
+            host sync. Inside :func:`context_parallel` the block's first call checks.
 
     Returns (B, H, L/P, Ev): this rank's rows of the whole sequence's attention.
 
     Raises:
         RuntimeError: torch.distributed is not initialised.
+        TypeError: is_causal is not a bool.
         ValueError: unknown layout or method; dropout_p > 0; shards of different shapes on
-            different ranks; query, key and value shards of different lengths; an odd
+            different ranks (with ``check_across_ranks``); query, key and value shards of
+            different lengths; an odd
             shard length for the balanced layout; H or Hkv not divisible by P for
             ``method="all_to_all"``; a non-causal window or ALiBi on the all-gather; a
             mask not of this rank's rows; a device the group's backend cannot use; and
@@ -449,6 +458,7 @@ def context_parallel_attention(query, key, value, attn_mask=None, dropout_p=0.0,
     _check_layout(layout)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    check_is_causal(is_causal)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or dropout_p != 0:
         raise ValueError(f"dropout_p must be 0 for context-parallel attention (an exact dropout would need the "
                          f"single device's random mask), got {dropout_p!r}")
@@ -461,10 +471,11 @@ def context_parallel_attention(query, key, value, attn_mask=None, dropout_p=0.0,
         _check_group_device(group, name, tensor)
     bias = _causal_bias(attn_mask)
     tensor_mask = None if bias is not None else attn_mask
-    shapes = {"query": tuple(query.shape), "key": tuple(key.shape), "value": tuple(value.shape)}
-    if isinstance(tensor_mask, torch.Tensor):
-        shapes["attn_mask"] = tuple(tensor_mask.shape)
-    _check_equal_across_ranks(group, world_size, query.device, shapes)
+    if check_across_ranks:
+        shapes = {"query": tuple(query.shape), "key": tuple(key.shape), "value": tuple(value.shape)}
+        if isinstance(tensor_mask, torch.Tensor):
+            shapes["attn_mask"] = tuple(tensor_mask.shape)
+        _check_equal_across_ranks(group, world_size, query.device, shapes)
     local = query.shape[2]
     if key.shape[2] != local or value.shape[2] != local:
         raise ValueError(f"query, key and value shards must have the same length (context parallelism splits "
@@ -511,11 +522,14 @@ def context_parallel_attention(query, key, value, attn_mask=None, dropout_p=0.0,
 # --------------------------------------------------------------------------------------
 # Context manager
 
-@dataclass(frozen=True)
+@dataclass
 class _Context:
     group: object
     layout: str
     method: str
+    # Whether an attention call of the block has compared the shards' shapes across the
+    # ranks: its first call does, which every rank makes (they run the same model code).
+    checked_across_ranks: bool = False
 
 
 _CURRENT: contextvars.ContextVar = contextvars.ContextVar("entmax_fast_context_parallel", default=None)
@@ -532,6 +546,9 @@ def context_parallel(group=None, *, layout="balanced", method="auto"):
     layout), positions included (e.g. ``position_ids`` for rotary embeddings), and the
     attention self-attention over the whole sequence: causal, or bidirectional without a
     mask (masks of local shape are refused; padding masks are not supported).
+
+    The block's first attention call compares the shards' shapes across the ranks (a
+    collective and a host sync, once); the later calls check only on their own rank.
 
     Args:
         group: the process group (default: the default group).
@@ -556,9 +573,16 @@ def context_parallel(group=None, *, layout="balanced", method="auto"):
 def current_attention():
     """The attention function in effect: :func:`context_parallel_attention` bound to the
     innermost :func:`context_parallel` block's group, layout and method, or None outside
-    one. It takes :func:`entmax_fast.entmax_attention`'s arguments."""
+    one. It takes :func:`entmax_fast.entmax_attention`'s arguments. The block's first call
+    compares the shards' shapes across the ranks (``check_across_ranks``), later calls do not."""
     context = _CURRENT.get()
     if context is None:
         return None
-    return functools.partial(context_parallel_attention, group=context.group, layout=context.layout,
-                             method=context.method)
+    return functools.partial(_attention_in_block, context)
+
+
+def _attention_in_block(context, *args, **kwargs):
+    out = context_parallel_attention(*args, group=context.group, layout=context.layout, method=context.method,
+                                     check_across_ranks=not context.checked_across_ranks, **kwargs)
+    context.checked_across_ranks = True
+    return out
