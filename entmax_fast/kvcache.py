@@ -17,8 +17,10 @@ from .attention import NO_WINDOW, _check_dropout_scale_alpha, _check_score_optio
 
 __all__ = ["entmax_attention_with_kvcache"]
 
-# A paged cache's block size must be a multiple of this (FlashAttention's rule, which lets a
-# kernel read a block as whole key tiles).
+# A paged cache's block size must be a multiple of this: the sizes serving engines allocate
+# (vLLM's blocks are multiples of 16; flash-attn 2 asks for multiples of 256), kept so that a
+# kernel may read a block as whole 16-key tiles. Today's decoding kernels (C++, Triton) look
+# up each key's block on its own and do not rely on it.
 PAGE_MULTIPLE = 16
 
 
