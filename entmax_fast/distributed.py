@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ._validation import check_is_causal
-from .attention import _causal_bias, _check_window_size, entmax_attention
-from .reference.attention import NO_WINDOW
+from ._validation import causal_bias, check_is_causal, check_window_size
+from .attention import entmax_attention
+from .common import NO_WINDOW
 
 __all__ = ["shard", "unshard", "context_parallel_attention", "context_parallel", "current_attention",
            "LAYOUTS", "METHODS"]
@@ -469,7 +469,7 @@ def context_parallel_attention(query, key, value, attn_mask=None, dropout_p=0.0,
     world_size, rank = _group_info(group)
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         _check_group_device(group, name, tensor)
-    bias = _causal_bias(attn_mask)
+    bias = causal_bias(attn_mask)
     tensor_mask = None if bias is not None else attn_mask
     if check_across_ranks:
         shapes = {"query": tuple(query.shape), "key": tuple(key.shape), "value": tuple(value.shape)}
@@ -491,7 +491,7 @@ def context_parallel_attention(query, key, value, attn_mask=None, dropout_p=0.0,
     mask = None
     if tensor_mask is not None:
         mask = _check_mask(tensor_mask, query.shape[0], query.shape[1], local, length)
-    window_size = _check_window_size(window_size)
+    window_size = check_window_size(window_size)
     if window_size[1] == 0:
         # With Lq = Lk, a window (left, 0) holds the causal mask.
         is_causal = True

@@ -62,8 +62,9 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
 from .attention import entmax_attention
 from .inspection import attention_weights
 from .kvcache import entmax_attention_with_kvcache
-from .multihead import _active_context_parallel
-from .reference.attention import NO_WINDOW, expand_heads
+from .common import NO_WINDOW
+from .multihead import active_context_parallel
+from .reference.attention import expand_heads
 
 __all__ = ["register", "entmax_attention_forward", "entmax_attention_mask", "DEFAULT_IMPLEMENTATIONS"]
 
@@ -137,7 +138,7 @@ def entmax_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         is_causal = False
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask.to(query.dtype)
-    context_parallel = _active_context_parallel()
+    context_parallel = active_context_parallel()
     if kwargs.get("output_attentions", False):
         if context_parallel is not None:
             raise ValueError("output_attentions=True is not supported under entmax_fast.distributed.context_parallel "
@@ -170,7 +171,7 @@ def _decoding_step_of(module, query, key, value, attention_mask, window_size, dr
         reason = "output_attentions=True returns dense weights"
     elif position_bias is not None:
         reason = "a position bias is added to the scores"
-    elif _active_context_parallel() is not None:
+    elif active_context_parallel() is not None:
         reason = "context parallelism shards the sequence"
     elif dropout:
         reason = "dropout on the weights"
@@ -225,7 +226,7 @@ def entmax_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offs
     sequence, so a mask built from their local positions would be wrong (the balanced
     layout's positions even look like packed sequences): none is built and the layer runs
     the whole sequence's causal (or bidirectional) attention. Padding is refused there."""
-    if _active_context_parallel() is not None:
+    if active_context_parallel() is not None:
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("attention_mask with padding is not supported under "
                              "entmax_fast.distributed.context_parallel: pass unpadded sequences and no mask")

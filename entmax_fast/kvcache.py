@@ -12,8 +12,10 @@ import math
 import torch
 
 from . import dispatch
-from ._validation import _assert_values, check_backend_dtype, check_floating, check_like
-from .attention import NO_WINDOW, _check_dropout_scale_alpha, _check_score_options, _per_head, _score_request
+from ._validation import (_assert_values, check_backend_dtype, check_dropout_scale_alpha, check_floating, check_like,
+                          check_score_options)
+from .attention import score_request
+from .common import NO_WINDOW, per_head_alpha
 
 __all__ = ["entmax_attention_with_kvcache"]
 
@@ -158,8 +160,8 @@ def entmax_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_
         capacity = block_table.shape[1] * block_size
     else:
         block_size, capacity = 0, k_cache.shape[2]
-    alpha = _check_dropout_scale_alpha(0.0, scale, alpha, heads, q)
-    window_size, softcap = _check_score_options(window_size, softcap, alibi_slopes, sinks, batch, heads, "q", q)
+    alpha = check_dropout_scale_alpha(0.0, scale, alpha, heads, q)
+    window_size, softcap = check_score_options(window_size, softcap, alibi_slopes, sinks, batch, heads, "q", q)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                        for t in (q, k_cache, v_cache, k, v, sinks, alpha)
                                        if isinstance(t, torch.Tensor)):
@@ -176,8 +178,8 @@ def entmax_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_
         scale = 1.0 / math.sqrt(head_e) if head_e else 1.0
     request_options = {"alpha": alpha if isinstance(alpha, float) else "tensor", "paged": paged,
                        "head_dim": max(head_e, v_cache.shape[-1])}
-    _score_request(request_options, window_size, False, softcap, alibi_slopes, sinks)
+    score_request(request_options, window_size, False, softcap, alibi_slopes, sinks)
     (forward, _), choice = dispatch.select("attention_kvcache", dispatch.Request(q.device, q.dtype, request_options))
     check_backend_dtype(choice, q)
-    return forward(q, k_cache, v_cache, seqlens_k, block_table, _per_head(alpha, heads), scale=float(scale),
+    return forward(q, k_cache, v_cache, seqlens_k, block_table, per_head_alpha(alpha, heads), scale=float(scale),
                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)

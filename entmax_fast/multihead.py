@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._validation import check_is_causal
-from .attention import NO_WINDOW, _check_softcap, _check_window_size, entmax_attention
+from ._validation import check_is_causal, check_softcap, check_window_size
+from .attention import entmax_attention
+from .common import NO_WINDOW
 from .length_scale import LENGTH_SCALES, attended_keys, length_scaled_query
 from .mappings import entmax15, entmax_bisect, sparsemax
 from .reference.attention import with_score_options, with_sink
@@ -49,10 +50,12 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-def _active_context_parallel():
+def active_context_parallel():
     """The attention function of an active ``entmax_fast.distributed.context_parallel`` block,
-    or None. Looked up in ``sys.modules``, not imported: no block can be active before that
-    module is loaded, and ``import entmax_fast`` does not load it."""
+    or None; the modules and integrations (this module, :mod:`entmax_fast.hf`) ask here.
+    Looked up in ``sys.modules``, not imported: no block can be active before that module is
+    loaded, and ``import entmax_fast`` does not load it (tests/test_architecture.py counts
+    the lookup as an import)."""
     module = sys.modules.get("entmax_fast.distributed")
     return None if module is None else module.current_attention()
 
@@ -148,8 +151,8 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
             self.alpha_logit = nn.Parameter(torch.full((num_heads,), logit, device=device, dtype=dtype))
         else:
             self.register_parameter("alpha_logit", None)
-        self.window_size = _check_window_size(window_size)
-        self.softcap = _check_softcap(softcap)
+        self.window_size = check_window_size(window_size)
+        self.softcap = check_softcap(softcap)
         for name, flag in (("alibi", alibi), ("sinks", sinks)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
@@ -302,7 +305,7 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
         return out, weights
 
     def _length_scaled(self, q, mask, is_causal, tgt_len, src_len):
-        if _active_context_parallel() is not None:
+        if active_context_parallel() is not None:
             raise ValueError("length_scale counts the keys of the whole sequence, which a rank of "
                              "entmax_fast.distributed.context_parallel does not see")
         n_keys = attended_keys(tgt_len, src_len, is_causal=is_causal, attn_mask=mask, window_size=self.window_size,
@@ -375,7 +378,7 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
 
     def _fused_attention(self, q, k, v, mask, dropout_p, is_causal):
         options = self._score_options()
-        parallel = _active_context_parallel()
+        parallel = active_context_parallel()
         if parallel is not None:
             if self.attention == "fusedmax":
                 raise ValueError("attention='fusedmax' does not run under entmax_fast.distributed.context_parallel")
@@ -403,7 +406,7 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
     def _explicit_attention(self, q, k, v, mask, dropout_p):
         """The (N, H, L, S) weights are needed: build the scores, as torch does, with the
         score options in entmax_attention's order (docs/attention.md, "Score options")."""
-        if _active_context_parallel() is not None:
+        if active_context_parallel() is not None:
             raise ValueError("need_weights=True builds this rank's local scores, not the whole sequence's: pass "
                              "need_weights=False under entmax_fast.distributed.context_parallel")
         scores = (q * (1.0 / math.sqrt(q.shape[-1]))) @ k.transpose(-2, -1)
