@@ -405,6 +405,84 @@ def _attention_all_gather(query, key, value, mask, *, world_size, rank, group, l
     return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
 
 
+@dataclass(frozen=True)
+class _CheckedCall:
+    """What :func:`context_parallel_attention`'s checks establish: the group's size and this
+    rank, and the causal flag, window and mask rows as the methods take them."""
+    world_size: int
+    rank: int
+    is_causal: bool
+    window_size: tuple[int, int]
+    mask: torch.Tensor | None
+
+
+def _checked_call(query, key, value, attn_mask, dropout_p, is_causal, window_size, group, layout, method,
+                  check_across_ranks) -> _CheckedCall:
+    """Every check of a call on this rank's own arguments, and with ``check_across_ranks``
+    the shapes compared across ranks; a CausalBias becomes is_causal, and so does a window
+    (left, 0), which with Lq = Lk holds the causal mask."""
+    _check_layout(layout)
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    check_is_causal(is_causal)
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or dropout_p != 0:
+        raise ValueError(f"dropout_p must be 0 for context-parallel attention (an exact dropout would need the "
+                         f"single device's random mask), got {dropout_p!r}")
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
+            shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise ValueError(f"{name} must be this rank's shard, a 4-D tensor (B, H, L/P, E), got {shape}")
+    world_size, rank = _group_info(group)
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        _check_group_device(group, name, tensor)
+    bias = causal_bias(attn_mask)
+    tensor_mask = None if bias is not None else attn_mask
+    if check_across_ranks:
+        shapes = {"query": tuple(query.shape), "key": tuple(key.shape), "value": tuple(value.shape)}
+        if isinstance(tensor_mask, torch.Tensor):
+            shapes["attn_mask"] = tuple(tensor_mask.shape)
+        _check_equal_across_ranks(group, world_size, query.device, shapes)
+    local = query.shape[2]
+    if key.shape[2] != local or value.shape[2] != local:
+        raise ValueError(f"query, key and value shards must have the same length (context parallelism splits "
+                         f"one sequence: self-attention), got {local}, {key.shape[2]}, {value.shape[2]}")
+    if layout == "balanced" and local % 2:
+        raise ValueError(f"the shards' length ({local}) must be even for layout='balanced' (two chunks per rank)")
+    length = local * world_size
+    if bias is not None:
+        if (bias.seq_len_q, bias.seq_len_kv) != (length, length):
+            raise ValueError(f"attn_mask is a CausalBias for (Lq, Lk) = ({bias.seq_len_q}, {bias.seq_len_kv}), "
+                             f"but the whole sequence has (L, L) = ({length}, {length})")
+        is_causal = True
+    mask = None
+    if tensor_mask is not None:
+        mask = _check_mask(tensor_mask, query.shape[0], query.shape[1], local, length)
+    window_size = check_window_size(window_size)
+    if window_size[1] == 0:
+        is_causal = True
+    return _CheckedCall(world_size, rank, is_causal, window_size, mask)
+
+
+def _method_for(method, call: _CheckedCall, heads, kv_heads, alibi_slopes) -> str:
+    """``method`` checked against the heads, the window and ALiBi; "auto" resolved by
+    :func:`_choose_method`."""
+    world_size = call.world_size
+    needs_whole_rows = not call.is_causal and (call.window_size != NO_WINDOW or alibi_slopes is not None)
+    if method == "auto":
+        method = _choose_method(heads, kv_heads, world_size, call.mask is not None, needs_whole_rows)
+        if method is None:
+            raise ValueError(f"a non-causal window_size or alibi_slopes runs only on method='all_to_all', which "
+                             f"needs H ({heads}) and Hkv ({kv_heads}) divisible by the {world_size} ranks")
+    if method == "all_to_all":
+        if heads % world_size or kv_heads % world_size:
+            raise ValueError(f"method='all_to_all' needs the query heads H ({heads}) and key/value heads Hkv "
+                             f"({kv_heads}) divisible by the {world_size} ranks; use method='all_gather'")
+    elif needs_whole_rows:
+        raise ValueError("method='all_gather' takes window_size and alibi_slopes only with causal attention "
+                         "(its query chunks see keys from their start); use method='all_to_all'")
+    return method
+
+
 def context_parallel_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                enable_gqa=False, *, alpha=1.5, window_size=NO_WINDOW, softcap=0.0,
                                alibi_slopes=None, sinks=None, group=None, layout="balanced", method="auto",
@@ -455,68 +533,13 @@ def context_parallel_attention(query, key, value, attn_mask=None, dropout_p=0.0,
             mask not of this rank's rows; a device the group's backend cannot use; and
             every error of :func:`entmax_fast.entmax_attention`.
     """
-    _check_layout(layout)
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    check_is_causal(is_causal)
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or dropout_p != 0:
-        raise ValueError(f"dropout_p must be 0 for context-parallel attention (an exact dropout would need the "
-                         f"single device's random mask), got {dropout_p!r}")
-    for name, tensor in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
-            shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise ValueError(f"{name} must be this rank's shard, a 4-D tensor (B, H, L/P, E), got {shape}")
-    world_size, rank = _group_info(group)
-    for name, tensor in (("query", query), ("key", key), ("value", value)):
-        _check_group_device(group, name, tensor)
-    bias = causal_bias(attn_mask)
-    tensor_mask = None if bias is not None else attn_mask
-    if check_across_ranks:
-        shapes = {"query": tuple(query.shape), "key": tuple(key.shape), "value": tuple(value.shape)}
-        if isinstance(tensor_mask, torch.Tensor):
-            shapes["attn_mask"] = tuple(tensor_mask.shape)
-        _check_equal_across_ranks(group, world_size, query.device, shapes)
-    local = query.shape[2]
-    if key.shape[2] != local or value.shape[2] != local:
-        raise ValueError(f"query, key and value shards must have the same length (context parallelism splits "
-                         f"one sequence: self-attention), got {local}, {key.shape[2]}, {value.shape[2]}")
-    if layout == "balanced" and local % 2:
-        raise ValueError(f"the shards' length ({local}) must be even for layout='balanced' (two chunks per rank)")
-    length = local * world_size
-    if bias is not None:
-        if (bias.seq_len_q, bias.seq_len_kv) != (length, length):
-            raise ValueError(f"attn_mask is a CausalBias for (Lq, Lk) = ({bias.seq_len_q}, {bias.seq_len_kv}), "
-                             f"but the whole sequence has (L, L) = ({length}, {length})")
-        is_causal = True
-    mask = None
-    if tensor_mask is not None:
-        mask = _check_mask(tensor_mask, query.shape[0], query.shape[1], local, length)
-    window_size = check_window_size(window_size)
-    if window_size[1] == 0:
-        # With Lq = Lk, a window (left, 0) holds the causal mask.
-        is_causal = True
-    needs_whole_rows = not is_causal and (window_size != NO_WINDOW or alibi_slopes is not None)
-    heads, kv_heads = query.shape[1], key.shape[1]
-    if method == "auto":
-        method = _choose_method(heads, kv_heads, world_size, mask is not None, needs_whole_rows)
-        if method is None:
-            raise ValueError(f"a non-causal window_size or alibi_slopes runs only on method='all_to_all', which "
-                             f"needs H ({heads}) and Hkv ({kv_heads}) divisible by the {world_size} ranks")
-    if method == "all_to_all":
-        if heads % world_size or kv_heads % world_size:
-            raise ValueError(f"method='all_to_all' needs the query heads H ({heads}) and key/value heads Hkv "
-                             f"({kv_heads}) divisible by the {world_size} ranks; use method='all_gather'")
-    elif needs_whole_rows:
-        raise ValueError("method='all_gather' takes window_size and alibi_slopes only with causal attention "
-                         "(its query chunks see keys from their start); use method='all_to_all'")
-    options = {"scale": scale, "enable_gqa": enable_gqa, "alpha": alpha, "softcap": softcap,
-               "alibi_slopes": alibi_slopes, "sinks": sinks}
-    common = {"world_size": world_size, "rank": rank, "group": group, "layout": layout}
-    if method == "all_to_all":
-        return _attention_all_to_all(query, key, value, mask, **common, is_causal=bool(is_causal),
-                                     window_size=window_size, **options)
-    return _attention_all_gather(query, key, value, mask, **common, is_causal=bool(is_causal),
-                                 window_size=window_size, **options)
+    call = _checked_call(query, key, value, attn_mask, dropout_p, is_causal, window_size, group, layout, method,
+                         check_across_ranks)
+    method = _method_for(method, call, query.shape[1], key.shape[1], alibi_slopes)
+    run = _attention_all_to_all if method == "all_to_all" else _attention_all_gather
+    return run(query, key, value, call.mask, world_size=call.world_size, rank=call.rank, group=group,
+               layout=layout, is_causal=call.is_causal, window_size=call.window_size, scale=scale,
+               enable_gqa=enable_gqa, alpha=alpha, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
 
 
 # --------------------------------------------------------------------------------------
