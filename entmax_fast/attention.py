@@ -147,7 +147,7 @@ class AttentionVarlenFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, dalpha, dsinks, None, None, None, None
 
 
-def _resolvecausal_bias(bias, lq, lk, is_causal):
+def _resolve_causal_bias(bias, lq, lk, is_causal):
     """A CausalBias as (is_causal, lower_right): upper-left, or lower-right with Lq = Lk (the
     same pattern), is what is_causal means; lower-right otherwise is the window's right bound 0."""
     if (bias.seq_len_q, bias.seq_len_kv) != (lq, lk):
@@ -231,7 +231,7 @@ def checked_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale,
     alpha = _check_attention_args(query, key, value, attn_mask, dropout_p, scale, enable_gqa, alpha)
     lower_right = False
     if bias is not None:
-        is_causal, lower_right = _resolvecausal_bias(bias, query.shape[2], key.shape[2], bool(is_causal))
+        is_causal, lower_right = _resolve_causal_bias(bias, query.shape[2], key.shape[2], bool(is_causal))
     window_size, softcap = check_score_options(window_size, softcap, alibi_slopes, sinks, query.shape[0],
                                                 query.shape[1], "query", query)
     return attn_mask, is_causal, lower_right, alpha, window_size, softcap
