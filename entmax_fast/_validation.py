@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 
 import torch
 
@@ -76,6 +77,19 @@ def check_scale(scale, prefix: str = ""):
     return value
 
 
+def check_is_causal(is_causal, prefix: str = "") -> bool:
+    """``is_causal`` must be a Python bool, as SDPA requires: a number in its place is
+    usually a scale passed by position (``(q, k, v, None, 0.0, 0.125)``), and a numpy bool or
+    a bool tensor is refused there too."""
+    if not isinstance(is_causal, bool):
+        kind = type(is_causal)
+        # numpy's bool is named "bool" too: its module tells it from Python's.
+        name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+        raise TypeError(f"{prefix}is_causal must be a bool (as in torch.nn.functional.scaled_dot_product_attention), "
+                        f"got {name}")
+    return is_causal
+
+
 def check_dropout(dropout_p, prefix: str = "") -> float:
     value = float(dropout_p)
     if not 0.0 <= value < 1.0:
@@ -103,6 +117,84 @@ def check_alpha_tensor(alpha: torch.Tensor, minimum: float, inclusive: bool, lik
     # kernel launches on a GPU, a third of this check's host time on a CPU).
     ok = (alpha >= minimum) if inclusive else (alpha > minimum)
     _assert_values(ok & (alpha < math.inf), f"{what} must be finite and {bound} everywhere")
+
+
+def check_dropout_scale_alpha(dropout_p, scale, alpha, heads, like):
+    """An attention's dropout_p, scale and α (a float >= 1, or a 0-d or (H,) tensor):
+    returns alpha as a float or the tensor."""
+    check_dropout(dropout_p)
+    check_scale(scale)
+    if isinstance(alpha, torch.Tensor):
+        if alpha.dim() > 1 or (alpha.dim() == 1 and alpha.shape[0] != heads):
+            raise ValueError(f"alpha must be a float, a 0-d tensor or a tensor of shape (H,) = ({heads},), "
+                             f"got shape {tuple(alpha.shape)}")
+        check_alpha_tensor(alpha, 1.0, inclusive=True, like=like)
+        return alpha
+    return check_alpha_float(alpha, 1.0, inclusive=True)
+
+
+def check_window_size(window_size) -> tuple[int, int]:
+    """FlashAttention's (left, right): ints >= -1, -1 unbounded."""
+    if not isinstance(window_size, (tuple, list)):
+        raise TypeError(f"window_size must be a pair (left, right) of ints, got {type(window_size).__name__}")
+    if len(window_size) != 2:
+        raise ValueError(f"window_size must be a pair (left, right) of ints, got {len(window_size)} values")
+    for bound in window_size:
+        if isinstance(bound, bool) or not isinstance(bound, numbers.Integral):
+            raise TypeError(f"window_size must hold ints (-1 = unbounded), got {type(bound).__name__} "
+                            f"in {tuple(window_size)!r}")
+        if bound < -1:
+            raise ValueError(f"window_size values must be >= -1 (-1 = unbounded), got {tuple(window_size)!r}")
+    return int(window_size[0]), int(window_size[1])
+
+
+def check_softcap(softcap) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number (0 = no capping), got {type(softcap).__name__}")
+    value = float(softcap)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"softcap must be finite and >= 0 (0 = no capping), got {value}")
+    return value
+
+
+def _check_head_tensor(name, tensor, shapes, like_name, like):
+    """alibi_slopes or sinks: a float32 tensor or one of the query's dtype, on its device,
+    of one of ``shapes``."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor or None, got {type(tensor).__name__}")
+    if tensor.dtype != torch.float32 and tensor.dtype != like.dtype:
+        raise TypeError(f"{name} must be float32 or have {like_name}'s dtype {like.dtype}, got {tensor.dtype}")
+    if tensor.device != like.device:
+        raise ValueError(f"{name} must be on {like_name}'s device {like.device}, got {tensor.device}")
+    if tuple(tensor.shape) not in shapes:
+        raise ValueError(f"{name} must have shape {' or '.join(map(str, shapes))}, got {tuple(tensor.shape)}")
+
+
+def check_score_options(window_size, softcap, alibi_slopes, sinks, batch, heads, like_name, like):
+    """The score options shared by the attention forms; returns (window_size, softcap)."""
+    window_size = check_window_size(window_size)
+    softcap = check_softcap(softcap)
+    if alibi_slopes is not None:
+        _check_head_tensor("alibi_slopes", alibi_slopes, ((heads,), (batch, heads)), like_name, like)
+        if alibi_slopes.requires_grad:
+            # FlashAttention gives the slopes no gradient either: refused rather than silently left without one.
+            raise ValueError("alibi_slopes are not differentiated; pass a tensor that does not require grad "
+                             "(e.g. alibi_slopes.detach())")
+    if sinks is not None:
+        _check_head_tensor("sinks", sinks, ((heads,),), like_name, like)
+    return window_size, softcap
+
+
+def causal_bias(attn_mask):
+    """The ``torch.nn.attention.bias.CausalBias`` passed as attn_mask, else None. Looked up,
+    not imported: that module imports torch._dynamo (seconds), and a CausalBias exists only
+    once it is imported."""
+    if attn_mask is None or type(attn_mask) is torch.Tensor:
+        return None
+    bias_module = sys.modules.get("torch.nn.attention.bias")
+    if bias_module is not None and isinstance(attn_mask, bias_module.CausalBias):
+        return attn_mask
+    return None
 
 
 def mapping_alpha(alpha, X: torch.Tensor, dim: int):

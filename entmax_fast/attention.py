@@ -45,17 +45,16 @@ logit and a zero value, taking part in the threshold (GPT-OSS's rule at α = 1; 
 from __future__ import annotations
 
 import math
-import numbers
 import sys
 
 import torch
 
 from . import dispatch
-from ._validation import (_assert_values, check_alpha_float, check_alpha_tensor, check_backend_alpha,
-                          check_backend_dtype, check_dropout, check_floating, check_gqa_heads, check_like, check_scale,
-                          once_differentiable_grads)
-from .common import GRAD_ALPHA, GRAD_INPUTS, GRAD_NONE, alpha_vector
-from .reference.attention import NO_WINDOW, is_empty_attention, zero_attention
+from ._validation import (_assert_values, causal_bias, check_backend_alpha, check_backend_dtype,
+                          check_dropout_scale_alpha, check_floating, check_gqa_heads, check_is_causal, check_like,
+                          check_score_options, once_differentiable_grads)
+from .common import GRAD_ALPHA, GRAD_INPUTS, GRAD_NONE, NO_WINDOW, per_head_alpha
+from .reference.attention import is_empty_attention, zero_attention
 
 __all__ = ["entmax_attention", "sparsemax_attention", "entmax_attention_varlen", "AttentionFunction",
            "AttentionVarlenFunction"]
@@ -71,11 +70,6 @@ def _grad_level(tensors, alpha) -> int:
     if any(t is not None and t.requires_grad for t in tensors):
         return GRAD_INPUTS
     return GRAD_NONE
-
-
-def _per_head(alpha, heads):
-    """A 0-d or one-element α tensor expanded to (H,): every backend takes a float or (H,)."""
-    return alpha_vector(alpha, heads, alpha.device, alpha.dtype) if isinstance(alpha, torch.Tensor) else alpha
 
 
 def _distinct(*tensors):
@@ -153,83 +147,6 @@ class AttentionVarlenFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, dalpha, dsinks, None, None, None, None
 
 
-def _check_dropout_scale_alpha(dropout_p, scale, alpha, heads, like):
-    """Checks shared by the attention forms; returns alpha as a float or the tensor."""
-    check_dropout(dropout_p)
-    check_scale(scale)
-    if isinstance(alpha, torch.Tensor):
-        if alpha.dim() > 1 or (alpha.dim() == 1 and alpha.shape[0] != heads):
-            raise ValueError(f"alpha must be a float, a 0-d tensor or a tensor of shape (H,) = ({heads},), "
-                             f"got shape {tuple(alpha.shape)}")
-        check_alpha_tensor(alpha, 1.0, inclusive=True, like=like)
-        return alpha
-    return check_alpha_float(alpha, 1.0, inclusive=True)
-
-
-def _check_window_size(window_size) -> tuple[int, int]:
-    """FlashAttention's (left, right): ints >= -1, -1 unbounded."""
-    if not isinstance(window_size, (tuple, list)):
-        raise TypeError(f"window_size must be a pair (left, right) of ints, got {type(window_size).__name__}")
-    if len(window_size) != 2:
-        raise ValueError(f"window_size must be a pair (left, right) of ints, got {len(window_size)} values")
-    for bound in window_size:
-        if isinstance(bound, bool) or not isinstance(bound, numbers.Integral):
-            raise TypeError(f"window_size must hold ints (-1 = unbounded), got {type(bound).__name__} "
-                            f"in {tuple(window_size)!r}")
-        if bound < -1:
-            raise ValueError(f"window_size values must be >= -1 (-1 = unbounded), got {tuple(window_size)!r}")
-    return int(window_size[0]), int(window_size[1])
-
-
-def _check_softcap(softcap) -> float:
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap must be a real number (0 = no capping), got {type(softcap).__name__}")
-    value = float(softcap)
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"softcap must be finite and >= 0 (0 = no capping), got {value}")
-    return value
-
-
-def _check_head_tensor(name, tensor, shapes, like_name, like):
-    """alibi_slopes or sinks: a float32 tensor or one of the query's dtype, on its device,
-    of one of ``shapes``."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a tensor or None, got {type(tensor).__name__}")
-    if tensor.dtype != torch.float32 and tensor.dtype != like.dtype:
-        raise TypeError(f"{name} must be float32 or have {like_name}'s dtype {like.dtype}, got {tensor.dtype}")
-    if tensor.device != like.device:
-        raise ValueError(f"{name} must be on {like_name}'s device {like.device}, got {tensor.device}")
-    if tuple(tensor.shape) not in shapes:
-        raise ValueError(f"{name} must have shape {' or '.join(map(str, shapes))}, got {tuple(tensor.shape)}")
-
-
-def _check_score_options(window_size, softcap, alibi_slopes, sinks, batch, heads, like_name, like):
-    """The score options shared by the attention forms; returns (window_size, softcap)."""
-    window_size = _check_window_size(window_size)
-    softcap = _check_softcap(softcap)
-    if alibi_slopes is not None:
-        _check_head_tensor("alibi_slopes", alibi_slopes, ((heads,), (batch, heads)), like_name, like)
-        if alibi_slopes.requires_grad:
-            # FlashAttention gives the slopes no gradient either: refused rather than silently left without one.
-            raise ValueError("alibi_slopes are not differentiated; pass a tensor that does not require grad "
-                             "(e.g. alibi_slopes.detach())")
-    if sinks is not None:
-        _check_head_tensor("sinks", sinks, ((heads,),), like_name, like)
-    return window_size, softcap
-
-
-def _causal_bias(attn_mask):
-    """The ``torch.nn.attention.bias.CausalBias`` passed as attn_mask, else None. Looked up,
-    not imported: that module imports torch._dynamo (seconds), and a CausalBias exists only
-    once it is imported."""
-    if attn_mask is None or type(attn_mask) is torch.Tensor:
-        return None
-    bias_module = sys.modules.get("torch.nn.attention.bias")
-    if bias_module is not None and isinstance(attn_mask, bias_module.CausalBias):
-        return attn_mask
-    return None
-
-
 def _resolve_causal_bias(bias, lq, lk, is_causal):
     """A CausalBias as (is_causal, lower_right): upper-left, or lower-right with Lq = Lk (the
     same pattern), is what is_causal means; lower-right otherwise is the window's right bound 0."""
@@ -242,7 +159,7 @@ def _resolve_causal_bias(bias, lq, lk, is_causal):
     return is_causal, True
 
 
-def _score_request(request_options, window_size, lower_right, softcap, alibi_slopes, sinks):
+def score_request(request_options, window_size, lower_right, softcap, alibi_slopes, sinks):
     """The score options in use, as dispatch.Request flags (backends.SCORE_OPTIONS); only those
     in use are added, so an ordinary call's choice is memoised under the key it had before."""
     if window_size != NO_WINDOW:
@@ -266,7 +183,7 @@ def attention_request(query, value, attn_mask, alpha, dropout_p, is_causal, wind
                        "mask": None if attn_mask is None else attn_mask.dtype,
                        "mask_requires_grad": attn_mask is not None and attn_mask.requires_grad
                        and torch.is_grad_enabled()}
-    return _score_request(request_options, window_size, lower_right, softcap, alibi_slopes, sinks)
+    return score_request(request_options, window_size, lower_right, softcap, alibi_slopes, sinks)
 
 
 def _check_attention_args(query, key, value, attn_mask, dropout_p, scale, enable_gqa, alpha):
@@ -300,21 +217,22 @@ def _check_attention_args(query, key, value, attn_mask, dropout_p, scale, enable
         except RuntimeError:
             raise ValueError(f"attn_mask must be broadcastable to (B, H, Lq, Lk) = {target}, "
                              f"got shape {tuple(attn_mask.shape)}") from None
-    return _check_dropout_scale_alpha(dropout_p, scale, alpha, heads, query)
+    return check_dropout_scale_alpha(dropout_p, scale, alpha, heads, query)
 
 
 def checked_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alpha, window_size,
                       softcap, alibi_slopes, sinks):
     """:func:`entmax_attention`'s arguments checked, a CausalBias mask resolved: (attn_mask
     tensor or None, is_causal, lower_right, alpha, window_size, softcap)."""
-    bias = _causal_bias(attn_mask)
+    check_is_causal(is_causal)
+    bias = causal_bias(attn_mask)
     if bias is not None:
         attn_mask = None
     alpha = _check_attention_args(query, key, value, attn_mask, dropout_p, scale, enable_gqa, alpha)
     lower_right = False
     if bias is not None:
         is_causal, lower_right = _resolve_causal_bias(bias, query.shape[2], key.shape[2], bool(is_causal))
-    window_size, softcap = _check_score_options(window_size, softcap, alibi_slopes, sinks, query.shape[0],
+    window_size, softcap = check_score_options(window_size, softcap, alibi_slopes, sinks, query.shape[0],
                                                 query.shape[1], "query", query)
     return attn_mask, is_causal, lower_right, alpha, window_size, softcap
 
@@ -333,7 +251,11 @@ def entmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
             (``causal_upper_left``: is_causal; ``causal_lower_right``: bottom-right
             causal, never materialised). May be combined with ``is_causal``.
         dropout_p: dropout on the attention weights (training only; pass 0 in eval).
-        is_causal: top-left aligned causal mask (module docstring draws it).
+        is_causal: a bool (anything else raises TypeError, as in SDPA): the top-left
+            aligned causal mask (module docstring draws it). Unlike flash-attn's
+            ``causal=True`` (bottom-right since flash-attn 2.1), ``is_causal`` is aligned
+            top-left when Lq ≠ Lk, as in SDPA; flash-attn's ``causal=True`` is
+            ``window_size=(-1, 0)`` or ``attn_mask=causal_lower_right(Lq, Lk)`` here.
         scale: score scale, default 1/sqrt(E); any finite number, as in SDPA: 0 scores every
             key alike (uniform weights over the unmasked keys, for every α), a negative scale
             is the positive one with the query negated.
@@ -392,7 +314,7 @@ def entmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
                "enable_gqa": bool(enable_gqa), "need_grad": _grad_level((query, key, value, attn_mask, sinks), alpha),
                "window_size": kernel_window, "softcap": softcap}
     query, key, value, attn_mask, sinks, alibi_slopes = _distinct(query, key, value, attn_mask, sinks, alibi_slopes)
-    return AttentionFunction.apply(query, key, value, attn_mask, _per_head(alpha, query.shape[1]), sinks, alibi_slopes,
+    return AttentionFunction.apply(query, key, value, attn_mask, per_head_alpha(alpha, query.shape[1]), sinks, alibi_slopes,
                                    options, request_options)
 
 
@@ -425,8 +347,8 @@ def _check_offsets(name, cu, total, max_name, max_seqlen):
                                           f"length in {name}")
 
 
-def entmax_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                            is_causal=False, scale=None, *, alpha=1.5, window_size=NO_WINDOW, softcap=0.0,
+def entmax_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, *,
+                            is_causal=False, scale=None, alpha=1.5, window_size=NO_WINDOW, softcap=0.0,
                             alibi_slopes=None, sinks=None):
     """Entmax attention over packed variable-length sequences (flash-attn's varlen layout).
 
@@ -439,6 +361,17 @@ def entmax_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     ALiBi positions bottom-right within each sequence; ``alibi_slopes`` (H,) or (B, H), a
     row per sequence. CUDA tensors run the fused Triton kernel; elsewhere the reference
     loops over the sequences.
+
+    The arguments after ``dropout_p`` are keyword-only. flash-attn's
+    ``flash_attn_varlen_func`` takes ``softmax_scale`` then ``causal`` at those positions,
+    SDPA's order is ``is_causal`` then ``scale``: a positional call written for either would
+    run here with the other's meaning, so both raise a TypeError instead. The names are
+    SDPA's (``is_causal``, ``scale``), as in :func:`entmax_attention`.
+
+    ``is_causal`` must be a bool (TypeError otherwise, as in SDPA). Unlike flash-attn's
+    ``causal=True`` (bottom-right since flash-attn 2.1), ``is_causal`` is aligned top-left
+    when Lq ≠ Lk, as in SDPA; here per sequence: query i sees keys j ≤ i. flash-attn's
+    ``causal=True`` is ``window_size=(-1, 0)`` here.
 
     The offsets are validated: they must start at 0, never decrease, end at total_q
     (total_k), and ``max_seqlen_q``/``max_seqlen_k`` must bound every length. On CPU a
@@ -476,19 +409,20 @@ def entmax_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got "
                          f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    check_is_causal(is_causal)
     _check_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
     _check_offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
-    alpha = _check_dropout_scale_alpha(dropout_p, scale, alpha, q.shape[1], q)
-    window_size, softcap = _check_score_options(window_size, softcap, alibi_slopes, sinks, cu_seqlens_q.shape[0] - 1,
+    alpha = check_dropout_scale_alpha(dropout_p, scale, alpha, q.shape[1], q)
+    window_size, softcap = check_score_options(window_size, softcap, alibi_slopes, sinks, cu_seqlens_q.shape[0] - 1,
                                                 q.shape[1], "q", q)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     request_options = {"alpha": alpha if isinstance(alpha, float) else "tensor", "dropout_p": float(dropout_p),
                        "head_dim": max(q.shape[-1], v.shape[-1]), "is_causal": bool(is_causal)}
-    _score_request(request_options, window_size, False, softcap, alibi_slopes, sinks)
+    score_request(request_options, window_size, False, softcap, alibi_slopes, sinks)
     options = {"scale": float(scale), "is_causal": bool(is_causal), "dropout_p": float(dropout_p),
                "need_grad": _grad_level((q, k, v, sinks), alpha), "window_size": window_size, "softcap": softcap}
     q, k, v, sinks, alibi_slopes = _distinct(q, k, v, sinks, alibi_slopes)
-    return AttentionVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, _per_head(alpha, q.shape[1]), sinks,
+    return AttentionVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, per_head_alpha(alpha, q.shape[1]), sinks,
                                          alibi_slopes, (int(max_seqlen_q), int(max_seqlen_k)), options,
                                          request_options)

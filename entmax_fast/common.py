@@ -27,6 +27,9 @@ GRAD_NONE = 0
 GRAD_INPUTS = 1
 GRAD_ALPHA = 2
 
+# window_size (left, right) that bounds nothing: FlashAttention's -1 = unbounded.
+NO_WINDOW = (-1, -1)
+
 # PROX_*: the proximal operator of a structured mapping (fusedmax: TV, oscarmax: OSCAR).
 PROX_TV = 0
 PROX_OSCAR = 1
@@ -58,3 +61,9 @@ def alpha_vector(alpha, count: int, device, dtype: torch.dtype = torch.float64) 
     if isinstance(alpha, torch.Tensor):
         return alpha.to(device=device, dtype=dtype).reshape(-1).expand(count)
     return torch.full((count,), float(alpha), dtype=dtype, device=device)
+
+
+def per_head_alpha(alpha, heads: int):
+    """A 0-d or one-element α tensor expanded to (H,), a float unchanged: every attention
+    backend takes a float or an (H,) tensor."""
+    return alpha_vector(alpha, heads, alpha.device, alpha.dtype) if isinstance(alpha, torch.Tensor) else alpha

@@ -33,8 +33,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .attention import _causal_bias, _check_window_size, entmax_attention
-from .reference.attention import NO_WINDOW
+from ._validation import causal_bias, check_is_causal, check_window_size
+from .attention import entmax_attention
+from .common import NO_WINDOW
 
 __all__ = ["shard", "unshard", "context_parallel_attention", "context_parallel", "current_attention",
            "LAYOUTS", "METHODS"]
@@ -404,9 +405,88 @@ def _attention_all_gather(query, key, value, mask, *, world_size, rank, group, l
     return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
 
 
+@dataclass(frozen=True)
+class _CheckedCall:
+    """What :func:`context_parallel_attention`'s checks establish: the group's size and this
+    rank, and the causal flag, window and mask rows as the methods take them."""
+    world_size: int
+    rank: int
+    is_causal: bool
+    window_size: tuple[int, int]
+    mask: torch.Tensor | None
+
+
+def _checked_call(query, key, value, attn_mask, dropout_p, is_causal, window_size, group, layout, method,
+                  check_across_ranks) -> _CheckedCall:
+    """Every check of a call on this rank's own arguments, and with ``check_across_ranks``
+    the shapes compared across ranks; a CausalBias becomes is_causal, and so does a window
+    (left, 0), which with Lq = Lk holds the causal mask."""
+    _check_layout(layout)
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    check_is_causal(is_causal)
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or dropout_p != 0:
+        raise ValueError(f"dropout_p must be 0 for context-parallel attention (an exact dropout would need the "
+                         f"single device's random mask), got {dropout_p!r}")
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
+            shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise ValueError(f"{name} must be this rank's shard, a 4-D tensor (B, H, L/P, E), got {shape}")
+    world_size, rank = _group_info(group)
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        _check_group_device(group, name, tensor)
+    bias = causal_bias(attn_mask)
+    tensor_mask = None if bias is not None else attn_mask
+    if check_across_ranks:
+        shapes = {"query": tuple(query.shape), "key": tuple(key.shape), "value": tuple(value.shape)}
+        if isinstance(tensor_mask, torch.Tensor):
+            shapes["attn_mask"] = tuple(tensor_mask.shape)
+        _check_equal_across_ranks(group, world_size, query.device, shapes)
+    local = query.shape[2]
+    if key.shape[2] != local or value.shape[2] != local:
+        raise ValueError(f"query, key and value shards must have the same length (context parallelism splits "
+                         f"one sequence: self-attention), got {local}, {key.shape[2]}, {value.shape[2]}")
+    if layout == "balanced" and local % 2:
+        raise ValueError(f"the shards' length ({local}) must be even for layout='balanced' (two chunks per rank)")
+    length = local * world_size
+    if bias is not None:
+        if (bias.seq_len_q, bias.seq_len_kv) != (length, length):
+            raise ValueError(f"attn_mask is a CausalBias for (Lq, Lk) = ({bias.seq_len_q}, {bias.seq_len_kv}), "
+                             f"but the whole sequence has (L, L) = ({length}, {length})")
+        is_causal = True
+    mask = None
+    if tensor_mask is not None:
+        mask = _check_mask(tensor_mask, query.shape[0], query.shape[1], local, length)
+    window_size = check_window_size(window_size)
+    if window_size[1] == 0:
+        is_causal = True
+    return _CheckedCall(world_size, rank, is_causal, window_size, mask)
+
+
+def _method_for(method, call: _CheckedCall, heads, kv_heads, alibi_slopes) -> str:
+    """``method`` checked against the heads, the window and ALiBi; "auto" resolved by
+    :func:`_choose_method`."""
+    world_size = call.world_size
+    needs_whole_rows = not call.is_causal and (call.window_size != NO_WINDOW or alibi_slopes is not None)
+    if method == "auto":
+        method = _choose_method(heads, kv_heads, world_size, call.mask is not None, needs_whole_rows)
+        if method is None:
+            raise ValueError(f"a non-causal window_size or alibi_slopes runs only on method='all_to_all', which "
+                             f"needs H ({heads}) and Hkv ({kv_heads}) divisible by the {world_size} ranks")
+    if method == "all_to_all":
+        if heads % world_size or kv_heads % world_size:
+            raise ValueError(f"method='all_to_all' needs the query heads H ({heads}) and key/value heads Hkv "
+                             f"({kv_heads}) divisible by the {world_size} ranks; use method='all_gather'")
+    elif needs_whole_rows:
+        raise ValueError("method='all_gather' takes window_size and alibi_slopes only with causal attention "
+                         "(its query chunks see keys from their start); use method='all_to_all'")
+    return method
+
+
 def context_parallel_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                enable_gqa=False, *, alpha=1.5, window_size=NO_WINDOW, softcap=0.0,
-                               alibi_slopes=None, sinks=None, group=None, layout="balanced", method="auto"):
+                               alibi_slopes=None, sinks=None, group=None, layout="balanced", method="auto",
+                               check_across_ranks=False):
     """This rank's shard of :func:`entmax_fast.entmax_attention` on the whole sequence, whose
     queries, keys and values are split across the ranks of ``group`` (:func:`shard`).
     Forward and backward are exact: each query row's threshold is taken over all its keys.
@@ -434,88 +514,45 @@ def context_parallel_attention(query, key, value, attn_mask=None, dropout_p=0.0,
             do not divide by P or a tensor mask is given, else the method that moves fewer
             bytes, the all-to-all iff H + Hkv ≤ P·Hkv. A non-causal window or ALiBi needs
             whole rows of positions and runs on the all-to-all.
+        check_across_ranks: first compare the shards' shapes across the ranks (one
+            all_gather of the shapes and a device-to-host copy), so that every rank raises
+            the same ValueError for mismatched shards instead of failing or hanging inside
+            a collective. Off by default: per layer and step it would be a collective and a
+            host sync. Inside :func:`context_parallel` the block's first call checks.
 
     Returns (B, H, L/P, Ev): this rank's rows of the whole sequence's attention.
 
     Raises:
         RuntimeError: torch.distributed is not initialised.
+        TypeError: is_causal is not a bool.
         ValueError: unknown layout or method; dropout_p > 0; shards of different shapes on
-            different ranks; query, key and value shards of different lengths; an odd
+            different ranks (with ``check_across_ranks``); query, key and value shards of
+            different lengths; an odd
             shard length for the balanced layout; H or Hkv not divisible by P for
             ``method="all_to_all"``; a non-causal window or ALiBi on the all-gather; a
             mask not of this rank's rows; a device the group's backend cannot use; and
             every error of :func:`entmax_fast.entmax_attention`.
     """
-    _check_layout(layout)
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or dropout_p != 0:
-        raise ValueError(f"dropout_p must be 0 for context-parallel attention (an exact dropout would need the "
-                         f"single device's random mask), got {dropout_p!r}")
-    for name, tensor in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
-            shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise ValueError(f"{name} must be this rank's shard, a 4-D tensor (B, H, L/P, E), got {shape}")
-    world_size, rank = _group_info(group)
-    for name, tensor in (("query", query), ("key", key), ("value", value)):
-        _check_group_device(group, name, tensor)
-    bias = _causal_bias(attn_mask)
-    tensor_mask = None if bias is not None else attn_mask
-    shapes = {"query": tuple(query.shape), "key": tuple(key.shape), "value": tuple(value.shape)}
-    if isinstance(tensor_mask, torch.Tensor):
-        shapes["attn_mask"] = tuple(tensor_mask.shape)
-    _check_equal_across_ranks(group, world_size, query.device, shapes)
-    local = query.shape[2]
-    if key.shape[2] != local or value.shape[2] != local:
-        raise ValueError(f"query, key and value shards must have the same length (context parallelism splits "
-                         f"one sequence: self-attention), got {local}, {key.shape[2]}, {value.shape[2]}")
-    if layout == "balanced" and local % 2:
-        raise ValueError(f"the shards' length ({local}) must be even for layout='balanced' (two chunks per rank)")
-    length = local * world_size
-    if bias is not None:
-        if (bias.seq_len_q, bias.seq_len_kv) != (length, length):
-            raise ValueError(f"attn_mask is a CausalBias for (Lq, Lk) = ({bias.seq_len_q}, {bias.seq_len_kv}), "
-                             f"but the whole sequence has (L, L) = ({length}, {length})")
-        is_causal = True
-    mask = None
-    if tensor_mask is not None:
-        mask = _check_mask(tensor_mask, query.shape[0], query.shape[1], local, length)
-    window_size = _check_window_size(window_size)
-    if window_size[1] == 0:
-        # With Lq = Lk, a window (left, 0) holds the causal mask.
-        is_causal = True
-    needs_whole_rows = not is_causal and (window_size != NO_WINDOW or alibi_slopes is not None)
-    heads, kv_heads = query.shape[1], key.shape[1]
-    if method == "auto":
-        method = _choose_method(heads, kv_heads, world_size, mask is not None, needs_whole_rows)
-        if method is None:
-            raise ValueError(f"a non-causal window_size or alibi_slopes runs only on method='all_to_all', which "
-                             f"needs H ({heads}) and Hkv ({kv_heads}) divisible by the {world_size} ranks")
-    if method == "all_to_all":
-        if heads % world_size or kv_heads % world_size:
-            raise ValueError(f"method='all_to_all' needs the query heads H ({heads}) and key/value heads Hkv "
-                             f"({kv_heads}) divisible by the {world_size} ranks; use method='all_gather'")
-    elif needs_whole_rows:
-        raise ValueError("method='all_gather' takes window_size and alibi_slopes only with causal attention "
-                         "(its query chunks see keys from their start); use method='all_to_all'")
-    options = {"scale": scale, "enable_gqa": enable_gqa, "alpha": alpha, "softcap": softcap,
-               "alibi_slopes": alibi_slopes, "sinks": sinks}
-    common = {"world_size": world_size, "rank": rank, "group": group, "layout": layout}
-    if method == "all_to_all":
-        return _attention_all_to_all(query, key, value, mask, **common, is_causal=bool(is_causal),
-                                     window_size=window_size, **options)
-    return _attention_all_gather(query, key, value, mask, **common, is_causal=bool(is_causal),
-                                 window_size=window_size, **options)
+    call = _checked_call(query, key, value, attn_mask, dropout_p, is_causal, window_size, group, layout, method,
+                         check_across_ranks)
+    method = _method_for(method, call, query.shape[1], key.shape[1], alibi_slopes)
+    run = _attention_all_to_all if method == "all_to_all" else _attention_all_gather
+    return run(query, key, value, call.mask, world_size=call.world_size, rank=call.rank, group=group,
+               layout=layout, is_causal=call.is_causal, window_size=call.window_size, scale=scale,
+               enable_gqa=enable_gqa, alpha=alpha, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
 
 
 # --------------------------------------------------------------------------------------
 # Context manager
 
-@dataclass(frozen=True)
+@dataclass
 class _Context:
     group: object
     layout: str
     method: str
+    # Whether an attention call of the block has compared the shards' shapes across the
+    # ranks: its first call does, which every rank makes (they run the same model code).
+    checked_across_ranks: bool = False
 
 
 _CURRENT: contextvars.ContextVar = contextvars.ContextVar("entmax_fast_context_parallel", default=None)
@@ -532,6 +569,9 @@ def context_parallel(group=None, *, layout="balanced", method="auto"):
     layout), positions included (e.g. ``position_ids`` for rotary embeddings), and the
     attention self-attention over the whole sequence: causal, or bidirectional without a
     mask (masks of local shape are refused; padding masks are not supported).
+
+    The block's first attention call compares the shards' shapes across the ranks (a
+    collective and a host sync, once); the later calls check only on their own rank.
 
     Args:
         group: the process group (default: the default group).
@@ -556,9 +596,16 @@ def context_parallel(group=None, *, layout="balanced", method="auto"):
 def current_attention():
     """The attention function in effect: :func:`context_parallel_attention` bound to the
     innermost :func:`context_parallel` block's group, layout and method, or None outside
-    one. It takes :func:`entmax_fast.entmax_attention`'s arguments."""
+    one. It takes :func:`entmax_fast.entmax_attention`'s arguments. The block's first call
+    compares the shards' shapes across the ranks (``check_across_ranks``), later calls do not."""
     context = _CURRENT.get()
     if context is None:
         return None
-    return functools.partial(context_parallel_attention, group=context.group, layout=context.layout,
-                             method=context.method)
+    return functools.partial(_attention_in_block, context)
+
+
+def _attention_in_block(context, *args, **kwargs):
+    out = context_parallel_attention(*args, group=context.group, layout=context.layout, method=context.method,
+                                     check_across_ranks=not context.checked_across_ranks, **kwargs)
+    context.checked_across_ranks = True
+    return out

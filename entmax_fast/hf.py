@@ -62,8 +62,9 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
 from .attention import entmax_attention
 from .inspection import attention_weights
 from .kvcache import entmax_attention_with_kvcache
-from .multihead import _active_context_parallel
-from .reference.attention import NO_WINDOW, expand_heads
+from .common import NO_WINDOW
+from .multihead import active_context_parallel
+from .reference.attention import expand_heads
 
 __all__ = ["register", "entmax_attention_forward", "entmax_attention_mask", "DEFAULT_IMPLEMENTATIONS"]
 
@@ -72,20 +73,24 @@ logger = logging.get_logger(__name__)
 DEFAULT_IMPLEMENTATIONS = {"entmax": 1.5, "sparsemax": 2.0}
 
 # Masks entmax_attention_mask built for a decoding step whose valid keys are a prefix of the
-# keys, with that prefix's length per sequence ((B,) int32) and the window: the layers look a
-# mask up by identity, so a mask anyone changed on the way takes the masked path.
+# keys, with that prefix's length per sequence ((B,) int32) and the window. The route from
+# the mask builder to the layers: transformers hands the layers the builder's one output,
+# the mask, and nothing else of it, and reading the step off the mask's values would sync
+# the device each step. Looked up by identity, so a mask anyone changed on the way takes
+# the masked path.
 _DECODING_STEP_OF_MASK = WeakIdKeyDictionary()
 
 
-def _alpha_for(module, default_alpha: float, config_override: bool):
+def _alpha_for(module, default_alpha: float, config_override: bool, query):
+    """The module's ``entmax_alpha`` (a tensor moved to the query's device and dtype), else
+    ``config.entmax_alpha`` where the implementation allows it, else the default."""
     alpha = getattr(module, "entmax_alpha", None)
-    if alpha is not None:
-        return alpha
-    if config_override:
+    if alpha is None and config_override:
         config_alpha = getattr(getattr(module, "config", None), "entmax_alpha", None)
-        if config_alpha is not None:
-            return float(config_alpha)
-    return default_alpha
+        alpha = None if config_alpha is None else float(config_alpha)
+    if alpha is None:
+        alpha = default_alpha
+    return alpha.to(device=query.device, dtype=query.dtype) if isinstance(alpha, torch.Tensor) else alpha
 
 
 def entmax_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -103,55 +108,79 @@ def entmax_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     last query at the last key) it is the window (sliding_window − 1, 0), bottom-right.
     A decoding step runs :func:`entmax_fast.entmax_attention_with_kvcache` when the module's
     rules allow it (the module docstring), unless ``decode_with_kvcache`` is False."""
-    alpha = _alpha_for(module, alpha, config_override)
-    if isinstance(alpha, torch.Tensor):
-        alpha = alpha.to(device=query.device, dtype=query.dtype)
-    q_length, kv_length = query.shape[2], key.shape[2]
-    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    window_size = NO_WINDOW
-    if sliding_window is not None and attention_mask is None:
-        # Causal: the window entmax_attention_mask left to the layer, bottom-right. Bidirectional:
-        # transformers skips its mask only when the window covers every key; its rule is
-        # |i − j| <= sliding_window.
-        window_size = (sliding_window - 1, 0) if is_causal else (sliding_window, sliding_window)
-        is_causal = False
+    alpha = _alpha_for(module, alpha, config_override, query)
+    softcap = 0.0 if softcap is None else softcap
+    output_attentions = kwargs.get("output_attentions", False)
+    is_causal, window_size = _causal_and_window(module, is_causal, sliding_window, attention_mask)
     if decode_with_kvcache:
-        decoding = _decoding_step_of(module, query, key, value, attention_mask, window_size, dropout, position_bias,
-                                     alpha, s_aux, kwargs.get("output_attentions", False))
+        decoding = _decoding_step_of(query, key, value, attention_mask, window_size, dropout, position_bias, alpha,
+                                     s_aux, output_attentions)
         if decoding is not None:
-            cache_seqlens, window_size = decoding
-            output = entmax_attention_with_kvcache(query, key, value, cache_seqlens=cache_seqlens, scale=scaling,
-                                                   alpha=alpha, window_size=window_size,
-                                                   softcap=0.0 if softcap is None else softcap, sinks=s_aux)
-            return output.transpose(1, 2).contiguous(), None
+            return _decode(query, key, value, decoding, scaling, alpha, softcap, s_aux), None
     # As in SDPA's integration: the flag only replaces a mask that was skipped, and never
     # for a single decoding query, which sees every cached key.
-    is_causal = bool(q_length > 1 and attention_mask is None and is_causal)
-    if is_causal and kv_length > q_length:
-        # Prefill into an empty static cache: the keys past the queries are all masked.
+    is_causal = bool(query.shape[2] > 1 and attention_mask is None and is_causal)
+    key, value, position_bias = _without_empty_static_cache(key, value, position_bias, is_causal, query.shape[2])
+    attention_mask, is_causal = _mask_of(attention_mask, position_bias, is_causal, query, key)
+    if output_attentions:
+        return _with_weights(module, query, key, value, attention_mask, dropout, is_causal, scaling, alpha,
+                             window_size, softcap, s_aux)
+    return _attend(query, key, value, attention_mask, dropout, is_causal, scaling, alpha, window_size, softcap,
+                   s_aux), None
+
+
+def _causal_and_window(module, is_causal, sliding_window, attention_mask):
+    """(is_causal, window_size): the call's flag, else the module's; a sliding window that
+    :func:`entmax_attention_mask` left to the layer (no mask) becomes the window, and the
+    flag then False."""
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if sliding_window is None or attention_mask is not None:
+        return is_causal, NO_WINDOW
+    # Causal: the window entmax_attention_mask left to the layer, bottom-right. Bidirectional:
+    # transformers skips its mask only when the window covers every key; its rule is
+    # |i − j| <= sliding_window.
+    return False, (sliding_window - 1, 0) if is_causal else (sliding_window, sliding_window)
+
+
+def _decode(query, key, value, decoding, scaling, alpha, softcap, sinks):
+    """The decoding step on the kvcache op: the cache already holds the new tokens."""
+    cache_seqlens, window_size = decoding
+    output = entmax_attention_with_kvcache(query, key, value, cache_seqlens=cache_seqlens, scale=scaling, alpha=alpha,
+                                           window_size=window_size, softcap=softcap, sinks=sinks)
+    return output.transpose(1, 2).contiguous()
+
+
+def _without_empty_static_cache(key, value, position_bias, is_causal, q_length):
+    """A causal prefill into an empty static cache: the keys past the queries are all masked,
+    and dropped."""
+    if is_causal and key.shape[2] > q_length:
         key, value = key[:, :, :q_length], value[:, :, :q_length]
         if position_bias is not None:
             position_bias = position_bias[..., :q_length]
+    return key, value, position_bias
+
+
+def _mask_of(attention_mask, position_bias, is_causal, query, key):
+    """(attn_mask, is_causal) for entmax_attention: a position bias folded into a float mask
+    (the causal flag with it), a float mask in the query's dtype."""
     if position_bias is not None:
-        attention_mask = _with_position_bias(position_bias, attention_mask, is_causal, q_length, key.shape[2])
+        attention_mask = _with_position_bias(position_bias, attention_mask, is_causal, query.shape[2], key.shape[2])
         is_causal = False
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask.to(query.dtype)
-    context_parallel = _active_context_parallel()
-    if kwargs.get("output_attentions", False):
-        if context_parallel is not None:
-            raise ValueError("output_attentions=True is not supported under entmax_fast.distributed.context_parallel "
-                             "(each rank holds a shard of the rows)")
-        return _with_weights(module, query, key, value, attention_mask, dropout, is_causal, scaling, alpha,
-                             window_size, softcap, s_aux)
-    attend = context_parallel or entmax_attention
+    return attention_mask, is_causal
+
+
+def _attend(query, key, value, attention_mask, dropout, is_causal, scaling, alpha, window_size, softcap, sinks):
+    """entmax_attention, or the context-parallel attention of an active block; (B, Lq, H, E)."""
+    attend = active_context_parallel() or entmax_attention
     output = attend(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=is_causal,
                     scale=scaling, enable_gqa=key.shape[1] != query.shape[1], alpha=alpha,
-                    window_size=window_size, softcap=0.0 if softcap is None else softcap, sinks=s_aux)
-    return output.transpose(1, 2).contiguous(), None
+                    window_size=window_size, softcap=softcap, sinks=sinks)
+    return output.transpose(1, 2).contiguous()
 
 
-def _decoding_step_of(module, query, key, value, attention_mask, window_size, dropout, position_bias, alpha, sinks,
+def _decoding_step_of(query, key, value, attention_mask, window_size, dropout, position_bias, alpha, sinks,
                       output_attentions):
     """(cache_seqlens (B,) int32 valid keys of each sequence, window_size) when this call is a
     decoding step the kvcache op computes exactly (the module docstring's rules), else None
@@ -170,7 +199,7 @@ def _decoding_step_of(module, query, key, value, attention_mask, window_size, dr
         reason = "output_attentions=True returns dense weights"
     elif position_bias is not None:
         reason = "a position bias is added to the scores"
-    elif _active_context_parallel() is not None:
+    elif active_context_parallel() is not None:
         reason = "context parallelism shards the sequence"
     elif dropout:
         reason = "dropout on the weights"
@@ -189,6 +218,9 @@ def _with_weights(module, query, key, value, attention_mask, dropout, is_causal,
                   sinks):
     """The output and the dense (B, H, Lq, Lk) weights, computed as ``"eager"`` does (weights,
     dropout on them in training, then weights @ value): for ``output_attentions`` only."""
+    if active_context_parallel() is not None:
+        raise ValueError("output_attentions=True is not supported under entmax_fast.distributed.context_parallel "
+                         "(each rank holds a shard of the rows)")
     weights = attention_weights(query, key, attn_mask=attention_mask, is_causal=is_causal, scale=scaling,
                                 enable_gqa=key.shape[1] != query.shape[1], alpha=alpha, window_size=window_size,
                                 softcap=0.0 if softcap is None else softcap, sinks=sinks)
@@ -225,7 +257,7 @@ def entmax_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offs
     sequence, so a mask built from their local positions would be wrong (the balanced
     layout's positions even look like packed sequences): none is built and the layer runs
     the whole sequence's causal (or bidirectional) attention. Padding is refused there."""
-    if _active_context_parallel() is not None:
+    if active_context_parallel() is not None:
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("attention_mask with padding is not supported under "
                              "entmax_fast.distributed.context_parallel: pass unpadded sequences and no mask")

@@ -13,10 +13,10 @@ import torch
 
 from . import dispatch
 from ._validation import check_backend_alpha, check_backend_dtype
-from .attention import NO_WINDOW, _per_head, attention_request, checked_arguments
-from .common import compute_dtype
+from .attention import attention_request, checked_arguments
+from .common import NO_WINDOW, compute_dtype, per_head_alpha
 from .mappings import entmax_bisect
-from .reference.attention import _as_4d_mask, expand_heads, masked_scores, with_sink
+from .reference.attention import as_4d_mask, expand_heads, masked_scores, with_sink
 
 __all__ = ["attention_weights", "support_size"]
 
@@ -47,7 +47,7 @@ def _prepared(query, key, attn_mask, is_causal, scale, enable_gqa, alpha, window
     options = {"query_length": query.shape[2], "window_size": window_size, "softcap": softcap,
                "alibi_slopes": alibi_slopes}
     compute = compute_dtype(query.dtype)
-    return (query.to(compute), expand_heads(key, query.shape[1]).to(compute), _as_4d_mask(attn_mask),
+    return (query.to(compute), expand_heads(key, query.shape[1]).to(compute), as_4d_mask(attn_mask),
             is_causal, scale, alpha, options)
 
 
@@ -69,6 +69,10 @@ def attention_weights(query, key, attn_mask=None, is_causal=False, scale=None, e
 
     Dense, for inspection (as ``"eager"`` attention gives): it holds B·H·Lq·Lk entries.
     In query's dtype, computed in float32 (float64 for float64 inputs).
+
+    ``is_causal`` must be a bool, as in SDPA. Unlike flash-attn's ``causal=True``
+    (bottom-right since flash-attn 2.1), ``is_causal`` is aligned top-left when Lq ≠ Lk, as
+    in SDPA; flash-attn's ``causal=True`` is ``window_size=(-1, 0)`` here.
 
     Examples:
         >>> import torch, entmax_fast
@@ -95,6 +99,10 @@ def support_size(query, key, attn_mask=None, is_causal=False, scale=None, enable
     the row thresholds of its own attention forward, or, on the reference backend, over
     chunks of at most ``CHUNK_ELEMENTS`` scores.
 
+    ``is_causal`` must be a bool, as in SDPA. Unlike flash-attn's ``causal=True``
+    (bottom-right since flash-attn 2.1), ``is_causal`` is aligned top-left when Lq ≠ Lk, as
+    in SDPA; flash-attn's ``causal=True`` is ``window_size=(-1, 0)`` here.
+
     Examples:
         >>> import torch, entmax_fast
         >>> q = torch.tensor([[[[1.0, 0.0]]]])
@@ -116,6 +124,6 @@ def support_size(query, key, attn_mask=None, is_causal=False, scale=None, enable
     check_backend_dtype(choice, query)
     check_backend_alpha(choice, alpha)
     with torch.no_grad():
-        return forward(query, key, attn_mask, _per_head(alpha, heads), scale=scale, is_causal=is_causal,
+        return forward(query, key, attn_mask, per_head_alpha(alpha, heads), scale=scale, is_causal=is_causal,
                        enable_gqa=bool(enable_gqa), window_size=(window_size[0], 0) if lower_right else window_size,
                        softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)

@@ -12,13 +12,17 @@ import math
 import torch
 
 from . import dispatch
-from ._validation import _assert_values, check_backend_dtype, check_floating, check_like
-from .attention import NO_WINDOW, _check_dropout_scale_alpha, _check_score_options, _per_head, _score_request
+from ._validation import (_assert_values, check_backend_dtype, check_dropout_scale_alpha, check_floating, check_like,
+                          check_score_options)
+from .attention import score_request
+from .common import NO_WINDOW, per_head_alpha
 
 __all__ = ["entmax_attention_with_kvcache"]
 
-# A paged cache's block size must be a multiple of this (FlashAttention's rule, which lets a
-# kernel read a block as whole key tiles).
+# A paged cache's block size must be a multiple of this: the sizes serving engines allocate
+# (vLLM's blocks are multiples of 16; flash-attn 2 asks for multiples of 256), kept so that a
+# kernel may read a block as whole 16-key tiles. Today's decoding kernels (C++, Triton) look
+# up each key's block on its own and do not rely on it.
 PAGE_MULTIPLE = 16
 
 
@@ -141,11 +145,30 @@ def entmax_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_
         >>> step.shape
         torch.Size([1, 4, 1, 16])
     """
+    paged = block_table is not None
+    batch, heads, lq, head_e = _check_query_and_caches(q, k_cache, v_cache, paged)
+    _check_new_tokens(k, v, q, k_cache, v_cache)
+    block_size, capacity = _check_cache_index(q, k_cache, cache_seqlens, block_table)
+    alpha = check_dropout_scale_alpha(0.0, scale, alpha, heads, q)
+    window_size, softcap = check_score_options(window_size, softcap, alibi_slopes, sinks, batch, heads, "q", q)
+    _check_forward_only(q, k_cache, v_cache, k, v, sinks, alpha)
+    seqlens_k = _check_lengths(cache_seqlens, block_table, lq, k is not None, capacity, k_cache.shape[0],
+                               block_size)
+    if k is not None:
+        _append(k_cache, k, cache_seqlens, block_table)
+        _append(v_cache, v, cache_seqlens, block_table)
+    if batch * heads * lq == 0 or v_cache.shape[-1] == 0 or capacity == 0:
+        return q.new_zeros(batch, heads, lq, v_cache.shape[-1])
+    return _decode(q, k_cache, v_cache, seqlens_k, block_table, alpha, scale, window_size, softcap, alibi_slopes,
+                   sinks)
+
+
+def _check_query_and_caches(q, k_cache, v_cache, paged):
+    """q (B, H, Lq, E) and the caches' shapes, dtypes and devices; returns (B, H, Lq, E)."""
     check_floating("q", q)
     if q.dim() != 4:
         raise ValueError(f"q must be 4-D (B, H, Lq, E), got shape {tuple(q.shape)}")
     batch, heads, lq, head_e = q.shape
-    paged = block_table is not None
     _check_cache("k_cache", k_cache, paged, batch, "q's head dim E", head_e)
     _check_cache("v_cache", v_cache, paged, batch, "")
     check_like(("k_cache", "v_cache"), (k_cache, v_cache), "q", q)
@@ -155,42 +178,46 @@ def entmax_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_
     kv_heads = k_cache.shape[1]
     if kv_heads == 0 or heads % kv_heads != 0:
         raise ValueError(f"q's heads ({heads}) must be a multiple of the caches' heads ({kv_heads})")
-    _check_new_tokens(k, v, q, k_cache, v_cache)
+    return batch, heads, lq, head_e
+
+
+def _check_cache_index(q, k_cache, cache_seqlens, block_table):
+    """cache_seqlens and block_table as tensors (their values: :func:`_check_lengths`);
+    returns (block_size, capacity): 0 and Lmax for a contiguous cache."""
+    batch = q.shape[0]
     _check_int32("cache_seqlens", cache_seqlens, f"(B,) = ({batch},)", 1, q)
     if cache_seqlens.shape[0] != batch:
         raise ValueError(f"cache_seqlens must have shape (B,) = ({batch},), got {tuple(cache_seqlens.shape)}")
-    if paged:
-        _check_int32("block_table", block_table, "(B, max_blocks)", 2, q)
-        if block_table.shape[0] != batch:
-            raise ValueError(f"block_table must have q's batch size {batch} along dim 0, got shape "
-                             f"{tuple(block_table.shape)}")
-        block_size = k_cache.shape[2]
-        if block_size == 0 or block_size % PAGE_MULTIPLE != 0:
-            raise ValueError(f"a paged cache's block_size (k_cache.shape[2]) must be a positive multiple of "
-                             f"{PAGE_MULTIPLE}, got {block_size}")
-        capacity = block_table.shape[1] * block_size
-    else:
-        block_size, capacity = 0, k_cache.shape[2]
-    alpha = _check_dropout_scale_alpha(0.0, scale, alpha, heads, q)
-    window_size, softcap = _check_score_options(window_size, softcap, alibi_slopes, sinks, batch, heads, "q", q)
+    if block_table is None:
+        return 0, k_cache.shape[2]
+    _check_int32("block_table", block_table, "(B, max_blocks)", 2, q)
+    if block_table.shape[0] != batch:
+        raise ValueError(f"block_table must have q's batch size {batch} along dim 0, got shape "
+                         f"{tuple(block_table.shape)}")
+    block_size = k_cache.shape[2]
+    if block_size == 0 or block_size % PAGE_MULTIPLE != 0:
+        raise ValueError(f"a paged cache's block_size (k_cache.shape[2]) must be a positive multiple of "
+                         f"{PAGE_MULTIPLE}, got {block_size}")
+    return block_size, block_table.shape[1] * block_size
+
+
+def _check_forward_only(q, k_cache, v_cache, k, v, sinks, alpha):
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                        for t in (q, k_cache, v_cache, k, v, sinks, alpha)
                                        if isinstance(t, torch.Tensor)):
         raise ValueError("entmax_attention_with_kvcache is forward-only (inference): call it under torch.no_grad() "
                          "or torch.inference_mode(), or pass tensors that do not require grad")
-    seqlens_k = _check_lengths(cache_seqlens, block_table, lq, k is not None, capacity, k_cache.shape[0],
-                               block_size)
-    if k is not None:
-        _append(k_cache, k, cache_seqlens, block_table)
-        _append(v_cache, v, cache_seqlens, block_table)
-    if batch * heads * lq == 0 or v_cache.shape[-1] == 0 or capacity == 0:
-        return q.new_zeros(batch, heads, lq, v_cache.shape[-1])
+
+
+def _decode(q, k_cache, v_cache, seqlens_k, block_table, alpha, scale, window_size, softcap, alibi_slopes, sinks):
+    """The dispatched decoding forward over the first ``seqlens_k[b]`` keys of each cache."""
+    head_e = q.shape[-1]
     if scale is None:
         scale = 1.0 / math.sqrt(head_e) if head_e else 1.0
-    request_options = {"alpha": alpha if isinstance(alpha, float) else "tensor", "paged": paged,
+    request_options = {"alpha": alpha if isinstance(alpha, float) else "tensor", "paged": block_table is not None,
                        "head_dim": max(head_e, v_cache.shape[-1])}
-    _score_request(request_options, window_size, False, softcap, alibi_slopes, sinks)
+    score_request(request_options, window_size, False, softcap, alibi_slopes, sinks)
     (forward, _), choice = dispatch.select("attention_kvcache", dispatch.Request(q.device, q.dtype, request_options))
     check_backend_dtype(choice, q)
-    return forward(q, k_cache, v_cache, seqlens_k, block_table, _per_head(alpha, heads), scale=float(scale),
+    return forward(q, k_cache, v_cache, seqlens_k, block_table, per_head_alpha(alpha, q.shape[1]), scale=float(scale),
                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)

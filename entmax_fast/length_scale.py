@@ -25,6 +25,8 @@ from typing import Optional, Union
 
 import torch
 
+from ._validation import check_is_causal
+
 __all__ = ["LENGTH_SCALES", "attended_keys", "length_scale", "length_scaled_query"]
 
 LENGTH_SCALES = ("ssmax", "asentmax")
@@ -48,9 +50,13 @@ def attended_keys(query_length: int, key_length: int, *, is_causal: bool = False
     """The number of keys each query may attend, as int64 broadcastable to (B, H, Lq):
     shape (B or 1, H or 1, Lq).
 
-    Query i sits at key position ``i + Lk − Lq`` (bottom-right, as ``entmax_attention``).
-    ``is_causal``: keys up to that position; ``window_size=(left, right)``: keys within
-    that distance (-1 unbounded). ``key_padding_mask`` (B, Lk) follows
+    The conventions are ``entmax_attention``'s, so that the count is of the keys it attends
+    with the same arguments (``MultiheadEntmaxAttention`` passes its ``is_causal`` to both):
+    ``is_causal`` (a bool) is top-left, query i may attend keys j ≤ i, whatever Lq and Lk;
+    ``window_size=(left, right)`` is bottom-right, query i sits at key position
+    ``pos = i + Lk − Lq`` and may attend keys ``pos − left ≤ j ≤ pos + right`` (-1
+    unbounded), so a bottom-right causal count is ``window_size=(-1, 0)``. The two agree
+    when Lq = Lk. ``key_padding_mask`` (B, Lk) follows
     ``nn.MultiheadAttention``: True marks a padding key. ``attn_mask`` follows
     ``entmax_attention``: bool True = may attend, float added to the scores (a key with
     -inf is not attended); broadcastable to (B, H, Lq, Lk). A mask with a single query row
@@ -59,6 +65,7 @@ def attended_keys(query_length: int, key_length: int, *, is_causal: bool = False
     for name, length in (("query_length", query_length), ("key_length", key_length)):
         if not isinstance(length, int) or isinstance(length, bool) or length < 1:
             raise ValueError(f"{name} must be a positive int, got {length!r}")
+    check_is_causal(is_causal)
     left, right = _check_window(window_size)
     if key_padding_mask is not None:
         device = key_padding_mask.device
@@ -71,9 +78,10 @@ def attended_keys(query_length: int, key_length: int, *, is_causal: bool = False
         if attn_mask.dim() < 2 or attn_mask.shape[-1] != key_length or attn_mask.shape[-2] not in (1, query_length):
             raise ValueError(f"attn_mask must be broadcastable to (B, H, {query_length}, {key_length}), got shape "
                              f"{tuple(attn_mask.shape)}")
-    position = torch.arange(query_length, device=device) + (key_length - query_length)
+    query = torch.arange(query_length, device=device)
+    position = query + (key_length - query_length)
     # The interval [first, last] of keys each query may reach, before any mask.
-    last = position.clamp(max=key_length - 1) if is_causal else torch.full_like(position, key_length - 1)
+    last = query.clamp(max=key_length - 1) if is_causal else torch.full_like(position, key_length - 1)
     if right >= 0:
         last = torch.minimum(last, position + right)
     first = torch.zeros_like(position)

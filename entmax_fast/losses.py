@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ._validation import _assert_values, check_floating, mapping_alpha
-from .mappings import _entmax, _row_parameter, normmax_bisect
+from .mappings import checked_entmax, normmax_bisect, row_parameter
 
 __all__ = [
     "sparsemax_loss", "sparsemax_bisect_loss", "entmax15_loss", "entmax_bisect_loss", "normmax_bisect_loss",
@@ -103,7 +103,7 @@ class _FenchelYoungLoss(torch.autograd.Function):
     @staticmethod
     def _mapping(X, alpha, kind):
         if kind == "entmax":
-            return _entmax(X, alpha, 1)
+            return checked_entmax(X, alpha, 1)
         return normmax_bisect(X, alpha, dim=1)
 
     @staticmethod
@@ -199,7 +199,7 @@ def normmax_bisect_loss(X, target, alpha=2, n_iter=50):
         tensor([0.2000])
     """
     _check_loss_args(X, target)
-    alpha = _row_parameter("alpha", alpha, X, 1, "normmax_bisect_loss", minimum=1.0, inclusive=False)
+    alpha = row_parameter("alpha", alpha, X, 1, "normmax_bisect_loss", minimum=1.0, inclusive=False)
     return _FenchelYoungLoss.apply(X, alpha, target, "normmax")
 
 

@@ -90,7 +90,8 @@ class EntmaxFunction(torch.autograd.Function):
         return dX, dalpha, None
 
 
-def _entmax(X, alpha, dim):
+def checked_entmax(X, alpha, dim):
+    """α-entmax of X along dim with X, dim and α checked (the mappings' and losses' entry)."""
     check_floating("X", X)
     dim = check_dim("X", X, dim)
     alpha = mapping_alpha(alpha, X, dim)
@@ -120,7 +121,7 @@ def sparsemax(X, dim=-1, k=None):
         >>> entmax_fast.sparsemax(torch.tensor([[1.0, 0.8, 0.1, -1.0]]))
         tensor([[0.6000, 0.4000, 0.0000, 0.0000]])
     """
-    return _entmax(X, 2.0, dim)
+    return checked_entmax(X, 2.0, dim)
 
 
 def entmax15(X, dim=-1, k=None):
@@ -141,7 +142,7 @@ def entmax15(X, dim=-1, k=None):
         >>> entmax_fast.entmax15(torch.tensor([[1.0, 0.8, 0.1, -1.0]]))
         tensor([[0.5292, 0.3937, 0.0770, 0.0000]])
     """
-    return _entmax(X, 1.5, dim)
+    return checked_entmax(X, 1.5, dim)
 
 
 def entmax_bisect(X, alpha=1.5, dim=-1, n_iter=50, ensure_sum_one=True):
@@ -175,7 +176,7 @@ def entmax_bisect(X, alpha=1.5, dim=-1, n_iter=50, ensure_sum_one=True):
         >>> alpha.grad
         tensor([[0.2048]])
     """
-    return _entmax(X, alpha, dim)
+    return checked_entmax(X, alpha, dim)
 
 
 def sparsemax_bisect(X, dim=-1, n_iter=50, ensure_sum_one=True):
@@ -186,10 +187,10 @@ def sparsemax_bisect(X, dim=-1, n_iter=50, ensure_sum_one=True):
         >>> entmax_fast.sparsemax_bisect(torch.tensor([[1.0, 0.8, 0.1, -1.0]]))
         tensor([[0.6000, 0.4000, 0.0000, 0.0000]])
     """
-    return _entmax(X, 2.0, dim)
+    return checked_entmax(X, 2.0, dim)
 
 
-def _row_parameter(name: str, value, X: torch.Tensor, dim: int, what: str, minimum: float, inclusive: bool,
+def row_parameter(name: str, value, X: torch.Tensor, dim: int, what: str, minimum: float, inclusive: bool,
                    maximum: float | None = None, maximum_name: str | None = None):
     """normmax's α or budget-sparsemax's budget, taken as ``entmax`` 1.3 takes them: a number,
     or a real tensor broadcastable to X's shape with size 1 along ``dim`` (one value per row,
@@ -277,7 +278,7 @@ def normmax_bisect(X, alpha=2, dim=-1, n_iter=50):
     """
     check_floating("X", X)
     dim = check_dim("X", X, dim)
-    alpha = _row_parameter("alpha", alpha, X, dim, "normmax_bisect", minimum=1.0, inclusive=False)
+    alpha = row_parameter("alpha", alpha, X, dim, "normmax_bisect", minimum=1.0, inclusive=False)
     if X.numel() == 0:
         return X.clone()
     return _RowwiseFunction.apply(X, alpha, dim, "normmax")
@@ -302,7 +303,7 @@ def budget_bisect(X, budget=2, dim=-1, n_iter=50):
     check_floating("X", X)
     dim = check_dim("X", X, dim)
     # A row of length 0 has no budget to meet; its output is empty whatever the budget.
-    budget = _row_parameter("budget", budget, X, dim, "budget_bisect", minimum=0.0, inclusive=True,
+    budget = row_parameter("budget", budget, X, dim, "budget_bisect", minimum=0.0, inclusive=True,
                             maximum=X.shape[dim] if X.numel() else None, maximum_name=f"the size of dim {dim}")
     if X.numel() == 0:
         return X.clone()

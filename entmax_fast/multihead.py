@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import NO_WINDOW, _check_softcap, _check_window_size, entmax_attention
+from ._validation import check_is_causal, check_softcap, check_window_size
+from .attention import entmax_attention
+from .common import NO_WINDOW
 from .length_scale import LENGTH_SCALES, attended_keys, length_scaled_query
 from .mappings import entmax15, entmax_bisect, sparsemax
 from .reference.attention import with_score_options, with_sink
@@ -54,10 +56,12 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-def _active_context_parallel():
+def active_context_parallel():
     """The attention function of an active ``entmax_fast.distributed.context_parallel`` block,
-    or None. Looked up in ``sys.modules``, not imported: no block can be active before that
-    module is loaded, and ``import entmax_fast`` does not load it."""
+    or None; the modules and integrations (this module, :mod:`entmax_fast.hf`) ask here.
+    Looked up in ``sys.modules``, not imported: no block can be active before that module is
+    loaded, and ``import entmax_fast`` does not load it (tests/test_architecture.py counts
+    the lookup as an import)."""
     module = sys.modules.get("entmax_fast.distributed")
     return None if module is None else module.current_attention()
 
@@ -126,7 +130,10 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
     Masks follow ``nn.MultiheadAttention``: bool ``key_padding_mask`` / ``attn_mask`` mark
     the positions to *ignore* with True; float masks are added to the scores. ``is_causal``
     is a hint that ``attn_mask`` is the causal mask (it must be given, as in torch); it
-    lets the fused kernels skip the masked tiles.
+    lets the fused kernels skip the masked tiles. It must be a bool: anything else raises
+    TypeError (torch raises one only where it calls SDPA). With ``need_weights=False`` the
+    hint runs the top-left causal mask (query i sees keys j ≤ i, as SDPA and torch), for
+    Lq ≠ Lk too, and a length scale counts the keys the same way.
 
     Difference from torch: a query whose keys are all masked gets zero weights and a zero
     output (torch's softmax gives NaN). With ``need_weights=True`` (torch's default) the
@@ -165,8 +172,8 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
             self.alpha_logit = nn.Parameter(torch.full((num_heads,), logit, device=device, dtype=dtype))
         else:
             self.register_parameter("alpha_logit", None)
-        self.window_size = _check_window_size(window_size)
-        self.softcap = _check_softcap(softcap)
+        self.window_size = check_window_size(window_size)
+        self.softcap = check_softcap(softcap)
         for name, flag in (("alibi", alibi), ("sinks", sinks)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
@@ -263,6 +270,7 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
         if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
             raise ValueError(f"query, key and value must all be 3-D (batched) or 2-D (unbatched), got shapes "
                              f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+        check_is_causal(is_causal)
         if is_causal and attn_mask is None:
             raise RuntimeError("Need attn_mask if specifying the is_causal hint. You may use the Transformer "
                                "module method `generate_square_subsequent_mask` to create this mask.")
@@ -318,7 +326,7 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
         return out, weights
 
     def _length_scaled(self, q, mask, is_causal, tgt_len, src_len):
-        if _active_context_parallel() is not None:
+        if active_context_parallel() is not None:
             raise ValueError("length_scale counts the keys of the whole sequence, which a rank of "
                              "entmax_fast.distributed.context_parallel does not see")
         n_keys = attended_keys(tgt_len, src_len, is_causal=is_causal, attn_mask=mask, window_size=self.window_size,
@@ -391,7 +399,7 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
 
     def _fused_attention(self, q, k, v, mask, dropout_p, is_causal):
         options = self._score_options()
-        parallel = _active_context_parallel()
+        parallel = active_context_parallel()
         if parallel is not None:
             if self.attention == "fusedmax":
                 raise ValueError("attention='fusedmax' does not run under entmax_fast.distributed.context_parallel")
@@ -419,7 +427,7 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
     def _explicit_attention(self, q, k, v, mask, dropout_p):
         """The (N, H, L, S) weights are needed: build the scores, as torch does, with the
         score options in entmax_attention's order (docs/attention.md, "Score options")."""
-        if _active_context_parallel() is not None:
+        if active_context_parallel() is not None:
             raise ValueError("need_weights=True builds this rank's local scores, not the whole sequence's: pass "
                              "need_weights=False under entmax_fast.distributed.context_parallel")
         scores = (q * (1.0 / math.sqrt(q.shape[-1]))) @ k.transpose(-2, -1)

@@ -23,8 +23,8 @@ import math
 import torch
 
 from . import dispatch
-from ._validation import (_assert_values, check_dropout, check_floating, check_gqa_heads, check_like,
-                          check_scale)
+from ._validation import (_assert_values, check_dropout, check_floating, check_gqa_heads, check_is_causal,
+                          check_like, check_scale)
 from .backends.reference import ops as _reference_backend
 from .common import compute_dtype
 from .reference import structured as _reference
@@ -173,8 +173,11 @@ def fusedmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
     query, key and value share one dtype. Hkv ≠ H (other than 1) needs ``enable_gqa=True``
     and H divisible by Hkv. ``attn_mask``: bool (True = attend) or float (added to the
     scores), broadcastable to (B, H, Lq, Lk); masked keys are skipped by the fused chain.
-    ``is_causal`` is top-left aligned, for Lq != Lk too — query i sees keys j <= i (drawn in
-    ``entmax_fast.attention``'s docstring); with ``attn_mask`` too, a key must pass both.
+    ``is_causal`` (a bool, as in SDPA) is top-left aligned, for Lq != Lk too — query i sees
+    keys j <= i (drawn in ``entmax_fast.attention``'s docstring); with ``attn_mask`` too, a
+    key must pass both. Unlike flash-attn's ``causal=True`` (bottom-right since flash-attn
+    2.1), ``is_causal`` is aligned top-left when Lq ≠ Lk, as in SDPA; for flash-attn's
+    alignment pass the bottom-right mask ``torch.ones(Lq, Lk, dtype=torch.bool).tril(Lk − Lq)``.
     ``scale``: default 1/sqrt(E); any finite number, as in SDPA (0 scores every key alike,
     which gives uniform weights over the unmasked keys). A query row with every key masked
     gets zero weights and a zero output.
@@ -191,7 +194,8 @@ def fusedmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
         tensor([[[[0.3333, 0.3333, 0.3333, 0.0000]]]])
     """
     _check_reg("fusedmax_attention", lam, "lam")
-    _check_attention_args("fusedmax_attention", query, key, value, attn_mask, dropout_p, scale, enable_gqa)
+    _check_attention_args("fusedmax_attention", query, key, value, attn_mask, dropout_p, is_causal, scale,
+                          enable_gqa)
     return _reference.structured_attention(lambda scores: fusedmax(scores, lam, dim=-1), query, key, value,
                                            attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
@@ -201,7 +205,9 @@ def oscarmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
     """Scaled-dot-product attention with oscarmax(·; beta) over the keys instead of softmax.
 
     Arguments, masking, causal alignment and memory as :func:`fusedmax_attention` (scores
-    materialised one query chunk at a time).
+    materialised one query chunk at a time). Unlike flash-attn's ``causal=True``
+    (bottom-right since flash-attn 2.1), ``is_causal`` is aligned top-left when Lq ≠ Lk, as
+    in SDPA.
 
     Examples:
         >>> import torch, entmax_fast
@@ -210,12 +216,14 @@ def oscarmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
         torch.Size([2, 4, 16, 8])
     """
     _check_reg("oscarmax_attention", beta, "beta")
-    _check_attention_args("oscarmax_attention", query, key, value, attn_mask, dropout_p, scale, enable_gqa)
+    _check_attention_args("oscarmax_attention", query, key, value, attn_mask, dropout_p, is_causal, scale,
+                          enable_gqa)
     return _reference.structured_attention(lambda scores: oscarmax(scores, beta, dim=-1), query, key, value,
                                            attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
-def _check_attention_args(name: str, query, key, value, attn_mask, dropout_p, scale, enable_gqa) -> None:
+def _check_attention_args(name: str, query, key, value, attn_mask, dropout_p, is_causal, scale,
+                          enable_gqa) -> None:
     """The structured attention's arguments, with the argument named (instead of a broadcast
     error from deep inside the scores); the rules and messages of ``entmax_attention``,
     widened to its leading dims broadcast as in SDPA."""
@@ -230,6 +238,7 @@ def _check_attention_args(name: str, query, key, value, attn_mask, dropout_p, sc
     if value.shape[-2] != key.shape[-2]:
         raise ValueError(f"{name}: value's length (dim -2) must equal key's {key.shape[-2]}, got {value.shape[-2]}")
     check_dropout(dropout_p, prefix)
+    check_is_causal(is_causal, prefix)
     check_scale(scale, prefix)
     leading = [tuple(query.shape[:-2])]
     for tensor in (key, value):

@@ -392,3 +392,16 @@ def test_memo_stays_bounded(monkeypatch):
     for alpha in (1.1, 1.2, 1.3, 1.4, 1.6, 1.7):
         entmax_fast.entmax_bisect(X, alpha)
         assert len(dispatch._SELECTIONS) <= 3
+
+
+@pytest.mark.parametrize("value", ["1", "0", "true", "TRUE", "false", "yes", "on", "off", "y", "no", "2", ""])
+def test_one_reading_of_triton_interpret(monkeypatch, value):
+    """The backend and the kernels read TRITON_INTERPRET through one function, which parses
+    it as triton does: they never disagree on whether kernels run in the interpreter."""
+    from entmax_fast.backends import triton as triton_backend
+    from entmax_fast.triton_kernels import aot
+
+    assert triton_backend.interpreting is aot.interpreting
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    knobs = pytest.importorskip("triton.knobs")
+    assert aot.interpreting() == knobs.getenv_bool("TRITON_INTERPRET", False)

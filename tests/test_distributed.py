@@ -214,6 +214,42 @@ def _shard_unshard():
 
 
 # ---------------------------------------------------------------------------------------
+# Host synchronisation: the shapes are compared across ranks once per context_parallel
+# block (or when asked), not on every call.
+
+def _shape_checks_across_ranks():
+    """all_gather calls made by all-to-all attention calls, whose own collectives are
+    all_to_all_single only: each one counted is a comparison of the shapes across ranks."""
+    calls = []
+    original = dist.all_gather
+
+    def counting(*args, **kwargs):
+        calls.append(args[1].shape)
+        return original(*args, **kwargs)
+
+    q, k, v, _, _ = _inputs(dist.get_world_size())
+    q, k, v = (cp.shard(x) for x in (q, k, v))
+    dist.all_gather = counting
+    try:
+        for _ in range(3):
+            cp.context_parallel_attention(q, k, v, is_causal=True, enable_gqa=True, method="all_to_all")
+        direct = len(calls)
+        cp.context_parallel_attention(q, k, v, is_causal=True, enable_gqa=True, method="all_to_all",
+                                      check_across_ranks=True)
+        asked = len(calls) - direct
+        with cp.context_parallel(method="all_to_all"):
+            for _ in range(3):
+                cp.current_attention()(q, k, v, is_causal=True, enable_gqa=True)
+        in_block = len(calls) - direct - asked
+        with cp.context_parallel(method="all_to_all"):
+            cp.current_attention()(q, k, v, is_causal=True, enable_gqa=True)
+        next_block = len(calls) - direct - asked - in_block
+    finally:
+        dist.all_gather = original
+    assert (direct, asked, in_block, next_block) == (0, 1, 1, 1), (direct, asked, in_block, next_block)
+
+
+# ---------------------------------------------------------------------------------------
 # Bad input: every rank raises the same error (no hang).
 
 def _expect_error(error, text, call):
@@ -233,7 +269,15 @@ def _error_checks():
     def unequal_lengths():
         q, k, v = shards(0, length_per_rank=4 + 2 * dist.get_rank())
         _expect_error(ValueError, "query must have the same shape on every rank",
-                      lambda: cp.context_parallel_attention(q, k, v, enable_gqa=True))
+                      lambda: cp.context_parallel_attention(q, k, v, enable_gqa=True, check_across_ranks=True))
+        with cp.context_parallel():
+            _expect_error(ValueError, "query must have the same shape on every rank",
+                          lambda: cp.current_attention()(q, k, v, enable_gqa=True))
+
+    def is_causal_not_bool():
+        q, k, v = shards(0)
+        _expect_error(TypeError, "is_causal must be a bool",
+                      lambda: cp.context_parallel_attention(q, k, v, None, 0.0, 0.125, enable_gqa=True))
 
     def heads_not_divisible():
         q, k, v = shards(0, heads=3, kv_heads=3)
@@ -285,7 +329,8 @@ def _error_checks():
         with cp.context_parallel():
             _expect_error(ValueError, "pass need_weights=False", lambda: attention(x, x, x))
 
-    return {f"error-{fn.__name__}": fn for fn in (unequal_lengths, heads_not_divisible, length_not_divisible,
+    return {f"error-{fn.__name__}": fn for fn in (unequal_lengths, is_causal_not_bool, heads_not_divisible,
+                                                 length_not_divisible,
                                                  odd_balanced_shard, dropout, device_the_group_cannot_use,
                                                  local_mask_shape, bidirectional_window_on_all_gather, unknown_names,
                                                  need_weights_under_context)}
@@ -389,7 +434,8 @@ def _model_checks(world_size):
 
 
 def _checks(world_size):
-    return {**_attention_checks(), **_error_checks(), **_model_checks(world_size)}
+    return {**_attention_checks(), "shape-checks-across-ranks": _shape_checks_across_ranks, **_error_checks(),
+            **_model_checks(world_size)}
 
 
 # ---------------------------------------------------------------------------------------

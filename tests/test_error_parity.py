@@ -10,6 +10,7 @@ backend never refuses the call for its own limits before the input is checked.
 """
 import re
 
+import numpy as np
 import pytest
 import torch
 from torch.nn.attention.bias import causal_lower_right
@@ -36,6 +37,13 @@ def _varlen(**changes):
                 cu_seqlens_k=torch.tensor([0, 3, 6], dtype=torch.int32), max_seqlen_q=3, max_seqlen_k=3)
     args.update(changes)
     return lambda: E.entmax_attention_varlen(**args)
+
+
+def _varlen_positional(*after_max_seqlens):
+    """entmax_attention_varlen called by position past max_seqlen_k."""
+    q, k, v = torch.randn(5, 2, 4), torch.randn(6, 2, 4), torch.randn(6, 2, 4)
+    cu_q, cu_k = torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([0, 3, 6], dtype=torch.int32)
+    return lambda: E.entmax_attention_varlen(q, k, v, cu_q, cu_k, 3, 3, *after_max_seqlens)
 
 
 def _module(query=None, **forward):
@@ -100,6 +108,10 @@ LOSS_CASES += [
     ("normmax_bisect_loss-target", "normmax", lambda: E.normmax_bisect_loss(X, torch.tensor([0, 9, 1])), ValueError,
      "target must hold class indices"),
 ]
+
+# (id, value, its type's name): what SDPA refuses as is_causal (tests/test_errors.py checks that it does).
+IS_CAUSAL_NOT_BOOL = [("float", 0.125, "float"), ("int", 1, "int"), ("numpy-bool", np.bool_(True), r"numpy\.bool"),
+                      ("tensor", torch.tensor(True), r"torch\.Tensor"), ("none", None, "NoneType")]
 
 ATTENTION_CASES = []
 for _name in ("entmax_attention", "sparsemax_attention"):
@@ -177,6 +189,10 @@ for _name in ("entmax_attention", "sparsemax_attention"):
         (f"{_name}-sinks-list", "attention", lambda fn=_fn: fn(Q, K, V, sinks=[0.0, 0.0]), TypeError,
          "sinks must be a tensor"),
     ]
+    # SDPA refuses every is_causal but a Python bool; a float there is usually a scale passed by position.
+    ATTENTION_CASES += [(f"{_name}-is-causal-{kind}", "attention", lambda fn=_fn, bad=bad: fn(Q, K, V, None, 0.0, bad),
+                         TypeError, f"is_causal must be a bool .* got {got}")
+                        for kind, bad, got in IS_CAUSAL_NOT_BOOL]
 ATTENTION_CASES += [
     ("entmax_attention-alpha", "attention", lambda: E.entmax_attention(Q, K, V, alpha=0.5), ValueError,
      r"alpha must be finite and >= 1"),
@@ -203,7 +219,13 @@ ATTENTION_CASES += [
      "embed_dim=4"),
     ("MultiheadEntmaxAttention-causal-without-mask", "attention", _module(is_causal=True), RuntimeError,
      "Need attn_mask"),
+    ("MultiheadEntmaxAttention-is-causal-int", "attention", _module(attn_mask=torch.ones(3, 3).triu(1).bool(),
+                                                                    is_causal=1), TypeError, "is_causal must be a bool"),
 ]
+ATTENTION_CASES += [(f"{_name}-is-causal-{kind}", op, lambda fn=_fn, bad=bad: fn(Q, K, None, bad), TypeError,
+                     f"is_causal must be a bool .* got {got}")
+                    for _name, op in (("attention_weights", "attention"), ("support_size", "attention_support"))
+                    for _fn in [getattr(E, _name)] for kind, bad, got in IS_CAUSAL_NOT_BOOL]
 
 VARLEN_CASES = [
     ("varlen-cu-dtype", _varlen(cu_seqlens_q=torch.tensor([0, 2, 5])), ValueError, "1-D int32 tensor"),
@@ -235,6 +257,13 @@ VARLEN_CASES = [
     ("varlen-sinks-shape", _varlen(sinks=torch.zeros(3)), ValueError, r"sinks must have shape \(2,\)"),
     ("varlen-sinks-dtype", _varlen(sinks=torch.zeros(2, dtype=torch.float16)), TypeError,
      "sinks must be float32 or have q's dtype"),
+    *[(f"varlen-is-causal-{kind}", _varlen(is_causal=bad), TypeError, f"is_causal must be a bool .* got {got}")
+      for kind, bad, got in IS_CAUSAL_NOT_BOOL],
+    # flash_attn_varlen_func's order (…, dropout_p, softmax_scale, causal): not another meaning here.
+    ("varlen-flash-attn-positional-scale", _varlen_positional(0.0, 0.125), TypeError, "positional argument"),
+    ("varlen-flash-attn-positional-scale-causal", _varlen_positional(0.0, 0.125, True), TypeError,
+     "positional argument"),
+    ("varlen-sdpa-positional-causal", _varlen_positional(0.0, True), TypeError, "positional argument"),
 ]
 VARLEN_CASES = [(name, "attention_varlen", call, error, match) for name, call, error, match in VARLEN_CASES]
 
@@ -289,6 +318,8 @@ for _name, _reg in (("fusedmax", "lam"), ("oscarmax", "beta")):
          TypeError, "attn_mask must be bool or floating point"),
         ("attention-mask-list", lambda fn=_attention: fn(Q, K, V, attn_mask=[[True]]), TypeError,
          "attn_mask must be a tensor"),
+        *[(f"attention-is-causal-{kind}", lambda fn=_attention, bad=bad: fn(Q, K, V, None, 0.0, bad), TypeError,
+           f"is_causal must be a bool .* got {got}") for kind, bad, got in IS_CAUSAL_NOT_BOOL],
     ]]
 
 CASES = MAPPING_CASES + LOSS_CASES + ATTENTION_CASES + VARLEN_CASES + STRUCTURED_CASES

@@ -97,3 +97,35 @@ def test_structured_attention_errors(attention):
         attention(q, k, v, scale=float("nan"))
     with pytest.raises(ValueError, match=rf"{name}: dropout_p must be in \[0, 1\)"):
         attention(q, k, v, dropout_p=1.0)
+
+
+@pytest.mark.parametrize("value", [0.125, 1, 0, None, "yes"] + [
+    pytest.param(lambda: __import__("numpy").bool_(True), id="numpy-bool"),
+    pytest.param(lambda: torch.tensor(True), id="bool-tensor")])
+def test_is_causal_other_than_bool_raises_as_in_sdpa(value):
+    """What SDPA refuses as is_causal, every function taking it refuses, with a TypeError: the
+    positional call SDPA writes (q, k, v, None, 0.0, scale) must not run causal here."""
+    value = value() if callable(value) else value
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="is_causal"):
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, None, 0.0, value)
+    calls = [lambda: entmax_fast.entmax_attention(q, k, v, None, 0.0, value),
+             lambda: entmax_fast.entmax_attention(q, k, v, is_causal=value),
+             lambda: entmax_fast.sparsemax_attention(q, k, v, None, 0.0, value),
+             lambda: entmax_fast.attention_weights(q, k, None, value),
+             lambda: entmax_fast.support_size(q, k, is_causal=value),
+             lambda: entmax_fast.fusedmax_attention(q, k, v, None, 0.0, value),
+             lambda: entmax_fast.oscarmax_attention(q, k, v, None, 0.0, value),
+             lambda: entmax_fast.length_scale.attended_keys(4, 5, is_causal=value)]
+    for call in calls:
+        with pytest.raises(TypeError, match="is_causal must be a bool"):
+            call()
+
+
+def test_is_causal_bools_run():
+    q, k, v = _qkv()
+    for value in (True, False):
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, None, 0.0, value)
+        entmax_fast.entmax_attention(q, k, v, None, 0.0, value)
+        entmax_fast.fusedmax_attention(q, k, v, None, 0.0, value)
+        entmax_fast.length_scale.attended_keys(4, 5, is_causal=value)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from entmax_fast import MultiheadEntmaxAttention, entmax_attention
+from entmax_fast import MultiheadEntmaxAttention, attention_weights, entmax_attention
 from entmax_fast.length_scale import attended_keys, length_scale, length_scaled_query
 from entmax_fast.mappings import entmax15
 
@@ -19,7 +19,9 @@ TOL = {"atol": 1e-10, "rtol": 1e-10}
 
 def _brute_force_counts(query_length, key_length, is_causal=False, key_padding_mask=None, window_size=(-1, -1),
                         attn_mask=None):
-    """Count, for every (batch, query), the keys no rule excludes, one pair at a time."""
+    """Count, for every (batch, query), the keys no rule excludes, one pair at a time:
+    is_causal top-left (j ≤ i), the window bottom-right (around i + Lk − Lq), as
+    entmax_attention."""
     batch = 1 if key_padding_mask is None else key_padding_mask.shape[0]
     counts = torch.zeros(batch, 1, query_length, dtype=torch.long)
     left, right = window_size
@@ -27,7 +29,7 @@ def _brute_force_counts(query_length, key_length, is_causal=False, key_padding_m
         for i in range(query_length):
             position = i + key_length - query_length
             for j in range(key_length):
-                if is_causal and j > position:
+                if is_causal and j > i:
                     continue
                 if left >= 0 and position - j > left:
                     continue
@@ -45,12 +47,12 @@ PADDING = torch.tensor([[False, False, True, False, False, False, False],
                         [True, True, False, False, False, True, False]])
 
 
-@pytest.mark.parametrize("query_length,key_length", [(7, 7), (4, 7)], ids=["self", "Lq<Lk"])
+@pytest.mark.parametrize("query_length,key_length", [(7, 7), (4, 7), (7, 4)], ids=["self", "Lq<Lk", "Lq>Lk"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 @pytest.mark.parametrize("window_size", [(-1, -1), (2, 1), (1, -1)], ids=str)
 def test_attended_keys_match_a_pair_by_pair_count(query_length, key_length, is_causal, padded, window_size):
-    padding = PADDING if padded else None
+    padding = PADDING[:, :key_length] if padded else None
     counts = attended_keys(query_length, key_length, is_causal=is_causal, key_padding_mask=padding,
                            window_size=window_size)
     expected = _brute_force_counts(query_length, key_length, is_causal, padding, window_size)
@@ -59,7 +61,9 @@ def test_attended_keys_match_a_pair_by_pair_count(query_length, key_length, is_c
 
 def test_attended_keys_causal_and_padding_values():
     assert attended_keys(4, 4, is_causal=True).tolist() == [[[1, 2, 3, 4]]]
-    assert attended_keys(3, 5, is_causal=True).tolist() == [[[3, 4, 5]]]
+    assert attended_keys(3, 5, is_causal=True).tolist() == [[[1, 2, 3]]]
+    assert attended_keys(5, 3, is_causal=True).tolist() == [[[1, 2, 3, 3, 3]]]
+    assert attended_keys(3, 5, window_size=(-1, 0)).tolist() == [[[3, 4, 5]]]
     assert attended_keys(3, 5).tolist() == [[[5, 5, 5]]]
     padding = torch.tensor([[False, True, False, False]])
     assert attended_keys(4, 4, is_causal=True, key_padding_mask=padding).tolist() == [[[1, 1, 2, 3]]]
@@ -327,3 +331,32 @@ def test_benchmark_quick_path_runs_small(tmp_path):
     # Softmax weights are never exactly zero at these sizes.
     assert all(run[m]["zero_share"] == 0.0 for task in ("mqar", "flip-flop")
                for run in results["tasks"][task]["softmax"] for m in ("1", "2"))
+
+
+@pytest.mark.parametrize("query_length,key_length", [(3, 6), (6, 3)], ids=["Lq<Lk", "Lq>Lk"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("window_size", [(-1, -1), (-1, 0), (1, 1)], ids=str)
+def test_attended_keys_count_the_keys_entmax_attention_attends(query_length, key_length, is_causal, window_size):
+    """With the same is_causal and window_size, the keys counted are those entmax_attention
+    gives a weight (equal scores and α = 1: every attended key has a positive weight)."""
+    q, k = torch.zeros(1, 1, query_length, 4), torch.zeros(1, 1, key_length, 4)
+    weights = attention_weights(q, k, is_causal=is_causal, window_size=window_size, alpha=1.0)
+    counts = attended_keys(query_length, key_length, is_causal=is_causal, window_size=window_size)
+    assert counts.tolist() == (weights > 0).sum(-1).tolist()
+
+
+@pytest.mark.parametrize("query_length,key_length", [(3, 6), (6, 3)], ids=["Lq<Lk", "Lq>Lk"])
+def test_cross_attention_module_paths_count_the_same_keys(query_length, key_length):
+    """MultiheadEntmaxAttention's is_causal hint with a top-left causal mask (torch's
+    convention when Lq ≠ Lk): the fused path counts with attended_keys(is_causal=True), the
+    explicit one from the mask; both length-scale each query by the keys it attends."""
+    torch.manual_seed(3)
+    module = MultiheadEntmaxAttention(8, 2, batch_first=True, attention="entmax15", length_scale="ssmax",
+                                      dtype=torch.float64)
+    with torch.no_grad():
+        module.length_scale_s.fill_(2.0)
+    x, memory = torch.randn(2, query_length, 8, dtype=torch.float64), torch.randn(2, key_length, 8, dtype=torch.float64)
+    causal = torch.ones(query_length, key_length, dtype=torch.bool).triu(1)
+    fused, _ = module(x, memory, memory, attn_mask=causal, is_causal=True, need_weights=False)
+    explicit, _ = module(x, memory, memory, attn_mask=causal, need_weights=True)
+    torch.testing.assert_close(fused, explicit, atol=1e-9, rtol=1e-9)

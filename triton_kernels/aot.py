@@ -44,9 +44,10 @@ _FIELDS = ("REG", "SHARED", "LOCAL", "STACK")
 
 
 def interpreting() -> bool:
-    """Whether TRITON_INTERPRET asks triton to run kernels in its interpreter (read before
-    triton is imported, as triton reads it)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() not in ("", "0", "false", "off")
+    """Whether TRITON_INTERPRET asks triton to run kernels in its interpreter, parsed as
+    triton parses it (``triton.knobs.getenv_bool``: 1, true, yes, on, y in any case), without
+    importing triton. The one definition: the backend and the kernels import it."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
 
 
 def _import_kernel_module(name: str):

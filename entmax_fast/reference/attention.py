@@ -14,7 +14,7 @@ import math
 import torch
 
 from .._validation import once_differentiable_grads
-from ..common import compute_dtype
+from ..common import NO_WINDOW, compute_dtype
 from .mappings import entmax_backward, entmax_forward
 
 __all__ = ["entmax_attention", "entmax_attention_varlen", "masked_scores", "with_score_options", "with_sink",
@@ -23,11 +23,10 @@ __all__ = ["entmax_attention", "entmax_attention_varlen", "masked_scores", "with
 
 # Scores per chunk: 4M entries, 16 MB in float32.
 CHUNK_ELEMENTS = 1 << 22
-# window_size (left, right) that bounds nothing: FlashAttention's -1 = unbounded.
-NO_WINDOW = (-1, -1)
 
 
-def _as_4d_mask(attn_mask):
+def as_4d_mask(attn_mask):
+    """A mask of up to 4 dims viewed as 4-D (leading dims of size 1), or None."""
     if attn_mask is None:
         return None
     return attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
@@ -171,7 +170,7 @@ def attention_forward(query, key, value, attn_mask, alpha, *, scale, is_causal, 
     heads = query.shape[-3]
     q = query.to(cdt)
     k, v = expand_heads(key, heads).to(cdt), expand_heads(value, heads).to(cdt)
-    mask = _as_4d_mask(attn_mask)
+    mask = as_4d_mask(attn_mask)
     alpha_rows = alpha.to(cdt).view(1, -1, 1, 1) if isinstance(alpha, torch.Tensor) else alpha
     seed = _draw_seed(dropout_p)
     batch, _, lq, _ = q.shape
@@ -198,7 +197,7 @@ def attention_support_forward(query, key, attn_mask, alpha, *, scale, is_causal,
     cdt = compute_dtype(query.dtype)
     heads = query.shape[-3]
     q, k = query.to(cdt), expand_heads(key, heads).to(cdt)
-    mask = _as_4d_mask(attn_mask)
+    mask = as_4d_mask(attn_mask)
     alpha_rows = alpha.to(cdt).view(1, -1, 1, 1) if isinstance(alpha, torch.Tensor) else alpha
     batch, _, lq, _ = q.shape
     lk = k.shape[-2]
@@ -223,7 +222,7 @@ def attention_backward(grad_out, query, key, value, attn_mask, alpha, out, saved
     heads, kv_heads = query.shape[-3], key.shape[-3]
     q = query.to(cdt)
     k, v = expand_heads(key, heads).to(cdt), expand_heads(value, heads).to(cdt)
-    mask = _as_4d_mask(attn_mask)
+    mask = as_4d_mask(attn_mask)
     d_out = grad_out.to(cdt)
     alpha_rows = alpha.to(cdt).view(1, -1, 1, 1) if isinstance(alpha, torch.Tensor) else alpha
     need_alpha_grad = need_alpha_grad and isinstance(alpha, torch.Tensor)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ..common import compute_dtype
-from .attention import NO_WINDOW, attention_forward
+from ..common import NO_WINDOW, compute_dtype
+from .attention import attention_forward
 
 __all__ = ["cache_view", "attention_kvcache_forward"]
 

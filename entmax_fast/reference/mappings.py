@@ -54,7 +54,7 @@ def invalid_rows(X: torch.Tensor, dim: int) -> torch.Tensor:
     return (torch.isnan(X) | torch.isposinf(X)).any(dim=dim, keepdim=True)
 
 
-def _shifted(X: torch.Tensor, dim: int, dtype: torch.dtype | None = None):
+def shifted_rows(X: torch.Tensor, dim: int, dtype: torch.dtype | None = None):
     """u = X − max(X) in the compute dtype (or ``dtype``), with the rows to zero (no finite
     entry) and the rows to make NaN (a NaN or +inf entry) flagged. Flagged rows get u = 0
     or −inf entries only, so that the solvers run on them without NaN."""
@@ -68,7 +68,8 @@ def _shifted(X: torch.Tensor, dim: int, dtype: torch.dtype | None = None):
     return u, empty_row, invalid
 
 
-def _finish(p: torch.Tensor, empty_row: torch.Tensor, invalid: torch.Tensor) -> torch.Tensor:
+def finish_rows(p: torch.Tensor, empty_row: torch.Tensor, invalid: torch.Tensor) -> torch.Tensor:
+    """p with the rows :func:`shifted_rows` flagged set: zeros where empty, NaN where invalid."""
     p = torch.where(empty_row, torch.zeros_like(p), p)
     return torch.where(invalid, torch.full_like(p, float("nan")), p)
 
@@ -111,7 +112,7 @@ def sparsemax_threshold(X: torch.Tensor, dim: int = -1):
     For scores far from 0, tau is rounded at the scale of max(X): ``entmax_forward``
     works on ``X − max(X)`` instead.
     """
-    u, empty_row, _ = _shifted(X, dim)
+    u, empty_row, _ = shifted_rows(X, dim)
     tau_u, support_size = _sparsemax_shifted_threshold(u, dim)
     return _unshift(tau_u, X, empty_row, dim), support_size
 
@@ -142,7 +143,7 @@ def entmax15_threshold(X: torch.Tensor, dim: int = -1):
     Returns ``(tau, support_size)`` with ``entmax15(X) = [X/2 − tau]_+²`` (rounded at the
     scale of max(X), as ``sparsemax_threshold``).
     """
-    u, empty_row, _ = _shifted(X, dim)
+    u, empty_row, _ = shifted_rows(X, dim)
     tau_u, support_size = _entmax15_shifted_threshold(u, dim)
     return _unshift(tau_u, X, empty_row, dim, factor=0.5), support_size
 
@@ -164,7 +165,7 @@ def entmax_threshold_root(X: torch.Tensor, alpha, dim: int = -1, tol: float | No
     Runs in float64 whatever X's dtype. Returns ``(mu, u, empty_row)``; rows holding NaN or
     +inf are solved as if they held zeros (``entmax_forward`` makes them NaN).
     """
-    u, empty_row, _ = _shifted(X, dim, torch.float64)
+    u, empty_row, _ = shifted_rows(X, dim, torch.float64)
     a = _alpha_like(alpha, u)
     am1 = a - 1
     exponent = 1 / am1
@@ -208,8 +209,8 @@ def entmax_threshold_root(X: torch.Tensor, alpha, dim: int = -1, tol: float | No
 
 
 def _softmax(X: torch.Tensor, dim: int) -> torch.Tensor:
-    u, empty_row, invalid = _shifted(X, dim)
-    return _finish(torch.softmax(u, dim=dim), empty_row, invalid)
+    u, empty_row, invalid = shifted_rows(X, dim)
+    return finish_rows(torch.softmax(u, dim=dim), empty_row, invalid)
 
 
 def _entmax_root(X: torch.Tensor, alpha, dim: int) -> torch.Tensor:
@@ -218,7 +219,7 @@ def _entmax_root(X: torch.Tensor, alpha, dim: int) -> torch.Tensor:
     p = (1 + (a - 1) * (u - mu)).clamp(min=0).pow(1 / (a - 1))
     total = p.sum(dim=dim, keepdim=True)
     p = p / torch.where(total > 0, total, torch.ones_like(total))
-    return _finish(p, empty_row, invalid_rows(X, dim)).to(compute_dtype(X.dtype))
+    return finish_rows(p, empty_row, invalid_rows(X, dim)).to(compute_dtype(X.dtype))
 
 
 def entmax_forward(X: torch.Tensor, alpha=1.5, dim: int = -1) -> torch.Tensor:
@@ -228,13 +229,13 @@ def entmax_forward(X: torch.Tensor, alpha=1.5, dim: int = -1) -> torch.Tensor:
     if not isinstance(alpha, torch.Tensor):
         alpha = float(alpha)
         if alpha == 2.0:
-            u, empty_row, invalid = _shifted(X, dim, torch.float64)
+            u, empty_row, invalid = shifted_rows(X, dim, torch.float64)
             tau_u, _ = _sparsemax_shifted_threshold(u, dim)
-            p = _finish((u - tau_u).clamp(min=0), empty_row, invalid)
+            p = finish_rows((u - tau_u).clamp(min=0), empty_row, invalid)
         elif alpha == 1.5:
-            u, empty_row, invalid = _shifted(X, dim, torch.float64)
+            u, empty_row, invalid = shifted_rows(X, dim, torch.float64)
             tau_u, _ = _entmax15_shifted_threshold(u, dim)
-            p = _finish((u / 2 - tau_u).clamp(min=0).square(), empty_row, invalid)
+            p = finish_rows((u / 2 - tau_u).clamp(min=0).square(), empty_row, invalid)
         elif alpha == 1.0:
             p = _softmax(X, dim)
         else:
@@ -247,7 +248,7 @@ def entmax_forward(X: torch.Tensor, alpha=1.5, dim: int = -1) -> torch.Tensor:
     return p.to(out_dtype)
 
 
-def _on_support(p: torch.Tensor) -> torch.Tensor:
+def on_support(p: torch.Tensor) -> torch.Tensor:
     """p with the entries outside the support replaced by 1: a pow or log of it stays finite,
     and so do their derivatives, which double backward evaluates even where masked."""
     return torch.where(p > 0, p, torch.ones_like(p))
@@ -255,7 +256,7 @@ def _on_support(p: torch.Tensor) -> torch.Tensor:
 
 def _weights_of_jacobian(p: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """s = p^(2−α) on the support, 0 elsewhere (docs/maths.md, "Backward")."""
-    return torch.where(p > 0, _on_support(p).pow(2 - a), torch.zeros_like(p))
+    return torch.where(p > 0, on_support(p).pow(2 - a), torch.zeros_like(p))
 
 
 def entmax_backward(p: torch.Tensor, grad: torch.Tensor, alpha=1.5, dim: int = -1,
@@ -290,7 +291,7 @@ def entmax_backward(p: torch.Tensor, grad: torch.Tensor, alpha=1.5, dim: int = -
         a64 = a.to(torch.float64)
         s64 = _weights_of_jacobian(p64, a64)
         s64_sum = s64.sum(dim=dim, keepdim=True)
-        log_p = torch.where(p64 > 0, torch.log(_on_support(p64)), torch.zeros_like(p64))
+        log_p = torch.where(p64 > 0, torch.log(on_support(p64)), torch.zeros_like(p64))
         is_softmax = a64 == 1
         am1 = torch.where(is_softmax, torch.ones_like(a64), a64 - 1)
         p_skewed = s64 / torch.where(s64_sum > 0, s64_sum, torch.ones_like(s64_sum))
@@ -335,9 +336,9 @@ def tsallis_entropy(p: torch.Tensor, alpha, dim: int = -1) -> torch.Tensor:
     a = _alpha_like(alpha, p)
     is_shannon = a == 1
     a_safe = torch.where(is_shannon, torch.full_like(a, 2.0), a)
-    p_pow = torch.where(p > 0, _on_support(p).pow(a_safe), torch.zeros_like(p))
+    p_pow = torch.where(p > 0, on_support(p).pow(a_safe), torch.zeros_like(p))
     tsallis = (1 - p_pow.sum(dim=dim, keepdim=True)) / (a_safe * (a_safe - 1))
-    log_p = torch.where(p > 0, torch.log(_on_support(p)), torch.zeros_like(p))
+    log_p = torch.where(p > 0, torch.log(on_support(p)), torch.zeros_like(p))
     shannon = -(p * log_p).sum(dim=dim, keepdim=True)
     return torch.where(is_shannon, shannon, tsallis).squeeze(dim)
 

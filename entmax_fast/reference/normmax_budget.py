@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..common import compute_dtype
-from .mappings import _finish, _on_support, _shifted
+from .mappings import finish_rows, on_support, shifted_rows
 
 __all__ = ["normmax_forward", "normmax_backward", "budget_forward", "budget_backward"]
 
@@ -60,7 +60,7 @@ def _per_row(parameter, dtype: torch.dtype):
 def normmax_forward(X: torch.Tensor, alpha) -> torch.Tensor:
     cdt = compute_dtype(X.dtype)
     alpha = _per_row(alpha, cdt)
-    u, empty_row, invalid = _shifted(X, -1)
+    u, empty_row, invalid = shifted_rows(X, -1)
     row_max = u.amax(-1, keepdim=True)
     power = alpha / (alpha - 1)
     n = (~torch.isneginf(u)).sum(-1, keepdim=True).clamp(min=1).to(cdt)
@@ -79,7 +79,7 @@ def normmax_forward(X: torch.Tensor, alpha) -> torch.Tensor:
     r = (u - tau).clamp(min=0).pow(1 / (alpha - 1))
     total = r.sum(-1, keepdim=True)
     p = r / torch.where(total > 0, total, torch.ones_like(total))
-    return _finish(p, empty_row, invalid).to(X.dtype)
+    return finish_rows(p, empty_row, invalid).to(X.dtype)
 
 
 def normmax_backward(p: torch.Tensor, grad: torch.Tensor, alpha) -> torch.Tensor:
@@ -89,7 +89,7 @@ def normmax_backward(p: torch.Tensor, grad: torch.Tensor, alpha) -> torch.Tensor
     alpha = _per_row(alpha, cdt)
     p, g = p.to(cdt), grad.to(cdt)
     a = torch.where(p > 0, p, torch.zeros_like(p))
-    b = torch.where(p > 0, _on_support(p).pow(2 - alpha), torch.zeros_like(p))
+    b = torch.where(p > 0, on_support(p).pow(2 - alpha), torch.zeros_like(p))
     dX = g * b
     dX = dX - dX.sum(-1, keepdim=True) * a
     dX = dX - (g * a).sum(-1, keepdim=True) * (b - b.sum(-1, keepdim=True) * a)
@@ -104,7 +104,7 @@ def _nan_rows_stay_nan(p: torch.Tensor, dX: torch.Tensor) -> torch.Tensor:
 
 def budget_forward(X: torch.Tensor, budget) -> torch.Tensor:
     cdt = compute_dtype(X.dtype)
-    z, empty_row, invalid = _shifted(X, -1)
+    z, empty_row, invalid = shifted_rows(X, -1)
     b = _per_row(budget, cdt) if isinstance(budget, torch.Tensor) else torch.tensor(float(budget), dtype=cdt,
                                                                                     device=z.device)
     finite = ~torch.isneginf(z)
@@ -126,7 +126,7 @@ def budget_forward(X: torch.Tensor, budget) -> torch.Tensor:
     # Budget 0 leaves p = 0 the only feasible point, which the threshold, exact only to
     # rounding, could miss by leaving the top entry a rounding error above 0.
     p = torch.where(b == 0, torch.zeros_like(z), (z - tau).clamp(0, 1))
-    return _finish(p, empty_row, invalid).to(X.dtype)
+    return finish_rows(p, empty_row, invalid).to(X.dtype)
 
 
 def budget_backward(p: torch.Tensor, grad: torch.Tensor, budget=None) -> torch.Tensor:

@@ -9,11 +9,11 @@ op is first run here.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
 
+from ...triton_kernels.aot import interpreting
 # Imports torch only: the dtypes the kernels take, not the kernels.
 from ...triton_kernels.signature import DTYPE_KEYS
 from .. import unimplemented_score_options
@@ -25,11 +25,6 @@ SCORE_OPTIONS_IMPLEMENTED = frozenset({"window", "lower_right_causal", "softcap"
 KVCACHE_SCORE_OPTIONS_IMPLEMENTED = frozenset({"window", "lower_right_causal", "softcap", "alibi_slopes", "sinks"})
 OPS = {"entmax": "rowwise", "attention": "attention", "attention_varlen": "attention",
        "attention_kvcache": "kvcache", "attention_support": "attention"}
-
-def interpreting() -> bool:
-    """Whether triton runs in its interpreter (CPU tensors) rather than compiling for a GPU."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
 
 def available() -> tuple[bool, str]:
     """(available, reason): triton importable, and a CUDA device or the interpreter."""
