@@ -10,8 +10,9 @@
 // differences, and the TV scan of SparseMAP subtracts scores of any size.
 //
 // CRF: forward-backward in scaled probability space. Each step's unaries are
-// exp(s·b − max(s, 0)) (one exp(−|s|) per position) and the transitions exp(T − max T), both
-// at most 1; the two-state message is renormalised by its larger entry at every step.
+// exp(s·b − max(s, 0)) (one exp(−|s|) per position, kept for the second sweep) and the
+// transitions exp(T − max T), both at most 1, so the messages only shrink; they are rescaled
+// by a power of two when they get small.
 // The backward is the covariance Cov(z, g·z) (and Cov(n_ab, g·z) for the transitions) by
 // the expectation semiring: each message carries its derivative along g.
 //
@@ -63,30 +64,32 @@ struct ChainTransitions {
   }
 };
 
-// The unaries (u0, u1) = (exp(−max(s, 0)), exp(min(s, 0))): exp(s·b) up to a factor.
-ENTMAX_FAST_HD void unaries(double s, double& u0, double& u1) {
-  const double small = exp(-fabs(s));
-  u0 = s > 0 ? small : 1.0;
-  u1 = s > 0 ? 1.0 : small;
-}
-
 // ---------------------------------------------------------------------------------------
-// CRF. A two-state message is kept as two doubles normalised by their maximum (one of them is
-// exactly 1): the smaller keeps its full relative precision, where a pair normalised to sum
-// 1 and stored as one number p lost it in 1 − p (a message 1 − 8e-40 is 1, and a marginal
-// that needed the 8e-40 came out 1 instead of ~0). Only evidence beyond ~745 nats on both
-// sides of a key (double's exp range) meets 0/0.
+// CRF. A two-state message is kept as two doubles, each with its full relative precision
+// (a pair normalised to sum 1 and stored as one number p lost it in 1 − p: a message
+// 1 − 8e-40 is 1, and a marginal that needed the 8e-40 came out 1 instead of ~0). Every
+// quantity read at a position (marginal, covariance, pair terms) is a ratio of products of
+// messages taken at that position, so any positive factor per position cancels: a message
+// is divided by its larger entry only when that falls below 2^-256 (with its tangent), which
+// keeps a division off most steps of the recursion, and every stored message's larger entry
+// in [2^-256, 1], so that a product of two (α β at a key) cannot underflow. Only evidence
+// beyond ~745 nats on both sides of a key (double's exp range) meets 0/0.
 
-// Scales (m0, m1) and the tangent pair (t0, t1) by 1 / max(m0, m1).
-ENTMAX_FAST_HD void normalise(double& m0, double& m1, double& t0, double& t1) {
-  const double inverse = 1.0 / (m0 > m1 ? m0 : m1);
-  m0 *= inverse;
-  m1 *= inverse;
-  t0 *= inverse;
-  t1 *= inverse;
+constexpr double kRescaleBelow = 0x1p-256;
+
+ENTMAX_FAST_HD void rescale(double& m0, double& m1, double& t0, double& t1) {
+  const double top = m0 > m1 ? m0 : m1;
+  if (top < kRescaleBelow) {
+    const double inverse = 1.0 / top;
+    m0 *= inverse;
+    m1 *= inverse;
+    t0 *= inverse;
+    t1 *= inverse;
+  }
 }
 
-// Forward: mu[j] = P(z_j = 1). scratch: 2n doubles (the forward message of each position).
+// Forward: mu[j] = P(z_j = 1). scratch: 3n doubles (the forward message of each position and
+// its exp(−|s|)).
 template <typename T>
 ENTMAX_FAST_HD void crf_forward_row(const T* x, const T* transitions, T* mu, double* scratch, int64_t n) {
   const T nan = static_cast<T>(NAN);
@@ -98,12 +101,14 @@ ENTMAX_FAST_HD void crf_forward_row(const T* x, const T* transitions, T* mu, dou
   const double* E = tr.e;
   double* alpha0 = scratch;
   double* alpha1 = scratch + n;
+  double* small = scratch + 2 * n;
   bool started = false;
   double a0 = 0.0, a1 = 0.0, unused0 = 0.0, unused1 = 0.0;
   for (int64_t j = 0; j < n; ++j) {
     if (is_masked(x[j])) continue;
-    double u0, u1;
-    unaries(static_cast<double>(x[j]), u0, u1);
+    const double s = static_cast<double>(x[j]);
+    small[j] = exp(-fabs(s));
+    const double u0 = s > 0 ? small[j] : 1.0, u1 = s > 0 ? 1.0 : small[j];
     if (started) {
       const double next0 = u0 * (a0 * E[0] + a1 * E[2]);
       a1 = u1 * (a0 * E[1] + a1 * E[3]);
@@ -113,7 +118,7 @@ ENTMAX_FAST_HD void crf_forward_row(const T* x, const T* transitions, T* mu, dou
       a1 = u1;
       started = true;
     }
-    normalise(a0, a1, unused0, unused1);
+    rescale(a0, a1, unused0, unused1);
     alpha0[j] = a0;
     alpha1[j] = a1;
   }
@@ -125,17 +130,16 @@ ENTMAX_FAST_HD void crf_forward_row(const T* x, const T* transitions, T* mu, dou
     }
     const double on = alpha1[j] * b1, off = alpha0[j] * b0;
     mu[j] = static_cast<T>(on / (on + off));
-    double u0, u1;
-    unaries(static_cast<double>(x[j]), u0, u1);
-    const double v0 = u0 * b0, v1 = u1 * b1;
+    const bool positive = static_cast<double>(x[j]) > 0;
+    const double v0 = (positive ? small[j] : 1.0) * b0, v1 = (positive ? 1.0 : small[j]) * b1;
     b0 = E[0] * v0 + E[1] * v1;
     b1 = E[2] * v0 + E[3] * v1;
-    normalise(b0, b1, unused0, unused1);
+    rescale(b0, b1, unused0, unused1);
   }
 }
 
-// Backward: dx = Cov(z, g·z), dtransitions[ab] = Cov(n_ab, g·z). scratch: 4n doubles (per
-// position the forward message and its tangent along g, scaled alike).
+// Backward: dx = Cov(z, g·z), dtransitions[ab] = Cov(n_ab, g·z). scratch: 5n doubles (per
+// position the forward message, its tangent along g, scaled alike, and exp(−|s|)).
 template <typename T>
 ENTMAX_FAST_HD void crf_backward_row(const T* x, const T* transitions, const T* g, T* dx, T* dtransitions,
                                      double* scratch, int64_t n) {
@@ -151,14 +155,16 @@ ENTMAX_FAST_HD void crf_backward_row(const T* x, const T* transitions, const T* 
   double* alpha1 = scratch + n;
   double* tangent0 = scratch + 2 * n;
   double* tangent1 = scratch + 3 * n;
+  double* small = scratch + 4 * n;
   // Forward with the tangent along g: t_j(b) = d/dε of the message at s + εg, scaled as it.
   bool started = false;
   double a0 = 0.0, a1 = 0.0, t0 = 0.0, t1 = 0.0;
   int64_t last = -1;
   for (int64_t j = 0; j < n; ++j) {
     if (is_masked(x[j])) continue;
-    double u0, u1;
-    unaries(static_cast<double>(x[j]), u0, u1);
+    const double s = static_cast<double>(x[j]);
+    small[j] = exp(-fabs(s));
+    const double u0 = s > 0 ? small[j] : 1.0, u1 = s > 0 ? 1.0 : small[j];
     const double gj = static_cast<double>(g[j]);
     if (started) {
       const double A0 = a0 * E[0] + a1 * E[2], A1 = a0 * E[1] + a1 * E[3];
@@ -174,7 +180,7 @@ ENTMAX_FAST_HD void crf_backward_row(const T* x, const T* transitions, const T* 
       t1 = u1 * gj;
       started = true;
     }
-    normalise(a0, a1, t0, t1);
+    rescale(a0, a1, t0, t1);
     alpha0[j] = a0;
     alpha1[j] = a1;
     tangent0[j] = t0;
@@ -186,7 +192,7 @@ ENTMAX_FAST_HD void crf_backward_row(const T* x, const T* transitions, const T* 
   if (last < 0) return;
   const double G = (t0 + t1) / (a0 + a1);  // E[g·z]
   // Backward: β and its tangent r (scaled alike); each valid j gives dx_j, each edge
-  // (previous valid → j) its pair terms.
+  // (previous valid → j) its pair terms, summed without the factor E[ab] (applied once).
   double b0 = 1.0, b1 = 1.0, r0 = 0.0, r1 = 0.0;
   double pair[4] = {0, 0, 0, 0}, pair_tangent[4] = {0, 0, 0, 0};
   for (int64_t j = last; j >= 0; --j) {
@@ -194,39 +200,39 @@ ENTMAX_FAST_HD void crf_backward_row(const T* x, const T* transitions, const T* 
       dx[j] = T(0);
       continue;
     }
-    const double N = alpha0[j] * b0 + alpha1[j] * b1;
-    const double joint = (tangent1[j] * b1 + alpha1[j] * r1) / N;  // E[z_j g·z]
-    dx[j] = static_cast<T>(joint - alpha1[j] * b1 / N * G);
-    double u0, u1;
-    unaries(static_cast<double>(x[j]), u0, u1);
+    const double inverse_n = 1.0 / (alpha0[j] * b0 + alpha1[j] * b1);
+    dx[j] = static_cast<T>((tangent1[j] * b1 + alpha1[j] * r1 - alpha1[j] * b1 * G) * inverse_n);
+    const bool positive = static_cast<double>(x[j]) > 0;
+    const double u0 = positive ? small[j] : 1.0, u1 = positive ? 1.0 : small[j];
     const double gj = static_cast<double>(g[j]);
-    const double v[2] = {u0 * b0, u1 * b1};
-    const double w[2] = {u0 * r0, u1 * (r1 + gj * b1)};
+    const double v0 = u0 * b0, v1 = u1 * b1;
+    const double w0 = u0 * r0, w1 = u1 * (r1 + gj * b1);
     int64_t prev = j - 1;
     while (prev >= 0 && is_masked(x[prev])) {
       dx[prev] = T(0);
       --prev;
     }
     if (prev >= 0) {
-      const double pa[2] = {alpha0[prev], alpha1[prev]};
-      const double pt[2] = {tangent0[prev], tangent1[prev]};
-      double W = 0.0;
-      for (int a = 0; a < 2; ++a)
-        for (int b = 0; b < 2; ++b) W += pa[a] * E[2 * a + b] * v[b];
-      for (int a = 0; a < 2; ++a)
-        for (int b = 0; b < 2; ++b) {
-          pair[2 * a + b] += pa[a] * E[2 * a + b] * v[b] / W;
-          pair_tangent[2 * a + b] += E[2 * a + b] * (pt[a] * v[b] + pa[a] * w[b]) / W;
-        }
+      const double p0 = alpha0[prev], p1 = alpha1[prev], q0 = tangent0[prev], q1 = tangent1[prev];
+      const double inverse_w =
+          1.0 / (p0 * (E[0] * v0 + E[1] * v1) + p1 * (E[2] * v0 + E[3] * v1));
+      pair[0] += p0 * v0 * inverse_w;
+      pair[1] += p0 * v1 * inverse_w;
+      pair[2] += p1 * v0 * inverse_w;
+      pair[3] += p1 * v1 * inverse_w;
+      pair_tangent[0] += (q0 * v0 + p0 * w0) * inverse_w;
+      pair_tangent[1] += (q0 * v1 + p0 * w1) * inverse_w;
+      pair_tangent[2] += (q1 * v0 + p1 * w0) * inverse_w;
+      pair_tangent[3] += (q1 * v1 + p1 * w1) * inverse_w;
     }
-    b0 = E[0] * v[0] + E[1] * v[1];
-    b1 = E[2] * v[0] + E[3] * v[1];
-    r0 = E[0] * w[0] + E[1] * w[1];
-    r1 = E[2] * w[0] + E[3] * w[1];
-    normalise(b0, b1, r0, r1);
+    b0 = E[0] * v0 + E[1] * v1;
+    b1 = E[2] * v0 + E[3] * v1;
+    r0 = E[0] * w0 + E[1] * w1;
+    r1 = E[2] * w0 + E[3] * w1;
+    rescale(b0, b1, r0, r1);
     j = prev + 1;  // the loop's decrement lands on prev
   }
-  for (int i = 0; i < 4; ++i) dtransitions[i] = static_cast<T>(pair_tangent[i] - G * pair[i]);
+  for (int i = 0; i < 4; ++i) dtransitions[i] = static_cast<T>(E[i] * (pair_tangent[i] - G * pair[i]));
 }
 
 // ---------------------------------------------------------------------------------------

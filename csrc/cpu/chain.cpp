@@ -30,7 +30,7 @@ void forward_rows(ChainKind kind, const at::Tensor& x, const at::Tensor& transit
     scalar_t* p_mu = mu.data_ptr<scalar_t>();
     double* p_saved = kind == ChainKind::kSparseMAP ? saved.data_ptr<double>() : nullptr;
     at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
-      std::vector<double> scratch(kind == ChainKind::kCRF ? 2 * n : 0);
+      std::vector<double> scratch(kind == ChainKind::kCRF ? 3 * n : 0);
       for (int64_t row = begin; row < end; ++row) {
         if (kind == ChainKind::kCRF) {
           chain::crf_forward_row(p_x + row * n, p_t + row * 4, p_mu + row * n, scratch.data(), n);
@@ -53,7 +53,7 @@ void backward_rows(ChainKind kind, const at::Tensor& grad, const at::Tensor& x, 
     scalar_t* p_dx = dx.data_ptr<scalar_t>();
     scalar_t* p_dt = dtransitions.data_ptr<scalar_t>();
     at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
-      std::vector<double> scratch(kind == ChainKind::kCRF ? 4 * n : 0);
+      std::vector<double> scratch(kind == ChainKind::kCRF ? 5 * n : 0);
       for (int64_t row = begin; row < end; ++row) {
         if (kind == ChainKind::kCRF) {
           chain::crf_backward_row(p_x + row * n, p_t + row * 4, p_g + row * n, p_dx + row * n, p_dt + row * 4,
