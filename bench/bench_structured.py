@@ -19,7 +19,13 @@ torchsparseattn 0.2 is not compared: it is an sdist whose setup.py imports numpy
 before pip can read its metadata, so `pip download --no-deps torchsparseattn==0.2` fails
 (checked 2026-11-25) and installing it needs build tools the project does not.
 
-Usage: python bench/bench_structured.py [--repeat 20] [--threads N] [--gpu-only]
+Then the chain marginals (entmax_fast.chain): CRF and SparseMAP forward+backward on
+4096 rows x 1024, float32, scores randn, one shared transition matrix per case, against
+torch.softmax fwd+bwd in the same process, the three interleaved round by round (median of
+the rounds), with SparseMAP's share of exact zeros and ones. `--chain-only` prints only this
+table.
+
+Usage: python bench/bench_structured.py [--repeat 20] [--threads N] [--gpu-only | --chain-only]
 """
 import argparse
 import os
@@ -28,6 +34,7 @@ import time
 
 import torch
 
+import entmax_fast.chain as C
 import entmax_fast.structured as S
 from common import kernel_times
 from entmax_fast.reference import structured as R
@@ -106,14 +113,63 @@ def gpu_table(repeat: int) -> None:
           "(the host's time where it is longer); kernels: the profiler's kernel time per call")
 
 
+# Transitions of the chain rows, [previous, current]: a CRF that favours agreeing
+# neighbours, and SparseMAP with T = 0 (clip(s, 0, 1)), attractive (w = 1: spans) and
+# repulsive (w = -1) transitions.
+CHAIN_CASES = (
+    ("crf", "T = [[0.5, -0.5], [-0.5, 0.5]]", [[0.5, -0.5], [-0.5, 0.5]]),
+    ("sparsemap", "T = 0", [[0.0, 0.0], [0.0, 0.0]]),
+    ("sparsemap", "T = [[0.5, -0.5], [-0.5, 0.5]]", [[0.5, -0.5], [-0.5, 0.5]]),
+    ("sparsemap", "T = [[-0.5, 0.5], [0.5, -0.5]]", [[-0.5, 0.5], [0.5, -0.5]]),
+)
+
+
+def chain_table(repeat: int) -> None:
+    """CRF / SparseMAP fwd+bwd on (4096, 1024) float32 against softmax, interleaved."""
+    torch.manual_seed(0)
+    rows, n = 4096, 1024
+    X = torch.randn(rows, n)
+    grad = torch.randn(rows, n)
+    cases = [("torch.softmax", "", fwd_bwd(lambda x: torch.softmax(x, -1), X, grad))]
+    for kind, label, T in CHAIN_CASES:
+        mapping = C.crf_marginals if kind == "crf" else C.sparsemap_marginals
+        transitions = torch.tensor(T)
+        cases.append((kind, label, fwd_bwd(lambda x, m=mapping, t=transitions: m(x, t), X, grad)))
+    for _, _, run in cases:  # warm-up
+        run()
+    wall = {i: [] for i in range(len(cases))}
+    for _ in range(repeat):
+        for i, (_, _, run) in enumerate(cases):
+            start = time.perf_counter()
+            run()
+            wall[i].append((time.perf_counter() - start) * 1e3)
+    medians = [statistics.median(wall[i]) for i in range(len(cases))]
+    backend = C.chain_backend(X, "crf")
+    print(f"chain marginals, fwd+bwd, ({rows}, {n}) float32, randn scores; backend {backend[0]}; "
+          f"{repeat} interleaved rounds, median; threads {torch.get_num_threads()}; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print(f"{'case':<48} {'wall ms':>9} {'x softmax':>10} {'exact 0':>8} {'exact 1':>8}")
+    for (kind, label, _), ms in zip(cases, medians):
+        zeros = ones = ""
+        if kind == "sparsemap":
+            T = torch.tensor(dict((lab, t) for _, lab, t in CHAIN_CASES)[label])
+            mu = C.sparsemap_marginals(X, T)
+            zeros, ones = f"{(mu == 0).double().mean():.3f}", f"{(mu == 1).double().mean():.3f}"
+        print(f"{(kind + ' ' + label).strip():<48} {ms:9.1f} {ms / medians[0]:10.2f} {zeros:>8} {ones:>8}")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--gpu-only", action="store_true", help="print only the GPU table")
+    parser.add_argument("--chain-only", action="store_true", help="print only the chain (CRF, SparseMAP) table")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.chain_only:
+        chain_table(args.repeat)
+        return
     if torch.cuda.is_available() and S.structured_backend(torch.zeros(1, device="cuda"))[0] == "cpp":
         gpu_table(args.repeat)
         if args.gpu_only:
@@ -156,6 +212,8 @@ def main():
     print(f"{'case':<{width}}  wall ms   cpu ms")
     for name, (wall, cpu) in results:
         print(f"{name:<{width}}  {wall:8.3f} {cpu:8.3f}")
+    print()
+    chain_table(max(5, args.repeat // 4))
 
 
 if __name__ == "__main__":

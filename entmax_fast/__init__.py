@@ -7,6 +7,7 @@ plain-torch reference; :func:`backend_info` says which exist here and which each
 """
 from . import dispatch
 from .attention import entmax_attention, entmax_attention_varlen, sparsemax_attention
+from .chain import crf_attention, crf_marginals, sparsemap_attention, sparsemap_marginals
 from .continuous import (ContinuousAttention, GaussianBasis1d, continuous_entmax15, continuous_softmax,
                          continuous_softmax_2d, continuous_sparsemax, continuous_sparsemax_2d)
 from .dispatch import use_backend
@@ -30,6 +31,7 @@ __all__ = [
     "attention_weights", "support_size", "MultiheadEntmaxAttention", "replace_attention",
     "alibi_slopes",
     "fusedmax", "oscarmax", "fusedmax_attention", "oscarmax_attention", "Fusedmax", "Oscarmax",
+    "crf_marginals", "sparsemap_marginals", "crf_attention", "sparsemap_attention",
     "ContinuousAttention", "GaussianBasis1d", "continuous_softmax", "continuous_sparsemax", "continuous_entmax15",
     "continuous_softmax_2d", "continuous_sparsemax_2d",
     "backend_info", "use_backend",

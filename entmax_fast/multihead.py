@@ -28,10 +28,14 @@ from .reference.attention import with_score_options, with_sink
 
 __all__ = ["MultiheadEntmaxAttention", "replace_attention", "alibi_slopes", "ATTENTION_KINDS"]
 
-ATTENTION_KINDS = ("softmax", "sparsemax", "entmax15", "learned", "fusedmax")
+ATTENTION_KINDS = ("softmax", "sparsemax", "entmax15", "learned", "fusedmax", "crf", "sparsemap")
+# The structured kinds over the chain of keys (entmax_fast.chain): a learned 2x2 transition
+# matrix per head, the parameter ``chain_transitions`` (H, 2, 2).
+CHAIN_KINDS = ("crf", "sparsemap")
 
 # The state_dict entries nn.MultiheadAttention does not have.
-_OWN_STATE = ("alpha_logit", "sinks", "length_scale_s", "length_scale_beta", "length_scale_gamma")
+_OWN_STATE = ("alpha_logit", "sinks", "length_scale_s", "length_scale_beta", "length_scale_gamma",
+              "chain_transitions")
 
 # A learned α = 1 + sigmoid(w) is kept away from 1, where the closed form of the entmax
 # gradient w.r.t. α divides by (α − 1)² (docs/maths.md, "Gradient of alpha").
@@ -106,8 +110,13 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
             ``"softmax"`` (identical to ``nn.MultiheadAttention``), ``"sparsemax"`` (α = 2),
             ``"entmax15"`` (α = 1.5, the default), a float α ≥ 1 (fixed α-entmax),
             ``"learned"`` (one α per head, α = 1 + sigmoid(w) clamped to [1.01, 2], trained
-            with the rest of the model) or ``"fusedmax"`` (sparsemax of the
-            total-variation prox of the scores over the key order).
+            with the rest of the model), ``"fusedmax"`` (sparsemax of the
+            total-variation prox of the scores over the key order), or ``"crf"`` /
+            ``"sparsemap"`` (the marginals of binary selection variables over the chain
+            of keys, :func:`entmax_fast.crf_attention` / :func:`entmax_fast.sparsemap_attention`,
+            with a learned 2×2 transition matrix per head, the parameter
+            ``chain_transitions`` (H, 2, 2), initialised to 0: sigmoid / clip(·, 0, 1) of
+            the scores; the weights are marginals, not renormalised).
         alpha_init: initial α of every head for ``attention="learned"``, in (1.01, 2).
         lam: fusedmax's total-variation strength (``attention="fusedmax"`` only), > 0.
         window_size: a sliding window ``(left, right)``, -1 unbounded, as in
@@ -124,8 +133,8 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
             ``length_scale_beta``, ``length_scale_gamma`` per head); see
             :mod:`entmax_fast.length_scale` and docs/length_generalization.md.
 
-    The options apply to every mapping but fusedmax, with and without ``need_weights``
-    (``attention="softmax"`` with an option runs entmax attention at α = 1).
+    The options apply to every mapping but fusedmax, crf and sparsemap, with and without
+    ``need_weights`` (``attention="softmax"`` with an option runs entmax attention at α = 1).
 
     Masks follow ``nn.MultiheadAttention``: bool ``key_padding_mask`` / ``attn_mask`` mark
     the positions to *ignore* with True; float masks are added to the scores. ``is_causal``
@@ -179,6 +188,13 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         if self.attention == "fusedmax" and (self.window_size != NO_WINDOW or self.softcap or alibi or sinks):
             raise ValueError("attention='fusedmax' takes none of window_size, softcap, alibi, sinks")
+        if self.attention in CHAIN_KINDS and (self.window_size != NO_WINDOW or self.softcap or alibi or sinks
+                                              or length_scale is not None):
+            raise ValueError(f"attention={self.attention!r} takes none of window_size, softcap, alibi, sinks, "
+                             "length_scale")
+        self.register_parameter("chain_transitions",
+                                nn.Parameter(torch.zeros(num_heads, 2, 2, device=device, dtype=dtype))
+                                if self.attention in CHAIN_KINDS else None)
         # Fixed by the head count: not saved in the state_dict.
         self.register_buffer("alibi_slopes", alibi_slopes(num_heads).to(device) if alibi else None, persistent=False)
         self.register_parameter("sinks", nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype))
@@ -231,11 +247,12 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
 
     @property
     def alpha(self) -> Optional[Union[float, torch.Tensor]]:
-        """The α of the mapping: a float, a tensor (H,) when learned, None for fusedmax."""
+        """The α of the mapping: a float, a tensor (H,) when learned, None for fusedmax, crf and
+        sparsemap."""
         if self.attention == "learned":
             return (1.0 + torch.sigmoid(self.alpha_logit)).clamp(LEARNED_ALPHA_MIN, 2.0)
-        return {"softmax": 1.0, "sparsemax": 2.0, "entmax15": 1.5, "fusedmax": None}.get(self.attention,
-                                                                                        self.attention)
+        return {"softmax": 1.0, "sparsemax": 2.0, "entmax15": 1.5, "fusedmax": None, "crf": None,
+                "sparsemap": None}.get(self.attention, self.attention)
 
     def extra_repr(self) -> str:
         extra = f"attention={self.attention!r}"
@@ -401,8 +418,9 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
         options = self._score_options()
         parallel = active_context_parallel()
         if parallel is not None:
-            if self.attention == "fusedmax":
-                raise ValueError("attention='fusedmax' does not run under entmax_fast.distributed.context_parallel")
+            if self.attention == "fusedmax" or self.attention in CHAIN_KINDS:
+                raise ValueError(f"attention={self.attention!r} does not run under "
+                                 "entmax_fast.distributed.context_parallel")
             return parallel(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
                             alpha=self._entmax_alpha(q.dtype), **options)
         if self.attention == "softmax" and not options:
@@ -412,6 +430,11 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
                 mask = mask & causal if mask.dtype == torch.bool else mask.masked_fill(~causal, float("-inf"))
                 is_causal = False
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+        if self.attention in CHAIN_KINDS:
+            from .chain import chain_attention
+
+            return chain_attention(self.attention, q, k, v, self.chain_transitions, attn_mask=mask,
+                                   is_causal=is_causal, dropout_p=dropout_p)
         if self.attention == "fusedmax":
             from .structured import fusedmax_attention
 
@@ -457,6 +480,12 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
             from .structured import fusedmax
 
             return fusedmax(scores, self.lam, dim=-1)
+        if self.attention in CHAIN_KINDS:
+            from .chain import crf_marginals, sparsemap_marginals
+
+            mapping = crf_marginals if self.attention == "crf" else sparsemap_marginals
+            # (H, 2, 2) as (H, 1, 2, 2): one matrix per head over the (N, H, L) rows.
+            return mapping(scores, self.chain_transitions.to(scores.dtype).unsqueeze(-3), dim=-1)
         alpha = self.alpha
         if isinstance(alpha, torch.Tensor):
             alpha = alpha.to(scores.dtype).view(1, -1, 1, 1)

@@ -20,7 +20,7 @@ LAYERS = [
     ("dispatch", ["entmax_fast.dispatch"]),
     ("public functions", ["entmax_fast.mappings", "entmax_fast.attention", "entmax_fast.kvcache", "entmax_fast.inspection",
                           "entmax_fast.distributed", "entmax_fast.length_scale",
-                          "entmax_fast.structured", "entmax_fast.losses", "entmax_fast.continuous"]),
+                          "entmax_fast.structured", "entmax_fast.chain", "entmax_fast.losses", "entmax_fast.continuous"]),
     ("modules and integrations", ["entmax_fast.nn", "entmax_fast.multihead", "entmax_fast.hf"]),
     ("package and applications", ["entmax_fast", "entmax_fast.train"]),
 ]

@@ -36,6 +36,12 @@ and holds the one torch.autograd.Function of each op, which calls the dispatched
     oscarmax    fusedmax_backward(grad, x, lengths, p, saved, reg) -> dx  (oscarmax_* alike)
                 x: (R, n) contiguous in its compute dtype; lengths: (R,) integer or None;
                 saved: one tensor the backward needs (the C++ operators: the prox output)
+    crf         crf_forward(x, transitions) -> (mu, saved)
+    sparsemap   crf_backward(grad, x, transitions, mu, saved) -> (dx, dtransitions)
+                (sparsemap_* alike) x: (R, n) contiguous in its compute dtype, −inf marks
+                a position removed from the chain; transitions: (R, 2, 2) contiguous, x's
+                dtype, one matrix per row; saved: one tensor (the C++ SparseMAP: its
+                float64 TV-prox output)
     attention   attention_forward(query, key, value, attn_mask, alpha, *, scale,
                                   is_causal, dropout_p, enable_gqa, need_grad,
                                   window_size, softcap, alibi_slopes, sinks)

@@ -1,8 +1,8 @@
 """The C++ backend: the operators of the compiled extension ``entmax_fast._C`` (csrc/).
 
 CPU kernels for row-wise entmax, entmax attention (and its decoding form against a key/value
-cache), fusedmax and oscarmax; CUDA kernels for
-fusedmax and oscarmax where the extension was built with CUDA. ``loader`` is the one place
+cache), fusedmax, oscarmax and the chain marginals (crf, sparsemap); CUDA kernels for
+fusedmax, oscarmax, crf and sparsemap where the extension was built with CUDA. ``loader`` is the one place
 that loads the extension; nothing is loaded until availability is first asked for.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from .. import unimplemented_score_options
 # which is lower-right causal by definition.
 SCORE_OPTIONS_IMPLEMENTED = frozenset({"window", "lower_right_causal", "softcap", "alibi_slopes", "sinks"})
 OPS = {"entmax": "ops", "attention": "ops", "attention_kvcache": "ops", "attention_support": "ops", "fusedmax": "ops",
-       "oscarmax": "ops"}
+       "oscarmax": "ops", "crf": "ops", "sparsemap": "ops"}
 _FLOAT_TYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
@@ -39,6 +39,10 @@ def supports(op: str, request) -> str | None:
     if op in ("fusedmax", "oscarmax"):
         if request.device.type not in loader.structured_devices():
             return f"entmax_fast._C has no structured kernel for device {request.device.type!r}"
+        return None
+    if op in ("crf", "sparsemap"):
+        if request.device.type not in loader.chain_devices():
+            return f"entmax_fast._C has no chain ({op}) kernel for device {request.device.type!r}"
         return None
     if request.dtype not in _FLOAT_TYPES:
         return f"unsupported dtype {request.dtype}"

@@ -15,6 +15,7 @@ _ENTMAX_OPS = ("entmax_rowwise_fwd", "entmax_rowwise_bwd", "entmax_attention_fwd
 _KVCACHE_OP = "entmax_attention_kvcache_fwd"
 _SUPPORT_OP = "entmax_attention_support"
 _STRUCTURED_OPS = ("fusedmax_forward", "fusedmax_backward", "oscarmax_forward", "oscarmax_backward")
+_CHAIN_OPS = ("crf_forward", "crf_backward", "sparsemap_forward", "sparsemap_backward")
 
 # Held while loading: two threads registering fake kernels at once would register twice
 # (torch warns "Overriding a previously registered kernel").
@@ -23,6 +24,7 @@ _LOCK = threading.Lock()
 # constant instead of tracing the loading.
 _STATUS: tuple[bool, str] | None = None
 _STRUCTURED_DEVICES: frozenset | None = None
+_CHAIN_DEVICES: frozenset | None = None
 
 
 def status() -> tuple[bool, str]:
@@ -84,6 +86,20 @@ def structured_devices() -> frozenset:
     return _STRUCTURED_DEVICES
 
 
+def chain_devices() -> frozenset:
+    """Device types with the crf/sparsemap operators ("cpu", and "cuda" where built; none in
+    an extension built before they existed); read once."""
+    global _CHAIN_DEVICES
+    if _CHAIN_DEVICES is None:
+        if status()[0] and all(_has(name) for name in _CHAIN_OPS):
+            _CHAIN_DEVICES = frozenset(
+                device for device, key in (("cpu", "CPU"), ("cuda", "CUDA"))
+                if torch._C._dispatch_has_kernel_for_dispatch_key("entmax_fast::crf_forward", key))
+        else:
+            _CHAIN_DEVICES = frozenset()
+    return _CHAIN_DEVICES
+
+
 def cpu_kernel_set() -> str:
     """The C++ CPU kernels in use: "avx2-fma", or "portable" (CPUs without AVX2+FMA, or
     forced with ``torch.ops.entmax_fast.cpu_kernel_isa("portable")``)."""
@@ -128,11 +144,22 @@ def _register_fakes() -> None:
     def structured_bwd(grad, p, y, reg):
         return torch.empty_like(p)
 
+    def chain_fwd(x, transitions):
+        return torch.empty_like(x), x.new_empty(tuple(x.shape), dtype=torch.float64)
+
+    def crf_fwd(x, transitions):
+        return torch.empty_like(x), x.new_empty((0,))
+
+    def chain_bwd(grad, x, transitions, mu, saved):
+        return torch.empty_like(x), torch.empty_like(transitions)
+
     fakes = {"entmax_rowwise_fwd": rowwise_fwd, "entmax_rowwise_bwd": rowwise_bwd,
              "entmax_attention_fwd": attention_fwd, "entmax_attention_bwd": attention_bwd,
              _KVCACHE_OP: attention_kvcache_fwd, _SUPPORT_OP: attention_support,
              "fusedmax_forward": structured_fwd, "oscarmax_forward": structured_fwd,
-             "fusedmax_backward": structured_bwd, "oscarmax_backward": structured_bwd}
+             "fusedmax_backward": structured_bwd, "oscarmax_backward": structured_bwd,
+             "crf_forward": crf_fwd, "sparsemap_forward": chain_fwd, "crf_backward": chain_bwd,
+             "sparsemap_backward": chain_bwd}
     for name, fake in fakes.items():
         if _has(name):
             torch.library.register_fake(f"entmax_fast::{name}")(fake)

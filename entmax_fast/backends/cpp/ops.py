@@ -15,7 +15,8 @@ from . import SCORE_OPTIONS_IMPLEMENTED
 
 __all__ = ["entmax_forward", "entmax_backward", "attention_forward", "attention_backward",
            "attention_kvcache_forward", "attention_support_forward", "fusedmax_forward", "fusedmax_backward",
-           "oscarmax_forward", "oscarmax_backward"]
+           "oscarmax_forward", "oscarmax_backward", "crf_forward", "crf_backward", "sparsemap_forward",
+           "sparsemap_backward"]
 
 
 def _alphas(alpha, count: int, device) -> torch.Tensor:
@@ -102,3 +103,19 @@ def oscarmax_forward(x, reg, lengths):
 
 def oscarmax_backward(grad, x, lengths, p, y, reg):
     return torch.ops.entmax_fast.oscarmax_backward(grad.contiguous(), p, y, float(reg))
+
+
+def crf_forward(x, transitions):
+    return torch.ops.entmax_fast.crf_forward(x, transitions)
+
+
+def crf_backward(grad, x, transitions, mu, saved):
+    return torch.ops.entmax_fast.crf_backward(grad, x, transitions, mu, saved)
+
+
+def sparsemap_forward(x, transitions):
+    return torch.ops.entmax_fast.sparsemap_forward(x, transitions)
+
+
+def sparsemap_backward(grad, x, transitions, mu, saved):
+    return torch.ops.entmax_fast.sparsemap_backward(grad, x, transitions, mu, saved)

@@ -3,7 +3,7 @@ exact and always available; the fallback for every call the fast backends refuse
 from __future__ import annotations
 
 OPS = {op: "ops" for op in ("entmax", "normmax", "budget", "fusedmax", "oscarmax", "attention", "attention_varlen",
-                                   "attention_kvcache", "attention_support")}
+                                   "attention_kvcache", "attention_support", "crf", "sparsemap")}
 
 
 def available() -> tuple[bool, str]:
