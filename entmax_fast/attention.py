@@ -186,7 +186,7 @@ def attention_request(query, value, attn_mask, alpha, dropout_p, is_causal, wind
     return score_request(request_options, window_size, lower_right, softcap, alibi_slopes, sinks)
 
 
-def _check_attention_args(query, key, value, attn_mask, dropout_p, scale, enable_gqa, alpha):
+def check_attention_args(query, key, value, attn_mask, dropout_p, scale, enable_gqa, alpha):
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         check_floating(name, tensor)
         if tensor.dim() != 4:
@@ -228,7 +228,7 @@ def checked_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale,
     bias = causal_bias(attn_mask)
     if bias is not None:
         attn_mask = None
-    alpha = _check_attention_args(query, key, value, attn_mask, dropout_p, scale, enable_gqa, alpha)
+    alpha = check_attention_args(query, key, value, attn_mask, dropout_p, scale, enable_gqa, alpha)
     lower_right = False
     if bias is not None:
         is_causal, lower_right = _resolve_causal_bias(bias, query.shape[2], key.shape[2], bool(is_causal))

@@ -32,7 +32,7 @@ from ._validation import _assert_values, check_floating
 from .backends.reference import ops as _reference_backend
 from .common import compute_dtype
 from .reference import structured as _structured_reference
-from .structured import _check_attention_args
+from .structured import check_attention_args
 
 __all__ = ["crf_marginals", "sparsemap_marginals", "crf_attention", "sparsemap_attention", "chain_attention",
            "chain_backend", "ChainFunction"]
@@ -197,7 +197,7 @@ def chain_attention(kind: str, query, key, value, transitions, attn_mask=None, i
         raise TypeError(f"{name}: is_causal must be a bool, got {type(is_causal).__name__}")
     if not isinstance(enable_gqa, bool):
         raise TypeError(f"{name}: enable_gqa must be a bool, got {type(enable_gqa).__name__}")
-    _check_attention_args(name, query, key, value, attn_mask, dropout_p, scale, enable_gqa)
+    check_attention_args(name, query, key, value, attn_mask, dropout_p, scale, enable_gqa)
     check_floating(f"{name}: transitions", transitions)
     allowed = ((2, 2), (query.shape[-3], 2, 2)) if query.dim() >= 3 else ((2, 2),)
     if tuple(transitions.shape) not in allowed:

@@ -194,7 +194,7 @@ def fusedmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
         tensor([[[[0.3333, 0.3333, 0.3333, 0.0000]]]])
     """
     _check_reg("fusedmax_attention", lam, "lam")
-    _check_attention_args("fusedmax_attention", query, key, value, attn_mask, dropout_p, is_causal, scale,
+    check_attention_args("fusedmax_attention", query, key, value, attn_mask, dropout_p, is_causal, scale,
                           enable_gqa)
     return _reference.structured_attention(lambda scores: fusedmax(scores, lam, dim=-1), query, key, value,
                                            attn_mask, dropout_p, is_causal, scale, enable_gqa)
@@ -216,13 +216,13 @@ def oscarmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
         torch.Size([2, 4, 16, 8])
     """
     _check_reg("oscarmax_attention", beta, "beta")
-    _check_attention_args("oscarmax_attention", query, key, value, attn_mask, dropout_p, is_causal, scale,
+    check_attention_args("oscarmax_attention", query, key, value, attn_mask, dropout_p, is_causal, scale,
                           enable_gqa)
     return _reference.structured_attention(lambda scores: oscarmax(scores, beta, dim=-1), query, key, value,
                                            attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
-def _check_attention_args(name: str, query, key, value, attn_mask, dropout_p, is_causal, scale,
+def check_attention_args(name: str, query, key, value, attn_mask, dropout_p, is_causal, scale,
                           enable_gqa) -> None:
     """The structured attention's arguments, with the argument named (instead of a broadcast
     error from deep inside the scores); the rules and messages of ``entmax_attention``,

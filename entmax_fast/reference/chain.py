@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from .structured import _NanRows, structured_attention
+from .structured import NanRows, structured_attention
 
 __all__ = ["crf_marginals", "sparsemap_marginals", "crf_attention", "sparsemap_attention", "viterbi",
            "sparsemap_active_set", "rows_and_transitions"]
@@ -260,7 +260,7 @@ def _chain_map(rows_fn, scores: torch.Tensor, transitions: torch.Tensor, dim: in
     poisoned = (valid & (torch.isnan(s) | torch.isposinf(s))).any(-1, keepdim=True)
     valid_and_finite = valid & ~poisoned
     s_finite = torch.where(valid_and_finite, s, torch.zeros_like(s))
-    out = rows_fn(s_finite, T, valid_and_finite) + _NanRows.apply(s, poisoned)
+    out = rows_fn(s_finite, T, valid_and_finite) + NanRows.apply(s, poisoned)
     return _from_rows(out, moved_shape, dim, scores.dtype)
 
 

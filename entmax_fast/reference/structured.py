@@ -263,7 +263,7 @@ def _masked_sparsemax(y: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.where(support, y - tau, torch.zeros_like(y))
 
 
-class _NanRows(torch.autograd.Function):
+class NanRows(torch.autograd.Function):
     """NaN in the rows marked ``poisoned`` and 0 elsewhere, with a NaN gradient in those rows
     only; added to a mapping's output, it gives softmax's NaN rows without touching the
     values or gradients of the other rows."""
@@ -323,7 +323,7 @@ def _structured_map(name: str, X: torch.Tensor, reg, reg_name: str, dim: int, le
         out = _masked_sparsemax(_times_pow2(y_work - y_max, exponent), valid_and_finite)
     else:
         out = torch.where(valid, _times_pow2(y_work + shift, exponent), torch.full_like(y_work, float("-inf")))
-    out = out + _NanRows.apply(Z64, poisoned)
+    out = out + NanRows.apply(Z64, poisoned)
     return out.reshape(shape).to(X.dtype).movedim(-1, dim)
 
 
