@@ -51,9 +51,8 @@ import sys
 import torch
 
 from . import dispatch
-from ._validation import (_assert_values, check_alpha_float, check_alpha_tensor, check_backend_alpha,
-                          check_backend_dtype, check_dropout, check_floating, check_gqa_heads, check_like, check_scale,
-                          once_differentiable_grads)
+from ._validation import (_assert_values, check_alpha_float, check_alpha_tensor, check_backend_dtype, check_dropout,
+                          check_floating, check_gqa_heads, check_like, check_scale, once_differentiable_grads)
 from .common import GRAD_ALPHA, GRAD_INPUTS, GRAD_NONE, alpha_vector
 from .reference.attention import NO_WINDOW, is_empty_attention, zero_attention
 
@@ -100,7 +99,6 @@ class AttentionFunction(torch.autograd.Function):
         (forward, backward), choice = dispatch.select("attention",
                                                       dispatch.Request(query.device, query.dtype, request_options))
         check_backend_dtype(choice, query)
-        check_backend_alpha(choice, alpha)
         out, saved = forward(query, key, value, attn_mask, alpha, sinks=sinks, alibi_slopes=alibi_slopes, **options)
         alpha_tensor = alpha if isinstance(alpha, torch.Tensor) else None
         ctx.save_for_backward(query, key, value, attn_mask, alpha_tensor, sinks, alibi_slopes, out, *saved)
@@ -131,7 +129,6 @@ class AttentionVarlenFunction(torch.autograd.Function):
         (forward, backward), choice = dispatch.select("attention_varlen",
                                                       dispatch.Request(q.device, q.dtype, request_options))
         check_backend_dtype(choice, q)
-        check_backend_alpha(choice, alpha)
         out, saved = forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *lengths, alpha, sinks=sinks,
                              alibi_slopes=alibi_slopes, **options)
         alpha_tensor = alpha if isinstance(alpha, torch.Tensor) else None

@@ -12,7 +12,7 @@ import math
 import torch
 
 from . import dispatch
-from ._validation import check_backend_alpha, check_backend_dtype
+from ._validation import check_backend_dtype
 from .attention import NO_WINDOW, _per_head, attention_request, checked_arguments
 from .common import compute_dtype
 from .mappings import entmax_bisect
@@ -97,7 +97,6 @@ def support_size(query, key, attn_mask=None, is_causal=False, scale=None, enable
     (forward, _), choice = dispatch.select("attention_support",
                                            dispatch.Request(query.device, query.dtype, request_options))
     check_backend_dtype(choice, query)
-    check_backend_alpha(choice, alpha)
     with torch.no_grad():
         return forward(query, key, attn_mask, _per_head(alpha, heads), scale=scale, is_causal=is_causal,
                        enable_gqa=bool(enable_gqa), window_size=(window_size[0], 0) if lower_right else window_size,
