@@ -228,23 +228,6 @@ def check_backend_dtype(choice, tensor: torch.Tensor) -> None:
                         "results; use float32/float16, or the cpp/reference backend for bfloat16 on CPU")
 
 
-# The ops whose Triton kernels are the fused attention's, which take 1 < alpha <= 2 only
-# (their threshold search relies on convexity); the Triton backend's supports() refuses a
-# float alpha outside, and a per-head tensor is checked here, once the backend is known.
-_FUSED_ALPHA_OPS = ("attention", "attention_varlen", "attention_support")
-
-
-def check_backend_alpha(choice, alpha) -> None:
-    """A per-head alpha tensor the chosen backend cannot compute is an error, not a wrong
-    result: the fused Triton attention kernels take 1 < alpha <= 2 (alpha = 1 would give
-    NaN, alpha > 2 a wrong threshold). Checked without a host sync on GPUs."""
-    if choice.backend == "triton" and choice.op in _FUSED_ALPHA_OPS and isinstance(alpha, torch.Tensor):
-        _assert_values((alpha > 1) & (alpha <= 2),
-                       f"{choice.op}: the fused Triton kernels take a per-head alpha in (1, 2]; a float alpha "
-                       "outside it runs on another backend, or force one with entmax_fast.use_backend",
-                       got=lambda: alpha.tolist())
-
-
 class _NoDoubleBackward(torch.autograd.Function):
     """Identity on the first-order gradients whose own backward raises: differentiating them
     again fails loudly instead of silently dropping a term."""

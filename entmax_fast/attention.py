@@ -50,7 +50,7 @@ import sys
 import torch
 
 from . import dispatch
-from ._validation import (_assert_values, causal_bias, check_backend_alpha, check_backend_dtype,
+from ._validation import (_assert_values, causal_bias, check_backend_dtype,
                           check_dropout_scale_alpha, check_floating, check_gqa_heads, check_is_causal, check_like,
                           check_score_options, once_differentiable_grads)
 from .common import GRAD_ALPHA, GRAD_INPUTS, GRAD_NONE, NO_WINDOW, per_head_alpha
@@ -94,7 +94,6 @@ class AttentionFunction(torch.autograd.Function):
         (forward, backward), choice = dispatch.select("attention",
                                                       dispatch.Request(query.device, query.dtype, request_options))
         check_backend_dtype(choice, query)
-        check_backend_alpha(choice, alpha)
         out, saved = forward(query, key, value, attn_mask, alpha, sinks=sinks, alibi_slopes=alibi_slopes, **options)
         alpha_tensor = alpha if isinstance(alpha, torch.Tensor) else None
         ctx.save_for_backward(query, key, value, attn_mask, alpha_tensor, sinks, alibi_slopes, out, *saved)
@@ -125,7 +124,6 @@ class AttentionVarlenFunction(torch.autograd.Function):
         (forward, backward), choice = dispatch.select("attention_varlen",
                                                       dispatch.Request(q.device, q.dtype, request_options))
         check_backend_dtype(choice, q)
-        check_backend_alpha(choice, alpha)
         out, saved = forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *lengths, alpha, sinks=sinks,
                              alibi_slopes=alibi_slopes, **options)
         alpha_tensor = alpha if isinstance(alpha, torch.Tensor) else None

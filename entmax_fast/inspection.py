@@ -12,7 +12,7 @@ import math
 import torch
 
 from . import dispatch
-from ._validation import check_backend_alpha, check_backend_dtype
+from ._validation import check_backend_dtype
 from .attention import attention_request, checked_arguments
 from .common import NO_WINDOW, compute_dtype, per_head_alpha
 from .mappings import entmax_bisect
@@ -122,7 +122,6 @@ def support_size(query, key, attn_mask=None, is_causal=False, scale=None, enable
     (forward, _), choice = dispatch.select("attention_support",
                                            dispatch.Request(query.device, query.dtype, request_options))
     check_backend_dtype(choice, query)
-    check_backend_alpha(choice, alpha)
     with torch.no_grad():
         return forward(query, key, attn_mask, per_head_alpha(alpha, heads), scale=scale, is_causal=is_causal,
                        enable_gqa=bool(enable_gqa), window_size=(window_size[0], 0) if lower_right else window_size,

@@ -472,6 +472,16 @@ def _alpha_heads(alpha, n_heads, device):
     return common.alpha_vector(alpha, n_heads, device, torch.float32).contiguous()
 
 
+def _alpha_kind(alpha):
+    """The kernels' ALPHA_KIND for alpha: the closed forms of 1.5 and 2, the general kind
+    (one alpha per head, read from the (H,) tensor) for every other alpha, a python float
+    1 included: the fused kernels have no softmax kind of their own, their general kind
+    runs a head at alpha 1 as softmax (triton_kernels/attention_common.py, "A per-head
+    alpha")."""
+    kind = common.alpha_kind(alpha)
+    return common.ALPHA_GENERAL if kind == common.ALPHA_SOFTMAX else kind
+
+
 def _alpha_grad(dalpha_heads, alpha, need_alpha_grad):
     """The (H,) fp32 dα of the kernels as the gradient of ``alpha`` (its shape and dtype);
     None for a python-float alpha or when not asked."""
@@ -487,7 +497,7 @@ def _forward(q, k, v, attn_mask, alpha, cu_q, cu_k, max_q, max_k, scale, is_caus
     seed = _seed(dropout_p, q.device)
     out, stats, dvec, flags = torch.ops.entmax_fast.triton_attention_fwd(
         q, k, v, attn_mask, alpha_heads, seed, cu_q, cu_k, max_q, max_k, float(dropout_p),
-        bool(is_causal), float(scale), common.alpha_kind(alpha), int(need_grad),
+        bool(is_causal), float(scale), _alpha_kind(alpha), int(need_grad),
         int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes, sinks)
     return out, (stats, dvec, flags, seed)
 
@@ -501,7 +511,7 @@ def _backward(grad_out, q, k, v, attn_mask, alpha, out, saved, cu_q, cu_k, max_q
     need_sinks_grad = bool(need_sinks_grad) and sinks is not None
     dq, dk, dv, dalpha, dsinks = torch.ops.entmax_fast.triton_attention_bwd(
         grad_out, q, k, v, out, dvec, stats, flags, attn_mask, alpha_heads, seed, cu_q, cu_k,
-        max_q, max_k, float(dropout_p), bool(is_causal), float(scale), common.alpha_kind(alpha),
+        max_q, max_k, float(dropout_p), bool(is_causal), float(scale), _alpha_kind(alpha),
         need_alpha_grad, int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes,
         sinks, need_sinks_grad)
     return (dq, dk, dv, _alpha_grad(dalpha, alpha, need_alpha_grad),
@@ -516,7 +526,7 @@ def attention_forward(query, key, value, attn_mask, alpha, *, scale, is_causal, 
     query (B, H, Lq, E), key (B, Hkv, Lk, E), value (B, Hkv, Lk, Ev) -> out (B, H, Lq, Ev);
     H a multiple of Hkv (GQA: the kernels read the group from the shapes, so enable_gqa
     changes nothing here). attn_mask: None, bool (True = attend) or additive, broadcastable
-    to (B, H, Lq, Lk). alpha: float in (1, 2] or (H,) tensor. need_grad: common.GRAD_*,
+    to (B, H, Lq, Lk). alpha: float >= 1 or (H,) tensor. need_grad: common.GRAD_*,
     what the backward will need (the D-vector; the row entropy as well for dα).
 
     Returns (out, saved), saved = (stats, dvec, flags, seed): the row statistics, the
@@ -593,6 +603,6 @@ def attention_support_forward(query, key, attn_mask, alpha, *, scale, is_causal,
                                    alibi_slopes, sinks)
     counts = torch.ops.entmax_fast.triton_attention_support(
         query, key, stats, attn_mask, _alpha_heads(alpha, query.shape[1], query.device),
-        bool(is_causal), float(scale), common.alpha_kind(alpha), int(window_size[0]),
+        bool(is_causal), float(scale), _alpha_kind(alpha), int(window_size[0]),
         int(window_size[1]), float(softcap), alibi_slopes)
     return counts.to(torch.int64)
