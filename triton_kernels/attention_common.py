@@ -508,7 +508,8 @@ def dot_rows(b_a, b_bt, p_a, stride_a, o_a, n_a, p_b, stride_b, o_b, n_b, width,
 # Score options a kernel is compiled with (its OPTIONS, a sum of these; docs/attention.md,
 # "Score options"): each adds its per-score work only where set, so that a kernel compiled
 # without them is the kernel without options.
-SCORE_WINDOW, SCORE_SOFTCAP, SCORE_ALIBI, SCORE_SINK = 1, 2, 4, 8
+SCORE_WINDOW, SCORE_SOFTCAP, SCORE_ALIBI, SCORE_SINK = (common.SCORE_WINDOW, common.SCORE_SOFTCAP,
+                                                    common.SCORE_ALIBI, common.SCORE_SINK)
 SCORE_WINDOW_C = tl.constexpr(SCORE_WINDOW)
 SCORE_SOFTCAP_C = tl.constexpr(SCORE_SOFTCAP)
 SCORE_ALIBI_C = tl.constexpr(SCORE_ALIBI)
