@@ -562,10 +562,10 @@ def _kernel_bits_before(window_bounds, softcap, alibi_slopes, sinks):
 @pytest.mark.skipif(ON_GPU, reason="records the launches instead of running them")
 def test_kernel_bits_and_option_arguments_of_every_combination_are_unchanged(monkeypatch):
     """Every combination of the score options (no window, a window, flash-attn's causal
-    window, a lower-right causal mask; softcap; ALiBi; sinks) launches the forward, support
-    and decoding kernels with the OPTIONS and option arguments they had before the options
-    became one value (launches recorded, not run): with the options off the kernels are the
-    same specialisations."""
+    window, a lower-right causal mask; softcap; ALiBi; sinks) launches the forward, backward,
+    support and decoding kernels with the OPTIONS and option arguments they had before the
+    options became one value (launches recorded, not run): with the options off the kernels
+    are the same specialisations."""
     from torch.nn.attention.bias import causal_lower_right
 
     from entmax_fast.backends.triton import kvcache as triton_kvcache
@@ -574,6 +574,8 @@ def test_kernel_bits_and_option_arguments_of_every_combination_are_unchanged(mon
     assert (attention_common.SCORE_WINDOW, attention_common.SCORE_SOFTCAP, attention_common.SCORE_ALIBI,
             attention_common.SCORE_SINK) == (1, 2, 4, 8)
     forward = _record_launch(monkeypatch, attention_fwd, "entmax_attn_fwd_kernel", raising=False)
+    backward_dq = _record_launch(monkeypatch, attention_bwd, "entmax_attn_bwd_dq_kernel", raising=False)
+    backward_dkdv = _record_launch(monkeypatch, attention_bwd, "entmax_attn_bwd_dkdv_kernel", raising=False)
     support = _record_launch(monkeypatch, attention_support, "entmax_attn_support_kernel")
     decode = _record_launch(monkeypatch, triton_kvcache, "kvcache_scores_kernel")
     heads, lq, lk = 2, 3, 5
@@ -586,14 +588,16 @@ def test_kernel_bits_and_option_arguments_of_every_combination_are_unchanged(mon
         mask = causal_lower_right(lq, lk) if lower_right else None
         bounds = (window[0], 0) if lower_right else window
         bits = _kernel_bits_before(bounds, softcap, alibi, sinks)
-        with torch.no_grad():
-            triton_attention(q, k, v, mask, **options)
-        for args, kwargs in forward:
+        leaf = q.clone().requires_grad_()
+        triton_attention(leaf, k, v, mask, **options).sum().backward()
+        for args, kwargs in forward + backward_dq:
             assert kwargs["OPTIONS"] == bits
             assert args[-7:-4] == bounds + (softcap,) and [type(a) for a in args[-7:-4]] == [int, int, float]
             assert args[-3:-1] == ((0, 0) if alibi is None else (0, 1))
+        (args, kwargs), = backward_dkdv
+        assert kwargs["OPTIONS"] == bits and args[-6:-3] == bounds + (softcap,)
         assert forward
-        forward.clear()
+        forward.clear(), backward_dq.clear(), backward_dkdv.clear()
         with pytest.raises(_Launched), entmax_fast.use_backend("triton"):
             entmax_fast.support_size(q, k, mask, **options)
         assert forward and all(kwargs["OPTIONS"] == bits for _, kwargs in forward)
