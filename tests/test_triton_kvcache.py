@@ -76,7 +76,8 @@ def test_matches_the_oracle_and_the_reference(name, lq, paged, alpha):
         v_cache, _ = _paged(v_cache)
     out = _decode(q, k_cache, v_cache, SEQLENS, alpha, options, table)
     reference = reference_ops.attention_kvcache_forward(q, k_cache, v_cache, torch.tensor(SEQLENS, dtype=torch.int32),
-                                                        table, alpha, scale=SCALE, score_options=ScoreOptions(**options))
+                                                        table, alpha, scale=SCALE,
+                                                        score_options=ScoreOptions(**options))
     assert out.dtype == torch.float32 and out.shape == (B, H, lq, EV)
     assert _error(out, expected) <= OUT_TOL
     assert _error(reference, expected) <= OUT_TOL

@@ -187,7 +187,8 @@ def _score_option_args(score_options, q):
     else:
         slopes = alibi_slopes.to(torch.float32)
         strides = (0, slopes.stride(0)) if slopes.dim() == 1 else tuple(slopes.stride())
-    return score_options.kernel_bits, (window_left, window_right, softcap, slopes, *strides), sinks_arg
+    return (score_options.kernel_bits, (window_left, window_right, softcap, slopes, *strides),
+            sinks_arg)
 
 
 def _launch_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is_causal, scale,
