@@ -2,11 +2,15 @@
 expected vs got. Value checks on tensors never sync a GPU (``torch._assert_async``)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import sys
+from typing import Optional
 
 import torch
+
+from .common import NO_WINDOW, SCORE_ALIBI, SCORE_SINK, SCORE_SOFTCAP, SCORE_WINDOW
 
 
 def check_floating(name: str, tensor) -> None:
@@ -170,8 +174,87 @@ def _check_head_tensor(name, tensor, shapes, like_name, like):
         raise ValueError(f"{name} must have shape {' or '.join(map(str, shapes))}, got {tuple(tensor.shape)}")
 
 
-def check_score_options(window_size, softcap, alibi_slopes, sinks, batch, heads, like_name, like):
-    """The score options shared by the attention forms; returns (window_size, softcap)."""
+# The score options by their dispatch.Request flag (set only when the option is in use), with
+# the name a backend's refusal gives each (backends.unimplemented_score_options).
+SCORE_OPTIONS = {
+    "window": "window_size",
+    "lower_right_causal": "a lower-right causal mask (CausalBias causal_lower_right with Lq != Lk)",
+    "softcap": "softcap",
+    "alibi_slopes": "alibi_slopes",
+    "sinks": "sinks",
+}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ScoreOptions:
+    """An attention call's score options (docs/attention.md, "Score options"), checked once
+    by :func:`check_score_options`; the one place that says which are in use, what the
+    kernels are compiled with, and the window a lower-right causal mask amounts to.
+
+    window_size: (left, right) ints, -1 unbounded; softcap: float, 0 none; alibi_slopes:
+    None, (H,) or (B, H); sinks: None or (H,); lower_right: a lower-right causal mask with
+    Lq != Lk (the window's right bound 0). Immutable, so torch.compile traces it as a
+    constant but for its tensors; custom ops take it flat (:meth:`flat`, :meth:`from_flat`).
+    """
+    window_size: tuple = NO_WINDOW
+    softcap: float = 0.0
+    alibi_slopes: Optional[torch.Tensor] = None
+    sinks: Optional[torch.Tensor] = None
+    lower_right: bool = False
+
+    @property
+    def window_bounds(self) -> tuple:
+        """The (left, right) bounds the scores are masked to: window_size, with the right
+        bound 0 under a lower-right causal mask (pos - left <= j <= pos)."""
+        return (self.window_size[0], 0) if self.lower_right else self.window_size
+
+    @property
+    def in_use(self) -> tuple:
+        """The options in use, as their SCORE_OPTIONS flags, in that order."""
+        used = {"window": self.window_size != NO_WINDOW, "lower_right_causal": self.lower_right,
+                "softcap": self.softcap > 0, "alibi_slopes": self.alibi_slopes is not None,
+                "sinks": self.sinks is not None}
+        return tuple(flag for flag in SCORE_OPTIONS if used[flag])
+
+    def request_flags(self) -> dict:
+        """The dispatch.Request options of the options in use: only those in use are set, so
+        that a call without options is memoised under the key it has without them."""
+        return {flag: True for flag in self.in_use}
+
+    @property
+    def kernel_bits(self) -> int:
+        """The fused kernels' OPTIONS (common.SCORE_*): the window when window_bounds bound
+        anything (a lower-right causal mask included), the softcap, ALiBi, the sink."""
+        return ((SCORE_WINDOW if self.window_bounds != NO_WINDOW else 0) | (SCORE_SOFTCAP if self.softcap > 0 else 0)
+                | (SCORE_ALIBI if self.alibi_slopes is not None else 0) | (SCORE_SINK if self.sinks is not None else 0))
+
+    def with_tensors(self, alibi_slopes, sinks) -> "ScoreOptions":
+        """The same options holding these tensors (those an autograd.Function received, or
+        None while the tensors are saved for the backward)."""
+        return ScoreOptions(self.window_size, self.softcap, alibi_slopes, sinks, self.lower_right)
+
+    def keywords(self) -> dict:
+        """The options as entmax_attention's keywords (and the reference's), a lower-right
+        causal mask as the window's right bound 0."""
+        return {"window_size": self.window_bounds, "softcap": self.softcap, "alibi_slopes": self.alibi_slopes,
+                "sinks": self.sinks}
+
+    def flat(self) -> tuple:
+        """(window_left, window_right, softcap, alibi_slopes, sinks), the lower-right mask as
+        the window's right bound: the arguments of a custom op's schema."""
+        left, right = self.window_bounds
+        return int(left), int(right), float(self.softcap), self.alibi_slopes, self.sinks
+
+    @classmethod
+    def from_flat(cls, window_left, window_right, softcap, alibi_slopes, sinks) -> "ScoreOptions":
+        """The options a custom op received flat (:meth:`flat`)."""
+        return cls((int(window_left), int(window_right)), float(softcap), alibi_slopes, sinks)
+
+
+def check_score_options(window_size, softcap, alibi_slopes, sinks, batch, heads, like_name, like,
+                        lower_right=False) -> ScoreOptions:
+    """The score options shared by the attention forms, checked, as a :class:`ScoreOptions`
+    (``lower_right``: a lower-right causal mask with Lq != Lk, already resolved)."""
     window_size = check_window_size(window_size)
     softcap = check_softcap(softcap)
     if alibi_slopes is not None:
@@ -182,7 +265,7 @@ def check_score_options(window_size, softcap, alibi_slopes, sinks, batch, heads,
                              "(e.g. alibi_slopes.detach())")
     if sinks is not None:
         _check_head_tensor("sinks", sinks, ((heads,),), like_name, like)
-    return window_size, softcap
+    return ScoreOptions(window_size, softcap, alibi_slopes, sinks, bool(lower_right))
 
 
 def causal_bias(attn_mask):
@@ -226,23 +309,6 @@ def check_backend_dtype(choice, tensor: torch.Tensor) -> None:
     if choice.backend == "triton" and tensor.device.type == "cpu" and tensor.dtype == torch.bfloat16:
         raise TypeError(f"{choice.op}: the Triton backend on CPU tensors (the interpreter) gives wrong bfloat16 "
                         "results; use float32/float16, or the cpp/reference backend for bfloat16 on CPU")
-
-
-# The ops whose Triton kernels are the fused attention's, which take 1 < alpha <= 2 only
-# (their threshold search relies on convexity); the Triton backend's supports() refuses a
-# float alpha outside, and a per-head tensor is checked here, once the backend is known.
-_FUSED_ALPHA_OPS = ("attention", "attention_varlen", "attention_support")
-
-
-def check_backend_alpha(choice, alpha) -> None:
-    """A per-head alpha tensor the chosen backend cannot compute is an error, not a wrong
-    result: the fused Triton attention kernels take 1 < alpha <= 2 (alpha = 1 would give
-    NaN, alpha > 2 a wrong threshold). Checked without a host sync on GPUs."""
-    if choice.backend == "triton" and choice.op in _FUSED_ALPHA_OPS and isinstance(alpha, torch.Tensor):
-        _assert_values((alpha > 1) & (alpha <= 2),
-                       f"{choice.op}: the fused Triton kernels take a per-head alpha in (1, 2]; a float alpha "
-                       "outside it runs on another backend, or force one with entmax_fast.use_backend",
-                       got=lambda: alpha.tolist())
 
 
 class _NoDoubleBackward(torch.autograd.Function):

@@ -50,7 +50,7 @@ import sys
 import torch
 
 from . import dispatch
-from ._validation import (_assert_values, causal_bias, check_backend_alpha, check_backend_dtype,
+from ._validation import (_assert_values, causal_bias, check_backend_dtype,
                           check_dropout_scale_alpha, check_floating, check_gqa_heads, check_is_causal, check_like,
                           check_score_options, once_differentiable_grads)
 from .common import GRAD_ALPHA, GRAD_INPUTS, GRAD_NONE, NO_WINDOW, per_head_alpha
@@ -90,17 +90,20 @@ class AttentionFunction(torch.autograd.Function):
     Once differentiable: the gradients raise when differentiated again."""
 
     @staticmethod
-    def forward(ctx, query, key, value, attn_mask, alpha, sinks, alibi_slopes, options, request_options):
+    def forward(ctx, query, key, value, attn_mask, alpha, sinks, alibi_slopes, score_options, options,
+                request_options):
         (forward, backward), choice = dispatch.select("attention",
                                                       dispatch.Request(query.device, query.dtype, request_options))
         check_backend_dtype(choice, query)
-        check_backend_alpha(choice, alpha)
-        out, saved = forward(query, key, value, attn_mask, alpha, sinks=sinks, alibi_slopes=alibi_slopes, **options)
+        # The backend gets the tensors autograd tracks (sinks, alibi_slopes are inputs of their own).
+        score_options = score_options.with_tensors(alibi_slopes, sinks)
+        out, saved = forward(query, key, value, attn_mask, alpha, score_options=score_options, **options)
         alpha_tensor = alpha if isinstance(alpha, torch.Tensor) else None
         ctx.save_for_backward(query, key, value, attn_mask, alpha_tensor, sinks, alibi_slopes, out, *saved)
         ctx.alpha_float = None if alpha_tensor is not None else alpha
         ctx.backward_impl, ctx.backend = backward, choice.backend
         ctx.options = {name: value for name, value in options.items() if name != "need_grad"}
+        ctx.score_options = score_options.with_tensors(None, None)
         return out
 
     @staticmethod
@@ -108,11 +111,12 @@ class AttentionFunction(torch.autograd.Function):
         query, key, value, attn_mask, alpha_tensor, sinks, alibi_slopes, out, *saved = ctx.saved_tensors
         alpha = ctx.alpha_float if alpha_tensor is None else alpha_tensor
         grads = ctx.backward_impl(grad_out, query, key, value, attn_mask, alpha, out, tuple(saved), **ctx.options,
-                                  sinks=sinks, alibi_slopes=alibi_slopes, need_mask_grad=ctx.needs_input_grad[3],
-                                  need_alpha_grad=ctx.needs_input_grad[4], need_sinks_grad=ctx.needs_input_grad[5])
+                                  score_options=ctx.score_options.with_tensors(alibi_slopes, sinks),
+                                  need_mask_grad=ctx.needs_input_grad[3], need_alpha_grad=ctx.needs_input_grad[4],
+                                  need_sinks_grad=ctx.needs_input_grad[5])
         grads = once_differentiable_grads(f"entmax attention ({ctx.backend} backend)", grads,
                                           (query, key, value, attn_mask, alpha_tensor, sinks, grad_out))
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)
 
 
 class AttentionVarlenFunction(torch.autograd.Function):
@@ -120,19 +124,20 @@ class AttentionVarlenFunction(torch.autograd.Function):
     ``"attention_varlen"``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, alpha, sinks, alibi_slopes, lengths, options,
-                request_options):
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, alpha, sinks, alibi_slopes, score_options, lengths,
+                options, request_options):
         (forward, backward), choice = dispatch.select("attention_varlen",
                                                       dispatch.Request(q.device, q.dtype, request_options))
         check_backend_dtype(choice, q)
-        check_backend_alpha(choice, alpha)
-        out, saved = forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *lengths, alpha, sinks=sinks,
-                             alibi_slopes=alibi_slopes, **options)
+        score_options = score_options.with_tensors(alibi_slopes, sinks)
+        out, saved = forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *lengths, alpha, score_options=score_options,
+                             **options)
         alpha_tensor = alpha if isinstance(alpha, torch.Tensor) else None
         ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, alpha_tensor, sinks, alibi_slopes, out, *saved)
         ctx.alpha_float = None if alpha_tensor is not None else alpha
         ctx.backward_impl, ctx.backend, ctx.lengths = backward, choice.backend, lengths
         ctx.options = {name: value for name, value in options.items() if name != "need_grad"}
+        ctx.score_options = score_options.with_tensors(None, None)
         return out
 
     @staticmethod
@@ -140,11 +145,12 @@ class AttentionVarlenFunction(torch.autograd.Function):
         q, k, v, cu_seqlens_q, cu_seqlens_k, alpha_tensor, sinks, alibi_slopes, out, *saved = ctx.saved_tensors
         alpha = ctx.alpha_float if alpha_tensor is None else alpha_tensor
         grads = ctx.backward_impl(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, *ctx.lengths, alpha, out,
-                                  tuple(saved), **ctx.options, sinks=sinks, alibi_slopes=alibi_slopes,
+                                  tuple(saved), **ctx.options,
+                                  score_options=ctx.score_options.with_tensors(alibi_slopes, sinks),
                                   need_alpha_grad=ctx.needs_input_grad[5], need_sinks_grad=ctx.needs_input_grad[6])
         dq, dk, dv, dalpha, dsinks = once_differentiable_grads(f"entmax attention varlen ({ctx.backend} backend)",
                                                                grads, (q, k, v, alpha_tensor, sinks, grad_out))
-        return dq, dk, dv, None, None, dalpha, dsinks, None, None, None, None
+        return dq, dk, dv, None, None, dalpha, dsinks, None, None, None, None, None
 
 
 def _resolve_causal_bias(bias, lq, lk, is_causal):
@@ -159,31 +165,13 @@ def _resolve_causal_bias(bias, lq, lk, is_causal):
     return is_causal, True
 
 
-def score_request(request_options, window_size, lower_right, softcap, alibi_slopes, sinks):
-    """The score options in use, as dispatch.Request flags (backends.SCORE_OPTIONS); only those
-    in use are added, so an ordinary call's choice is memoised under the key it had before."""
-    if window_size != NO_WINDOW:
-        request_options["window"] = True
-    if lower_right:
-        request_options["lower_right_causal"] = True
-    if softcap > 0:
-        request_options["softcap"] = True
-    if alibi_slopes is not None:
-        request_options["alibi_slopes"] = True
-    if sinks is not None:
-        request_options["sinks"] = True
-    return request_options
-
-
-def attention_request(query, value, attn_mask, alpha, dropout_p, is_causal, window_size, lower_right, softcap,
-                      alibi_slopes, sinks) -> dict:
+def attention_request(query, value, attn_mask, alpha, dropout_p, is_causal, score_options) -> dict:
     """The dispatch.Request options of an attention call with checked arguments."""
-    request_options = {"alpha": alpha if isinstance(alpha, float) else "tensor", "dropout_p": float(dropout_p),
-                       "head_dim": max(query.shape[-1], value.shape[-1]), "is_causal": bool(is_causal),
-                       "mask": None if attn_mask is None else attn_mask.dtype,
-                       "mask_requires_grad": attn_mask is not None and attn_mask.requires_grad
-                       and torch.is_grad_enabled()}
-    return score_request(request_options, window_size, lower_right, softcap, alibi_slopes, sinks)
+    return {"alpha": alpha if isinstance(alpha, float) else "tensor", "dropout_p": float(dropout_p),
+            "head_dim": max(query.shape[-1], value.shape[-1]), "is_causal": bool(is_causal),
+            "mask": None if attn_mask is None else attn_mask.dtype,
+            "mask_requires_grad": attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled(),
+            **score_options.request_flags()}
 
 
 def check_attention_args(query, key, value, attn_mask, dropout_p, scale, enable_gqa, alpha):
@@ -223,7 +211,7 @@ def check_attention_args(query, key, value, attn_mask, dropout_p, scale, enable_
 def checked_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alpha, window_size,
                       softcap, alibi_slopes, sinks):
     """:func:`entmax_attention`'s arguments checked, a CausalBias mask resolved: (attn_mask
-    tensor or None, is_causal, lower_right, alpha, window_size, softcap)."""
+    tensor or None, is_causal, alpha, ScoreOptions)."""
     check_is_causal(is_causal)
     bias = causal_bias(attn_mask)
     if bias is not None:
@@ -232,9 +220,9 @@ def checked_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale,
     lower_right = False
     if bias is not None:
         is_causal, lower_right = _resolve_causal_bias(bias, query.shape[2], key.shape[2], bool(is_causal))
-    window_size, softcap = check_score_options(window_size, softcap, alibi_slopes, sinks, query.shape[0],
-                                                query.shape[1], "query", query)
-    return attn_mask, is_causal, lower_right, alpha, window_size, softcap
+    score_options = check_score_options(window_size, softcap, alibi_slopes, sinks, query.shape[0], query.shape[1],
+                                        "query", query, lower_right)
+    return attn_mask, is_causal, alpha, score_options
 
 
 def entmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -294,7 +282,7 @@ def entmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
         >>> alpha.grad.shape
         torch.Size([8])
     """
-    attn_mask, is_causal, lower_right, alpha, window_size, softcap = checked_arguments(
+    attn_mask, is_causal, alpha, score_options = checked_arguments(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, alpha, window_size, softcap,
         alibi_slopes, sinks)
     if is_empty_attention(query, key, value):
@@ -306,16 +294,13 @@ def entmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
         scale = 1.0
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    request_options = attention_request(query, value, attn_mask, alpha, dropout_p, is_causal, window_size, lower_right,
-                                        softcap, alibi_slopes, sinks)
-    # A lower-right causal mask is the window's right bound 0 (pos − left ≤ j ≤ pos).
-    kernel_window = (window_size[0], 0) if lower_right else window_size
+    request_options = attention_request(query, value, attn_mask, alpha, dropout_p, is_causal, score_options)
     options = {"scale": float(scale), "is_causal": bool(is_causal), "dropout_p": float(dropout_p),
-               "enable_gqa": bool(enable_gqa), "need_grad": _grad_level((query, key, value, attn_mask, sinks), alpha),
-               "window_size": kernel_window, "softcap": softcap}
-    query, key, value, attn_mask, sinks, alibi_slopes = _distinct(query, key, value, attn_mask, sinks, alibi_slopes)
-    return AttentionFunction.apply(query, key, value, attn_mask, per_head_alpha(alpha, query.shape[1]), sinks, alibi_slopes,
-                                   options, request_options)
+               "enable_gqa": bool(enable_gqa), "need_grad": _grad_level((query, key, value, attn_mask, sinks), alpha)}
+    query, key, value, attn_mask, sinks, alibi_slopes = _distinct(query, key, value, attn_mask, score_options.sinks,
+                                                                  score_options.alibi_slopes)
+    return AttentionFunction.apply(query, key, value, attn_mask, per_head_alpha(alpha, query.shape[1]), sinks,
+                                   alibi_slopes, score_options, options, request_options)
 
 
 def sparsemax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -413,16 +398,16 @@ def entmax_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     _check_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
     _check_offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
     alpha = check_dropout_scale_alpha(dropout_p, scale, alpha, q.shape[1], q)
-    window_size, softcap = check_score_options(window_size, softcap, alibi_slopes, sinks, cu_seqlens_q.shape[0] - 1,
-                                                q.shape[1], "q", q)
+    score_options = check_score_options(window_size, softcap, alibi_slopes, sinks, cu_seqlens_q.shape[0] - 1,
+                                        q.shape[1], "q", q)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     request_options = {"alpha": alpha if isinstance(alpha, float) else "tensor", "dropout_p": float(dropout_p),
-                       "head_dim": max(q.shape[-1], v.shape[-1]), "is_causal": bool(is_causal)}
-    score_request(request_options, window_size, False, softcap, alibi_slopes, sinks)
+                       "head_dim": max(q.shape[-1], v.shape[-1]), "is_causal": bool(is_causal),
+                       **score_options.request_flags()}
     options = {"scale": float(scale), "is_causal": bool(is_causal), "dropout_p": float(dropout_p),
-               "need_grad": _grad_level((q, k, v, sinks), alpha), "window_size": window_size, "softcap": softcap}
-    q, k, v, sinks, alibi_slopes = _distinct(q, k, v, sinks, alibi_slopes)
+               "need_grad": _grad_level((q, k, v, sinks), alpha)}
+    q, k, v, sinks, alibi_slopes = _distinct(q, k, v, score_options.sinks, score_options.alibi_slopes)
     return AttentionVarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, per_head_alpha(alpha, q.shape[1]), sinks,
-                                         alibi_slopes, (int(max_seqlen_q), int(max_seqlen_k)), options,
+                                         alibi_slopes, score_options, (int(max_seqlen_q), int(max_seqlen_k)), options,
                                          request_options)

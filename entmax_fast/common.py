@@ -30,6 +30,13 @@ GRAD_ALPHA = 2
 # window_size (left, right) that bounds nothing: FlashAttention's -1 = unbounded.
 NO_WINDOW = (-1, -1)
 
+# SCORE_*: the score options a fused attention kernel is compiled with (its OPTIONS, a sum of
+# these; _validation.ScoreOptions.kernel_bits): each adds its work only where set.
+SCORE_WINDOW = 1
+SCORE_SOFTCAP = 2
+SCORE_ALIBI = 4
+SCORE_SINK = 8
+
 # PROX_*: the proximal operator of a structured mapping (fusedmax: TV, oscarmax: OSCAR).
 PROX_TV = 0
 PROX_OSCAR = 1

@@ -12,7 +12,7 @@ import math
 import torch
 
 from . import dispatch
-from ._validation import check_backend_alpha, check_backend_dtype
+from ._validation import check_backend_dtype
 from .attention import attention_request, checked_arguments
 from .common import NO_WINDOW, compute_dtype, per_head_alpha
 from .mappings import entmax_bisect
@@ -23,9 +23,9 @@ __all__ = ["attention_weights", "support_size"]
 
 def _checked(query, key, attn_mask, is_causal, scale, enable_gqa, alpha, window_size, softcap, alibi_slopes, sinks):
     """The arguments checked by entmax_attention's rules and completed as it completes them:
-    (query, key, attn_mask, is_causal, lower_right, alpha, window_size, softcap, scale), E = 0
-    as one zero feature (every key scores 0), the default scale 1/sqrt(E)."""
-    attn_mask, is_causal, lower_right, alpha, window_size, softcap = checked_arguments(
+    (query, key, attn_mask, is_causal, alpha, ScoreOptions, scale), E = 0 as one zero feature
+    (every key scores 0), the default scale 1/sqrt(E)."""
+    attn_mask, is_causal, alpha, score_options = checked_arguments(
         query, key, key, attn_mask, 0.0, is_causal, scale, enable_gqa, alpha, window_size, softcap, alibi_slopes,
         sinks)
     if query.shape[-1] == 0:
@@ -33,19 +33,17 @@ def _checked(query, key, attn_mask, is_causal, scale, enable_gqa, alpha, window_
         scale = 1.0
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    return query, key, attn_mask, bool(is_causal), lower_right, alpha, window_size, softcap, float(scale)
+    return query, key, attn_mask, bool(is_causal), alpha, score_options, float(scale)
 
 
 def _prepared(query, key, attn_mask, is_causal, scale, enable_gqa, alpha, window_size, softcap, alibi_slopes,
               sinks):
     """The checked arguments as the score function wants them: (query and key with H heads in
     the compute dtype, mask, is_causal, scale, alpha, score options)."""
-    query, key, attn_mask, is_causal, lower_right, alpha, window_size, softcap, scale = _checked(
+    query, key, attn_mask, is_causal, alpha, score_options, scale = _checked(
         query, key, attn_mask, is_causal, scale, enable_gqa, alpha, window_size, softcap, alibi_slopes, sinks)
-    if lower_right:
-        window_size = (window_size[0], 0)
-    options = {"query_length": query.shape[2], "window_size": window_size, "softcap": softcap,
-               "alibi_slopes": alibi_slopes}
+    options = {"query_length": query.shape[2], "window_size": score_options.window_bounds,
+               "softcap": score_options.softcap, "alibi_slopes": score_options.alibi_slopes}
     compute = compute_dtype(query.dtype)
     return (query.to(compute), expand_heads(key, query.shape[1]).to(compute), as_4d_mask(attn_mask),
             is_causal, scale, alpha, options)
@@ -112,18 +110,15 @@ def support_size(query, key, attn_mask=None, is_causal=False, scale=None, enable
         >>> entmax_fast.support_size(q, k, scale=1.0, alpha=1.0)           # softmax: every key
         tensor([[[3]]])
     """
-    query, key, attn_mask, is_causal, lower_right, alpha, window_size, softcap, scale = _checked(
+    query, key, attn_mask, is_causal, alpha, score_options, scale = _checked(
         query, key, attn_mask, is_causal, scale, enable_gqa, alpha, window_size, softcap, alibi_slopes, sinks)
     batch, heads, lq, _ = query.shape
     if key.shape[2] == 0 or batch * heads * lq == 0:
         return torch.zeros(batch, heads, lq, dtype=torch.int64, device=query.device)
-    request_options = attention_request(query, key, attn_mask, alpha, 0.0, is_causal, window_size, lower_right,
-                                        softcap, alibi_slopes, sinks)
+    request_options = attention_request(query, key, attn_mask, alpha, 0.0, is_causal, score_options)
     (forward, _), choice = dispatch.select("attention_support",
                                            dispatch.Request(query.device, query.dtype, request_options))
     check_backend_dtype(choice, query)
-    check_backend_alpha(choice, alpha)
     with torch.no_grad():
         return forward(query, key, attn_mask, per_head_alpha(alpha, heads), scale=scale, is_causal=is_causal,
-                       enable_gqa=bool(enable_gqa), window_size=(window_size[0], 0) if lower_right else window_size,
-                       softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+                       enable_gqa=bool(enable_gqa), score_options=score_options)

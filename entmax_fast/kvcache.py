@@ -14,7 +14,6 @@ import torch
 from . import dispatch
 from ._validation import (_assert_values, check_backend_dtype, check_dropout_scale_alpha, check_floating, check_like,
                           check_score_options)
-from .attention import score_request
 from .common import NO_WINDOW, per_head_alpha
 
 __all__ = ["entmax_attention_with_kvcache"]
@@ -150,7 +149,7 @@ def entmax_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_
     _check_new_tokens(k, v, q, k_cache, v_cache)
     block_size, capacity = _check_cache_index(q, k_cache, cache_seqlens, block_table)
     alpha = check_dropout_scale_alpha(0.0, scale, alpha, heads, q)
-    window_size, softcap = check_score_options(window_size, softcap, alibi_slopes, sinks, batch, heads, "q", q)
+    score_options = check_score_options(window_size, softcap, alibi_slopes, sinks, batch, heads, "q", q)
     _check_forward_only(q, k_cache, v_cache, k, v, sinks, alpha)
     seqlens_k = _check_lengths(cache_seqlens, block_table, lq, k is not None, capacity, k_cache.shape[0],
                                block_size)
@@ -159,8 +158,7 @@ def entmax_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_
         _append(v_cache, v, cache_seqlens, block_table)
     if batch * heads * lq == 0 or v_cache.shape[-1] == 0 or capacity == 0:
         return q.new_zeros(batch, heads, lq, v_cache.shape[-1])
-    return _decode(q, k_cache, v_cache, seqlens_k, block_table, alpha, scale, window_size, softcap, alibi_slopes,
-                   sinks)
+    return _decode(q, k_cache, v_cache, seqlens_k, block_table, alpha, scale, score_options)
 
 
 def _check_query_and_caches(q, k_cache, v_cache, paged):
@@ -209,15 +207,14 @@ def _check_forward_only(q, k_cache, v_cache, k, v, sinks, alpha):
                          "or torch.inference_mode(), or pass tensors that do not require grad")
 
 
-def _decode(q, k_cache, v_cache, seqlens_k, block_table, alpha, scale, window_size, softcap, alibi_slopes, sinks):
+def _decode(q, k_cache, v_cache, seqlens_k, block_table, alpha, scale, score_options):
     """The dispatched decoding forward over the first ``seqlens_k[b]`` keys of each cache."""
     head_e = q.shape[-1]
     if scale is None:
         scale = 1.0 / math.sqrt(head_e) if head_e else 1.0
     request_options = {"alpha": alpha if isinstance(alpha, float) else "tensor", "paged": block_table is not None,
-                       "head_dim": max(head_e, v_cache.shape[-1])}
-    score_request(request_options, window_size, False, softcap, alibi_slopes, sinks)
+                       "head_dim": max(head_e, v_cache.shape[-1]), **score_options.request_flags()}
     (forward, _), choice = dispatch.select("attention_kvcache", dispatch.Request(q.device, q.dtype, request_options))
     check_backend_dtype(choice, q)
     return forward(q, k_cache, v_cache, seqlens_k, block_table, per_head_alpha(alpha, q.shape[1]), scale=float(scale),
-                   window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+                   score_options=score_options)

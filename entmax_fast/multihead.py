@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._validation import check_is_causal, check_softcap, check_window_size
+from ._validation import ScoreOptions, check_is_causal, check_softcap, check_window_size
 from .attention import entmax_attention
 from .common import NO_WINDOW
 from .length_scale import LENGTH_SCALES, attended_keys, length_scaled_query
@@ -186,19 +186,18 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
         for name, flag in (("alibi", alibi), ("sinks", sinks)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-        if self.attention == "fusedmax" and (self.window_size != NO_WINDOW or self.softcap or alibi or sinks):
+        # Fixed by the head count: not saved in the state_dict.
+        self.register_buffer("alibi_slopes", alibi_slopes(num_heads).to(device) if alibi else None, persistent=False)
+        self.register_parameter("sinks", nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype))
+                                if sinks else None)
+        if self.attention == "fusedmax" and self._score_options().in_use:
             raise ValueError("attention='fusedmax' takes none of window_size, softcap, alibi, sinks")
-        if self.attention in CHAIN_KINDS and (self.window_size != NO_WINDOW or self.softcap or alibi or sinks
-                                              or length_scale is not None):
+        if self.attention in CHAIN_KINDS and (self._score_options().in_use or length_scale is not None):
             raise ValueError(f"attention={self.attention!r} takes none of window_size, softcap, alibi, sinks, "
                              "length_scale")
         self.register_parameter("chain_transitions",
                                 nn.Parameter(torch.zeros(num_heads, 2, 2, device=device, dtype=dtype))
                                 if self.attention in CHAIN_KINDS else None)
-        # Fixed by the head count: not saved in the state_dict.
-        self.register_buffer("alibi_slopes", alibi_slopes(num_heads).to(device) if alibi else None, persistent=False)
-        self.register_parameter("sinks", nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype))
-                                if sinks else None)
         if length_scale is not None and length_scale not in LENGTH_SCALES:
             raise ValueError(f"length_scale must be None or one of {LENGTH_SCALES}, got {length_scale!r}")
         self.length_scale = length_scale
@@ -401,21 +400,13 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
             merged = merged + _mask_to_float(part, dtype)
         return merged
 
-    def _score_options(self) -> dict:
-        """The keyword arguments of entmax_attention this module's options set."""
-        options = {}
-        if self.window_size != NO_WINDOW:
-            options["window_size"] = self.window_size
-        if self.softcap:
-            options["softcap"] = self.softcap
-        if self.alibi_slopes is not None:
-            options["alibi_slopes"] = self.alibi_slopes
-        if self.sinks is not None:
-            options["sinks"] = self.sinks
-        return options
+    def _score_options(self) -> ScoreOptions:
+        """This module's score options (window_size and softcap checked when it was built)."""
+        return ScoreOptions(self.window_size, self.softcap, self.alibi_slopes, self.sinks)
 
     def _fused_attention(self, q, k, v, mask, dropout_p, is_causal):
-        options = self._score_options()
+        score_options = self._score_options()
+        options = score_options.keywords()
         parallel = active_context_parallel()
         if parallel is not None:
             if self.attention == "fusedmax" or self.attention in CHAIN_KINDS:
@@ -423,7 +414,7 @@ class MultiheadEntmaxAttention(nn.MultiheadAttention):
                                  "entmax_fast.distributed.context_parallel")
             return parallel(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
                             alpha=self._entmax_alpha(q.dtype), **options)
-        if self.attention == "softmax" and not options:
+        if self.attention == "softmax" and not score_options.in_use:
             if is_causal and mask is not None:
                 # Some SDPA kernels refuse an explicit mask together with is_causal: fold it in.
                 causal = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()

@@ -5,6 +5,7 @@ CPU backend through dispatch: a backend runs the options it implements
 (SCORE_OPTIONS_IMPLEMENTED) and refuses the others, naming them, and the call falls back to
 the reference. GPT-OSS's softmax with sinks at α = 1, the softcap's gradient by finite
 differences, torch.compile."""
+import dataclasses
 import importlib
 import itertools
 import math
@@ -15,6 +16,7 @@ from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 import entmax_fast
 from entmax_fast import dispatch
+from entmax_fast._validation import ScoreOptions
 from entmax_fast.backends import triton as triton_backend
 from devices import cpu_backends
 from oracle import as_float64, attention_leaves, oracle_attention, oracle_entmax
@@ -337,9 +339,12 @@ def test_refusals_name_exactly_the_options_a_backend_lacks():
     assert unimplemented_score_options(request, "a backend", {"window", "softcap", "sinks"}) is None
     assert unimplemented_score_options(request, "a backend", {"softcap"}) == \
         "a backend does not implement window_size, sinks yet"
-    refuse_score_options("a backend", (2, 0), 1.0, None, None, implemented={"window", "softcap"})
+    refuse_score_options("a backend", ScoreOptions((2, 0), 1.0), implemented={"window", "softcap"})
     with pytest.raises(RuntimeError, match="a backend has no score option alibi_slopes, sinks; supports"):
-        refuse_score_options("a backend", (2, 0), 0.0, torch.ones(H), torch.zeros(H), implemented={"window"})
+        refuse_score_options("a backend", ScoreOptions((2, 0), 0.0, torch.ones(H), torch.zeros(H)),
+                             implemented={"window"})
+    with pytest.raises(RuntimeError, match="a backend has no score option lower_right_causal; supports"):
+        refuse_score_options("a backend", ScoreOptions(lower_right=True), implemented={"window"})
 
 
 def test_triton_on_cuda_runs_the_options_it_has_and_names_those_it_lacks(monkeypatch):
@@ -369,10 +374,12 @@ def test_backends_raise_if_called_with_an_option_they_lack():
     q, k, v = _inputs(3, 4, torch.float32)
     k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
     options = {"scale": 0.5, "is_causal": False, "dropout_p": 0.0, "enable_gqa": False, "need_grad": 0}
-    reference_out, _ = reference_ops.attention_forward(q, k, v, None, 1.5, **options, softcap=1.0)
+    reference_out, _ = reference_ops.attention_forward(q, k, v, None, 1.5, **options,
+                                                       score_options=ScoreOptions(softcap=1.0))
     assert reference_out.isfinite().all()
     calls = {"window": {"window_size": (1, 1)}, "softcap": {"softcap": 1.0},
              "alibi_slopes": {"alibi_slopes": torch.ones(H)}, "sinks": {"sinks": torch.zeros(H)}}
+    calls = {name: {"score_options": ScoreOptions(**option)} for name, option in calls.items()}
     for backend in set(cpu_backends("attention")) - {"reference"}:
         ops = importlib.import_module(f"entmax_fast.backends.{backend}.{'ops' if backend == 'cpp' else 'attention'}")
         for name, option in calls.items():
@@ -456,3 +463,50 @@ def test_reference_chunks_keep_each_query_at_its_position():
     torch.testing.assert_close(out, expected, **TOL[torch.float64])
     for got, want in zip((dq, dk, dv, dalpha, dsinks), expected_grads):
         torch.testing.assert_close(got, want, **TOL[torch.float64])
+
+
+def test_score_options_value_says_what_is_in_use_its_kernel_bits_and_its_flat_form():
+    """One value derives the options in use (the dispatch flags), the kernels' OPTIONS bits and
+    the window a lower-right causal mask amounts to; flat and back keeps the bits."""
+    from entmax_fast.backends import SCORE_OPTIONS
+    from entmax_fast.common import SCORE_ALIBI, SCORE_SINK, SCORE_SOFTCAP, SCORE_WINDOW
+
+    slopes, sinks = torch.rand(H), torch.zeros(H)
+    plain = ScoreOptions()
+    assert plain.in_use == () and plain.request_flags() == {} and plain.kernel_bits == 0
+    assert plain.flat() == (-1, -1, 0.0, None, None)
+    every = ScoreOptions((3, -1), 1.5, slopes, sinks, lower_right=True)
+    assert every.in_use == tuple(SCORE_OPTIONS)
+    assert every.request_flags() == {flag: True for flag in SCORE_OPTIONS}
+    assert every.window_bounds == (3, 0)
+    assert every.kernel_bits == SCORE_WINDOW | SCORE_SOFTCAP | SCORE_ALIBI | SCORE_SINK
+    assert every.keywords() == {"window_size": (3, 0), "softcap": 1.5, "alibi_slopes": slopes, "sinks": sinks}
+    left, right, softcap, flat_slopes, flat_sinks = every.flat()
+    assert (left, right, softcap) == (3, 0, 1.5) and flat_slopes is slopes and flat_sinks is sinks
+    assert ScoreOptions.from_flat(*every.flat()).kernel_bits == every.kernel_bits
+    # A lower-right causal mask alone is a window for the kernels, but its own flag for dispatch.
+    lower_right = ScoreOptions(lower_right=True)
+    assert lower_right.in_use == ("lower_right_causal",) and lower_right.kernel_bits == SCORE_WINDOW
+    assert lower_right.with_tensors(slopes, None).in_use == ("lower_right_causal", "alibi_slopes")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plain.softcap = 1.0
+
+
+def test_checked_score_options_are_one_value(monkeypatch):
+    """The public layer checks the options once into a ScoreOptions, which reaches the backend
+    whole (a CausalBias lower-right mask resolved into it)."""
+    q, k, v = _inputs(3, 5, torch.float64)
+    seen = []
+    with entmax_fast.use_backend("reference"):
+        entmax_fast.entmax_attention(q, k, v, enable_gqa=True)
+        forward, backward = dispatch._LOADED[("attention", "reference")]
+
+        def recording(*args, score_options, **kwargs):
+            seen.append(score_options)
+            return forward(*args, score_options=score_options, **kwargs)
+
+        monkeypatch.setitem(dispatch._LOADED, ("attention", "reference"), (recording, backward))
+        entmax_fast.entmax_attention(q, k, v, causal_lower_right(3, 5), enable_gqa=True, softcap=2.0)
+    (score_options,) = seen
+    assert isinstance(score_options, ScoreOptions)
+    assert score_options.in_use == ("lower_right_causal", "softcap") and score_options.window_bounds == (-1, 0)

@@ -16,6 +16,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 import entmax_fast
 from entmax_fast import dispatch
+from entmax_fast._validation import ScoreOptions
 from entmax_fast.backends.cpp import loader
 from entmax_fast.backends.cpp import ops as cpp_ops
 from entmax_fast.reference.attention import attention_backward as reference_backward
@@ -407,6 +408,6 @@ def test_backend_runs_every_option_without_refusing():
     assert cpp.supports("attention", request) is None
     q = torch.randn(1, 2, 3, 4)
     out, _ = cpp_ops.attention_forward(q, q, q, None, 1.5, scale=0.5, is_causal=False, dropout_p=0.0,
-                                       enable_gqa=False, need_grad=0, window_size=(1, 0), softcap=1.0,
-                                       alibi_slopes=torch.rand(2), sinks=torch.zeros(2))
+                                       enable_gqa=False, need_grad=0,
+                                       score_options=ScoreOptions((1, 0), 1.0, torch.rand(2), torch.zeros(2)))
     assert out.isfinite().all()

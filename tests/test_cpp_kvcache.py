@@ -16,6 +16,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 import entmax_fast
 from entmax_fast import dispatch
+from entmax_fast._validation import ScoreOptions
 from entmax_fast.backends.cpp import loader
 from entmax_fast.backends.cpp import ops as cpp_ops
 from entmax_fast.backends.reference import ops as reference_ops
@@ -89,13 +90,14 @@ def _paged(cache, block_size=BLOCK_SIZE, seed=0):
 def _cpp(q, k_cache, v_cache, seqlens, alpha, options, block_table=None):
     scale = q.shape[-1] ** -0.5
     return cpp_ops.attention_kvcache_forward(q, k_cache, v_cache, torch.tensor(seqlens, dtype=torch.int32),
-                                             block_table, alpha, scale=scale, **options)
+                                             block_table, alpha, scale=scale, score_options=ScoreOptions(**options))
 
 
 def _reference(q, k_cache, v_cache, seqlens, alpha, options, block_table=None):
     scale = q.shape[-1] ** -0.5
     return reference_ops.attention_kvcache_forward(q, k_cache, v_cache, torch.tensor(seqlens, dtype=torch.int32),
-                                                   block_table, alpha, scale=scale, **options)
+                                                   block_table, alpha, scale=scale,
+                                                   score_options=ScoreOptions(**options))
 
 
 def _oracle(q, k_cache, v_cache, seqlens, alpha, options):

@@ -997,3 +997,118 @@ def test_ordered_dq_repeats_bit_for_bit(monkeypatch):
     first, second = (_grads(lambda *t: triton_attention(*t, is_causal=True, alpha=1.5),
                             [q, k, v], grad_out)[1][0] for _ in range(2))
     assert torch.equal(first, second)
+
+
+# Per-head alpha tensors holding 1 (that head's softmax) and values above 2, which the
+# general kind's kernels branch on per program (attention_common, "A per-head alpha").
+PER_HEAD_ALPHAS = [pytest.param((1.0, 1.5, 1.0, 2.0), id="a1-1.5-1-2"),
+                   pytest.param((1.2, 2.5, 3.0, 1.0), id="a1.2-2.5-3-1")]
+
+
+@pytest.mark.parametrize("alpha", PER_HEAD_ALPHAS)
+@pytest.mark.parametrize("options", [{"is_causal": True}, {
+    "window_size": (20, 5), "softcap": 3.0, "alibi_slopes": "slopes", "sinks": "sinks"}],
+    ids=["causal", "window-softcap-alibi-sinks"])
+def test_per_head_alpha_of_one_and_above_two(alpha, options):
+    """Forward against the float64 oracle, dq, dk, dv, d(alpha) and d(sinks) against the
+    reference in float64: d(alpha) of a head at 1 is the exact limit there (the reference's,
+    checked against the oracle's finite differences in test_cpp_ops.py's counterpart)."""
+    b, h, hkv, lq, lk, e = 1, 4, 2, 70, 100, 16
+    q, k, v = _inputs(b, h, hkv, lq, lk, e, torch.float32)
+    alpha = torch.tensor(alpha)
+    options = dict(options)
+    if "alibi_slopes" in options:
+        options["alibi_slopes"] = torch.rand(h) * 0.2
+    inputs = [q, k, v, alpha]
+    if "sinks" in options:
+        inputs.append(torch.randn(h))
+        del options["sinks"]
+    grad_out = torch.randn(b, h, lq, e)
+
+    def call(backend):
+        def fn(q_, k_, v_, a_, *sinks):
+            with entmax_fast.use_backend(backend):
+                return entmax_fast.entmax_attention(q_, k_, v_, enable_gqa=True, alpha=a_,
+                                                    sinks=sinks[0] if sinks else None, **options)
+        return fn
+
+    out, grads = _grads(call("triton"), inputs, grad_out)
+    assert dispatch.last_choice("attention").backend == "triton"
+    expected = oracle_attention(q, k, v, alpha=alpha, sinks=inputs[4] if len(inputs) > 4 else None,
+                                **options)
+    assert _err(out, expected) <= 1e-5
+    _, ref_grads = _grads(call("reference"), [t.double() for t in inputs], grad_out)
+    for name, got, want in zip(("dq", "dk", "dv", "dalpha", "dsinks"), grads, ref_grads):
+        assert _err(got, want) <= 1e-4, name
+
+
+def test_varlen_per_head_alpha_of_one_and_above_two():
+    """The varlen launch takes the same per-head branches: each sequence as the padded call
+    (itself checked against the oracle above)."""
+    lens_q, lens_k = [5, 70], [7, 63]
+    h, hkv, e = 4, 2, 16
+    alpha = torch.tensor([1.2, 2.5, 3.0, 1.0])
+    cu_q = torch.tensor([0] + lens_q, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu_k = torch.tensor([0] + lens_k, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    q = torch.randn(sum(lens_q), h, e) * 1.5
+    k = torch.randn(sum(lens_k), hkv, e)
+    v = torch.randn(sum(lens_k), hkv, e)
+    grad_out = torch.randn(sum(lens_q), h, e)
+    out, grads = _grads(
+        lambda q_, k_, v_, a_: _triton_attention_varlen(
+            q_, k_, v_, cu_q, cu_k, max(lens_q), max(lens_k), is_causal=True, alpha=a_),
+        [q, k, v, alpha], grad_out)
+    dalpha = torch.zeros(h, dtype=torch.float64)
+    for i in range(len(lens_q)):
+        sq, sk = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        seq = [t[s].transpose(0, 1).unsqueeze(0) for t, s in ((q, sq), (k, sk), (v, sk))]
+        assert _err(out[sq], oracle_attention(*seq, is_causal=True, alpha=alpha)[0].transpose(0, 1)) <= 1e-5
+        _, ref = _grads(lambda q_, k_, v_, a_: reference_attention(
+            q_, k_, v_, is_causal=True, enable_gqa=True, alpha=a_),
+            [t.double() for t in seq] + [alpha.double()], grad_out[sq].transpose(0, 1).unsqueeze(0))
+        for got, want, s in zip(grads[:3], ref[:3], (sq, sk, sk)):
+            assert _err(got[s], want[0].transpose(0, 1)) <= 1e-4
+        dalpha += ref[3]
+    assert _err(grads[3], dalpha) <= 1e-4
+
+
+@pytest.mark.parametrize("alpha", [1.0, 3.0])
+def test_a_float_alpha_of_one_or_above_two_runs_on_the_fused_kernels(alpha):
+    """A python float alpha outside (1, 2] runs on the general kind's kernels, as the same
+    value per head does: the Triton backend takes it (it no longer goes to the next
+    backend)."""
+    q, k, v = _inputs(1, 2, 2, 40, 63, 16, torch.float32)
+    grad_out = torch.randn(1, 2, 40, 16)
+    out, grads = _grads(lambda *t: triton_attention(*t, is_causal=True, alpha=alpha), [q, k, v],
+                        grad_out)
+    assert dispatch.last_choice("attention").backend == "triton"
+    per_head, head_grads = _grads(
+        lambda *t: triton_attention(*t, is_causal=True, alpha=torch.full((2,), alpha)),
+        [q, k, v], grad_out)
+    assert torch.equal(out, per_head)
+    assert _err(out, oracle_attention(q, k, v, is_causal=True, alpha=alpha)) <= 1e-5
+    _, ref_grads = _grads(lambda *t: reference_attention(*t, is_causal=True, alpha=alpha),
+                          [t.double() for t in (q, k, v)], grad_out)
+    for name, got, same, want in zip(("dq", "dk", "dv"), grads, head_grads, ref_grads):
+        assert torch.equal(got, same), name
+        assert _err(got, want) <= 1e-4, name
+
+
+def test_alpha_above_two_weighs_a_key_at_the_edge_of_the_support():
+    """alpha 4: key 1 sits 1e-9 (z units) inside the support, where its weight
+    (3 d)^(1/3) is 1.4e-3 and its slope infinite. Formed as 1 + ((alpha - 1) u - c) the base
+    would round in steps of 6e-8 (a weight of 0 or 4e-3); the kernels search the threshold
+    again relative to the shift max + tau, where d is a difference near 0."""
+    am1, d = 3.0, 1e-9
+    tau = -(1 - (am1 * d) ** (1 / am1)) ** am1 / am1
+    scores = torch.full((1, 1, 3, 64), -10.0)
+    scores[..., 0] = 0.0
+    scores[..., 1] = tau + d
+    q = torch.zeros(1, 1, 3, 16)
+    k = torch.randn(1, 1, 64, 16)
+    v = torch.zeros(1, 1, 64, 16)
+    v[..., 1, :] = 1.0
+    out = triton_attention(q, k, v, attn_mask=scores, alpha=torch.tensor([am1 + 1]))
+    expected = oracle_attention(q, k, v, attn_mask=scores, alpha=torch.tensor([am1 + 1]))
+    assert expected[0, 0, 0, 0] > 1e-3
+    assert _err(out, expected) <= 1e-5

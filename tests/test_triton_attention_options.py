@@ -10,6 +10,7 @@ kernels visit against the window's band (a pass visits only tiles that hold a ke
 row's window); fp16 against plain torch in fp16; dropout against the kernel's own mask;
 varlen.
 """
+import itertools
 import math
 
 import numpy as np
@@ -528,3 +529,90 @@ def _python(fn):
     source = "\n".join(line for line in source.splitlines() if not line.startswith("@"))
     exec(compile(source, "<python>", "exec"), namespace)
     return namespace[source_fn.__name__]
+
+
+class _Launched(Exception):
+    """Raised by a recorded kernel launch: the launch's arguments are all a test reads."""
+
+
+def _record_launch(monkeypatch, module, name, raising=True):
+    """Replace ``module.name`` (a @triton.jit kernel) with a recorder whose launch stores
+    (args, kwargs) and raises _Launched, or (``raising`` False) returns having run nothing."""
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((args, kwargs))
+                if raising:
+                    raise _Launched
+            return launch
+
+    monkeypatch.setattr(module, name, Recorder())
+    return launches
+
+
+def _kernel_bits_before(window_bounds, softcap, alibi_slopes, sinks):
+    """The fused kernels' OPTIONS as the launcher formed them before the score options became
+    one value: the window bit for any bound, then the softcap, ALiBi and sink bits (1, 2, 4, 8)."""
+    return ((1 if tuple(window_bounds) != (-1, -1) else 0) | (2 if softcap > 0 else 0)
+            | (4 if alibi_slopes is not None else 0) | (8 if sinks is not None else 0))
+
+
+@pytest.mark.skipif(ON_GPU, reason="records the launches instead of running them")
+def test_kernel_bits_and_option_arguments_of_every_combination_are_unchanged(monkeypatch):
+    """Every combination of the score options (no window, a window, flash-attn's causal
+    window, a lower-right causal mask; softcap; ALiBi; sinks) launches the forward, backward,
+    support and decoding kernels with the OPTIONS and option arguments they had before the
+    options became one value (launches recorded, not run): with the options off the kernels
+    are the same specialisations."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    from entmax_fast.backends.triton import kvcache as triton_kvcache
+    from entmax_fast.triton_kernels import attention_support
+
+    assert (attention_common.SCORE_WINDOW, attention_common.SCORE_SOFTCAP, attention_common.SCORE_ALIBI,
+            attention_common.SCORE_SINK) == (1, 2, 4, 8)
+    forward = _record_launch(monkeypatch, attention_fwd, "entmax_attn_fwd_kernel", raising=False)
+    backward_dq = _record_launch(monkeypatch, attention_bwd, "entmax_attn_bwd_dq_kernel", raising=False)
+    backward_dkdv = _record_launch(monkeypatch, attention_bwd, "entmax_attn_bwd_dkdv_kernel", raising=False)
+    support = _record_launch(monkeypatch, attention_support, "entmax_attn_support_kernel")
+    decode = _record_launch(monkeypatch, triton_kvcache, "kvcache_scores_kernel")
+    heads, lq, lk = 2, 3, 5
+    q, k, v = _inputs(1, heads, heads, lq, lk, 16)
+    combinations = 0
+    for window, lower_right, softcap, alibi, sinks in itertools.product(
+            [(-1, -1), (2, 1), (-1, 0)], [False, True], [0.0, 1.5], [None, torch.rand(heads)],
+            [None, torch.randn(heads)]):
+        options = {"window_size": window, "softcap": softcap, "alibi_slopes": alibi, "sinks": sinks}
+        mask = causal_lower_right(lq, lk) if lower_right else None
+        bounds = (window[0], 0) if lower_right else window
+        bits = _kernel_bits_before(bounds, softcap, alibi, sinks)
+        leaf = q.clone().requires_grad_()
+        triton_attention(leaf, k, v, mask, **options).sum().backward()
+        for args, kwargs in forward + backward_dq:
+            assert kwargs["OPTIONS"] == bits
+            assert args[-7:-4] == bounds + (softcap,) and [type(a) for a in args[-7:-4]] == [int, int, float]
+            assert args[-3:-1] == ((0, 0) if alibi is None else (0, 1))
+        (args, kwargs), = backward_dkdv
+        assert kwargs["OPTIONS"] == bits and args[-6:-3] == bounds + (softcap,)
+        assert forward
+        forward.clear(), backward_dq.clear(), backward_dkdv.clear()
+        with pytest.raises(_Launched), entmax_fast.use_backend("triton"):
+            entmax_fast.support_size(q, k, mask, **options)
+        assert forward and all(kwargs["OPTIONS"] == bits for _, kwargs in forward)
+        forward.clear()
+        args, kwargs = support.pop()
+        assert kwargs["OPTIONS"] == bits & ~8
+        assert args[-6:-3] == bounds + (softcap,)
+        if not lower_right:
+            k_cache, v_cache = torch.zeros(1, heads, 32, 16), torch.zeros(1, heads, 32, 16)
+            with pytest.raises(_Launched), entmax_fast.use_backend("triton"), torch.no_grad():
+                entmax_fast.entmax_attention_with_kvcache(q, k_cache, v_cache, k[:, :, :lq], v[:, :, :lq],
+                                                          cache_seqlens=torch.tensor([4], dtype=torch.int32),
+                                                          **options)
+            args, kwargs = decode.pop()
+            assert kwargs["OPTIONS"] == (2 if softcap > 0 else 0) | (4 if alibi is not None else 0)
+            assert args[-3:] == (softcap, window[0], int(sinks is not None))
+        combinations += 1
+    assert combinations == 48

@@ -6,8 +6,8 @@ when there is a GPU, in the Triton interpreter on CPU tensors otherwise (tests/d
 Shapes cross the interpreter's tiles (attention_common.INTERPRETER_BLOCKS: 64 query rows by
 32 keys): Lq 1, 7, 70 against Lk 1, 11, 100; GQA; alpha 1.5, 2 and a tensor mixing 1.25,
 1.5 and 2 per head; causal, bool and additive masks (a row with every key masked), a
-lower-right causal mask, a window, softcap, ALiBi and sinks together; a NaN query; a head
-at alpha 1, outside the fused kernels' range, refused.
+lower-right causal mask, a window, softcap, ALiBi and sinks together; a NaN query; a
+per-head alpha holding 1 (softmax) and values above 2.
 """
 import math
 
@@ -159,19 +159,16 @@ def test_a_nan_query_row_counts_none():
     assert (counts[0, 1, :5] > 0).all() and counts[0, 1, 6] > 0
 
 
-@pytest.mark.parametrize("alpha", [(1.0, 2.0), (1.5, 2.5)], ids=["alpha-1", "alpha-above-2"])
-def test_a_per_head_alpha_outside_the_fused_range_is_refused(alpha):
-    """The fused kernels take 1 < alpha <= 2; a per-head alpha outside would give NaN (alpha 1)
-    or a wrong threshold (above 2), so each fused op refuses it once Triton is chosen."""
-    q, k = _inputs(1, 2, 1, 7, 11, torch.float32, seed=12)
-    alpha = torch.tensor(alpha)
-    message = "the fused Triton kernels take a per-head alpha in \\(1, 2\\]"
-    with entmax_fast.use_backend("triton"):
-        with pytest.raises(ValueError, match=f"attention_support: {message}"):
-            entmax_fast.support_size(q, k, enable_gqa=True, alpha=alpha)
-        with pytest.raises(ValueError, match=f"attention: {message}"):
-            entmax_fast.entmax_attention(q, k, k, enable_gqa=True, alpha=alpha)
-        packed = q[0].transpose(0, 1).contiguous()
-        cu = torch.tensor([0, 7], dtype=torch.int32)
-        with pytest.raises(ValueError, match=f"attention_varlen: {message}"):
-            entmax_fast.entmax_attention_varlen(packed, packed, packed, cu, cu, 7, 7, alpha=alpha)
+@pytest.mark.parametrize("options", [{"is_causal": True},
+                                     {"window_size": (20, 5), "softcap": 3.0, "sinks": "sinks"}],
+                         ids=["causal", "window-softcap-sinks"])
+def test_a_per_head_alpha_of_one_and_above_two_counts_as_the_reference(options):
+    """A head at alpha 1 counts its softmax weights, heads above 2 the keys of their
+    entmax (the kernels' passes of those heads, attention_common "A per-head alpha")."""
+    q, k = _inputs(1, 4, 2, 70, 100, torch.float32, seed=12)
+    if options.get("sinks") == "sinks":
+        options = dict(options, sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))
+    counts = _check(q, k, torch.tensor([1.0, 2.5, 3.0, 1.2]), options)
+    if options.get("is_causal"):
+        # softmax weighs every visible key (none underflows at these scores)
+        assert (counts[0, 0] == torch.arange(1, 71)).all()

@@ -12,6 +12,7 @@ import torch
 
 import entmax_fast
 from entmax_fast import dispatch
+from entmax_fast._validation import ScoreOptions
 from entmax_fast.backends import triton as triton_backend
 from entmax_fast.backends.reference import ops as reference_ops
 from entmax_fast.backends.triton import kvcache as triton_kvcache
@@ -46,7 +47,8 @@ def _decode(q, k_cache, v_cache, seqlens, alpha, options, block_table=None, spli
     """The backend's launcher on DEVICE with ``splits`` key splits; the output on the CPU."""
     q, k_cache, v_cache, block_table, alpha = (_to_device(t) for t in (q, k_cache, v_cache, block_table, alpha))
     return triton_kvcache.decode(q, k_cache, v_cache, torch.tensor(seqlens, dtype=torch.int32, device=DEVICE),
-                                 block_table, alpha, scale=SCALE, splits=splits, **_to_device(options)).cpu()
+                                 block_table, alpha, scale=SCALE, splits=splits,
+                                 score_options=ScoreOptions(**_to_device(options))).cpu()
 
 
 def _error(got, expected):
@@ -74,7 +76,8 @@ def test_matches_the_oracle_and_the_reference(name, lq, paged, alpha):
         v_cache, _ = _paged(v_cache)
     out = _decode(q, k_cache, v_cache, SEQLENS, alpha, options, table)
     reference = reference_ops.attention_kvcache_forward(q, k_cache, v_cache, torch.tensor(SEQLENS, dtype=torch.int32),
-                                                        table, alpha, scale=SCALE, **options)
+                                                        table, alpha, scale=SCALE,
+                                                        score_options=ScoreOptions(**options))
     assert out.dtype == torch.float32 and out.shape == (B, H, lq, EV)
     assert _error(out, expected) <= OUT_TOL
     assert _error(reference, expected) <= OUT_TOL

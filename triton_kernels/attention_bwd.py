@@ -36,7 +36,7 @@ from .attention_common import (DQ_KERNEL, DQ_KERNEL_C, DQ_MAX_POLLS_C, DQ_MODES,
                                mask_specialisation, program_sequence, query_block,
                                query_block_key_tiles, score_option_values, shifted_scores,
                                sink_logit, window_query_tiles)
-from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX
+from .kinds import ALPHA_ABOVE_TWO, ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SOFTMAX, ALPHA_SPARSEMAX
 
 # rows of the backward's per-row buffer: delta, the row's d(alpha) term and its d(sink)
 # term, which the launcher sums per head
@@ -60,8 +60,20 @@ def _row_weights(b_u, b_thr, b_l, am1, inv_am1, ALPHA_KIND: tl.constexpr,
     row (`weights_and_sensitivity`). That spares a multiply per score and weight, and
     libdevice's log2 and a division per row, which the dK/dV loop paid on every tile (its
     rows change with the tile). The g returned (alpha 1.5's scaled) is read only for
-    general alpha's d(alpha)."""
-    if ALPHA_KIND == ALPHA_ENTMAX15:
+    d(alpha). Softmax (a head at alpha 1 of the general kind): g = u - thr, p = exp(g) / l
+    and s = p. A head above 2: g = d, p = (am1 d)^e / l, s = (am1 d)^(e-1) l^(alpha-2)."""
+    if ALPHA_KIND == ALPHA_SOFTMAX:
+        b_g = gap(b_u, b_thr, inv_am1, ALPHA_KIND)
+        b_p = tl.exp2(b_g * 1.4426950408889634 - tl.log2(b_l)[:, None])
+        b_s = b_p
+    elif ALPHA_KIND == ALPHA_ABOVE_TWO:
+        b_g = gap(b_u, b_thr, inv_am1, ALPHA_KIND)
+        b_log2l = tl.log2(b_l)
+        b_lb = log2_base(b_g, inv_am1, ALPHA_KIND)
+        b_s = tl.where(b_g > 0,
+                       tl.exp2((inv_am1 - 1.0) * b_lb + ((am1 - 1.0) * b_log2l)[:, None]), 0.0)
+        b_p = tl.where(b_g > 0, tl.exp2(inv_am1 * b_lb - b_log2l[:, None]), 0.0)
+    elif ALPHA_KIND == ALPHA_ENTMAX15:
         b_c = tl.math.rsqrt(b_l)
         b_g = tl.maximum(tl.fma(b_u, b_c[:, None], -(b_thr * b_c)[:, None]), 0.0)
         b_p = b_g * b_g
@@ -119,13 +131,20 @@ def _dq_tile(b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, st
         b_k = load_rows(p_k, stride_kl, o_n, k_len, head_e, BLOCK_E, BOUNDARY)
     b_dq += dot(b_dz.to(b_k.dtype), b_k)
     if NEED_DALPHA:
-        # h = -p log p with log p = log(d) / (alpha - 1) - log l
-        # (off the support p = 0 and the log of the base is 0)
-        b_log2 = log2_base(b_gap, inv_am1, ALPHA_KIND, NEAR_ONE)
-        if ALPHA_KIND == ALPHA_GENERAL:
-            b_log2 = tl.where(b_gap > -1.0, b_log2, 0.0)
-        b_logp = (b_log2 * inv_am1 - tl.log2(b_l)[:, None]) * 0.6931471805599453
-        b_gh -= tl.sum(b_p * b_logp * b_g, 1)
+        if ALPHA_KIND == ALPHA_SOFTMAX:
+            # at alpha = 1, dp_j/dalpha = -(p_j log^2 p_j - p_j sum_k p_k log^2 p_k) / 2, so
+            # that the row's d(alpha) is -sum_j p_j log^2 p_j (g_j - delta) / 2 (delta =
+            # sum_j g_j p_j: the D-vector is the output)
+            b_logp = tl.where(b_p > 0, b_gap - tl.log(b_l)[:, None], 0.0)
+            b_gh -= 0.5 * tl.sum(b_p * b_logp * b_logp * (b_g - b_delta[:, None]), 1)
+        else:
+            # h = -p log p with log p = log(d) / (alpha - 1) - log l
+            # (off the support p = 0 and the log of the base is 0)
+            b_log2 = log2_base(b_gap, inv_am1, ALPHA_KIND, NEAR_ONE)
+            if ALPHA_KIND == ALPHA_GENERAL:
+                b_log2 = tl.where(b_gap > -1.0, b_log2, 0.0)
+            b_logp = (b_log2 * inv_am1 - tl.log2(b_l)[:, None]) * 0.6931471805599453
+            b_gh -= tl.sum(b_p * b_logp * b_g, 1)
     return b_dq, b_gh
 
 
@@ -264,10 +283,33 @@ def entmax_attn_bwd_dq_kernel(
     # compiled for heads near alpha = 1 and for the others (`log2_base`): without the
     # near-one log the loop holds fewer registers (sm_90, bf16, E 64, general alpha without
     # d(alpha): 255 registers and 48 bytes of stack -> 212 and none)
+    # and for a head at alpha 1 (softmax) or above 2 (attention_common, "A per-head alpha")
     near_one = False
+    softmax = False
+    above_two = False
     if ALPHA_KIND == ALPHA_GENERAL:
         near_one = inv_am1 > NEAR_ONE_INV_AM1
-    if near_one:
+        softmax = am1 == 0.0
+        above_two = am1 > 1.0
+    if above_two:
+        b_dq, b_gh = _dq_pass(
+            b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol, p_mask,
+            stride_mq, stride_mk, p_flags, p_tiles, n_listed, kv_begin, full_begin, n_full,
+            kv_end, o_m, q_len, k_len,
+            head_e, head_ev, scale, am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, pos_shift,
+            win_left, win_right, softcap, slope, seed,
+            pid_bh, seqlen_q, seqlen_k, dropout_p, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
+            BLOCK_EC, ALPHA_ABOVE_TWO, MASK_KIND, OPTIONS, HAS_DROPOUT, NEED_DALPHA, False)
+    elif softmax:
+        b_dq, b_gh = _dq_pass(
+            b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol, p_mask,
+            stride_mq, stride_mk, p_flags, p_tiles, n_listed, kv_begin, full_begin, n_full,
+            kv_end, o_m, q_len, k_len,
+            head_e, head_ev, scale, am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, pos_shift,
+            win_left, win_right, softcap, slope, seed,
+            pid_bh, seqlen_q, seqlen_k, dropout_p, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
+            BLOCK_EC, ALPHA_SOFTMAX, MASK_KIND, OPTIONS, HAS_DROPOUT, NEED_DALPHA, False)
+    elif near_one:
         b_dq, b_gh = _dq_pass(
             b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol, p_mask,
             stride_mq, stride_mk, p_flags, p_tiles, n_listed, kv_begin, full_begin, n_full,
@@ -296,14 +338,28 @@ def entmax_attn_bwd_dq_kernel(
         # the forward's statistics include it, so the keys' gradients need nothing more.
         # Its own dz, s_sink (0 - delta), is the row's term of d(sink); NaN on NaN rows.
         b_sink = sink_logit(sinks_ptr, i_h, OPTIONS) - b_mz
-        _, _, b_s_sink = _row_weights(b_sink[:, None], b_tau, b_l, am1, inv_am1, ALPHA_KIND)
+        if softmax:
+            b_gap_sink, b_p_sink, b_s_sink = _row_weights(b_sink[:, None], b_tau, b_l, am1,
+                                                          inv_am1, ALPHA_SOFTMAX)
+            if NEED_DALPHA:
+                # the sink's term of softmax's d(alpha) (`_dq_tile`), its g being 0
+                b_logp_sink = tl.where(b_p_sink > 0, b_gap_sink - tl.log(b_l)[:, None], 0.0)
+                b_gh += 0.5 * tl.sum(b_p_sink * b_logp_sink * b_logp_sink, 1) * b_delta
+        elif above_two:
+            _, _, b_s_sink = _row_weights(b_sink[:, None], b_tau, b_l, am1, inv_am1,
+                                          ALPHA_ABOVE_TWO)
+        else:
+            _, _, b_s_sink = _row_weights(b_sink[:, None], b_tau, b_l, am1, inv_am1, ALPHA_KIND)
         b_dsink = tl.where(b_mz != b_mz, float("nan"), -tl.sum(b_s_sink, 1) * b_delta)
         tl.store(p_rows + ROW_DSINK_C * stride_row, b_dsink, mask=m_m)
     if NEED_DALPHA:
         # dalpha = sum_i g_i dp_i/dalpha with sum g p = dO.o, sum g p~ = delta
-        # (docs/attention.md, "Gradient of alpha")
-        b_entropy = tl.load(p_stats + STAT_ENTROPY_C * stride_stat, mask=m_m, other=0.0)
-        b_dalpha = (b_gp - b_delta) * inv_am1 * inv_am1 + (b_gh - b_delta * b_entropy) * inv_am1
+        # (docs/attention.md, "Gradient of alpha"); softmax's is the sum itself
+        if softmax:
+            b_dalpha = b_gh
+        else:
+            b_entropy = tl.load(p_stats + STAT_ENTROPY_C * stride_stat, mask=m_m, other=0.0)
+            b_dalpha = (b_gp - b_delta) * inv_am1 * inv_am1 + (b_gh - b_delta * b_entropy) * inv_am1
         tl.store(p_rows + ROW_DALPHA_C * stride_row, b_dalpha, mask=m_m)
 
 
@@ -425,6 +481,80 @@ def _dkdv_last_tile(b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, 
 
 
 @triton.jit
+def _dkdv_head(b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
+               p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row, p_flags,
+               p_tiles, o_n, start_n, m_begin, m_masked_end, m_full, m_full_end, m_end, q_len,
+               k_len, head_e, head_ev, scale, am1, inv_am1, is_causal, pos_shift, win_left,
+               win_right, softcap, slope, seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
+               b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+               BLOCK_EV: tl.constexpr, BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr,
+               MASK_KIND: tl.constexpr, OPTIONS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+               DQ_MODE: tl.constexpr):
+    """One query head's share of a key block's dK and dV: its masked query tiles, the
+    listed full ones (a pipelined loop) and those past them (`_dkdv_tile`)."""
+    for start_m in range(m_begin, m_masked_end, BLOCK_M):
+        if tl.load(p_flags + (start_m // BLOCK_M) * n_kblocks) != 0:
+            b_dk, b_dv = _dkdv_tile(
+                b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
+                p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row,
+                o_n, start_n, start_m, q_len, k_len, head_e, head_ev, scale, am1, inv_am1,
+                is_causal, pos_shift, win_left, win_right, softcap, slope, seed, pid_bh,
+                seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
+                b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks,
+                BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND, OPTIONS,
+                HAS_DROPOUT, True, DQ_MODE)
+    q_full = (q_len // BLOCK_M) * BLOCK_M
+    # the full query tiles the forward flagged through their list: a pipelined loop
+    # (the list of the previous head of the group is read to the end first)
+    listed_end = q_full
+    if (SCORE_WINDOW_C & OPTIONS) != 0:
+        listed_end = m_full_end
+    tl.debug_barrier()
+    n_listed = listed_tiles(p_flags, n_kblocks, tl.cdiv(m_full, BLOCK_M),
+                            listed_end // BLOCK_M, p_tiles)
+    tl.debug_barrier()
+    for i in range(n_listed):
+        start_m = tl.load(p_tiles + i) * BLOCK_M
+        b_dk, b_dv = _dkdv_tile(
+            b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
+            p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row,
+            o_n, start_n, start_m, q_len, k_len, head_e, head_ev, scale, am1, inv_am1,
+            is_causal, pos_shift, win_left, win_right, softcap, slope, seed, pid_bh, seqlen_q,
+            seqlen_k, dropout_p, b_dk, b_dv,
+            b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks,
+            BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND, OPTIONS,
+            HAS_DROPOUT, False, DQ_MODE)
+    if (SCORE_WINDOW_C & OPTIONS) != 0:
+        # the tiles that cross the window's trailing edge, the last query tile among
+        # them
+        for start_m in range(m_full_end, m_end, BLOCK_M):
+            if tl.load(p_flags + (start_m // BLOCK_M) * n_kblocks) != 0:
+                b_dk, b_dv = _dkdv_tile(
+                    b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do,
+                    stride_ol, p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows,
+                    stride_row, o_n, start_n, start_m, q_len, k_len, head_e, head_ev, scale,
+                    am1, inv_am1, is_causal, pos_shift, win_left, win_right, softcap, slope,
+                    seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv, b_k, p_dqacc,
+                    stride_al, p_locks, p_turns, n_kblocks, BLOCK_M, BLOCK_N, BLOCK_E,
+                    BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND, OPTIONS, HAS_DROPOUT, True,
+                    DQ_MODE)
+    else:
+        # a last query tile past m_full that the end of the queries cuts, after the listed
+        # ones (DQ_ORDERED visits a program's query tiles in ascending order)
+        b_dk, b_dv = _dkdv_last_tile(
+            b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
+            p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row, p_flags,
+            o_n, start_n, m_full, q_full, q_len, k_len, head_e, head_ev, scale, am1,
+            inv_am1, is_causal, pos_shift, win_left, win_right, softcap, slope, seed, pid_bh,
+            seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
+            b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks,
+            BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND, OPTIONS,
+            HAS_DROPOUT, DQ_MODE)
+    return b_dk, b_dv
+
+
+@triton.jit
 def entmax_attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, stats_ptr, rows_ptr, flags_ptr, tiles_ptr,
     mask_ptr, alpha_ptr, seed_ptr, cu_q_ptr, cu_k_ptr, dqacc_ptr, locks_ptr, turns_ptr,
@@ -502,6 +632,8 @@ def entmax_attn_bwd_dkdv_kernel(
     # the masked query tiles [m_begin, m_masked_end), the full ones from m_full (to
     # m_full_end under a window, whose tiles in [m_full_end, m_end) are masked again)
     m_masked_end = m_full
+    m_full_end = m_full
+    m_end = q_len
     if (SCORE_WINDOW_C & OPTIONS) != 0:
         m_begin, m_full, m_full_end, m_end = window_query_tiles(
             start_n, q_len, m_begin, m_full, pos_shift, win_left, win_right, BLOCK_M, BLOCK_N)
@@ -527,63 +659,42 @@ def entmax_attn_bwd_dkdv_kernel(
         p_dqacc = dqacc_ptr + i_b * stride_ab + i_h * stride_ah + q_start * stride_al
         p_locks = locks_ptr + pid_bh * n_qblocks
         p_turns = turns_ptr + pid_bh * n_qblocks * n_kblocks + pid_n
-        for start_m in range(m_begin, m_masked_end, BLOCK_M):
-            if tl.load(p_flags + (start_m // BLOCK_M) * n_kblocks) != 0:
-                b_dk, b_dv = _dkdv_tile(
-                    b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
-                    p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row,
-                    o_n, start_n, start_m, q_len, k_len, head_e, head_ev, scale, am1, inv_am1,
-                    is_causal, pos_shift, win_left, win_right, softcap, slope, seed, pid_bh,
-                    seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
-                    b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks,
-                    BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND, OPTIONS,
-                    HAS_DROPOUT, True, DQ_MODE)
-        q_full = (q_len // BLOCK_M) * BLOCK_M
-        # the full query tiles the forward flagged through their list: a pipelined loop
-        # (the list of the previous head of the group is read to the end first)
-        listed_end = q_full
-        if (SCORE_WINDOW_C & OPTIONS) != 0:
-            listed_end = m_full_end
-        tl.debug_barrier()
-        n_listed = listed_tiles(p_flags, n_kblocks, tl.cdiv(m_full, BLOCK_M),
-                                listed_end // BLOCK_M, p_tiles)
-        tl.debug_barrier()
-        for i in range(n_listed):
-            start_m = tl.load(p_tiles + i) * BLOCK_M
-            b_dk, b_dv = _dkdv_tile(
-                b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
-                p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row,
-                o_n, start_n, start_m, q_len, k_len, head_e, head_ev, scale, am1, inv_am1,
-                is_causal, pos_shift, win_left, win_right, softcap, slope, seed, pid_bh, seqlen_q,
-                seqlen_k, dropout_p, b_dk, b_dv,
-                b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks,
-                BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND, OPTIONS,
-                HAS_DROPOUT, False, DQ_MODE)
-        if (SCORE_WINDOW_C & OPTIONS) != 0:
-            # the tiles that cross the window's trailing edge, the last query tile among
-            # them
-            for start_m in range(m_full_end, m_end, BLOCK_M):
-                if tl.load(p_flags + (start_m // BLOCK_M) * n_kblocks) != 0:
-                    b_dk, b_dv = _dkdv_tile(
-                        b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do,
-                        stride_ol, p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows,
-                        stride_row, o_n, start_n, start_m, q_len, k_len, head_e, head_ev, scale,
-                        am1, inv_am1, is_causal, pos_shift, win_left, win_right, softcap, slope,
-                        seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv, b_k, p_dqacc,
-                        stride_al, p_locks, p_turns, n_kblocks, BLOCK_M, BLOCK_N, BLOCK_E,
-                        BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND, OPTIONS, HAS_DROPOUT, True,
-                        DQ_MODE)
-        else:
-            # a last query tile past m_full that the end of the queries cuts, after the listed
-            # ones (DQ_ORDERED visits a program's query tiles in ascending order)
-            b_dk, b_dv = _dkdv_last_tile(
+        # a head at alpha 1 is softmax, one above 2 has passes of its own (attention_common,
+        # "A per-head alpha")
+        softmax = False
+        above_two = False
+        if ALPHA_KIND == ALPHA_GENERAL:
+            softmax = am1 == 0.0
+            above_two = am1 > 1.0
+        if above_two:
+            b_dk, b_dv = _dkdv_head(
                 b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
                 p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row, p_flags,
-                o_n, start_n, m_full, q_full, q_len, k_len, head_e, head_ev, scale, am1,
-                inv_am1, is_causal, pos_shift, win_left, win_right, softcap, slope, seed, pid_bh,
-                seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
-                b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks,
-                BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND, OPTIONS,
+                p_tiles, o_n, start_n, m_begin, m_masked_end, m_full, m_full_end, m_end,
+                q_len, k_len, head_e, head_ev, scale, am1, inv_am1, is_causal, pos_shift,
+                win_left, win_right, softcap, slope, seed, pid_bh, seqlen_q, seqlen_k, dropout_p,
+                b_dk, b_dv, b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks, BLOCK_M,
+                BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_ABOVE_TWO, MASK_KIND, OPTIONS,
+                HAS_DROPOUT, DQ_MODE)
+        elif softmax:
+            b_dk, b_dv = _dkdv_head(
+                b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
+                p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row, p_flags,
+                p_tiles, o_n, start_n, m_begin, m_masked_end, m_full, m_full_end, m_end,
+                q_len, k_len, head_e, head_ev, scale, am1, inv_am1, is_causal, pos_shift,
+                win_left, win_right, softcap, slope, seed, pid_bh, seqlen_q, seqlen_k, dropout_p,
+                b_dk, b_dv, b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks, BLOCK_M,
+                BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_SOFTMAX, MASK_KIND, OPTIONS,
+                HAS_DROPOUT, DQ_MODE)
+        else:
+            b_dk, b_dv = _dkdv_head(
+                b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
+                p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row, p_flags,
+                p_tiles, o_n, start_n, m_begin, m_masked_end, m_full, m_full_end, m_end,
+                q_len, k_len, head_e, head_ev, scale, am1, inv_am1, is_causal, pos_shift,
+                win_left, win_right, softcap, slope, seed, pid_bh, seqlen_q, seqlen_k, dropout_p,
+                b_dk, b_dv, b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks, BLOCK_M,
+                BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND, OPTIONS,
                 HAS_DROPOUT, DQ_MODE)
     dk_off = i_b * stride_dkb + i_hk * stride_dkh + k_start * stride_dkl
     dv_off = i_b * stride_dvb + i_hk * stride_dvh + k_start * stride_dvl

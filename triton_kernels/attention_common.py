@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from .. import common
-from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX, MASK_ADDITIVE, MASK_BOOL
+from .kinds import (ALPHA_ABOVE_TWO, ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SOFTMAX, ALPHA_SPARSEMAX,
+                    MASK_ADDITIVE, MASK_BOOL)
 from .signature import DTYPE_KEYS, TENSOR, kernel_signature, pointer_type
 from .support import log2_approx
 
@@ -507,7 +508,8 @@ def dot_rows(b_a, b_bt, p_a, stride_a, o_a, n_a, p_b, stride_b, o_b, n_b, width,
 # Score options a kernel is compiled with (its OPTIONS, a sum of these; docs/attention.md,
 # "Score options"): each adds its per-score work only where set, so that a kernel compiled
 # without them is the kernel without options.
-SCORE_WINDOW, SCORE_SOFTCAP, SCORE_ALIBI, SCORE_SINK = 1, 2, 4, 8
+SCORE_WINDOW, SCORE_SOFTCAP, SCORE_ALIBI, SCORE_SINK = (common.SCORE_WINDOW, common.SCORE_SOFTCAP,
+                                                    common.SCORE_ALIBI, common.SCORE_SINK)
 SCORE_WINDOW_C = tl.constexpr(SCORE_WINDOW)
 SCORE_SOFTCAP_C = tl.constexpr(SCORE_SOFTCAP)
 SCORE_ALIBI_C = tl.constexpr(SCORE_ALIBI)
@@ -767,9 +769,13 @@ def gap(b_u, b_thr, inv_am1, ALPHA_KIND: tl.constexpr):
     """Distance of the shifted scores b_u (z units, [BM, BN]) to the row threshold b_thr [BM]
     (`_threshold_in_z`). alpha 2 and 1.5: d = [u - tau_z]_+ in z units. General alpha: w =
     (alpha - 1) u - c with c = tau + 1 (u units), so that the base of the powers is 1 + w:
-    for alpha near 1, w is small and known to float precision where 1 + w is not."""
+    for alpha near 1, w is small and known to float precision where 1 + w is not. A head
+    above 2 (ALPHA_ABOVE_TWO) takes d as alpha 2 and 1.5 do; softmax (ALPHA_SOFTMAX, a head
+    at alpha 1) u - thr, the log of its weight (z units; "A per-head alpha" below)."""
     if ALPHA_KIND == ALPHA_GENERAL:
         b_g = b_u * (1.0 / inv_am1) - b_thr[:, None]
+    elif ALPHA_KIND == ALPHA_SOFTMAX:
+        b_g = b_u - b_thr[:, None]
     else:
         b_g = tl.maximum(b_u - b_thr[:, None], 0.0)
     return b_g
@@ -777,6 +783,20 @@ def gap(b_u, b_thr, inv_am1, ALPHA_KIND: tl.constexpr):
 
 # Heads with 1/(alpha - 1) above this (alpha < 1.25) take `log2_base`'s log1p form.
 NEAR_ONE_INV_AM1 = tl.constexpr(4.0)
+
+
+# A per-head alpha (the general kind) may hold 1 (softmax) and values above 2. Each
+# kernel branches on its program's head once, outside its loops, so that the loops of the
+# heads in (1, 2] stay as they were, and runs that head's passes compiled with an
+# ALPHA_KIND of their own (the other kinds compile no branch: a python False):
+# - alpha = 1 (`am1 == 0`), ALPHA_SOFTMAX: no threshold (1/(alpha - 1) is infinite); the
+#   weights are exp(u), u = z - max, and their sensitivities the weights themselves.
+# - alpha > 2, ALPHA_ABOVE_TWO: p = (am1 d)^e with d = [u - tau]_+ in z units (the
+#   closed forms' gap) and e = 1/(alpha - 1) < 1, whose slope is infinite at d = 0. The
+#   general kind's base 1 + (am1 u - c) rounds at 1 (steps of 6e-8, which move such a
+#   weight by up to (6e-8)^e: 4e-3 at alpha 4). The forward (`attention_fwd._above_two_
+#   threshold`) stores the shift m + tau (rounded) and the small rest of tau instead of m
+#   and tau, so that every kernel forms d near 0 with the precision of the scores.
 
 
 @triton.jit
@@ -795,7 +815,9 @@ def log2_base(b_g, inv_am1, ALPHA_KIND: tl.constexpr, NEAR_ONE: tl.constexpr = N
     per score in the threshold pass). NEAR_ONE True or False takes one side at compile time:
     callers that branch on the head's alpha once, outside their loops, compile a loop without
     the other side, whose registers it no longer holds (`attention_fwd._find_threshold`)."""
-    if ALPHA_KIND == ALPHA_GENERAL:
+    if ALPHA_KIND == ALPHA_ABOVE_TWO:
+        b_log2 = tl.log2(tl.where(b_g > 0, b_g * (1.0 / inv_am1), 1.0))
+    elif ALPHA_KIND == ALPHA_GENERAL:
         b_base = 1.0 + b_g
         near_one = NEAR_ONE
         if NEAR_ONE is None:
@@ -811,11 +833,15 @@ def log2_base(b_g, inv_am1, ALPHA_KIND: tl.constexpr, NEAR_ONE: tl.constexpr = N
 
 @triton.jit
 def weights(b_g, inv_am1, ALPHA_KIND: tl.constexpr, NEAR_ONE: tl.constexpr = None):
-    """Unnormalised weights p = base^(1/(alpha-1)) from a `gap`."""
+    """Unnormalised weights p = base^(1/(alpha-1)) from a `gap`; softmax's exp(g)."""
     if ALPHA_KIND == ALPHA_SPARSEMAX:
         b_p = b_g
     elif ALPHA_KIND == ALPHA_ENTMAX15:
         b_p = b_g * b_g
+    elif ALPHA_KIND == ALPHA_SOFTMAX:
+        b_p = tl.exp2(b_g * 1.4426950408889634)
+    elif ALPHA_KIND == ALPHA_ABOVE_TWO:
+        b_p = tl.where(b_g > 0, tl.exp2(inv_am1 * log2_base(b_g, inv_am1, ALPHA_KIND)), 0.0)
     else:
         b_p = tl.where(b_g > -1.0,
                        tl.exp2(inv_am1 * log2_base(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)), 0.0)
@@ -824,11 +850,17 @@ def weights(b_g, inv_am1, ALPHA_KIND: tl.constexpr, NEAR_ONE: tl.constexpr = Non
 
 @triton.jit
 def sensitivity(b_g, inv_am1, ALPHA_KIND: tl.constexpr, NEAR_ONE: tl.constexpr = None):
-    """dp/dbase = base^(1/(alpha-1) - 1), i.e. p^(2-alpha) before row normalisation."""
+    """dp/dbase = base^(1/(alpha-1) - 1), i.e. p^(2-alpha) before row normalisation (softmax:
+    p itself)."""
     if ALPHA_KIND == ALPHA_SPARSEMAX:
         b_s = tl.where(b_g > 0, 1.0, 0.0)
     elif ALPHA_KIND == ALPHA_ENTMAX15:
         b_s = b_g
+    elif ALPHA_KIND == ALPHA_SOFTMAX:
+        b_s = weights(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)
+    elif ALPHA_KIND == ALPHA_ABOVE_TWO:
+        b_s = tl.where(b_g > 0,
+                       tl.exp2((inv_am1 - 1.0) * log2_base(b_g, inv_am1, ALPHA_KIND)), 0.0)
     else:
         b_s = tl.where(b_g > -1.0,
                        tl.exp2((inv_am1 - 1.0) * log2_base(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)),
@@ -846,7 +878,11 @@ def weights_and_sensitivity(b_g, inv_am1, ALPHA_KIND: tl.constexpr,
     clamped at 0 (masked scores' -inf; a NaN gap, whose s is 0, gives 0 as tl.maximum
     ignores NaN), keeps p at 0."""
     b_s = sensitivity(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)
-    if ALPHA_KIND == ALPHA_GENERAL:
+    if ALPHA_KIND == ALPHA_SOFTMAX:
+        b_p = b_s
+    elif ALPHA_KIND == ALPHA_ABOVE_TWO:
+        b_p = b_s * (b_g * (1.0 / inv_am1))
+    elif ALPHA_KIND == ALPHA_GENERAL:
         b_p = b_s * tl.maximum(1.0 + b_g, 0.0)
     else:
         b_p = weights(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)

@@ -71,7 +71,8 @@ from .attention_common import (CANDIDATE_CHUNK_C, CAPTURE_MAX_COLUMN_SHARE_C, CO
                                listed_tiles, log2_base, mask_specialisation, program_sequence,
                                query_block, score_option_values, sensitivity, shifted_scores,
                                sink_logit, weights, weights_and_sensitivity, window_key_tiles)
-from .kinds import ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SPARSEMAX, GRAD_ALPHA, GRAD_INPUTS
+from .kinds import (ALPHA_ABOVE_TWO, ALPHA_ENTMAX15, ALPHA_GENERAL, ALPHA_SOFTMAX, ALPHA_SPARSEMAX,
+                    GRAD_ALPHA, GRAD_INPUTS)
 from .support import count_and_smallest, positive_f16, store_above, support_bits
 
 
@@ -239,7 +240,12 @@ def _moment_terms(b_g, inv_am1, ALPHA_KIND: tl.constexpr, NEAR_ONE: tl.constexpr
     (d, unused, ...), alpha 1.5: (d^2, d, ...), general: (base^(e-1) w, base^(e-1), unused,
     unused). Summed over several chunks entry by entry before one reduction
     (`_candidate_pass`)."""
-    if ALPHA_KIND == ALPHA_GENERAL:
+    if ALPHA_KIND == ALPHA_ABOVE_TWO:
+        b_tb = sensitivity(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)
+        b_ta = b_tb * (b_g * (1.0 / inv_am1))
+        b_neg = tl.zeros(b_g.shape, dtype=tl.int32)
+        b_low = tl.zeros(b_g.shape, dtype=tl.uint32)
+    elif ALPHA_KIND == ALPHA_GENERAL:
         b_pw = sensitivity(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)
         b_ta = b_pw * tl.where(b_g > -1.0, b_g, 0.0)
         b_tb = b_pw
@@ -259,7 +265,12 @@ def _moment_terms(b_g, inv_am1, ALPHA_KIND: tl.constexpr, NEAR_ONE: tl.constexpr
 @triton.jit
 def _sum_moments(b_ta, b_tb, b_neg, b_low, n, ALPHA_KIND: tl.constexpr):
     """`_moments` from the `_moment_terms` of n entries per row, summed entry by entry."""
-    if ALPHA_KIND == ALPHA_GENERAL:
+    if ALPHA_KIND == ALPHA_ABOVE_TWO:
+        b_a = tl.sum(b_ta, 1)
+        b_b = tl.sum(b_tb, 1)
+        b_c = b_b
+        b_dmin = b_b
+    elif ALPHA_KIND == ALPHA_GENERAL:
         b_b = tl.sum(b_tb, 1)
         b_a = b_b + tl.sum(b_ta, 1)
         b_c = b_b
@@ -283,6 +294,7 @@ def _moments(b_g, inv_am1, ALPHA_KIND: tl.constexpr, NEAR_ONE: tl.constexpr):
         alpha = 2:    a = sum d      b = #{d > 0}     c = b        (d in z units)
         alpha = 1.5:  a = sum d^2    b = sum d        c = #{d > 0}
         general:      a = sum base^e  b = sum base^(e-1)  c = b    (base = 1 + w, u units)
+        above 2:      a = sum base^e  b = sum base^(e-1)  c = b    (base = (alpha-1) d)
 
     and dmin the smallest positive d (the exactness certificate of alpha 2 and 1.5; general
     alpha returns b there, unused). f(t) = a - 1 in u units (`_sums_in_u`)."""
@@ -1054,6 +1066,108 @@ def _find_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stri
 
 
 @triton.jit
+def _bracket_search(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
+                    kv_begin, full_begin, n_full, q_len, k_len, kv_end, head_e, scale, b_shift,
+                    b_sink, is_causal, pos_shift, win_left, win_right, softcap, slope, m_rows,
+                    p_flags, p_tiles, n_listed, p_cand, am1, inv_am1, b_lo, b_hi, m_done,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+                    BLOCK_EC: tl.constexpr, MASK_KIND: tl.constexpr, OPTIONS: tl.constexpr):
+    """The threshold of a head above alpha 2 in z units relative to b_shift, inside the
+    bracket [lo, hi] (f(lo) >= 0 > f(hi)): (tau, lo, hi). There e = 1/(alpha - 1) < 1 and
+    f(t) = sum (am1 [u - t]_+)^e - 1 is concave between the points where a score enters the
+    support, where its slope is infinite: a Newton step bounds tau from neither side (the
+    capture and the subset bound of `_find_threshold` rest on such bounds). Each pass over
+    the flagged tiles evaluates f at two points, the root of the model C (m - s)^e - 1
+    fitted at the last pass's point nearer its root (`_model_root`), clipped into the
+    bracket, and the bracket's middle; only the signs of f move the ends, which halves the
+    bracket at least once per pass. A row is done at a point where |f| <= TAU_STEP_TOL
+    (every term of f moves the same way with t, so no weight is off by more than |f|) or
+    when its bracket is down to neighbouring floats; MAX_TAU_PASSES bounds the rest, at
+    lo."""
+    b_tau = b_lo
+    b_guess = b_lo
+    n_pass = 0
+    while (tl.max(tl.where(m_done, 0, 1), 0) > 0) & (n_pass < MAX_TAU_PASSES_C):
+        b_t0 = tl.where(m_done, b_tau, tl.minimum(tl.maximum(b_guess, b_lo), b_hi))
+        b_t1 = tl.where(m_done, b_tau, 0.5 * (b_lo + b_hi))
+        b_a0, b_b0, b_c0, b_n0, b_a1, b_b1, b_c1, b_n1, _ = _threshold_pass(
+            b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, kv_begin,
+            full_begin, n_full, q_len, k_len, kv_end, head_e, scale, b_shift, is_causal,
+            pos_shift, win_left, win_right, softcap, slope, b_t0, b_t1, b_lo, m_rows, p_flags,
+            p_tiles, n_listed, inv_am1, p_cand, True, False, 0, BLOCK_M, BLOCK_N, BLOCK_E,
+            BLOCK_EC, MASK_KIND, OPTIONS, ALPHA_ABOVE_TWO, False)
+        if (SCORE_SINK_C & OPTIONS) != 0:
+            b_sa, b_sb, _, _ = _moments(gap(b_sink[:, None], b_t0, inv_am1, ALPHA_ABOVE_TWO),
+                                        inv_am1, ALPHA_ABOVE_TWO, False)
+            b_a0 += b_sa
+            b_b0 += b_sb
+            b_sa, b_sb, _, _ = _moments(gap(b_sink[:, None], b_t1, inv_am1, ALPHA_ABOVE_TWO),
+                                        inv_am1, ALPHA_ABOVE_TWO, False)
+            b_a1 += b_sa
+            b_b1 += b_sb
+        b_f0 = b_a0 - 1.0
+        b_f1 = b_a1 - 1.0
+        b_lo = tl.maximum(b_lo, tl.maximum(tl.where(b_f0 >= 0, b_t0, b_lo),
+                                           tl.where(b_f1 >= 0, b_t1, b_lo)))
+        b_hi = tl.minimum(b_hi, tl.minimum(tl.where(b_f0 < 0, b_t0, b_hi),
+                                           tl.where(b_f1 < 0, b_t1, b_hi)))
+        m_at0 = tl.abs(b_f0) <= TAU_STEP_TOL_C
+        m_at1 = tl.abs(b_f1) <= TAU_STEP_TOL_C
+        b_mid = 0.5 * (b_lo + b_hi)
+        m_new = (m_at0 | m_at1 | (b_mid <= b_lo) | (b_mid >= b_hi)) & ~m_done
+        b_tau = tl.where(m_new, tl.where(m_at0, b_t0, tl.where(m_at1, b_t1, b_lo)), b_tau)
+        m_done = m_done | m_new
+        # the model's step (`_model_root`, u units) in z units
+        m_near0 = tl.abs(b_f0) <= tl.abs(b_f1)
+        b_t = tl.where(m_near0, b_t0, b_t1)
+        b_a = tl.where(m_near0, b_a0, b_a1)
+        b_b = tl.where(m_near0, b_b0, b_b1)
+        b_guess = b_t + (_model_root(b_t, b_a, b_b, am1, ALPHA_GENERAL) - b_t) * inv_am1
+        n_pass += 1
+    return tl.where(m_done, b_tau, b_lo), b_lo, b_hi
+
+
+@triton.jit
+def _above_two_threshold(b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
+                         kv_begin, full_begin, n_full, q_len, k_len, kv_end, head_e, scale, b_mz,
+                         sink, is_causal, pos_shift, win_left, win_right, softcap, slope, m_rows,
+                         p_flags, p_tiles, p_cand, am1, inv_am1, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EC: tl.constexpr,
+                         MASK_KIND: tl.constexpr, OPTIONS: tl.constexpr):
+    """`_find_threshold` for a head with alpha > 2: (shift, tau, listed tiles), the weights
+    p = (am1 [z - shift - tau]_+)^e. The first search (`_bracket_search`) finds tau in z
+    units relative to the row maximum, [max - 1/(alpha - 1), max) (the max pass's flags
+    hold for every alpha > 1), to about an ulp of the scores; the second searches again
+    relative to the shift m + tau (rounded), where the scores next to the threshold are
+    differences near 0 that the kernels form exactly (`shifted_scores`' fused
+    multiply-add), so that a weight (am1 d)^e whose d is far below an ulp of the scores is
+    still right (attention_common, "A per-head alpha")."""
+    tl.debug_barrier()
+    n_listed = listed_tiles(p_flags, 1, full_begin // BLOCK_N, n_full // BLOCK_N, p_tiles)
+    tl.debug_barrier()
+    m_done = ~m_rows
+    b_tau, b_lo, b_hi = _bracket_search(
+        b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, kv_begin,
+        full_begin, n_full, q_len, k_len, kv_end, head_e, scale, b_mz, sink - b_mz, is_causal,
+        pos_shift, win_left, win_right, softcap, slope, m_rows, p_flags, p_tiles, n_listed,
+        p_cand, am1, inv_am1, tl.zeros([BLOCK_M], dtype=tl.float32) - inv_am1,
+        tl.zeros([BLOCK_M], dtype=tl.float32), m_done, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC,
+        MASK_KIND, OPTIONS)
+    b_shift = tl.where(m_rows, b_mz + b_tau, b_mz)
+    # the bracket relative to the new shift, widened by the rounding of the shift and of
+    # the offset (a few ulps of the larger of max and tau)
+    b_off = b_shift - b_mz
+    b_slack = (tl.abs(b_mz) + tl.abs(b_tau)) * 4.8e-7
+    b_tau, _, _ = _bracket_search(
+        b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, kv_begin,
+        full_begin, n_full, q_len, k_len, kv_end, head_e, scale, b_shift, sink - b_shift,
+        is_causal, pos_shift, win_left, win_right, softcap, slope, m_rows, p_flags, p_tiles,
+        n_listed, p_cand, am1, inv_am1, b_lo - b_off - b_slack, b_hi - b_off + b_slack, m_done,
+        BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, OPTIONS)
+    return b_shift, tl.where(m_rows, b_tau, 0.0), n_listed
+
+
+@triton.jit
 def _output_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq,
                  stride_mk, o_m, start_n, q_len, k_len, head_e, head_ev, scale, inv_am1,
                  b_mz, b_tau, m_rows, is_causal, pos_shift, win_left, win_right, softcap, slope,
@@ -1110,11 +1224,15 @@ def _output_tile(b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, st
 @triton.jit
 def _row_plogp(b_g, b_p, inv_am1, ALPHA_KIND: tl.constexpr, NEAR_ONE: tl.constexpr):
     """Row sums of p log p (unnormalised weights b_p of the `gap` b_g), for the entropy:
-    p log p = p * log(base) / (alpha - 1)."""
-    b_log2 = log2_base(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)
-    if ALPHA_KIND == ALPHA_GENERAL:
-        b_log2 = tl.where(b_g > -1.0, b_log2, 0.0)
-    return tl.sum(b_p * b_log2, 1) * (inv_am1 * 0.6931471805599453)
+    p log p = p * log(base) / (alpha - 1); softmax: p * g (g = log p, 0 where p is)."""
+    if ALPHA_KIND == ALPHA_SOFTMAX:
+        b_plogp = tl.sum(tl.where(b_p > 0, b_p * b_g, 0.0), 1)
+    else:
+        b_log2 = log2_base(b_g, inv_am1, ALPHA_KIND, NEAR_ONE)
+        if ALPHA_KIND == ALPHA_GENERAL:
+            b_log2 = tl.where(b_g > -1.0, b_log2, 0.0)
+        b_plogp = tl.sum(b_p * b_log2, 1) * (inv_am1 * 0.6931471805599453)
+    return b_plogp
 
 
 @triton.jit
@@ -1282,14 +1400,35 @@ def entmax_attn_fwd_kernel(
     # for heads near alpha = 1 and for the others (`log2_base`), so that the passes' loops
     # of the usual heads hold no near-one log (sm_90, bf16, E 64, alpha >= 1.25: the
     # threshold launch's stack 448 -> 168 bytes, a later pass 14.1 instructions per score).
+    # A per-head alpha of 1 (softmax) or above 2 branches here too (attention_common, "A
+    # per-head alpha"): softmax has no threshold (0, its weights exp(u)), above 2 the
+    # bracketing search.
     near_one = False
+    softmax = False
+    above_two = False
     if ALPHA_KIND == ALPHA_GENERAL:
         near_one = inv_am1 > NEAR_ONE_INV_AM1
+        softmax = am1 == 0.0
+        above_two = am1 > 1.0
     if PHASE == PHASE_OUTPUT_C:
         b_tau = tl.load(p_stats + STAT_TAU_C * stride_stat, mask=m_m, other=0.0)
         n_listed = listed_tiles(p_flags, 1, full_begin // BLOCK_N, n_full // BLOCK_N, p_tiles)
     else:
-        if near_one:
+        if softmax:
+            tl.debug_barrier()
+            n_listed = listed_tiles(p_flags, 1, full_begin // BLOCK_N, n_full // BLOCK_N, p_tiles)
+            b_tau = tl.zeros([BLOCK_M], dtype=tl.float32)
+        elif above_two:
+            b_mz, b_tau, n_listed = _above_two_threshold(
+                b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, kv_begin,
+                full_begin, n_full, q_len, k_len, kv_end, head_e, scale, b_mz, sink, is_causal,
+                pos_shift, win_left, win_right, softcap, slope, m_rows, p_flags, p_tiles, p_cand,
+                am1, inv_am1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, OPTIONS)
+            # its shift is the rounded m + tau: kept where the threshold launch leaves the
+            # row maximum, for the output launch
+            b_m = tl.where(m_rows, b_mz, b_m)
+            b_sink = sink - b_mz
+        elif near_one:
             b_tau, n_listed = _find_threshold(
                 b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, kv_begin,
                 full_begin, n_full,
@@ -1318,7 +1457,23 @@ def entmax_attn_fwd_kernel(
     # output pass (sparse): the listed tiles; it flags exactly the tiles holding non-zero
     # weight, for the backward
     seed = tl.load(seed_ptr)
-    if near_one:
+    if softmax:
+        b_sum, b_ssum, b_plogp, b_acc, b_dacc = _output_pass(
+            b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq, stride_mk,
+            o_m, kv_begin, full_begin, n_full, kv_end, n_listed, p_tiles, q_len, k_len, head_e,
+            head_ev, scale, inv_am1, b_mz, b_sink, b_tau, m_rows, is_causal, pos_shift,
+            win_left, win_right, softcap, slope, p_flags, seed, pid_bh, seqlen_q, seqlen_k,
+            dropout_p, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, MASK_KIND, OPTIONS,
+            ALPHA_SOFTMAX, HAS_DROPOUT, NEED_GRAD, False)
+    elif above_two:
+        b_sum, b_ssum, b_plogp, b_acc, b_dacc = _output_pass(
+            b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq, stride_mk,
+            o_m, kv_begin, full_begin, n_full, kv_end, n_listed, p_tiles, q_len, k_len, head_e,
+            head_ev, scale, inv_am1, b_mz, b_sink, b_tau, m_rows, is_causal, pos_shift,
+            win_left, win_right, softcap, slope, p_flags, seed, pid_bh, seqlen_q, seqlen_k,
+            dropout_p, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, MASK_KIND, OPTIONS,
+            ALPHA_ABOVE_TWO, HAS_DROPOUT, NEED_GRAD, False)
+    elif near_one:
         b_sum, b_ssum, b_plogp, b_acc, b_dacc = _output_pass(
             b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq, stride_mk,
             o_m, kv_begin, full_begin, n_full, kv_end, n_listed, p_tiles, q_len, k_len, head_e,

@@ -8,8 +8,9 @@ causal end, the window's tiles), and forms the weights with the dQ kernel's `_ro
 so that a key counts exactly when the backward gives it a weight. The sink is no key and
 is never counted (its share is in the stored sum l); a row whose stored shift is NaN (its
 forward is NaN) counts none, a row whose keys are all masked none (its scores are -inf).
-Like the other fused attention kernels it takes 1 < alpha <= 2 (the public layer refuses a
-per-head alpha outside).
+A head at alpha 1 of a per-head alpha counts its softmax weights that do not underflow, a
+head above 2 the keys above its stored shift and threshold (`_row_weights`' forms of
+those heads; attention_common, "A per-head alpha").
 """
 import triton
 import triton.language as tl
@@ -22,7 +23,7 @@ from .attention_common import (ALPHA_KINDS, BLOCK_ES, FLOAT_PARAMETERS, MASK_KIN
                                held_rows, launch_config, mask_pointer_type, mask_specialisation,
                                program_sequence, query_block, query_block_key_tiles,
                                shifted_scores)
-from .kinds import ALPHA_GENERAL
+from .kinds import ALPHA_ABOVE_TWO, ALPHA_GENERAL, ALPHA_SOFTMAX
 from .signature import DTYPE_KEYS, kernel_signature
 
 
@@ -140,10 +141,29 @@ def entmax_attn_support_kernel(
         i_b, i_h, start_m, q_len, k_len, is_causal, window_left, window_right, alibi_ptr,
         stride_alibi_b, stride_alibi_h, BLOCK_M, BLOCK_N, OPTIONS)
     # general alpha near 1 takes `log2_base`'s log1p form, as in the forward and dQ
+    # (and a head at alpha 1, softmax, or above 2: attention_common, "A per-head alpha")
     near_one = False
+    softmax = False
+    above_two = False
     if ALPHA_KIND == ALPHA_GENERAL:
         near_one = inv_am1 > NEAR_ONE_INV_AM1
-    if near_one:
+        softmax = am1 == 0.0
+        above_two = am1 > 1.0
+    if above_two:
+        b_count = _count_pass(
+            b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, kv_begin,
+            full_begin, n_full, kv_end, o_m, q_len, k_len, head_e, scale, am1,
+            inv_am1, b_mz, b_tau, b_l, is_causal, pos_shift, win_left, win_right, softcap,
+            slope, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, ALPHA_ABOVE_TWO, MASK_KIND, OPTIONS,
+            False)
+    elif softmax:
+        b_count = _count_pass(
+            b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, kv_begin,
+            full_begin, n_full, kv_end, o_m, q_len, k_len, head_e, scale, am1,
+            inv_am1, b_mz, b_tau, b_l, is_causal, pos_shift, win_left, win_right, softcap,
+            slope, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, ALPHA_SOFTMAX, MASK_KIND, OPTIONS,
+            False)
+    elif near_one:
         b_count = _count_pass(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, kv_begin,
             full_begin, n_full, kv_end, o_m, q_len, k_len, head_e, scale, am1,

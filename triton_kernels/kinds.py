@@ -12,6 +12,9 @@ ALPHA_GENERAL = tl.constexpr(common.ALPHA_GENERAL)
 ALPHA_SOFTMAX = tl.constexpr(common.ALPHA_SOFTMAX)
 ALPHA_ENTMAX15 = tl.constexpr(common.ALPHA_ENTMAX15)
 ALPHA_SPARSEMAX = tl.constexpr(common.ALPHA_SPARSEMAX)
+# Not a launch's kind: the passes a general-kind attention kernel compiles for a head whose
+# alpha is above 2 (triton_kernels/attention_common.py, "A per-head alpha").
+ALPHA_ABOVE_TWO = tl.constexpr(-1)
 
 MASK_NONE = tl.constexpr(common.MASK_NONE)
 MASK_BOOL = tl.constexpr(common.MASK_BOOL)

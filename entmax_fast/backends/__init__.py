@@ -44,47 +44,46 @@ and holds the one torch.autograd.Function of each op, which calls the dispatched
                 float64 TV-prox output)
     attention   attention_forward(query, key, value, attn_mask, alpha, *, scale,
                                   is_causal, dropout_p, enable_gqa, need_grad,
-                                  window_size, softcap, alibi_slopes, sinks)
-                    -> (out, saved)
+                                  score_options) -> (out, saved)
                 attention_backward(grad_out, query, key, value, attn_mask, alpha, out,
                                    saved, *, scale, is_causal, dropout_p, enable_gqa,
-                                   need_mask_grad, need_alpha_grad, window_size, softcap,
-                                   alibi_slopes, sinks, need_sinks_grad)
+                                   need_mask_grad, need_alpha_grad, score_options,
+                                   need_sinks_grad)
                     -> (dq, dk, dv, dmask | None, dalpha | None, dsinks | None)
                 query (B, H, Lq, E), key (B, Hkv, Lk, E), value (B, Hkv, Lk, Ev), none
                 empty, E >= 1; attn_mask None, bool or additive, 4-D, broadcastable to
                 (B, H, Lq, Lk); alpha: float or (H,) tensor; scale: float; need_grad:
                 common.GRAD_*; saved: a tuple of tensors (what the backward needs; the
-                dropout seed among them); the score options (docs/attention.md, "Score
-                options"): window_size (left, right) ints, -1 unbounded, (-1, -1) none;
-                softcap float, 0 none; alibi_slopes None or (H,) / (B, H), no gradient;
-                sinks None or (H,), with a gradient
+                dropout seed among them); score_options: a _validation.ScoreOptions
+                (docs/attention.md, "Score options"; the public layer checked it):
+                the window as its ``window_bounds`` (a lower-right causal mask is the
+                right bound 0), softcap, alibi_slopes (no gradient) and sinks (with a
+                gradient); custom ops take it flat (``ScoreOptions.flat``)
     attention_varlen
                 attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                          max_seqlen_q, max_seqlen_k, alpha, *, scale,
-                                         is_causal, dropout_p, need_grad, window_size,
-                                         softcap, alibi_slopes, sinks) -> (out, saved)
+                                         is_causal, dropout_p, need_grad,
+                                         score_options) -> (out, saved)
                 attention_varlen_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k,
                                           max_seqlen_q, max_seqlen_k, alpha, out, saved,
                                           *, scale, is_causal, dropout_p,
-                                          need_alpha_grad, window_size, softcap,
-                                          alibi_slopes, sinks, need_sinks_grad)
+                                          need_alpha_grad, score_options,
+                                          need_sinks_grad)
                     -> (dq, dk, dv, dalpha | None, dsinks | None)
                 alibi_slopes (B, H) hold a row per sequence
     attention_kvcache  (forward only: decoding, no autograd)
                 attention_kvcache_forward(query, k_cache, v_cache, seqlens_k, block_table,
-                                          alpha, *, scale, window_size, softcap,
-                                          alibi_slopes, sinks) -> out
+                                          alpha, *, scale, score_options) -> out
                 query (B, H, Lq, E); caches contiguous (B, Hkv, Lmax, E | Ev), block_table
                 None, or paged (num_blocks, Hkv, block_size, E | Ev) with block_table
                 (B, max_blocks) int32; seqlens_k (B,) int32: keys in each sequence's cache
                 (the new tokens already written), query i at position seqlens_k[b] − Lq + i,
-                lower-right causal; entries of block_table past a sequence's blocks are
-                not read
+                lower-right causal (the window's right bound unused); entries of
+                block_table past a sequence's blocks are not read
     attention_support  (forward only: inspection, no autograd)
                 attention_support_forward(query, key, attn_mask, alpha, *, scale,
-                                          is_causal, enable_gqa, window_size, softcap,
-                                          alibi_slopes, sinks) -> (B, H, Lq) int64
+                                          is_causal, enable_gqa, score_options)
+                    -> (B, H, Lq) int64
                 arguments as attention_forward's (no value): how many keys each query
                 row gives a nonzero weight in that backend's attention_forward (the sink
                 not counted, a NaN row none), without an (Lq, Lk) block per head beyond
@@ -93,7 +92,8 @@ and holds the one torch.autograd.Function of each op, which calls the dispatched
 A backend that does not implement a score option refuses the call in ``supports`` (dispatch
 then falls back, with the reason), naming it with `unimplemented_score_options`; its package
 lists the options it implements in ``SCORE_OPTIONS_IMPLEMENTED`` (keys of SCORE_OPTIONS).
-Its forward and backward still take every keyword, and raise if one it lacks is set.
+Its forward and backward still take every option, and raise if one it lacks is in use
+(`refuse_score_options`).
 
 Outputs and gradients come back in the inputs' dtypes (dalpha in alpha's dtype for a
 tensor alpha, dsinks in sinks' dtype). Backends trust their arguments: checks live in the
@@ -101,14 +101,8 @@ public layer, once.
 """
 
 # The dispatch.Request options of the attention ops that flag a score option in use (the
-# public layer sets them), and how a refusal names each.
-SCORE_OPTIONS = {
-    "window": "window_size",
-    "lower_right_causal": "a lower-right causal mask (CausalBias causal_lower_right with Lq != Lk)",
-    "softcap": "softcap",
-    "alibi_slopes": "alibi_slopes",
-    "sinks": "sinks",
-}
+# public layer sets them, _validation.ScoreOptions.request_flags), and how a refusal names each.
+from .._validation import SCORE_OPTIONS
 
 
 def unimplemented_score_options(request, what: str, implemented=frozenset()) -> str | None:
@@ -122,11 +116,9 @@ def unimplemented_score_options(request, what: str, implemented=frozenset()) -> 
     return f"{what} does not implement {', '.join(used)} yet"
 
 
-def refuse_score_options(what: str, window_size, softcap, alibi_slopes, sinks, implemented=frozenset()) -> None:
+def refuse_score_options(what: str, score_options, implemented=frozenset()) -> None:
     """Raise when a backend is called with a score option outside ``implemented`` anyway
     (``supports`` refuses such calls, so dispatch never makes them)."""
-    used = {"window": tuple(window_size) != (-1, -1), "softcap": softcap != 0,
-            "alibi_slopes": alibi_slopes is not None, "sinks": sinks is not None}
-    lacking = [name for name, on in used.items() if on and name not in implemented]
+    lacking = [flag for flag in score_options.in_use if flag not in implemented]
     if lacking:
         raise RuntimeError(f"{what} has no score option {', '.join(lacking)}; supports() refuses such calls")

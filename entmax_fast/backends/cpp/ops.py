@@ -2,13 +2,14 @@
 
 Arithmetic is float64 for float64 tensors and float32 otherwise; results come back in the
 input dtype. α reaches the kernels as one value per row (row-wise) or per head (attention).
-The attention kernels take the score options (docs/attention.md, "Score options") themselves:
-a lower-right causal mask arrives as the window's right bound 0.
+The attention kernels take the score options (docs/attention.md, "Score options") themselves,
+flat (`_flat_options`): a lower-right causal mask arrives as the window's right bound 0.
 """
 from __future__ import annotations
 
 import torch
 
+from ..._validation import ScoreOptions
 from ...common import alpha_vector, compute_dtype
 from .. import refuse_score_options
 from . import SCORE_OPTIONS_IMPLEMENTED
@@ -37,56 +38,57 @@ def entmax_backward(p: torch.Tensor, grad: torch.Tensor, alpha, need_alpha_grad:
     return dx, dalpha if isinstance(alpha, torch.Tensor) else dalpha.to(compute_dtype(p.dtype))
 
 
+def _flat_options(what: str, score_options: ScoreOptions):
+    """The operators' score arguments: ([window_left, window_right], softcap, alibi_slopes,
+    sinks), after refusing an option the kernels lack."""
+    refuse_score_options(what, score_options, implemented=SCORE_OPTIONS_IMPLEMENTED)
+    left, right, softcap, alibi_slopes, sinks = score_options.flat()
+    return [left, right], softcap, alibi_slopes, sinks
+
+
 def attention_forward(query, key, value, attn_mask, alpha, *, scale, is_causal, dropout_p, enable_gqa, need_grad,
-                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
-    refuse_score_options("the C++ attention", window_size, softcap, alibi_slopes, sinks,
-                         implemented=SCORE_OPTIONS_IMPLEMENTED)
+                      score_options=ScoreOptions()):
     out, stats = torch.ops.entmax_fast.entmax_attention_fwd(
         query, key, value, attn_mask, _alphas(alpha, query.shape[1], query.device), float(scale), bool(is_causal),
-        [int(bound) for bound in window_size], float(softcap), alibi_slopes, sinks)
+        *_flat_options("the C++ attention", score_options))
     return out, (stats,)
 
 
 def attention_backward(grad_out, query, key, value, attn_mask, alpha, out, saved, *, scale, is_causal, dropout_p,
-                       enable_gqa, need_mask_grad, need_alpha_grad, window_size=(-1, -1), softcap=0.0,
-                       alibi_slopes=None, sinks=None, need_sinks_grad=False):
-    refuse_score_options("the C++ attention", window_size, softcap, alibi_slopes, sinks,
-                         implemented=SCORE_OPTIONS_IMPLEMENTED)
+                       enable_gqa, need_mask_grad, need_alpha_grad, score_options=ScoreOptions(),
+                       need_sinks_grad=False):
+    flat = _flat_options("the C++ attention", score_options)
     (stats,) = saved
+    sinks = score_options.sinks
     need_alpha_grad = bool(need_alpha_grad) and isinstance(alpha, torch.Tensor)
     need_sinks_grad = bool(need_sinks_grad) and sinks is not None
     dq, dk, dv, dalpha, dsinks = torch.ops.entmax_fast.entmax_attention_bwd(
         grad_out, query, key, value, attn_mask, stats, _alphas(alpha, query.shape[1], query.device), float(scale),
-        bool(is_causal), need_alpha_grad, [int(bound) for bound in window_size], float(softcap), alibi_slopes, sinks,
-        need_sinks_grad)
+        bool(is_causal), need_alpha_grad, *flat, need_sinks_grad)
     return (dq, dk, dv, None, (dalpha.to(alpha.dtype) if need_alpha_grad else None),
             (dsinks.to(sinks.dtype) if need_sinks_grad else None))
 
 
-def attention_kvcache_forward(query, k_cache, v_cache, seqlens_k, block_table, alpha, *, scale, window_size=(-1, -1),
-                              softcap=0.0, alibi_slopes=None, sinks=None):
-    refuse_score_options("the C++ decoding attention", window_size, softcap, alibi_slopes, sinks,
-                         implemented=SCORE_OPTIONS_IMPLEMENTED)
+def attention_kvcache_forward(query, k_cache, v_cache, seqlens_k, block_table, alpha, *, scale,
+                              score_options=ScoreOptions()):
     return torch.ops.entmax_fast.entmax_attention_kvcache_fwd(
         query, k_cache, v_cache, seqlens_k, block_table, _alphas(alpha, query.shape[1], query.device), float(scale),
-        [int(bound) for bound in window_size], float(softcap), alibi_slopes, sinks)
+        *_flat_options("the C++ decoding attention", score_options))
 
 
-def attention_support_forward(query, key, attn_mask, alpha, *, scale, is_causal, enable_gqa, window_size=(-1, -1),
-                              softcap=0.0, alibi_slopes=None, sinks=None):
+def attention_support_forward(query, key, attn_mask, alpha, *, scale, is_causal, enable_gqa,
+                              score_options=ScoreOptions()):
     """Counts from the forward's own row statistics (max, mu): the forward runs on a value of
     one zero feature, which leaves its P.V negligible, then the count recomputes the scores
     tile by tile."""
-    refuse_score_options("the C++ attention", window_size, softcap, alibi_slopes, sinks,
-                         implemented=SCORE_OPTIONS_IMPLEMENTED)
+    flat = _flat_options("the C++ attention", score_options)
     batch, kv_heads, key_length, _ = key.shape
     value = query.new_zeros((batch, kv_heads, key_length, 1))
     alphas = _alphas(alpha, query.shape[1], query.device)
-    window = [int(bound) for bound in window_size]
     _, stats = torch.ops.entmax_fast.entmax_attention_fwd(query, key, value, attn_mask, alphas, float(scale),
-                                                          bool(is_causal), window, float(softcap), alibi_slopes, sinks)
+                                                          bool(is_causal), *flat)
     return torch.ops.entmax_fast.entmax_attention_support(query, key, attn_mask, stats, alphas, float(scale),
-                                                          bool(is_causal), window, float(softcap), alibi_slopes, sinks)
+                                                          bool(is_causal), *flat)
 
 
 def fusedmax_forward(x, reg, lengths):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..._validation import ScoreOptions
 from ...reference import attention as _attention
 from ...reference import chain as _chain
 from ...reference import kvcache as _kvcache
@@ -26,12 +27,41 @@ normmax_forward = _normmax_budget.normmax_forward
 normmax_backward = _normmax_budget.normmax_backward
 budget_forward = _normmax_budget.budget_forward
 budget_backward = _normmax_budget.budget_backward
-attention_forward = _attention.attention_forward
-attention_backward = _attention.attention_backward
-attention_varlen_forward = _attention.attention_varlen_forward
-attention_varlen_backward = _attention.attention_varlen_backward
-attention_kvcache_forward = _kvcache.attention_kvcache_forward
-attention_support_forward = _attention.attention_support_forward
+
+
+def attention_forward(query, key, value, attn_mask, alpha, *, score_options=ScoreOptions(), **options):
+    return _attention.attention_forward(query, key, value, attn_mask, alpha, **options,
+                                        **score_options.keywords())
+
+
+def attention_backward(grad_out, query, key, value, attn_mask, alpha, out, saved, *, score_options=ScoreOptions(),
+                       **options):
+    return _attention.attention_backward(grad_out, query, key, value, attn_mask, alpha, out, saved, **options,
+                                         **score_options.keywords())
+
+
+def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, *,
+                             score_options=ScoreOptions(), **options):
+    return _attention.attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha,
+                                               **options, **score_options.keywords())
+
+
+def attention_varlen_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alpha, out,
+                              saved, *, score_options=ScoreOptions(), **options):
+    return _attention.attention_varlen_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                max_seqlen_k, alpha, out, saved, **options,
+                                                **score_options.keywords())
+
+
+def attention_kvcache_forward(query, k_cache, v_cache, seqlens_k, block_table, alpha, *, scale,
+                              score_options=ScoreOptions()):
+    return _kvcache.attention_kvcache_forward(query, k_cache, v_cache, seqlens_k, block_table, alpha, scale=scale,
+                                              **score_options.keywords())
+
+
+def attention_support_forward(query, key, attn_mask, alpha, *, score_options=ScoreOptions(), **options):
+    return _attention.attention_support_forward(query, key, attn_mask, alpha, **options,
+                                                **score_options.keywords())
 
 
 def _vector_jacobian(mapping, grad, x, lengths, reg):

@@ -88,10 +88,6 @@ def supports(op: str, request) -> Optional[str]:
     if op in ("attention", "attention_varlen", "attention_support"):
         if request.dtype not in DTYPE_KEYS:
             return f"the fused kernels take float32/float16/bfloat16, got {request.dtype}"
-        alpha = request.options.get("alpha")
-        # The threshold search relies on convexity, which holds only for 1 < alpha <= 2.
-        if isinstance(alpha, float) and not 1.0 < alpha <= 2.0:
-            return f"the fused kernels need 1 < alpha <= 2, got {alpha}"
         if request.options.get("head_dim", 0) > 256:
             return f"head dims above 256 are not supported by the fused kernels, got {request.options['head_dim']}"
         if request.options.get("mask_requires_grad"):
@@ -116,10 +112,11 @@ def supports(op: str, request) -> Optional[str]:
 def describe(op: str, request) -> str:
     """What runs the call, in a user's words."""
     where = "CUDA tensor" if request.device.type == "cuda" else "CPU tensor in the Triton interpreter"
-    # The fused attention kernels take only 1 < alpha <= 2; the row-wise ones any alpha.
+    # The fused attention kernels run alpha 1.5 and 2 in closed form, any other alpha (>= 1)
+    # per head: softmax at 1, a bracketing threshold search above 2.
     alpha = request.options.get("alpha") if op.startswith("attention") else None
     if isinstance(alpha, float):
-        where += f", alpha = {alpha:g} in (1, 2]"
+        where += f", alpha = {alpha:g}" + (" in (1, 2]" if 1.0 < alpha <= 2.0 else " (per-head kernels)")
     elif alpha is not None:
         where += ", alpha per head"
     return f"triton: {where}"

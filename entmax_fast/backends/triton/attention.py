@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ... import common
+from ..._validation import ScoreOptions
 from ...triton_kernels import attention_bwd, attention_common, attention_fwd, attention_support
 from ...triton_kernels.signature import DTYPE_KEYS
 from . import _capability, interpreting
@@ -171,42 +172,35 @@ def _mask_args(attn_mask, geo, q):
     return mask_kind, mask, tuple(mask.stride())
 
 
-def _score_option_args(window_left, window_right, softcap, alibi_slopes, sinks, q):
-    """(OPTIONS, kernel arguments, sinks argument) of the score options: the window's
-    bounds, the softcap, and the ALiBi slopes as an fp32 tensor with its strides over
-    (batch entry or sequence, head), 0 over the first for (H,) slopes; the sink logits
+def _score_option_args(score_options, q):
+    """(OPTIONS, kernel arguments, sinks argument) of the score options: their kernel bits,
+    the window's bounds, the softcap, and the ALiBi slopes as an fp32 tensor with its strides
+    over (batch entry or sequence, head), 0 over the first for (H,) slopes; the sink logits
     (H,) as an fp32 tensor (the forward and dQ kernels' last argument)."""
-    options = 0
+    window_left, window_right, softcap, alibi_slopes, sinks = score_options.flat()
     if sinks is None:
         sinks_arg = _placeholder(q.device, torch.float32)
     else:
-        options |= attention_common.SCORE_SINK
         sinks_arg = sinks.to(torch.float32).contiguous()
-    if (window_left, window_right) != (-1, -1):
-        options |= attention_common.SCORE_WINDOW
-    if softcap > 0:
-        options |= attention_common.SCORE_SOFTCAP
     if alibi_slopes is None:
         slopes, strides = _placeholder(q.device, torch.float32), (0, 0)
     else:
-        options |= attention_common.SCORE_ALIBI
         slopes = alibi_slopes.to(torch.float32)
         strides = (0, slopes.stride(0)) if slopes.dim() == 1 else tuple(slopes.stride())
-    return options, (int(window_left), int(window_right), float(softcap), slopes,
-                     *strides), sinks_arg
+    return (score_options.kernel_bits, (window_left, window_right, softcap, slopes, *strides),
+            sinks_arg)
 
 
 def _launch_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is_causal, scale,
-                    need_grad, cu_q=None, cu_k=None, max_q=0, max_k=0, window_left=-1,
-                    window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None):
+                    need_grad, cu_q=None, cu_k=None, max_q=0, max_k=0,
+                    score_options=ScoreOptions()):
     """Launch the forward kernel. Returns (out, stats, dvec, flags).
 
     alpha: fp32 tensor (H,); alpha_kind: common.ALPHA_* specialisation;
     seed: int64 tensor (1,) for dropout.
     stats: (4, B, H, Lq) or (4, H, total_q) fp32 row statistics (attention_common.STAT_*);
     need_grad: common.GRAD_* (what the backward will need);
-    window_left, window_right, softcap, alibi_slopes, sinks: the score options (-1, -1, 0,
-    None and None for none; `attention_forward`);
+    score_options: a ScoreOptions (`attention_forward`);
     dvec: fp32 like out (the D-vector; a placeholder without gradients);
     flags: (B, H, n_qblocks, n_kblocks) int8, 1 where a tile holds non-zero weight.
     """
@@ -227,8 +221,7 @@ def _launch_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is_c
     tiles = geo.tile_lists(q.device)
     slots = attention_common.candidate_slots(alpha_kind)
     candidates = geo.candidate_scratch(slots, q.device)
-    score_options, option_args, sinks_arg = _score_option_args(window_left, window_right,
-                                                               softcap, alibi_slopes, sinks, q)
+    score_bits, option_args, sinks_arg = _score_option_args(score_options, q)
     for launch in attention_common.forward_launches(geo.block_e, geo.dtype_key, mask_kind,
                                                     int(need_grad)):
         options = attention_common.launch_options(launch.maxnreg)
@@ -242,7 +235,7 @@ def _launch_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is_c
             int(is_causal), *option_args, sinks_arg,
             BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e,
             BLOCK_EV=geo.block_ev, BLOCK_EC=geo.block_ec["fwd"], ALPHA_KIND=alpha_kind,
-            MASK_KIND=mask_kind, OPTIONS=score_options, IS_VARLEN=geo.varlen,
+            MASK_KIND=mask_kind, OPTIONS=score_bits, IS_VARLEN=geo.varlen,
             HAS_DROPOUT=dropout_p > 0.0, NEED_GRAD=launch.need_grad, PHASE=launch.phase,
             CANDIDATES=slots, num_warps=launch.num_warps,
             num_stages=launch.num_stages, **options,
@@ -264,8 +257,7 @@ def _dq_mode(geo, need_alpha_grad):
 
 def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha_kind, seed,
                      dropout_p, is_causal, scale, need_alpha_grad, cu_q=None, cu_k=None,
-                     max_q=0, max_k=0, window_left=-1, window_right=-1, softcap=0.0,
-                     alibi_slopes=None, sinks=None, need_sinks_grad=False):
+                     max_q=0, max_k=0, score_options=ScoreOptions(), need_sinks_grad=False):
     """Launch the backward kernels. Returns (dq, dk, dv, dalpha (H,) fp32, dsinks (H,)
     fp32), dalpha and dsinks zeros when not needed."""
     q, k, v, o, do = (_last_dim_contiguous(t) for t in (q, k, v, o, do))
@@ -287,10 +279,9 @@ def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha
                 torch.zeros_like(alpha))
     sb, sh, sstat = geo.stats_strides(stats)
     tiles = geo.tile_lists(q.device)
-    need_sinks_grad = need_sinks_grad and sinks is not None
+    need_sinks_grad = need_sinks_grad and score_options.sinks is not None
     dq_mode = _dq_mode(geo, need_alpha_grad or need_sinks_grad)
-    score_options, option_args, sinks_arg = _score_option_args(window_left, window_right,
-                                                               softcap, alibi_slopes, sinks, q)
+    score_bits, option_args, sinks_arg = _score_option_args(score_options, q)
     if dq_mode == attention_common.DQ_KERNEL:
         # dq first: it writes delta = dO . D per row, which the dk/dv kernel reads
         attention_bwd.entmax_attn_bwd_dq_kernel[geo.query_grid()](
@@ -303,7 +294,7 @@ def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha
             *option_args, sinks_arg,
             BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e,
             BLOCK_EV=geo.block_ev, BLOCK_EC=geo.block_ec["dq"], ALPHA_KIND=alpha_kind,
-            MASK_KIND=mask_kind, OPTIONS=score_options, IS_VARLEN=geo.varlen,
+            MASK_KIND=mask_kind, OPTIONS=score_bits, IS_VARLEN=geo.varlen,
             HAS_DROPOUT=dropout_p > 0.0, NEED_DALPHA=bool(need_alpha_grad),
             **geo.launch["dq"],
         )
@@ -332,7 +323,7 @@ def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha
         float(dropout_p), int(is_causal), *option_args,
         BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e, BLOCK_EV=geo.block_ev,
         BLOCK_EC=geo.block_ec["dkdv"], ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind,
-        OPTIONS=score_options, IS_VARLEN=geo.varlen,
+        OPTIONS=score_bits, IS_VARLEN=geo.varlen,
         HAS_DROPOUT=dropout_p > 0.0, DQ_MODE=dq_mode,
         **geo.launch["dkdv"],
     )
@@ -353,7 +344,7 @@ def _per_head(row_terms, geo):
 
 
 def _launch_support(q, k, stats, attn_mask, alpha, alpha_kind, is_causal, scale,
-                    window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+                    score_options=ScoreOptions()):
     """Launch the support kernel on the row statistics of the forward that ran on q and k
     with these arguments. Returns (B, H, Lq) int32 counts."""
     q, k = (_last_dim_contiguous(t) for t in (q, k))
@@ -364,8 +355,7 @@ def _launch_support(q, k, stats, attn_mask, alpha, alpha_kind, is_causal, scale,
     if counts.numel() == 0:
         return counts
     mask_kind, mask, mask_strides = _mask_args(attn_mask, geo, q)
-    score_options, option_args, _ = _score_option_args(window_left, window_right, softcap,
-                                                       alibi_slopes, None, q)
+    score_bits, option_args, _ = _score_option_args(score_options, q)
     num_warps, num_stages, block_ec = attention_support.launch(geo.block_e, geo.dtype_key)
     attention_support.entmax_attn_support_kernel[geo.query_grid()](
         q, k, stats, mask, alpha, counts,
@@ -374,7 +364,7 @@ def _launch_support(q, k, stats, attn_mask, alpha, alpha_kind, is_causal, scale,
         float(scale), int(is_causal), *option_args,
         BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e, BLOCK_EC=block_ec,
         ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind,
-        OPTIONS=attention_support.kernel_options(score_options),
+        OPTIONS=attention_support.kernel_options(score_bits),
         num_warps=num_warps, num_stages=num_stages,
     )
     return counts
@@ -395,8 +385,8 @@ def _attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tenso
                       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _launch_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is_causal,
                            scale, need_grad, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                           max_seqlen_k, window_left, window_right, softcap, alibi_slopes,
-                           sinks)
+                           max_seqlen_k, ScoreOptions.from_flat(window_left, window_right,
+                                                                softcap, alibi_slopes, sinks))
 
 
 @_attention_fwd_op.register_fake
@@ -427,8 +417,8 @@ def _attention_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, dv
     return _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha_kind,
                             seed, dropout_p, is_causal, scale, need_alpha_grad,
                             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            window_left, window_right, softcap, alibi_slopes, sinks,
-                            need_sinks_grad)
+                            ScoreOptions.from_flat(window_left, window_right, softcap,
+                                                   alibi_slopes, sinks), need_sinks_grad)
 
 
 @_attention_bwd_op.register_fake
@@ -447,7 +437,8 @@ def _attention_support_op(q: Tensor, k: Tensor, stats: Tensor, attn_mask: Option
                           window_right: int = -1, softcap: float = 0.0,
                           alibi_slopes: Optional[Tensor] = None) -> Tensor:
     return _launch_support(q, k, stats, attn_mask, alpha, alpha_kind, is_causal, scale,
-                           window_left, window_right, softcap, alibi_slopes)
+                           ScoreOptions.from_flat(window_left, window_right, softcap,
+                                                  alibi_slopes, None))
 
 
 @_attention_support_op.register_fake
@@ -472,6 +463,16 @@ def _alpha_heads(alpha, n_heads, device):
     return common.alpha_vector(alpha, n_heads, device, torch.float32).contiguous()
 
 
+def _alpha_kind(alpha):
+    """The kernels' ALPHA_KIND for alpha: the closed forms of 1.5 and 2, the general kind
+    (one alpha per head, read from the (H,) tensor) for every other alpha, a python float
+    1 included: the fused kernels have no softmax kind of their own, their general kind
+    runs a head at alpha 1 as softmax (triton_kernels/attention_common.py, "A per-head
+    alpha")."""
+    kind = common.alpha_kind(alpha)
+    return common.ALPHA_GENERAL if kind == common.ALPHA_SOFTMAX else kind
+
+
 def _alpha_grad(dalpha_heads, alpha, need_alpha_grad):
     """The (H,) fp32 dα of the kernels as the gradient of ``alpha`` (its shape and dtype);
     None for a python-float alpha or when not asked."""
@@ -481,59 +482,56 @@ def _alpha_grad(dalpha_heads, alpha, need_alpha_grad):
 
 
 def _forward(q, k, v, attn_mask, alpha, cu_q, cu_k, max_q, max_k, scale, is_causal, dropout_p,
-             need_grad, window_size, softcap, alibi_slopes, sinks):
+             need_grad, score_options):
     # (B, H, L, E) and the packed (total, H, E) both hold the query heads in dimension 1
     alpha_heads = _alpha_heads(alpha, q.shape[1], q.device)
     seed = _seed(dropout_p, q.device)
     out, stats, dvec, flags = torch.ops.entmax_fast.triton_attention_fwd(
         q, k, v, attn_mask, alpha_heads, seed, cu_q, cu_k, max_q, max_k, float(dropout_p),
-        bool(is_causal), float(scale), common.alpha_kind(alpha), int(need_grad),
-        int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes, sinks)
+        bool(is_causal), float(scale), _alpha_kind(alpha), int(need_grad),
+        *score_options.flat())
     return out, (stats, dvec, flags, seed)
 
 
 def _backward(grad_out, q, k, v, attn_mask, alpha, out, saved, cu_q, cu_k, max_q, max_k, scale,
-              is_causal, dropout_p, need_alpha_grad, window_size, softcap, alibi_slopes, sinks,
-              need_sinks_grad):
+              is_causal, dropout_p, need_alpha_grad, score_options, need_sinks_grad):
     stats, dvec, flags, seed = saved
     alpha_heads = _alpha_heads(alpha, q.shape[1], q.device)
     need_alpha_grad = bool(need_alpha_grad) and isinstance(alpha, torch.Tensor)
+    sinks = score_options.sinks
     need_sinks_grad = bool(need_sinks_grad) and sinks is not None
     dq, dk, dv, dalpha, dsinks = torch.ops.entmax_fast.triton_attention_bwd(
         grad_out, q, k, v, out, dvec, stats, flags, attn_mask, alpha_heads, seed, cu_q, cu_k,
-        max_q, max_k, float(dropout_p), bool(is_causal), float(scale), common.alpha_kind(alpha),
-        need_alpha_grad, int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes,
-        sinks, need_sinks_grad)
+        max_q, max_k, float(dropout_p), bool(is_causal), float(scale), _alpha_kind(alpha),
+        need_alpha_grad, *score_options.flat(), need_sinks_grad)
     return (dq, dk, dv, _alpha_grad(dalpha, alpha, need_alpha_grad),
             dsinks.to(sinks.dtype) if need_sinks_grad else None)
 
 
 def attention_forward(query, key, value, attn_mask, alpha, *, scale, is_causal, dropout_p,
-                      enable_gqa, need_grad, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                      sinks=None):
+                      enable_gqa, need_grad, score_options=ScoreOptions()):
     """Fused α-entmax attention (SDPA semantics), never materialising Lq x Lk.
 
     query (B, H, Lq, E), key (B, Hkv, Lk, E), value (B, Hkv, Lk, Ev) -> out (B, H, Lq, Ev);
     H a multiple of Hkv (GQA: the kernels read the group from the shapes, so enable_gqa
     changes nothing here). attn_mask: None, bool (True = attend) or additive, broadcastable
-    to (B, H, Lq, Lk). alpha: float in (1, 2] or (H,) tensor. need_grad: common.GRAD_*,
+    to (B, H, Lq, Lk). alpha: float >= 1 or (H,) tensor. need_grad: common.GRAD_*,
     what the backward will need (the D-vector; the row entropy as well for dα).
 
     Returns (out, saved), saved = (stats, dvec, flags, seed): the row statistics, the
     D-vector (a placeholder under GRAD_NONE), the tiles holding non-zero weight, and the
     dropout seed (drawn here from torch's generator), which the backward regenerates the
-    dropout mask from. Score options (docs/attention.md, "Score options"): window_size
-    (left, right), softcap, alibi_slopes ((H,) or (B, H) fp32) and sinks ((H,): each head's
+    dropout mask from. score_options: a ScoreOptions (docs/attention.md, "Score options"):
+    the window's bounds, softcap, alibi_slopes ((H,) or (B, H)) and sinks ((H,): each head's
     sink logit, one more entry of every row with a zero value).
     """
     return _forward(query, key, value, attn_mask, alpha, None, None, 0, 0, scale, is_causal,
-                    dropout_p, need_grad, window_size, softcap, alibi_slopes, sinks)
+                    dropout_p, need_grad, score_options)
 
 
 def attention_backward(grad_out, query, key, value, attn_mask, alpha, out, saved, *, scale,
                        is_causal, dropout_p, enable_gqa, need_mask_grad, need_alpha_grad,
-                       window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
-                       need_sinks_grad=False):
+                       score_options=ScoreOptions(), need_sinks_grad=False):
     """Gradients of `attention_forward` (which ran with need_grad GRAD_INPUTS, or
     GRAD_ALPHA when need_alpha_grad): (dq, dk, dv, None, dalpha or None, dsinks or None),
     dalpha in alpha's shape and dtype, dsinks in sinks' (when need_sinks_grad). The kernels
@@ -543,14 +541,13 @@ def attention_backward(grad_out, query, key, value, attn_mask, alpha, out, saved
                            "(supports() refuses a mask that requires grad)")
     dq, dk, dv, dalpha, dsinks = _backward(
         grad_out, query, key, value, attn_mask, alpha, out, saved, None, None, 0, 0, scale,
-        is_causal, dropout_p, need_alpha_grad, window_size, softcap, alibi_slopes, sinks,
-        need_sinks_grad)
+        is_causal, dropout_p, need_alpha_grad, score_options, need_sinks_grad)
     return dq, dk, dv, None, dalpha, dsinks
 
 
 def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             alpha, *, scale, is_causal, dropout_p, need_grad, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, sinks=None):
+                             alpha, *, scale, is_causal, dropout_p, need_grad,
+                             score_options=ScoreOptions()):
     """`attention_forward` over packed variable-length sequences (flash-attn layout).
 
     q (total_q, H, E), k (total_k, Hkv, E), v (total_k, Hkv, Ev) -> out (total_q, H, Ev);
@@ -561,25 +558,24 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     `attention_forward`.
     """
     return _forward(q, k, v, None, alpha, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                    int(max_seqlen_k), scale, is_causal, dropout_p, need_grad, window_size,
-                    softcap, alibi_slopes, sinks)
+                    int(max_seqlen_k), scale, is_causal, dropout_p, need_grad, score_options)
 
 
 def attention_varlen_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                               max_seqlen_k, alpha, out, saved, *, scale, is_causal, dropout_p,
-                              need_alpha_grad, window_size=(-1, -1), softcap=0.0,
-                              alibi_slopes=None, sinks=None, need_sinks_grad=False):
+                              need_alpha_grad, score_options=ScoreOptions(),
+                              need_sinks_grad=False):
     """Gradients of `attention_varlen_forward`: (dq, dk, dv, dalpha or None, dsinks or
     None)."""
     dq, dk, dv, dalpha, dsinks = _backward(
         grad_out, q, k, v, None, alpha, out, saved, cu_seqlens_q, cu_seqlens_k,
         int(max_seqlen_q), int(max_seqlen_k), scale, is_causal, dropout_p, need_alpha_grad,
-        window_size, softcap, alibi_slopes, sinks, need_sinks_grad)
+        score_options, need_sinks_grad)
     return dq, dk, dv, dalpha, dsinks
 
 
 def attention_support_forward(query, key, attn_mask, alpha, *, scale, is_causal, enable_gqa,
-                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
+                              score_options=ScoreOptions()):
     """(B, H, Lq) int64: how many keys each query row gives a nonzero weight in
     `attention_forward` with the same arguments (the sink not counted, a NaN row none).
 
@@ -589,10 +585,9 @@ def attention_support_forward(query, key, attn_mask, alpha, *, scale, is_causal,
     threshold: no (Lq, Lk) block per head (triton_kernels/attention_support.py)."""
     value = torch.zeros(key.shape[:-1] + (1,), dtype=key.dtype, device=key.device)
     _, (stats, _, _, _) = _forward(query, key, value, attn_mask, alpha, None, None, 0, 0, scale,
-                                   is_causal, 0.0, common.GRAD_NONE, window_size, softcap,
-                                   alibi_slopes, sinks)
+                                   is_causal, 0.0, common.GRAD_NONE, score_options)
+    # the sink changes no key's weight beyond the stored statistics: the count takes none
     counts = torch.ops.entmax_fast.triton_attention_support(
         query, key, stats, attn_mask, _alpha_heads(alpha, query.shape[1], query.device),
-        bool(is_causal), float(scale), common.alpha_kind(alpha), int(window_size[0]),
-        int(window_size[1]), float(softcap), alibi_slopes)
+        bool(is_causal), float(scale), _alpha_kind(alpha), *score_options.flat()[:4])
     return counts.to(torch.int64)

@@ -15,7 +15,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ...triton_kernels.attention_common import SCORE_ALIBI, SCORE_SOFTCAP
+from ..._validation import ScoreOptions
+from ...common import SCORE_ALIBI, SCORE_SOFTCAP
 from ...triton_kernels.kvcache_decode import NUM_WARPS, kvcache_output_kernel, kvcache_scores_kernel, tiles
 from . import interpreting
 from .rowwise import entmax_forward
@@ -61,11 +62,17 @@ def _alpha_rows(alpha, batch, heads, lq):
     return alpha.to(torch.float32).view(1, heads, 1).expand(batch, heads, lq).reshape(-1)
 
 
-def attention_kvcache_forward(query, k_cache, v_cache, seqlens_k, block_table, alpha, *, scale, window_size=(-1, -1),
-                              softcap=0.0, alibi_slopes=None, sinks=None):
+# The decoding kernels' OPTIONS: the score options compiled in (kvcache_decode.DECODE_OPTION_SETS); the
+# window's left bound and the sink are run-time arguments there, and the right bound is the causal one.
+DECODE_SCORE_BITS = SCORE_SOFTCAP | SCORE_ALIBI
+
+
+def attention_kvcache_forward(query, k_cache, v_cache, seqlens_k, block_table, alpha, *, scale,
+                              score_options=ScoreOptions()):
     alpha_heads, alpha_value = (alpha, 0.0) if isinstance(alpha, torch.Tensor) else (None, float(alpha))
+    window_left, _, softcap, alibi_slopes, sinks = score_options.flat()
     return _decode_op(query, k_cache, v_cache, seqlens_k, block_table, alpha_heads, alpha_value, float(scale),
-                      int(window_size[0]), float(softcap), alibi_slopes, sinks)
+                      window_left, softcap, alibi_slopes, sinks)
 
 
 # torch.library registration: opaque to torch.compile, which would otherwise trace the launchers
@@ -74,7 +81,7 @@ def _decode_op(query: Tensor, k_cache: Tensor, v_cache: Tensor, seqlens_k: Tenso
                alpha_heads: Optional[Tensor], alpha_value: float, scale: float, window_left: int, softcap: float,
                alibi_slopes: Optional[Tensor], sinks: Optional[Tensor]) -> Tensor:
     return decode(query, k_cache, v_cache, seqlens_k, block_table, alpha_value if alpha_heads is None else alpha_heads,
-                  scale=scale, window_size=(window_left, -1), softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+                  scale=scale, score_options=ScoreOptions.from_flat(window_left, -1, softcap, alibi_slopes, sinks))
 
 
 @_decode_op.register_fake
@@ -83,8 +90,8 @@ def _(query, k_cache, v_cache, seqlens_k, block_table, alpha_heads, alpha_value,
     return query.new_empty(*query.shape[:3], v_cache.shape[3])
 
 
-def decode(query, k_cache, v_cache, seqlens_k, block_table, alpha, *, scale, window_size=(-1, -1), softcap=0.0,
-           alibi_slopes=None, sinks=None, splits=None):
+def decode(query, k_cache, v_cache, seqlens_k, block_table, alpha, *, scale, score_options=ScoreOptions(),
+           splits=None):
     """`attention_kvcache_forward` with the number of key splits chosen (``splits``: at most
     one per key tile) rather than from the device's multiprocessors (tests)."""
     batch, heads, lq, head_e = query.shape
@@ -103,6 +110,7 @@ def decode(query, k_cache, v_cache, seqlens_k, block_table, alpha, *, scale, win
     n_splits = _cdiv(n_keys, split_len)
     grid = (row_programs, n_splits)
 
+    window_left, _, softcap, alibi_slopes, sinks = score_options.flat()
     has_sink = sinks is not None
     scores = torch.empty((n_rows, n_keys + has_sink), dtype=torch.float32, device=device)
     # Pointers a launch without the option never reads: any tensor of the right dtype.
@@ -113,12 +121,12 @@ def decode(query, k_cache, v_cache, seqlens_k, block_table, alpha, *, scale, win
     else:
         stride_alibi_b, stride_alibi_h = alibi.stride(0), alibi.stride(1)
     sink_logits = sinks.to(torch.float32) if has_sink else scores
-    options = (SCORE_SOFTCAP if softcap > 0 else 0) | (SCORE_ALIBI if alibi_slopes is not None else 0)
+    options = score_options.kernel_bits & DECODE_SCORE_BITS
     kvcache_scores_kernel[grid](
         query, k_cache, seqlens_k, table, alibi, sink_logits, scores,
         kv_heads, group, lq, head_e, n_keys, split_len, block_size, n_row_blocks,
         *query.stride(), *k_cache.stride(), table.stride(0), stride_alibi_b, stride_alibi_h, scores.stride(0),
-        float(scale), float(softcap), int(window_size[0]), int(has_sink),
+        float(scale), softcap, window_left, int(has_sink),
         PAGED=paged, OPTIONS=options, num_warps=NUM_WARPS, num_stages=1, **scores_tiles)
 
     weights = entmax_forward(scores, _alpha_rows(alpha, batch, heads, lq))
