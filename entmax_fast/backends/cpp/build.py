@@ -31,7 +31,7 @@ import platform
 import shutil
 import sys
 import sysconfig
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 CXX_FLAGS = ["-O3", "-std=c++20", "-fopenmp"]
 NVCC_FLAGS = ["-O3", "-std=c++17"]
@@ -53,24 +53,25 @@ class BuildError(RuntimeError):
 
 @dataclass(frozen=True)
 class Config:
-    """Everything a build depends on; ``key`` hashes all of it."""
+    """One build: its sources, whether with the CUDA operators, and the key that hashes
+    everything it depends on (read when the config is made)."""
 
     sources_dir: pathlib.Path
     sources: tuple[pathlib.Path, ...]
     with_cuda: bool
     # Why the CUDA operators are not built ("" when they are).
     cuda_absent: str
-    identity: tuple = field(default=())
+    key: str
 
-    @property
-    def key(self) -> str:
-        digest = hashlib.sha256()
-        for part in self.identity:
-            digest.update(str(part).encode() + b"\0")
-        for path in sorted(self.sources_dir.rglob("*")):
-            if path.is_file() and path.suffix in SOURCE_SUFFIXES:
-                digest.update(str(path.relative_to(self.sources_dir)).encode() + b"\0" + path.read_bytes() + b"\0")
-        return digest.hexdigest()[:16]
+
+def _key(source_root: pathlib.Path, identity: tuple) -> str:
+    digest = hashlib.sha256()
+    for part in identity:
+        digest.update(str(part).encode() + b"\0")
+    for path in sorted(source_root.rglob("*")):
+        if path.is_file() and path.suffix in SOURCE_SUFFIXES:
+            digest.update(str(path.relative_to(source_root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
 
 
 def sources_dir() -> pathlib.Path | None:
@@ -119,11 +120,18 @@ def config(with_cuda: bool | None = None) -> Config:
         cuda_absent = "the build with nvcc failed"
     suffixes = (".cpp", ".cu") if with_cuda else (".cpp",)
     sources = tuple(sorted(path for path in source_root.rglob("*") if path.suffix in suffixes))
+    # torch.utils.cpp_extension names each object file after its source's file name alone.
+    objects = [path.stem + (".cuda" if path.suffix == ".cu" else "") for path in sources]
+    clashes = sorted({str(path.relative_to(source_root)) for path, name in zip(sources, objects)
+                      if objects.count(name) > 1})
+    if clashes:
+        raise BuildError(f"sources whose object files would clash (one name, two folders): {clashes}; "
+                         "rename one of each pair")
     identity = (BUILDER_VERSION, torch.__version__, torch.version.git_version, torch.version.cuda if with_cuda else "",
                 sys.implementation.cache_tag, sysconfig.get_config_var("EXT_SUFFIX"), platform.machine(),
                 compiler(), nvcc if with_cuda else "", *build_flags(with_cuda).values(),
                 *(str(path.relative_to(source_root)) for path in sources))
-    return Config(source_root, sources, with_cuda, cuda_absent, identity)
+    return Config(source_root, sources, with_cuda, cuda_absent, _key(source_root, identity))
 
 
 def build_flags(with_cuda: bool) -> dict:

@@ -14,6 +14,7 @@ autograd.Function calls their forward and backward (entmax_fast/backends/__init_
 """
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 import sys
 import threading
@@ -81,13 +82,11 @@ def _load() -> tuple[bool, str]:
 
 def _import_packaged() -> tuple[str | None, str]:
     """(where the extension built with the package was loaded from, "") or (None, why not)."""
+    if importlib.util.find_spec(f"{__package__.split('.')[0]}._C") is None:
+        # pip's default build isolation hides torch from setup.py, which then builds none.
+        return None, "none was built with the package"
     try:
         from ... import _C  # importing it registers the torch.ops.entmax_fast operators
-    except ModuleNotFoundError as exc:
-        if exc.name != f"{__package__.split('.')[0]}._C":
-            return None, f"entmax_fast._C failed to import ({exc})"
-        # pip's default build isolation hides torch from setup.py, which then builds no extension.
-        return None, "none was built with the package"
     except (ImportError, OSError) as exc:
         return None, f"entmax_fast._C, built with the package, does not load with torch {torch.__version__} ({exc})"
     return f"built by setup.py: {_C.__file__}", ""
