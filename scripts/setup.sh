@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
 # Installs what entmax_fast needs on a fresh machine and builds the package in place.
-# Keeps an existing torch (e.g. a CUDA build); otherwise installs torch 2.13.0 (the CPU wheel
-# on this project's machines). Safe to run repeatedly, and quick the second time: packages
-# already at the pinned versions are not handed to pip, and the C++ extension is rebuilt only
-# when csrc/, setup.py, torch, Python or CUDA_HOME changed since it was built (a fingerprint of
-# those is kept in build/, whose object files make a rebuild incremental).
+# Never changes an installed torch, nor the triton that torch pins: torch 2.13.0 (the CPU
+# wheel on this project's machines) is installed only where no torch is; a torch that pins
+# triton (the CUDA builds) keeps its own; a CPU torch gets triton 3.9.0 for the interpreter
+# tests where no triton is installed. Every pip call is constrained to the torch and triton
+# found, so that pip fails instead of swapping them; `pip check` closes the run.
+# Safe to run repeatedly, and quick the second time: packages already at the pinned versions
+# are not handed to pip, and the C++ extension is rebuilt only when csrc/, setup.py, torch,
+# Python or CUDA_HOME changed since it was built (a fingerprint of those is kept in build/,
+# whose object files make a rebuild incremental).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP="python -m pip --disable-pip-version-check -q"
-# triton 3.9.0 is the version whose interpreter and compiler were checked here.
-REQUIREMENTS=("triton==3.9.0" "entmax==1.3" "transformers==5.24.0" pytest "pytest-xdist==3.8.0" numpy scipy ninja matplotlib tqdm)
+TORCH_WHEN_MISSING="torch==2.13.0"
+# The triton whose interpreter and compiler were checked with a CPU torch (which pins none).
+TRITON_FOR_CPU_TORCH="triton==3.9.0"
+REQUIREMENTS=("entmax==1.3" "transformers==5.24.0" pytest "pytest-xdist==3.8.0" numpy scipy ninja matplotlib tqdm)
+CONSTRAINTS=build/setup-constraints.txt
 FINGERPRINT_FILE=build/entmax_fast_C.fingerprint
 
 # Prints the requirements (arguments) that are not installed at the pinned version; reads
@@ -68,16 +75,60 @@ sys.exit(0 if url == pathlib.Path.cwd().resolve().as_uri() else 1)
 PY
 }
 
+# Prints the triton requirement to install: none when torch pins one (installed with it) or
+# when a triton is installed already; TRITON_FOR_CPU_TORCH otherwise.
+triton_to_install() {
+  python - "$TRITON_FOR_CPU_TORCH" <<'PY'
+import importlib.metadata as metadata
+import sys
+
+pins = [r for r in metadata.requires("torch") or () if r.replace(" ", "").lower().startswith("triton")]
+try:
+    metadata.version("triton")
+except metadata.PackageNotFoundError:
+    if not pins:
+        print(sys.argv[1])
+PY
+}
+
+# Writes a pip constraints file pinning the installed torch and triton (pip adds it to the
+# constraints of its configuration).
+write_constraints() {
+  mkdir -p build
+  python - "$CONSTRAINTS" <<'PY'
+import importlib.metadata as metadata
+import sys
+
+lines = []
+for name in ("torch", "triton"):
+    try:
+        lines.append(f"{name}=={metadata.version(name)}")
+    except metadata.PackageNotFoundError:
+        pass
+with open(sys.argv[1], "w") as handle:
+    handle.write("\n".join(lines) + "\n")
+PY
+  CONSTRAINT_ARGS=(-c "$CONSTRAINTS")
+}
+
 if missing_requirements torch | grep -q .; then
-  $PIP install torch==2.13.0
+  echo "entmax_fast: no torch installed; installing $TORCH_WHEN_MISSING"
+  $PIP install "$TORCH_WHEN_MISSING"
+fi
+write_constraints
+triton="$(triton_to_install)"
+if [[ -n "$triton" ]]; then
+  $PIP install "${CONSTRAINT_ARGS[@]}" "$triton"
+  write_constraints
 fi
 mapfile -t missing < <(missing_requirements "${REQUIREMENTS[@]}")
 if ((${#missing[@]})); then
-  $PIP install "${missing[@]}"
+  $PIP install "${CONSTRAINT_ARGS[@]}" "${missing[@]}"
 fi
 if ! installed_here; then
-  # --no-build-isolation: build against the torch installed above instead of fetching another.
-  ENTMAX_FAST_NO_EXT=1 $PIP install --no-build-isolation -e .
+  # --no-build-isolation: build against the torch installed above instead of fetching another;
+  # --no-deps: the requirements are in place, and torch's is never handed to pip again.
+  ENTMAX_FAST_NO_EXT=1 $PIP install "${CONSTRAINT_ARGS[@]}" --no-build-isolation --no-deps -e .
 fi
 
 if [[ "${ENTMAX_FAST_NO_EXT:-0}" == 1 ]]; then
@@ -108,9 +159,23 @@ else
   fi
 fi
 
+if ! python -m pip check; then
+  echo "entmax_fast: pip check found broken requirements (above); setup failed" >&2
+  exit 1
+fi
+
 python - <<'PY'
+import importlib.metadata as metadata
+
 import entmax_fast
 
+versions = {}
+for name in ("torch", "triton"):
+    try:
+        versions[name] = metadata.version(name)
+    except metadata.PackageNotFoundError:
+        versions[name] = "not installed"
+print(f"entmax_fast: torch {versions['torch']}, triton {versions['triton']}")
 for name, info in entmax_fast.backend_info()["backends"].items():
     print(f"entmax_fast backend {name}: CPU tensors: {info['cpu']}; CUDA tensors: {info['cuda']}")
 PY
