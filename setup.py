@@ -17,6 +17,7 @@ import glob
 import importlib.util
 import os
 import pathlib
+import sys
 
 from setuptools import setup
 
@@ -34,6 +35,7 @@ def _build_module():
     path = pathlib.Path(__file__).resolve().parent / "entmax_fast" / "backends" / "cpp" / "build.py"
     spec = importlib.util.spec_from_file_location("_entmax_fast_build", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 

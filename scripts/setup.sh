@@ -15,7 +15,7 @@ PIP="python -m pip --disable-pip-version-check -q"
 TORCH_WHEN_MISSING="torch==2.13.0"
 # The triton whose interpreter and compiler were checked with a CPU torch (which pins none).
 TRITON_FOR_CPU_TORCH="triton==3.9.0"
-REQUIREMENTS=("entmax==1.3" "transformers==5.24.0" pytest "pytest-xdist==3.8.0" numpy scipy ninja matplotlib tqdm)
+mapfile -t REQUIREMENTS < <(grep -v -e "^#" -e "^$" scripts/requirements-test.txt)
 CONSTRAINTS=build/setup-constraints.txt
 FINGERPRINT_FILE=build/entmax_fast_C.fingerprint
 
