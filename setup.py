@@ -61,7 +61,8 @@ def _extension_kwargs():
     flags = build.build_flags(with_cuda=nvcc is not None)
     if nvcc is not None:
         ext = CUDAExtension("entmax_fast._C", cpp_sources + cuda_sources,
-                            extra_compile_args={"cxx": flags["extra_cflags"], "nvcc": flags["extra_cuda_cflags"]},
+                            extra_compile_args={"cxx": flags["extra_cflags"],
+                                                "nvcc": flags["extra_cuda_cflags"] + build.cuda_arch_flags()},
                             extra_link_args=flags["extra_ldflags"])
     else:
         print(f"entmax_fast: building the C++ extension without its CUDA operators: {cuda_absent}")

@@ -57,6 +57,26 @@ def test_key_follows_every_source_byte_and_the_build(tiny_sources):
     assert build.config(with_cuda=True).key != build.config(with_cuda=False).key
 
 
+def test_flags_are_fresh_lists():
+    """torch.utils.cpp_extension appends to the flag lists it is given; a shared list would
+    carry one build's flags into the next (and into its key)."""
+    first = build.build_flags(with_cuda=True)
+    for flags in first.values():
+        flags.append("-lcudart")
+    assert all("-lcudart" not in flags for flags in build.build_flags(with_cuda=True).values())
+
+
+def test_cuda_archs_where_torch_would_find_none(monkeypatch):
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_80", "sm_90", "sm_90a", "sm_120"])
+    assert build.cuda_arch_flags() == ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
+                                       "-gencode=arch=compute_120,code=sm_120",
+                                       "-gencode=arch=compute_120,code=compute_120"]
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0")
+    assert build.cuda_arch_flags() == []
+
+
 def test_sources_with_one_object_name_are_refused(tiny_sources):
     (tiny_sources / "cuda").mkdir()
     (tiny_sources / "cuda" / "op.cpp").write_text("// another op\n")

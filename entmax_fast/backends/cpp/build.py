@@ -129,15 +129,31 @@ def config(with_cuda: bool | None = None) -> Config:
                          "rename one of each pair")
     identity = (BUILDER_VERSION, torch.__version__, torch.version.git_version, torch.version.cuda if with_cuda else "",
                 sys.implementation.cache_tag, sysconfig.get_config_var("EXT_SUFFIX"), platform.machine(),
-                compiler(), nvcc if with_cuda else "", *build_flags(with_cuda).values(),
+                compiler(), nvcc if with_cuda else "", os.environ.get("TORCH_CUDA_ARCH_LIST", ""),
+                *build_flags(with_cuda).values(),
                 *(str(path.relative_to(source_root)) for path in sources))
     return Config(source_root, sources, with_cuda, cuda_absent, _key(source_root, identity))
 
 
 def build_flags(with_cuda: bool) -> dict:
-    cxx = CXX_FLAGS + ([CUDA_DEFINE] if with_cuda else [])
-    return {"extra_cflags": cxx, "extra_cuda_cflags": NVCC_FLAGS + [CUDA_DEFINE] if with_cuda else [],
-            "extra_ldflags": LD_FLAGS}
+    """Fresh lists: torch.utils.cpp_extension appends its own flags to the ones it is given."""
+    return {"extra_cflags": CXX_FLAGS + ([CUDA_DEFINE] if with_cuda else []),
+            "extra_cuda_cflags": NVCC_FLAGS + [CUDA_DEFINE] if with_cuda else [],
+            "extra_ldflags": list(LD_FLAGS)}
+
+
+def cuda_arch_flags() -> list:
+    """nvcc's architectures where torch would find none: with no GPU visible and
+    $TORCH_CUDA_ARCH_LIST unset, torch's own list fails (an empty list), so the extension is
+    compiled for the architectures torch itself was built for. Empty otherwise (torch's choice)."""
+    import torch
+
+    if os.environ.get("TORCH_CUDA_ARCH_LIST") or torch.cuda.device_count():
+        return []
+    archs = [arch.removeprefix("sm_") for arch in torch.cuda.get_arch_list()]
+    archs = [arch for arch in archs if arch.isdigit()]
+    flags = [f"-gencode=arch=compute_{arch},code=sm_{arch}" for arch in archs]
+    return flags + [f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}"] if archs else flags
 
 
 def cache_root() -> pathlib.Path:
@@ -210,9 +226,12 @@ def compile_with_torch(cfg: Config, directory: pathlib.Path) -> pathlib.Path:
     # torch's own lock file, left behind by a build that was killed, would make this build
     # wait forever; the caller holds the directory's lock, so no build is running.
     (directory / "lock").unlink(missing_ok=True)
+    flags = build_flags(cfg.with_cuda)
+    if cfg.with_cuda:
+        flags["extra_cuda_cflags"] += cuda_arch_flags()
     path = cpp_extension.load(LIBRARY_NAME, [str(path) for path in cfg.sources], build_directory=str(directory),
                               with_cuda=cfg.with_cuda, is_python_module=False, verbose=False,
-                              extra_include_paths=[str(cfg.sources_dir)], **build_flags(cfg.with_cuda))
+                              extra_include_paths=[str(cfg.sources_dir)], **flags)
     return pathlib.Path(path)
 
 
