@@ -130,6 +130,12 @@ def test_no_compiler_and_build_switched_off_say_so(tiny_sources, monkeypatch):
     monkeypatch.setenv(build.ENV_BUILD_ON_USE, "0")
     with pytest.raises(build.BuildError, match=f"{build.ENV_BUILD_ON_USE}=0"):
         build.ensure_built(build.config(), compile=_fake_compile([]))
+    monkeypatch.delenv("CXX")
+    monkeypatch.delenv(build.ENV_BUILD_ON_USE)
+    library = build.ensure_built(build.config(), compile=_fake_compile([]), load=lambda path: None)
+    monkeypatch.setenv(build.ENV_BUILD_ON_USE, "0")
+    assert build.ensure_built(build.config(), compile=_fake_compile([]), load=lambda path: None) == library, \
+        "a library built before is still loaded"
 
 
 def test_cuda_operators_need_nvcc_itself(tmp_path, monkeypatch):

@@ -246,13 +246,14 @@ def ensure_built(cfg: Config, retry_failed: bool = False, compile=compile_with_t
     """The library of ``cfg``, loaded: found in the cache, or built now (one line on stderr)
     while other processes wait. Raises BuildError naming the cause and the fix; a failure is
     remembered in the cache (``retry_failed`` builds again anyway)."""
-    if os.environ.get(ENV_BUILD_ON_USE, "1") == "0":
-        raise BuildError(f"{ENV_BUILD_ON_USE}=0 forbids building it on first use; build it once: {BUILD_COMMAND}")
     directory = build_dir(cfg)
     ready, failed = directory / "READY", directory / "FAILED"
     if ready.exists() and not pathlib.Path(ready.read_text().strip()).exists():
         ready.unlink(missing_ok=True)  # its library was deleted by hand: build again
     if not ready.exists() and not (failed.exists() and not retry_failed):
+        if os.environ.get(ENV_BUILD_ON_USE, "1") == "0":
+            raise BuildError(f"{ENV_BUILD_ON_USE}=0 forbids building it on first use; build it once: "
+                             f"{BUILD_COMMAND}")
         directory.mkdir(parents=True, exist_ok=True)
         with file_lock(directory / "build.lock",
                        f"entmax_fast: waiting for another process building the C++ extension in {directory}"):
