@@ -126,6 +126,25 @@ if ((${#missing[@]})); then
   $PIP install "${CONSTRAINT_ARGS[@]}" "${missing[@]}"
 fi
 if ! installed_here; then
+  # What pyproject.toml's build-system asks for, which --no-build-isolation does not install
+  # (a venv's own setuptools can be older, without bdist_wheel).
+  mapfile -t build_requirements < <(python - <<'PY'
+import importlib.metadata as metadata
+
+try:
+    if int(metadata.version("setuptools").split(".")[0]) < 64:
+        print("setuptools>=64")
+except metadata.PackageNotFoundError:
+    print("setuptools>=64")
+try:
+    metadata.version("wheel")
+except metadata.PackageNotFoundError:
+    print("wheel")
+PY
+  )
+  if ((${#build_requirements[@]})); then
+    $PIP install "${CONSTRAINT_ARGS[@]}" "${build_requirements[@]}"
+  fi
   # --no-build-isolation: build against the torch installed above instead of fetching another;
   # --no-deps: the requirements are in place, and torch's is never handed to pip again.
   ENTMAX_FAST_NO_EXT=1 $PIP install "${CONSTRAINT_ARGS[@]}" --no-build-isolation --no-deps -e .
