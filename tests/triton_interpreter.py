@@ -33,8 +33,7 @@ semantic object skips the computation when the assertion it feeds is off.
 `install()` replaces each part only on the triton releases it was checked against
 (`VERIFIED_TRITON`: the suite's interpreter tests passed there with it), and there only where
 the interpreter has the shape this was written against. On any other triton it changes
-nothing: the tests are then slower, never different (triton 3.8's interpreter builds its
-tensors otherwise, and the slice reduction fails there with "cannot convert ... to tensor").
+nothing: the tests are then slower, never different.
 """
 import functools
 import inspect
