@@ -91,8 +91,8 @@ except metadata.PackageNotFoundError:
 PY
 }
 
-# Writes a pip constraints file pinning the installed torch and triton (pip adds it to the
-# constraints of its configuration).
+# Writes a pip constraints file pinning the installed torch and triton, and torch's bound on
+# setuptools (pip adds it to the constraints of its configuration).
 write_constraints() {
   mkdir -p build
   python - "$CONSTRAINTS" <<'PY'
@@ -105,6 +105,9 @@ for name in ("torch", "triton"):
         lines.append(f"{name}=={metadata.version(name)}")
     except metadata.PackageNotFoundError:
         pass
+# torch's own bound on setuptools (torch 2.12: <82), which a build requirement must keep.
+if lines and lines[0].startswith("torch"):
+    lines += [r for r in metadata.requires("torch") or () if r.replace(" ", "").lower().startswith("setuptools")]
 with open(sys.argv[1], "w") as handle:
     handle.write("\n".join(lines) + "\n")
 PY
@@ -126,20 +129,23 @@ if ((${#missing[@]})); then
   $PIP install "${CONSTRAINT_ARGS[@]}" "${missing[@]}"
 fi
 if ! installed_here; then
-  # What pyproject.toml's build-system asks for, which --no-build-isolation does not install
-  # (a venv's own setuptools can be older, without bdist_wheel).
+  # What pyproject.toml's build-system asks for, which --no-build-isolation does not install:
+  # setuptools >= 64, and the wheel package where setuptools is older than 70.1 (which has
+  # bdist_wheel itself; a Python 3.11 venv comes with setuptools 65).
   mapfile -t build_requirements < <(python - <<'PY'
 import importlib.metadata as metadata
 
 try:
-    if int(metadata.version("setuptools").split(".")[0]) < 64:
-        print("setuptools>=64")
-except metadata.PackageNotFoundError:
+    setuptools = tuple(int(part) for part in metadata.version("setuptools").split(".")[:2])
+except (metadata.PackageNotFoundError, ValueError):
+    setuptools = (0, 0)
+if setuptools < (64, 0):
     print("setuptools>=64")
-try:
-    metadata.version("wheel")
-except metadata.PackageNotFoundError:
-    print("wheel")
+if setuptools < (70, 1):
+    try:
+        metadata.version("wheel")
+    except metadata.PackageNotFoundError:
+        print("wheel")
 PY
   )
   if ((${#build_requirements[@]})); then
