@@ -6,9 +6,9 @@
 # tests where no triton is installed. Every pip call is constrained to the torch and triton
 # found, so that pip fails instead of swapping them; `pip check` closes the run.
 # Safe to run repeatedly, and quick the second time: packages already at the pinned versions
-# are not handed to pip, and the C++ extension is rebuilt only when csrc/, setup.py, torch,
-# Python or CUDA_HOME changed since it was built (a fingerprint of those is kept in build/,
-# whose object files make a rebuild incremental).
+# are not handed to pip, and the C++ extension is rebuilt only when csrc/, its flags (setup.py,
+# entmax_fast/backends/cpp/build.py), torch, Python or CUDA_HOME changed since it was built (a
+# fingerprint of those is kept in build/, whose object files make a rebuild incremental).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP="python -m pip --disable-pip-version-check -q"
@@ -49,7 +49,7 @@ import shutil
 import sys
 
 digest = hashlib.sha256()
-for path in sorted(pathlib.Path("csrc").rglob("*")) + [pathlib.Path("setup.py")]:
+for path in sorted(pathlib.Path("csrc").rglob("*")) + [pathlib.Path("setup.py"), pathlib.Path("entmax_fast/backends/cpp/build.py")]:
     if path.is_file():
         digest.update(str(path).encode() + b"\0" + path.read_bytes() + b"\0")
 for part in (metadata.version("torch"), sys.version, os.environ.get("CUDA_HOME", ""), shutil.which("nvcc") or ""):
