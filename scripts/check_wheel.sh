@@ -73,10 +73,14 @@ print(f"check_wheel: entmax_fast from {entmax_fast.__file__}; torch {versions['t
 PY
 )
 
-# pytest's own script does not put the working directory on sys.path (python -m pytest
-# would, and would import the copy's entmax_fast/); tests/conftest.py checks where the
-# package came from when ENTMAX_FAST_TEST_INSTALLED=1.
-cd "$work/src"
-args=("$@")
-((${#args[@]})) || args=(tests)
+# Run from $work, beside the copy: pytest's own script does not put the working directory on
+# sys.path (python -m pytest would), and the tests' `python -c` subprocesses, which do, find
+# no entmax_fast/ there. tests/conftest.py checks where the package came from when
+# ENTMAX_FAST_TEST_INSTALLED=1.
+cd "$work"
+args=()
+for arg in "$@"; do
+  if [[ "$arg" == tests* ]]; then args+=("src/$arg"); else args+=("$arg"); fi
+done
+((${#args[@]})) || args=(src/tests)
 ENTMAX_FAST_TEST_INSTALLED=1 "$work/venv/bin/pytest" -q -p no:cacheprovider "${args[@]}"
