@@ -28,7 +28,8 @@ _ENTMAX_OPS = ("entmax_rowwise_fwd", "entmax_rowwise_bwd", "entmax_attention_fwd
 _KVCACHE_OP = "entmax_attention_kvcache_fwd"
 _SUPPORT_OP = "entmax_attention_support"
 _STRUCTURED_OPS = ("fusedmax_forward", "fusedmax_backward", "oscarmax_forward", "oscarmax_backward")
-_PACKAGE_DIR = str(pathlib.Path(__file__).resolve().parents[2])
+# Frames in these folders are skipped when the warning looks for the user's call.
+_INTERNAL_DIRS = (str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(torch.__file__).resolve().parent))
 
 # Held while loading: two threads registering fake kernels at once would register twice
 # (torch warns "Overriding a previously registered kernel").
@@ -53,10 +54,10 @@ def status() -> tuple[bool, str]:
 
 
 def _caller_stacklevel() -> int:
-    """The stacklevel of the first frame outside the package, so that the warning points at
-    the user's call."""
+    """The stacklevel of the first frame outside the package and torch (an op's
+    autograd.Function.apply), so that the warning points at the user's call."""
     frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
         frame, level = frame.f_back, level + 1
     return level
 
