@@ -18,6 +18,7 @@ TRITON_FOR_CPU_TORCH="triton==3.9.0"
 mapfile -t REQUIREMENTS < <(grep -v -e "^#" -e "^$" scripts/requirements-test.txt)
 CONSTRAINTS=build/setup-constraints.txt
 FINGERPRINT_FILE=build/entmax_fast_C.fingerprint
+METADATA_FINGERPRINT_FILE=build/editable-install.fingerprint
 
 # Prints the requirements (arguments) that are not installed at the pinned version; reads
 # package metadata only, without importing anything heavy.
@@ -59,9 +60,11 @@ PY
 }
 
 # The editable install of this checkout, without building the extension (built below, in
-# place, so that build/ keeps its object files between runs).
+# place, so that build/ keeps its object files between runs), made from the setup.py and
+# pyproject.toml there now (their requirements are in its metadata, which pip check reads).
 installed_here() {
-  python - <<'PY'
+  python - "$METADATA_FINGERPRINT_FILE" <<'PY'
+import hashlib
 import importlib.metadata as metadata
 import json
 import pathlib
@@ -71,7 +74,10 @@ try:
     url = json.loads(metadata.distribution("entmax_fast").read_text("direct_url.json") or "{}").get("url", "")
 except metadata.PackageNotFoundError:
     sys.exit(1)
-sys.exit(0 if url == pathlib.Path.cwd().resolve().as_uri() else 1)
+recorded = pathlib.Path(sys.argv[1])
+current = hashlib.sha256(pathlib.Path("setup.py").read_bytes() + pathlib.Path("pyproject.toml").read_bytes()).hexdigest()
+sys.exit(0 if url == pathlib.Path.cwd().resolve().as_uri() and recorded.is_file()
+         and recorded.read_text().strip() == current else 1)
 PY
 }
 
@@ -154,6 +160,8 @@ PY
   # --no-build-isolation: build against the torch installed above instead of fetching another;
   # --no-deps: the requirements are in place, and torch's is never handed to pip again.
   ENTMAX_FAST_NO_EXT=1 $PIP install "${CONSTRAINT_ARGS[@]}" --no-build-isolation --no-deps -e .
+  python -c 'import hashlib, pathlib; print(hashlib.sha256(pathlib.Path("setup.py").read_bytes()
+      + pathlib.Path("pyproject.toml").read_bytes()).hexdigest())' > "$METADATA_FINGERPRINT_FILE"
 fi
 
 if [[ "${ENTMAX_FAST_NO_EXT:-0}" == 1 ]]; then
