@@ -11,14 +11,25 @@
   or launcher forgets to write fails loudly instead of passing on lucky zeros.
 - Under pytest-xdist each worker takes its share of the cores for torch's threads, so that
   the workers' thread pools do not oversubscribe the machine.
+- With ENTMAX_FAST_TEST_INSTALLED=1 (scripts/check_wheel.sh) the run stops at once unless
+  `entmax_fast` was imported from outside the source tree, i.e. from the installed package.
 - Tests marked with an `xdist_group` (the ahead-of-time compiles, the context-parallel
   groups) are collected first: the longest units of work start first when pytest-xdist
   spreads the suite over the cores.
 """
 import os
+import pathlib
 
 import pytest
 import torch  # importing torch does not import triton
+
+if os.environ.get("ENTMAX_FAST_TEST_INSTALLED") == "1":
+    import entmax_fast
+
+    _tree = pathlib.Path(__file__).resolve().parent.parent
+    if pathlib.Path(entmax_fast.__file__).resolve().is_relative_to(_tree):
+        raise pytest.UsageError(f"ENTMAX_FAST_TEST_INSTALLED=1, but entmax_fast was imported from the source tree "
+                                f"({entmax_fast.__file__}), not from the installed package")
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

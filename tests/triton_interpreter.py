@@ -30,8 +30,10 @@ set (triton 3.9: never in the interpreter). A third of the interpreter's time on
 test_few_capture_slots_stay_exact went there (cProfile: 14 of 44 s). The interpreter's
 semantic object skips the computation when the assertion it feeds is off.
 
-`install()` replaces each part when the interpreter has the shape this was written against,
-and leaves it alone otherwise (the tests are then slower, not different).
+`install()` replaces each part only on the triton releases it was checked against
+(`VERIFIED_TRITON`: the suite's interpreter tests passed there with it), and there only where
+the interpreter has the shape this was written against. On any other triton it changes
+nothing: the tests are then slower, never different.
 """
 import functools
 import inspect
@@ -124,12 +126,19 @@ def _sanitize_overflow_when_asserted(sanitize, self, lhs, rhs, binary_op):
     return None
 
 
-def install():
-    """Installs each part where the interpreter has what it replaces; returns the names of
+VERIFIED_TRITON = frozenset({"3.9.0"})
+
+
+def install(triton_version=None):
+    """Installs each part where the interpreter has what it replaces, on a triton in
+    `VERIFIED_TRITON` (`triton_version`: the installed one when None); returns the names of
     those installed."""
     try:
+        import triton
         from triton.runtime import interpreter
     except ImportError:
+        return ()
+    if (triton_version or triton.__version__) not in VERIFIED_TRITON:
         return ()
     installed = []
     reduce_ops = getattr(interpreter, "ReduceOps", None)

@@ -1,5 +1,12 @@
-"""Loads the compiled extension ``entmax_fast._C`` if it was built, says why if not, and
-registers the fake (meta) kernels of its operators, so that torch.compile can trace them.
+"""Loads the compiled extension, building it on first use where none was built with the
+package; says why if neither works; registers the fake (meta) kernels of its operators, so
+that torch.compile can trace them.
+
+Where the operators come from, first that works: ``entmax_fast._C`` built with the package
+(``setup.py build_ext --inplace`` or an install that could see torch), else the library
+``build`` compiles once per torch version into the user's cache. A missing extension is never
+silent: the reason is what ``backend_info()`` reports for the ``cpp`` backend, and the first
+op that asks warns once with it and the command that fixes it.
 
 Registration happens here, at load time, because torch.library registration cannot
 happen inside a torch.compile trace. The operators get no autograd: the public layer's
@@ -7,15 +14,23 @@ autograd.Function calls their forward and backward (entmax_fast/backends/__init_
 """
 from __future__ import annotations
 
+import importlib.util
+import pathlib
+import sys
 import threading
+import warnings
 
 import torch
+
+from . import build
 
 _ENTMAX_OPS = ("entmax_rowwise_fwd", "entmax_rowwise_bwd", "entmax_attention_fwd", "entmax_attention_bwd")
 _KVCACHE_OP = "entmax_attention_kvcache_fwd"
 _SUPPORT_OP = "entmax_attention_support"
 _STRUCTURED_OPS = ("fusedmax_forward", "fusedmax_backward", "oscarmax_forward", "oscarmax_backward")
 _CHAIN_OPS = ("crf_forward", "crf_backward", "sparsemap_forward", "sparsemap_backward")
+# Frames in these folders are skipped when the warning looks for the user's call.
+_INTERNAL_DIRS = (str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(torch.__file__).resolve().parent))
 
 # Held while loading: two threads registering fake kernels at once would register twice
 # (torch warns "Overriding a previously registered kernel").
@@ -28,28 +43,66 @@ _CHAIN_DEVICES: frozenset | None = None
 
 
 def status() -> tuple[bool, str]:
-    """(loaded, reason)."""
+    """(loaded, reason). The first call loads or builds the extension; if that fails, it warns."""
     global _STATUS
     if _STATUS is None:
         with _LOCK:
             if _STATUS is None:
                 _STATUS = _load()
+                if not _STATUS[0]:
+                    warnings.warn(f"entmax_fast: CPU ops run on the plain-torch reference (tens of times slower "
+                                  f"than the C++ backend): {_STATUS[1]}", stacklevel=_caller_stacklevel())
     return _STATUS
 
 
+def _caller_stacklevel() -> int:
+    """The stacklevel of the first frame outside the package and torch (an op's
+    autograd.Function.apply), so that the warning points at the user's call."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _load() -> tuple[bool, str]:
-    try:
-        from ... import _C  # noqa: F401  (importing it registers the torch.ops.entmax_fast operators)
-    except ImportError as exc:
-        return False, (f"the C++ extension entmax_fast._C is not built ({exc}); "
-                       "reinstall with a C++ compiler: pip install --no-build-isolation -e .")
-    except OSError as exc:
-        return False, f"the C++ extension entmax_fast._C failed to load ({exc})"
+    origin, why_not_packaged = _import_packaged()
+    cuda_absent = None
+    if origin is None:
+        try:
+            library, cuda_absent = build.obtain()
+        except build.BuildError as exc:
+            return False, f"the C++ extension is unavailable: {why_not_packaged}, and {exc}"
+        except OSError as exc:
+            return False, (f"the C++ extension is unavailable: {why_not_packaged}, and the one built on first use "
+                           f"failed to load ({exc}); rebuild it: {build.BUILD_COMMAND}")
+        origin = f"built on first use, as {why_not_packaged}: {library}"
     _register_fakes()
     # The row-wise kernels' instruction set: "portable" (scalar std:: maths) is the slower
     # fallback on CPUs without AVX2+FMA, worth knowing when timing.
     kernels = f"CPU kernels: {cpu_kernel_set()}" if _has("cpu_kernel_isa") else "no CPU entmax kernels"
-    return True, f"entmax_fast._C loaded ({kernels})"
+    return True, f"entmax_fast._C loaded ({origin}; {kernels}; {_cuda_operators(cuda_absent)})"
+
+
+def _import_packaged() -> tuple[str | None, str]:
+    """(where the extension built with the package was loaded from, "") or (None, why not)."""
+    if importlib.util.find_spec(f"{__package__.split('.')[0]}._C") is None:
+        # pip's default build isolation hides torch from setup.py, which then builds none.
+        return None, "none was built with the package"
+    try:
+        from ... import _C  # importing it registers the torch.ops.entmax_fast operators
+    except (ImportError, OSError) as exc:
+        return None, f"entmax_fast._C, built with the package, does not load with torch {torch.__version__} ({exc})"
+    return f"built by setup.py: {_C.__file__}", ""
+
+
+def _cuda_operators(cuda_absent: str | None) -> str:
+    """The CUDA fusedmax/oscarmax operators, present or why not."""
+    if _has("fusedmax_forward") and torch._C._dispatch_has_kernel_for_dispatch_key("entmax_fast::fusedmax_forward",
+                                                                                   "CUDA"):
+        return "CUDA operators: fusedmax, oscarmax, crf, sparsemap"
+    if cuda_absent is None:
+        cuda_absent = build.cuda_toolkit()[1] or "the extension was built without nvcc"
+    return f"no CUDA operators: {cuda_absent}"
 
 
 def _has(name: str) -> bool:
