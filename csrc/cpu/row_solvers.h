@@ -86,6 +86,22 @@ struct EntmaxParams {
     throw std::logic_error("EntmaxParams::prob: General rows go through general_mu/general_probs");
   }
 
+  // Scores at or below this value get p = 0 at the row's (max, mu), for sparsemax and
+  // 1.5-entmax (-inf for the other kinds): p > 0 needs u - mu + 1 > 0 (sparsemax) or
+  // 1 + (u - mu)/2 > 0; the cut lies a relative 1e-6 below that bound, beyond the rounding of
+  // u, mu and the cast to T, so that an entry above it still gets its p from prob() exactly.
+  // Rows of wide L are mostly below it: comparing in T skips their double arithmetic.
+  inline T support_cut(T zmax, double mu) const {
+    double offset;
+    switch (kind) {
+      case AlphaKind::kSparsemax: offset = 1.0; break;
+      case AlphaKind::kEntmax15: offset = 2.0; break;
+      default: return -std::numeric_limits<T>::infinity();
+    }
+    const double bound = static_cast<double>(zmax) + mu - offset;
+    return static_cast<T>(bound - 1e-6 * (1.0 + std::abs(bound)));
+  }
+
   // s = p^(2-alpha) on the support (the Jacobian weights of docs/maths.md, "Backward"), 0
   // elsewhere, for the kinds with a closed form (General rows: general_weights).
   inline T jacobian_weight(T z, T zmax, double mu, T p) const {
@@ -667,13 +683,13 @@ inline RowStats<T> entmax_row_inplace(T* z, int64_t n, const EntmaxParams<T>& pr
       return {zmax, mu};
     }
     case AlphaKind::kSparsemax:
-      mu = sparsemax_mu(z, n, zmax, work.values.data());
-      for (int64_t j = 0; j < n; ++j) z[j] = prm.prob(z[j], zmax, mu);
+    case AlphaKind::kEntmax15: {
+      mu = prm.kind == AlphaKind::kSparsemax ? sparsemax_mu(z, n, zmax, work.values.data())
+                                             : entmax15_mu(z, n, zmax, work.values.data());
+      const T cut = prm.support_cut(zmax, mu);
+      for (int64_t j = 0; j < n; ++j) z[j] = z[j] > cut ? prm.prob(z[j], zmax, mu) : T(0);
       return {zmax, mu};
-    case AlphaKind::kEntmax15:
-      mu = entmax15_mu(z, n, zmax, work.values.data());
-      for (int64_t j = 0; j < n; ++j) z[j] = prm.prob(z[j], zmax, mu);
-      return {zmax, mu};
+    }
     default: {
       const GeneralSolution sol = general_mu(z, n, zmax, prm, work);
       const double* probs = work.probs.data();
