@@ -217,32 +217,29 @@ at::Tensor tile_scores(at::Tensor& buffer, T* cap_slopes, const at::Tensor& q_bh
 // dQ, dK, dV) takes the sparse path when its supported (query, key) pairs number fewer than
 // one in kSparseDensityDivisor of its tq x kn entries, else the dense GEMMs. Per supported
 // pair the sparse path does the GEMMs' multiply-adds (E or Ev of them per product) at a
-// gather's pace instead of a GEMM's.
+// gather's pace instead of a GEMM's. The value is not tuned: the supports measured so far are
+// under 6 % of a tile or all of it (docs/performance.md, "CPU attention").
 constexpr int64_t kSparseDensityDivisor = 8;
 
 inline bool sparse_tile(int64_t support, int64_t tq, int64_t kn) {
   return support * kSparseDensityDivisor < tq * kn;
 }
 
-// Writes the columns j < n with p[j] > 0, plus offset, to index (room for n); returns how
-// many. Branch-free: every column is written at the next free slot, kept by advancing the count.
-template <typename T>
-inline int64_t support_columns(const T* p, int64_t n, int64_t offset, int32_t* index) {
+// Writes the columns j < n with p[j] > 0, plus offset, to index; returns how many.
+template <bool kAvx2, typename T>
+ENTMAX_FAST_ALWAYS_INLINE int64_t support_columns_body(const T* p, int64_t n, int64_t offset, int32_t* index) {
   int64_t count = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    index[count] = static_cast<int32_t>(j + offset);
-    count += p[j] > T(0);
-  }
+  for_each_above_body<kAvx2>(p, n, T(0), [&](int64_t j) { index[count++] = static_cast<int32_t>(j + offset); });
   return count;
 }
 
-// out[0:Ev] = sum_a p[index[a]] * values[index[a]] (rows of Ev elements).
+// out[0:Ev] = sum_a p[a] * values[index[a]] (rows of Ev elements).
 template <typename T>
 ENTMAX_FAST_ALWAYS_INLINE void support_values_body(const T* p, const int32_t* index, int64_t count, const T* values,
                                                    int64_t Ev, T* out) {
   for (int64_t e = 0; e < Ev; ++e) out[e] = T(0);
   for (int64_t a = 0; a < count; ++a) {
-    const T w = p[index[a]];
+    const T w = p[a];
     const T* value = values + static_cast<int64_t>(index[a]) * Ev;
 #pragma omp simd
     for (int64_t e = 0; e < Ev; ++e) out[e] += w * value[e];
@@ -288,6 +285,11 @@ ENTMAX_FAST_ALWAYS_INLINE void support_grads_body(const int32_t* index, int64_t 
 
 #if ENTMAX_FAST_AVX2_KERNELS
 template <typename T>
+ENTMAX_FAST_TARGET_AVX2 int64_t support_columns_avx2(const T* p, int64_t n, int64_t offset, int32_t* index) {
+  return support_columns_body<true>(p, n, offset, index);
+}
+
+template <typename T>
 ENTMAX_FAST_TARGET_AVX2 void support_values_avx2(const T* p, const int32_t* index, int64_t count, const T* values,
                                                  int64_t Ev, T* out) {
   support_values_body(p, index, count, values, Ev, out);
@@ -306,6 +308,14 @@ ENTMAX_FAST_TARGET_AVX2 void support_grads_avx2(const int32_t* index, int64_t co
   support_grads_body(index, count, ds, p, q_i, do_i, keys, dk, dv, E, Ev, dq_i);
 }
 #endif
+
+template <typename T>
+int64_t support_columns(const T* p, int64_t n, int64_t offset, int32_t* index) {
+#if ENTMAX_FAST_AVX2_KERNELS
+  if (use_avx2_kernels()) return support_columns_avx2(p, n, offset, index);
+#endif
+  return support_columns_body<false>(p, n, offset, index);
+}
 
 template <typename T>
 void support_values(const T* p, const int32_t* index, int64_t count, const T* values, int64_t Ev, T* out) {
@@ -349,9 +359,12 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
   at::parallel_for(0, total, 1, at::wrapPropagateTLSState([&](int64_t begin, int64_t end) {
     at::Tensor buffer = at::empty({kQueryTile * row_capacity}, q.options());
     RowWorkspace work(row_capacity);
-    // Per row of the tile: its supported keys (columns from the tile's first key), how many.
+    // Per row of the tile: its support, compact (columns from the tile's first key, weights),
+    // and its size; whether the row holds only its scores (its p being the compact lists).
     std::vector<int32_t> support_index(static_cast<size_t>(kQueryTile * row_capacity));
+    std::vector<T> support_p(static_cast<size_t>(kQueryTile * row_capacity));
     int64_t support_count[kQueryTile];
+    bool compact_only[kQueryTile];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = (task / s.n_tiles) % s.H;
       const int64_t b = task / (s.n_tiles * s.H);
@@ -369,6 +382,9 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
         continue;
       }
       const EntmaxParams<T> prm(alpha[h]);
+      // Sparsemax and 1.5-entmax rows go from their threshold straight to the compact support;
+      // the other kinds write p over the row first.
+      const bool closed_form = prm.kind == AlphaKind::kSparsemax || prm.kind == AlphaKind::kEntmax15;
       at::Tensor scores = tile_scores<T>(buffer, nullptr, q.select(0, b).select(0, h), k.select(0, b).select(0, hk),
                                          tile, scale, opts, mask_view, s, is_causal, b, h);
       T* z = scores.data_ptr<T>();
@@ -379,6 +395,7 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
         T* zi = z + i * tile.ld;
         const RowSpan span = row_span(tile, i, s, is_causal, opts.window_left, opts.window_right);
         support_count[i] = 0;
+        compact_only[i] = false;
         if (span.len == 0) {
           // A query without keys: zeros (a sink alone would take the whole row, and its value is zero).
           std::fill(zi, zi + tile.kn, T(0));
@@ -389,25 +406,56 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
         int64_t n = span.len;
         // The sink's entry right after the span: ld leaves room for it past the last span.
         if (opts.has_sink()) zi[span.start + n++] = opts.sinks[h];
-        const RowStats<T> rs = entmax_row_inplace(zi + span.start, n, prm, work);
+        int32_t* index = &support_index[i * row_capacity];
+        T* p = &support_p[i * row_capacity];
+        RowStats<T> rs;
+        if (closed_form) {
+          rs = closed_form_stats(zi + span.start, n, prm, work);
+          st[2 * i] = rs.max;
+          st[2 * i + 1] = rs.mu;
+          if (std::isnan(rs.max)) {
+            // A NaN row's weights are NaN, which the GEMM passes on.
+            std::fill(zi, zi + tile.kn, T(0));
+            std::fill(zi + span.start, zi + span.start + span.len, std::numeric_limits<T>::quiet_NaN());
+            dense = true;
+            continue;
+          }
+          compact_only[i] = true;
+          if (rs.max > -std::numeric_limits<T>::infinity()) {
+            support_count[i] = closed_form_support(zi + span.start, span.len, rs.max, rs.mu, prm, span.start, index,
+                                                   p, static_cast<T*>(nullptr));
+          }
+          support += support_count[i];
+          continue;
+        }
+        rs = entmax_row_inplace(zi + span.start, n, prm, work);
         std::fill(zi, zi + span.start, T(0));
         // Also clears the sink's weight where it sits inside the tile's (tq, kn) view.
         std::fill(zi + span.start + span.len, zi + tile.kn, T(0));
         st[2 * i] = rs.max;
         st[2 * i + 1] = rs.mu;
-        // A NaN row's weights are NaN, which the GEMM passes on.
         if (std::isnan(rs.max)) dense = true;
         if (dense) continue;
-        support_count[i] = support_columns(zi + span.start, span.len, span.start, &support_index[i * row_capacity]);
+        support_count[i] = support_columns(zi + span.start, span.len, span.start, index);
+        for (int64_t a = 0; a < support_count[i]; ++a) p[a] = zi[index[a]];
         support += support_count[i];
       }
       if (dense || !sparse_tile(support, tile.tq, tile.kn)) {
+        // The compact rows' p over the tile, zeros elsewhere.
+        for (int64_t i = 0; i < tile.tq; ++i) {
+          if (!compact_only[i]) continue;
+          T* zi = z + i * tile.ld;
+          std::fill(zi, zi + tile.kn, T(0));
+          const int32_t* index = &support_index[i * row_capacity];
+          const T* p = &support_p[i * row_capacity];
+          for (int64_t a = 0; a < support_count[i]; ++a) zi[index[a]] = p[a];
+        }
         at::mm_out(out_tile, scores, v.select(0, b).select(0, hk).narrow(0, tile.k0, tile.kn));
         continue;
       }
       const T* values = v_ptr + ((b * s.Hk + hk) * s.Lk + tile.k0) * s.Ev;
       for (int64_t i = 0; i < tile.tq; ++i) {
-        support_values(z + i * tile.ld, &support_index[i * row_capacity], support_count[i], values, s.Ev,
+        support_values(&support_p[i * row_capacity], &support_index[i * row_capacity], support_count[i], values, s.Ev,
                        out_ptr + ((b * s.H + h) * s.Lq + tile.q0 + i) * s.Ev);
       }
     }
@@ -501,9 +549,14 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
     T* cap_slopes = capped ? cap_slope_buffer.data_ptr<T>() : nullptr;
     // The closed-form kinds' Jacobian weights, formed with p while the scores are at hand.
     std::vector<T> weight_tile(static_cast<size_t>(kQueryTile * row_capacity));
-    // Per row of the tile: its supported keys (columns from the tile's first key), how many.
+    // Per row of the tile: its support, compact (columns from the tile's first key, p, and the
+    // closed forms' weights), and its size; for sparsemax and 1.5-entmax rows, which go from
+    // (max, mu) straight to the compact support, the sink's p and weight.
     std::vector<int32_t> support_index(static_cast<size_t>(kQueryTile * row_capacity));
+    std::vector<T> support_p(static_cast<size_t>(kQueryTile * row_capacity));
+    std::vector<T> support_w(static_cast<size_t>(kQueryTile * row_capacity));
     int64_t support_count[kQueryTile];
+    T sink_p[kQueryTile], sink_w[kQueryTile];
     RowState state[kQueryTile];
     // One row's weights (General kind, dense path), or its support's p, g, weights and dz
     // (sparse path), the sink last.
@@ -518,6 +571,7 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
       for (int64_t h = hk * s.group; h < (hk + 1) * s.group; ++h) {
         const EntmaxParams<T> prm(alpha[h]);
         const bool closed_form = prm.kind != AlphaKind::kGeneral;
+        const bool compact = prm.kind == AlphaKind::kSparsemax || prm.kind == AlphaKind::kEntmax15;
         const at::Tensor q_bh = q.select(0, b).select(0, h);
         const at::Tensor do_bh = grad_out.select(0, b).select(0, h);
         at::Tensor dq_bh = dq.select(0, b).select(0, h);
@@ -551,30 +605,51 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
             }
             state[i] = RowState::kNormal;
             T* p = pz + i * tile.ld + span.start;
+            int32_t* index = &support_index[i * row_capacity];
+            if (compact) {
+              support_count[i] = closed_form_support(p, span.len, zmax, mu, prm, span.start, index,
+                                                     &support_p[i * row_capacity], &support_w[i * row_capacity]);
+              if (opts.has_sink()) {
+                const T z_sink = opts.sinks[h];
+                sink_p[i] = prm.prob(z_sink, zmax, mu);
+                sink_w[i] = prm.jacobian_weight(z_sink, zmax, mu, sink_p[i]);
+              }
+              support += support_count[i];
+              continue;
+            }
             int64_t n = span.len;
             if (opts.has_sink()) p[n++] = opts.sinks[h];
             if (closed_form) {
-              T* w = &weight_tile[i * tile.ld + span.start];
-              const T cut = prm.support_cut(zmax, mu);
-              for (int64_t j = 0; j < n; ++j) {
-                if (p[j] > cut) {
-                  const T pj = prm.prob(p[j], zmax, mu);
-                  w[j] = prm.jacobian_weight(p[j], zmax, mu, pj);
-                  p[j] = pj;
-                } else {
-                  p[j] = T(0);
-                  w[j] = T(0);
-                }
-              }
+              closed_form_probs(p, &weight_tile[i * tile.ld + span.start], n, zmax, mu, prm);
             } else {
               saved_general_probs(p, n, zmax, mu, prm);
             }
             if (dense) continue;
-            support_count[i] = support_columns(p, span.len, span.start, &support_index[i * row_capacity]);
+            support_count[i] = support_columns(p, span.len, span.start, index);
+            T* p_compact = &support_p[i * row_capacity];
+            for (int64_t a = 0; a < support_count[i]; ++a) p_compact[a] = pz[i * tile.ld + index[a]];
             support += support_count[i];
           }
           if (dense || !sparse_tile(support, tile.tq, tile.kn)) {
-            // Dense: dP = dO.V^T over the tile, dz row by row, then three GEMMs.
+            // Dense: the compact rows' p and weights over the tile (zeros elsewhere, the sink's
+            // right after the span), dP = dO.V^T over the tile, dz row by row, three GEMMs.
+            for (int64_t i = 0; compact && i < tile.tq; ++i) {
+              if (state[i] != RowState::kNormal) continue;
+              T* p_row = pz + i * tile.ld;
+              T* w_row = &weight_tile[i * tile.ld];
+              std::fill(p_row, p_row + tile.ld, T(0));
+              std::fill(w_row, w_row + tile.ld, T(0));
+              const int32_t* index = &support_index[i * row_capacity];
+              for (int64_t a = 0; a < support_count[i]; ++a) {
+                p_row[index[a]] = support_p[i * row_capacity + a];
+                w_row[index[a]] = support_w[i * row_capacity + a];
+              }
+              if (opts.has_sink()) {
+                const RowSpan span = row_span(tile, i, s, is_causal, opts.window_left, opts.window_right);
+                p_row[span.start + span.len] = sink_p[i];
+                w_row[span.start + span.len] = sink_w[i];
+              }
+            }
             at::Tensor dprobs = tile_view(grad_buffer, tile);
             const at::Tensor do_tile = do_bh.narrow(0, tile.q0, tile.tq);
             at::mm_out(dprobs, do_tile, v_bh.narrow(0, tile.k0, tile.kn).t());
@@ -657,18 +732,18 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
             const int64_t count = support_count[i];
             const T* do_i = do_ptr + row * s.Ev;
             support_dots(do_i, index, count, values, s.Ev, sg.data());
-            for (int64_t a = 0; a < count; ++a) sp[a] = p_row[index[a]];
+            std::copy(&support_p[i * row_capacity], &support_p[i * row_capacity] + count, sp.begin());
             int64_t n = count;
             if (opts.has_sink()) {
-              sp[n] = p_row[span.start + span.len];
+              sp[n] = compact ? sink_p[i] : p_row[span.start + span.len];
               sg[n] = T(0);
               ++n;
             }
             double s_total = 0, sg_total = 0;
-            if (closed_form) {
-              const T* w_row = &weight_tile[i * tile.ld];
-              for (int64_t a = 0; a < count; ++a) sw[a] = w_row[index[a]];
-              if (opts.has_sink()) sw[count] = w_row[span.start + span.len];
+            // Softmax tiles are dense: the closed forms here are sparsemax and 1.5-entmax.
+            if (compact) {
+              std::copy(&support_w[i * row_capacity], &support_w[i * row_capacity] + count, sw.begin());
+              if (opts.has_sink()) sw[count] = sink_w[i];
               for (int64_t a = 0; a < n; ++a) {
                 s_total += sw[a];
                 sg_total += static_cast<double>(sw[a]) * sg[a];
