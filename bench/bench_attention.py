@@ -572,7 +572,7 @@ def plot_sparsity(rows: list, path: str, title: str) -> str:
     ax.barh([p + 0.2 for p in positions], [r["fwd_bwd_vs_sdpa"] for r in rows], height=0.4, label="forward + backward")
     ax.barh([p - 0.2 for p in positions], [r["fwd_vs_sdpa"] for r in rows], height=0.4, label="forward")
     ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_yticks(list(positions), [f"{r['case']} ({100 * r['zeros']:.0f}% zeros)" for r in rows], fontsize=7)
+    ax.set_yticks(list(positions), [f"{r['case']} ({100 * r['zeros']:.1f}% zeros)" for r in rows], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("entmax attention time / SDPA time (same process, interleaved, median)")
     ax.legend(fontsize=7)
@@ -580,7 +580,7 @@ def plot_sparsity(rows: list, path: str, title: str) -> str:
     fig.suptitle(title, fontsize=8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
