@@ -310,6 +310,14 @@ ENTMAX_FAST_TARGET_AVX2 void support_grads_avx2(const int32_t* index, int64_t co
 #endif
 
 template <typename T>
+int64_t count_positive(const T* p, int64_t n) {
+#if ENTMAX_FAST_AVX2_KERNELS
+  if (use_avx2_kernels()) return count_positive_avx2(p, n);
+#endif
+  return count_positive_body(p, n);
+}
+
+template <typename T>
 int64_t support_columns(const T* p, int64_t n, int64_t offset, int32_t* index) {
 #if ENTMAX_FAST_AVX2_KERNELS
   if (use_avx2_kernels()) return support_columns_avx2(p, n, offset, index);
@@ -436,11 +444,21 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
         st[2 * i + 1] = rs.mu;
         if (std::isnan(rs.max)) dense = true;
         if (dense) continue;
-        support_count[i] = support_columns(zi + span.start, span.len, span.start, index);
-        for (int64_t a = 0; a < support_count[i]; ++a) p[a] = zi[index[a]];
+        // Counted only: the lists are made once the tile is known to be sparse.
+        support_count[i] = count_positive(zi + span.start, span.len);
         support += support_count[i];
       }
-      if (dense || !sparse_tile(support, tile.tq, tile.kn)) {
+      const bool sparse = !dense && sparse_tile(support, tile.tq, tile.kn);
+      for (int64_t i = 0; sparse && !closed_form && i < tile.tq; ++i) {
+        if (support_count[i] == 0) continue;
+        const RowSpan span = row_span(tile, i, s, is_causal, opts.window_left, opts.window_right);
+        const T* zi = z + i * tile.ld;
+        int32_t* index = &support_index[i * row_capacity];
+        T* p = &support_p[i * row_capacity];
+        support_count[i] = support_columns(zi + span.start, span.len, span.start, index);
+        for (int64_t a = 0; a < support_count[i]; ++a) p[a] = zi[index[a]];
+      }
+      if (!sparse) {
         // The compact rows' p over the tile, zeros elsewhere.
         for (int64_t i = 0; i < tile.tq; ++i) {
           if (!compact_only[i]) continue;
@@ -625,12 +643,20 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
               saved_general_probs(p, n, zmax, mu, prm);
             }
             if (dense) continue;
-            support_count[i] = support_columns(p, span.len, span.start, index);
-            T* p_compact = &support_p[i * row_capacity];
-            for (int64_t a = 0; a < support_count[i]; ++a) p_compact[a] = pz[i * tile.ld + index[a]];
+            // Counted only: the lists are made once the tile is known to be sparse.
+            support_count[i] = count_positive(p, span.len);
             support += support_count[i];
           }
-          if (dense || !sparse_tile(support, tile.tq, tile.kn)) {
+          const bool sparse = !dense && sparse_tile(support, tile.tq, tile.kn);
+          for (int64_t i = 0; sparse && !compact && i < tile.tq; ++i) {
+            if (state[i] != RowState::kNormal || support_count[i] == 0) continue;
+            const RowSpan span = row_span(tile, i, s, is_causal, opts.window_left, opts.window_right);
+            int32_t* index = &support_index[i * row_capacity];
+            support_count[i] = support_columns(pz + i * tile.ld + span.start, span.len, span.start, index);
+            T* p_compact = &support_p[i * row_capacity];
+            for (int64_t a = 0; a < support_count[i]; ++a) p_compact[a] = pz[i * tile.ld + index[a]];
+          }
+          if (!sparse) {
             // Dense: the compact rows' p and weights over the tile (zeros elsewhere, the sink's
             // right after the span), dP = dO.V^T over the tile, dz row by row, three GEMMs.
             for (int64_t i = 0; compact && i < tile.tq; ++i) {
