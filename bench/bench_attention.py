@@ -26,6 +26,16 @@ time and peak memory only (a causal call at L = 32768 costs minutes on a CPU), a
 window's time grows from the shortest length to the longest against linear growth.
 Writes bench/out/attention_window.csv.
 
+With ``--sparsity`` (CPU, C++ operator) it times entmax attention against SDPA in the same
+process, one call of each back to back per repeat, and reports the median ratio, forward +
+backward and forward alone, with the share of weights that are exactly zero, the share of
+query tiles the operator runs on its sparse path, and peak memory; on random inputs and on
+the attention of a small 1.5-entmax associative-recall model (entmax_fast.train), which it
+trains on first use into bench/out/recall_entmax15.pt. Writes bench/out/attention_sparsity.csv
+and bench/out/attention_sparsity.png.
+
+    python bench/bench_attention.py --sparsity --threads 2
+
 Why ``fwd+bwd`` is not ``fwd + bwd``: the three columns are three separate medians. ``fwd+bwd``
 times a forward and its backward together, which is what a training step pays, and is the
 figure to compare; ``bwd`` times repeated backward passes through one retained graph
@@ -353,12 +363,19 @@ def main(argv=None) -> list:
                         "(default lengths 4096..32768, B=1, H=8) against a dense mask and plain causal")
     parser.add_argument("--max-dense-length", type=int, default=16384,
                         help="with --window, skip the dense-mask rows above this length (an (L, L) mask)")
+    parser.add_argument("--sparsity", action="store_true",
+                        help="CPU: the C++ operator against SDPA in one process, interleaved, with the share of zero "
+                             "weights and of query tiles on the sparse path, on random inputs and on the attention "
+                             "of a small trained model (B=2 H=8 by default; --lengths picks rows)")
+    parser.add_argument("--repeats", type=int, default=7, help="with --sparsity, interleaved repeats per row")
     parser.add_argument("--out", default=OUT_DIR)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.window:
         return _main_window(args)
+    if args.sparsity:
+        return _main_sparsity(args)
     if args.lengths:
         lengths = args.lengths
     elif args.quick:
@@ -405,6 +422,191 @@ def _main_window(args) -> list:
     write_csv(rows, csv_path)
     print(f"wrote {csv_path}")
     return rows
+
+
+# ---------------------------------------------------------------------------------------
+# --sparsity: what the C++ operator's sparse paths buy on CPU, against SDPA in the same
+# process, interleaved.
+
+# (label, L, alpha, causal) of the random-input rows; B, H, E from the command line.
+SPARSITY_CASES = [("L 256", 256, 1.5, False), ("L 1024", 1024, 1.5, False), ("L 2048", 2048, 1.5, False),
+                  ("L 1024, α 2", 1024, 2.0, False), ("L 2048, α 2", 2048, 2.0, False),
+                  ("L 1024, causal", 1024, 1.5, True), ("L 2048, causal", 2048, 1.5, True),
+                  ("L 1024, α 1.1 (wide support)", 1024, 1.1, False)]
+
+
+def _interleaved_ratio(entmax_fn, sdpa_fn, repeats: int) -> tuple:
+    """(median entmax ms, median SDPA ms, median of the per-repeat ratios): each repeat times
+    one call of each, back to back, so that both see the same load."""
+    import time
+
+    entmax_fn(), sdpa_fn()
+    entmax_ms, sdpa_ms, ratios = [], [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        entmax_fn()
+        middle = time.perf_counter()
+        sdpa_fn()
+        end = time.perf_counter()
+        entmax_ms.append((middle - start) * 1e3)
+        sdpa_ms.append((end - middle) * 1e3)
+        ratios.append((middle - start) / (end - middle))
+    median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
+    return median(entmax_ms), median(sdpa_ms), median(ratios)
+
+
+def _support_shares(q, k, alpha, causal: bool) -> tuple:
+    """(share of the allowed weights that are exactly zero, share of query tiles on the sparse
+    path) of the C++ operator on these inputs, from its own support counts."""
+    from entmax_fast.backends.cpp import ops as cpp_ops
+
+    counts = cpp_ops.attention_support_forward(q, k, None, alpha, scale=q.shape[-1] ** -0.5, is_causal=causal,
+                                               enable_gqa=q.shape[1] != k.shape[1])
+    lq, lk = q.shape[2], k.shape[2]
+    allowed = (torch.arange(lq).clamp(max=lk - 1) + 1).sum().item() if causal else lq * lk
+    zeros = 1.0 - counts.sum().item() / (allowed * q.shape[0] * q.shape[1])
+    tiles = cpp_ops.attention_sparse_tiles(counts, lk, is_causal=causal)
+    return zeros, tiles.float().mean().item()
+
+
+def _recall_attention_inputs(out_dir: str, batch: int) -> tuple:
+    """(q, k, v, alpha) that the second attention layer of a 1.5-entmax associative-recall
+    model (entmax_fast.train) receives on sequences of 128 pairs and 128 queries, 16x the
+    pairs it was trained on. The model is trained on first use (150 steps, seconds) and kept
+    in out_dir/recall_entmax15.pt."""
+    import dataclasses
+
+    from entmax_fast import multihead, train
+
+    path = os.path.join(out_dir, "recall_entmax15.pt")
+    if not os.path.exists(path):
+        config = train.Config(steps=150, attentions=("entmax15",), long_pairs=0)
+        result = train.train_one(config, "entmax15", show_progress=False)
+        os.makedirs(out_dir, exist_ok=True)
+        train.save_model(path, result["model"], config, "entmax15")
+    model, config = train.load_model(path)
+    config = dataclasses.replace(config, pairs=128, queries=128)
+    keys, values, query_keys, _ = train.recall_batch(config, batch, torch.Generator().manual_seed(0))
+    captured = []
+    original = multihead.entmax_attention
+
+    def capture(q, k, v, **kwargs):
+        captured.append((q.detach().clone(), k.detach().clone(), v.detach().clone(), kwargs))
+        return original(q, k, v, **kwargs)
+
+    multihead.entmax_attention = capture
+    try:
+        with torch.no_grad():
+            model(keys, values, query_keys)
+    finally:
+        multihead.entmax_attention = original
+    q, k, v, kwargs = captured[-1]
+    if kwargs.get("attn_mask") is not None or kwargs.get("is_causal"):
+        raise RuntimeError("the recall model's attention is expected without a mask")
+    return q, k, v, kwargs["alpha"]
+
+
+def run_sparsity(batch, heads, head_dim, repeats: int, out_dir: str, lengths=None) -> list:
+    cases = [c for c in SPARSITY_CASES if lengths is None or c[1] in lengths]
+    inputs = []
+    for label, length, alpha, causal in cases:
+        generator = torch.Generator().manual_seed(length)
+        q, k, v, grad = (torch.randn(batch, heads, length, head_dim, generator=generator) for _ in range(4))
+        inputs.append((f"random N(0,1), {label}", q, k, v, grad, alpha, causal))
+    q, k, v, alpha = _recall_attention_inputs(out_dir, batch=64)
+    inputs.append((f"recall model, layer 2 (B {q.shape[0]}, H {q.shape[1]}, L {q.shape[2]}, E {q.shape[3]})", q, k, v,
+                   torch.randn(q.shape[:-1] + v.shape[-1:], generator=torch.Generator().manual_seed(1)), alpha,
+                   False))
+    rows = []
+    for label, q, k, v, grad, alpha, causal in inputs:
+        zeros, sparse_tiles = _support_shares(q, k, alpha, causal)
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+
+        def entmax_step():
+            torch.autograd.backward(entmax_fast.entmax_attention(qg, kg, vg, is_causal=causal, alpha=alpha), grad)
+
+        def sdpa_step():
+            torch.autograd.backward(F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal), grad)
+
+        def entmax_forward_only():
+            entmax_fast.entmax_attention(qg, kg, vg, is_causal=causal, alpha=alpha)
+
+        def sdpa_forward_only():
+            F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+
+        entmax_ms, sdpa_ms, ratio = _interleaved_ratio(entmax_step, sdpa_step, repeats)
+        forward_ms, sdpa_forward_ms, forward_ratio = _interleaved_ratio(entmax_forward_only, sdpa_forward_only,
+                                                                        repeats)
+        entmax_peak, sdpa_peak = _peak_mib(entmax_step), _peak_mib(sdpa_step)
+        backend = dispatch.last_choice("attention")
+        rows.append({"case": label, "alpha": alpha, "causal": causal, "backend": backend.backend if backend else "?",
+                     "zeros": zeros, "sparse_tiles": sparse_tiles, "fwd_bwd_ms": entmax_ms, "sdpa_fwd_bwd_ms": sdpa_ms,
+                     "fwd_bwd_vs_sdpa": ratio, "fwd_ms": forward_ms, "sdpa_fwd_ms": sdpa_forward_ms,
+                     "fwd_vs_sdpa": forward_ratio, "peak_mib": entmax_peak, "sdpa_peak_mib": sdpa_peak})
+        print(f"{label}: fwd+bwd {ratio:.2f}x SDPA, fwd {forward_ratio:.2f}x, zeros {100 * zeros:.1f}%, "
+              f"sparse tiles {100 * sparse_tiles:.0f}%", flush=True)
+    return rows
+
+
+def print_sparsity_results(rows: list) -> None:
+    table = [{"case": r["case"], "zeros": f"{100 * r['zeros']:.1f}%", "sparse tiles": f"{100 * r['sparse_tiles']:.0f}%",
+              "fwd+bwd ms": r["fwd_bwd_ms"], "x sdpa": r["fwd_bwd_vs_sdpa"], "fwd ms": r["fwd_ms"],
+              "fwd x sdpa": r["fwd_vs_sdpa"], "peak MiB": r["peak_mib"], "sdpa peak MiB": r["sdpa_peak_mib"]}
+             for r in rows]
+    print_table(table, "entmax attention (C++) against SDPA, same process, interleaved")
+    print("zeros: share of the allowed weights that are exactly 0; sparse tiles: share of 64-query tiles whose\n"
+          "P.V and backward run as sparse products; x sdpa: median over repeats of (entmax time / SDPA time),\n"
+          "each repeat timing one call of each back to back; peak MiB: peak memory of fwd+bwd above the inputs.")
+
+
+def plot_sparsity(rows: list, path: str, title: str) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot (pip install matplotlib)"
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.8))
+    positions = range(len(rows))
+    ax.barh([p + 0.2 for p in positions], [r["fwd_bwd_vs_sdpa"] for r in rows], height=0.4, label="forward + backward")
+    ax.barh([p - 0.2 for p in positions], [r["fwd_vs_sdpa"] for r in rows], height=0.4, label="forward")
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_yticks(list(positions), [f"{r['case']} ({100 * r['zeros']:.1f}% zeros)" for r in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("entmax attention time / SDPA time (same process, interleaved, median)")
+    ax.legend(fontsize=7)
+    ax.grid(True, axis="x", alpha=0.3)
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def _main_sparsity(args) -> list:
+    if ON_GPU or not dispatch.availability("cpp")[0]:
+        raise SystemExit("--sparsity times the C++ CPU operator: it needs the built extension and no GPU")
+    batch, heads = args.batch or 2, args.heads or 8
+    header = (f"{machine()}\n{_versions()}\nC++ entmax attention vs SDPA: B={batch} H={heads} E={args.head_dim} "
+              f"float32, threads {torch.get_num_threads()}, {args.repeats} interleaved repeats; load {_load()}")
+    print(header)
+    rows = run_sparsity(batch, heads, args.head_dim, args.repeats, args.out, args.lengths)
+    print_sparsity_results(rows)
+    print(f"load after the run: {_load()}")
+    csv_path = os.path.join(args.out, "attention_sparsity.csv")
+    write_csv(rows, csv_path)
+    plot_path = plot_sparsity(rows, os.path.join(args.out, "attention_sparsity.png"), header)
+    print(f"wrote {csv_path} and {plot_path}")
+    return rows
+
+
+def _load() -> str:
+    try:
+        return " ".join(f"{value:.2f}" for value in os.getloadavg())
+    except OSError:
+        return "unknown"
 
 
 if __name__ == "__main__":

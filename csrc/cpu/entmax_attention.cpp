@@ -1,7 +1,14 @@
 // Entmax attention on CPU, memory-bounded: the scores of a tile of queries come from one
-// GEMM into a per-thread buffer, each row's threshold is found while the row is in cache,
-// then P.V is a second GEMM. Only (max, mu) per query row is saved; the backward recomputes
+// GEMM into a per-thread buffer and each row's threshold is found while the row is in cache.
+// Only (max, mu) per query row is saved; the backward recomputes the scores (one GEMM) and
 // P from them. Nothing of size B*H*Lq*Lk is ever allocated.
+//
+// Cost follows the support: entmax weights are mostly zero (98-99 % at L >= 1024 with
+// Gaussian inputs, alpha 1.5), so once a tile's weights are known the rest of the work is
+// done either as dense GEMMs over the tile (P.V; dP = dO.V^T, dQ, dK, dV) or as sparse
+// products over the supported (query, key) pairs only, chosen per tile from its measured
+// support (sparse_tile()). Both paths are exact; neither uses atomics, so results depend on
+// the input and the thread count only.
 //
 // Score options (docs/attention.md, "Score options"), applied in its order: scale, softcap,
 // ALiBi, float mask, boolean masks and window, sink, threshold.
@@ -12,7 +19,7 @@
 //   weight 0 without being scored.
 // - softcap and ALiBi change the scores where they are formed, in the forward and in the
 //   backward's recomputation; the backward keeps the cap's slope 1/cosh^2(s/softcap) of each
-//   score (a third tile buffer, only when capping) to multiply dz by.
+//   score (a tile buffer, only when capping) to multiply dz by.
 // - A sink is one more entry appended to the row in place (the tile's rows get a spare
 //   column for it): the row solvers, the saved (max, mu), the backward's Jacobian sums and
 //   the alpha gradient all include it as an ordinary entry whose value, hence g, is zero.
@@ -35,6 +42,7 @@
 #include <tuple>
 #include <vector>
 
+#include "attention_common.h"
 #include "row_solvers.h"
 
 namespace entmax_fast_cpu {
@@ -82,87 +90,21 @@ AttentionShape check_attention_args(const at::Tensor& q, const at::Tensor& k, co
     TORCH_CHECK(m.dim() <= 4, "entmax_attention (cpu): attn_mask must broadcast to (", s.B, ", ", s.H, ", ", s.Lq,
                 ", ", s.Lk, "), got ", m.sizes());
   }
+  // The sparse paths index a tile's keys in int32.
+  TORCH_CHECK(s.Lk <= std::numeric_limits<int32_t>::max(), "entmax_attention (cpu): key length must be at most ",
+              std::numeric_limits<int32_t>::max(), ", got ", s.Lk);
   s.group = s.H / s.Hk;
   s.n_tiles = (s.Lq + kQueryTile - 1) / kQueryTile;
   return s;
 }
 
-at::ScalarType compute_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
-
-// The score options of one call, as the operators receive them, checked and in the compute
-// type (docs/attention.md, "Score options").
-struct ScoreOptionTensors {
-  int64_t window_left = -1, window_right = -1;  // -1: unbounded
-  double softcap = 0.0;                         // 0: no cap
-  at::Tensor alibi_slopes;                      // undefined, or (H,) / (B, H) contiguous
-  at::Tensor sinks;                             // undefined, or (H,) contiguous
-};
-
-ScoreOptionTensors check_score_options(const AttentionShape& s, at::ScalarType ct, at::IntArrayRef window_size,
-                                       double softcap, const std::optional<at::Tensor>& alibi_slopes,
-                                       const std::optional<at::Tensor>& sinks) {
-  ScoreOptionTensors o;
-  TORCH_CHECK(window_size.size() == 2 && window_size[0] >= -1 && window_size[1] >= -1,
-              "entmax_attention (cpu): window_size must be (left, right) with each >= -1, got ", window_size);
-  o.window_left = window_size[0];
-  o.window_right = window_size[1];
-  TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap), "entmax_attention (cpu): softcap must be finite and >= 0, got ",
-              softcap);
-  o.softcap = softcap;
-  if (alibi_slopes.has_value()) {
-    const at::Tensor& a = *alibi_slopes;
-    TORCH_CHECK(at::isFloatingType(a.scalar_type()) && a.device().is_cpu() &&
-                    ((a.dim() == 1 && a.size(0) == s.H) || (a.dim() == 2 && a.size(0) == s.B && a.size(1) == s.H)),
-                "entmax_attention (cpu): alibi_slopes must be a floating CPU tensor of shape (", s.H, ",) or (", s.B,
-                ", ", s.H, "), got ", a.sizes());
-    o.alibi_slopes = a.detach().to(ct).contiguous();
-  }
-  if (sinks.has_value()) {
-    const at::Tensor& t = *sinks;
-    TORCH_CHECK(at::isFloatingType(t.scalar_type()) && t.device().is_cpu() && t.dim() == 1 && t.size(0) == s.H,
-                "entmax_attention (cpu): sinks must be a floating CPU tensor of shape (", s.H, ",), got ", t.sizes());
-    o.sinks = t.detach().to(ct).contiguous();
-  }
-  return o;
-}
-
-// The score options read by the kernels for one dtype.
-template <typename T>
-struct ScoreOptions {
-  int64_t window_left = -1, window_right = -1;
-  T softcap = T(0);
-  const T* alibi = nullptr;  // slope of (b, h) at alibi[b * alibi_batch_stride + h]
-  int64_t alibi_batch_stride = 0;
-  const T* sinks = nullptr;
-
-  explicit ScoreOptions(const ScoreOptionTensors& o)
-      : window_left(o.window_left), window_right(o.window_right), softcap(static_cast<T>(o.softcap)) {
-    if (o.alibi_slopes.defined()) {
-      alibi = o.alibi_slopes.const_data_ptr<T>();
-      alibi_batch_stride = o.alibi_slopes.dim() == 2 ? o.alibi_slopes.size(1) : 0;
-    }
-    if (o.sinks.defined()) sinks = o.sinks.const_data_ptr<T>();
-  }
-  bool has_sink() const { return sinks != nullptr; }
-  // One spare column per row of a tile for the sink's entry.
-  int64_t sink_columns() const { return has_sink() ? 1 : 0; }
-};
-
 // Keys [begin, end) that query i may attend to after the top-left causal limit and the
-// window (empty when end == begin). Both ends are non-decreasing in i, so the keys of queries
-// [q0, q0 + tq) lie in [range(q0).begin, range(q0 + tq - 1).end).
-struct KeyRange {
-  int64_t begin, end;
-};
-
-inline KeyRange key_range(int64_t i, const AttentionShape& s, bool is_causal, int64_t window_left,
-                          int64_t window_right) {
-  const int64_t pos = i + s.Lk - s.Lq;  // the query's key position, counted from the bottom right
-  int64_t begin = 0, end = s.Lk;
-  if (is_causal) end = std::min(end, i + 1);
-  if (window_left >= 0) begin = std::max(begin, pos - window_left);
-  if (window_right >= 0) end = std::min(end, pos + window_right + 1);
-  return {begin, std::max(begin, end)};
+// window. Both ends are non-decreasing in i, so the keys of queries [q0, q0 + tq) lie in
+// [range(q0).begin, range(q0 + tq - 1).end).
+inline KeyRange query_keys(int64_t i, const AttentionShape& s, bool is_causal, int64_t window_left,
+                           int64_t window_right) {
+  // pos: the query's key position, counted from the bottom right.
+  return key_range(i + s.Lk - s.Lq, s.Lk, is_causal ? i + 1 : s.Lk, window_left, window_right);
 }
 
 // A tile of queries [q0, q0 + tq) and the keys [k0, k0 + kn) any of them attends to. The
@@ -176,8 +118,8 @@ QueryTile query_tile(int64_t tile, const AttentionShape& s, bool is_causal, cons
   QueryTile t{};
   t.q0 = tile * kQueryTile;
   t.tq = std::min(kQueryTile, s.Lq - t.q0);
-  t.k0 = key_range(t.q0, s, is_causal, opts.window_left, opts.window_right).begin;
-  const int64_t k1 = key_range(t.q0 + t.tq - 1, s, is_causal, opts.window_left, opts.window_right).end;
+  t.k0 = query_keys(t.q0, s, is_causal, opts.window_left, opts.window_right).begin;
+  const int64_t k1 = query_keys(t.q0 + t.tq - 1, s, is_causal, opts.window_left, opts.window_right).end;
   t.kn = std::max<int64_t>(0, k1 - t.k0);
   t.ld = t.kn + opts.sink_columns();
   return t;
@@ -239,7 +181,7 @@ struct RowSpan {
 
 inline RowSpan row_span(const QueryTile& tile, int64_t i, const AttentionShape& s, bool is_causal,
                         int64_t window_left, int64_t window_right) {
-  const KeyRange r = key_range(tile.q0 + i, s, is_causal, window_left, window_right);
+  const KeyRange r = query_keys(tile.q0 + i, s, is_causal, window_left, window_right);
   return {r.begin - tile.k0, r.end - r.begin};
 }
 
@@ -251,9 +193,8 @@ inline at::Tensor tile_view(at::Tensor& buffer, const QueryTile& tile) {
 // Scores of the tile's rows on their own key spans, in the order of docs/attention.md: scale,
 // softcap, ALiBi, the float or boolean mask (the causal limit and the window are the spans).
 // Entries outside a row's span are left unset: callers read only the span. With
-// cap_slopes, the cap's derivative 1/cosh^2(s/softcap) of each entry is stored there, at the
-// entry's place in the tile layout (1/cosh^2 rather than 1 - tanh^2, which rounds to 0 where
-// tanh rounds to +-1).
+// cap_slopes, the cap's slope of each entry is stored there, at the entry's place in the
+// tile layout (transform_scores).
 template <typename T>
 at::Tensor tile_scores(at::Tensor& buffer, T* cap_slopes, const at::Tensor& q_bh, const at::Tensor& k_bh,
                        const QueryTile& tile, T scale, const ScoreOptions<T>& opts, const MaskView<T>& mask,
@@ -261,32 +202,152 @@ at::Tensor tile_scores(at::Tensor& buffer, T* cap_slopes, const at::Tensor& q_bh
   at::Tensor scores = tile_view(buffer, tile);
   at::mm_out(scores, q_bh.narrow(0, tile.q0, tile.tq), k_bh.narrow(0, tile.k0, tile.kn).t());
   T* z = scores.data_ptr<T>();
-  const T softcap = opts.softcap;
-  const T slope = opts.alibi != nullptr ? opts.alibi[b * opts.alibi_batch_stride + h] : T(0);
+  const T slope = opts.alibi_slope(b, h);
   for (int64_t i = 0; i < tile.tq; ++i) {
     const RowSpan span = row_span(tile, i, s, is_causal, opts.window_left, opts.window_right);
     T* zi = z + i * tile.ld + span.start;
-    if (softcap > T(0)) {
-      T* slopes_i = cap_slopes != nullptr ? cap_slopes + i * tile.ld + span.start : nullptr;
-      for (int64_t j = 0; j < span.len; ++j) {
-        const T x = zi[j] * scale / softcap;
-        zi[j] = softcap * std::tanh(x);
-        if (slopes_i != nullptr) {
-          const T c = std::cosh(x);
-          slopes_i[j] = T(1) / (c * c);
-        }
-      }
-    } else {
-      for (int64_t j = 0; j < span.len; ++j) zi[j] *= scale;
-    }
-    if (opts.alibi != nullptr) {
-      // -slope * |pos - j| for key j = k0 + start + jj.
-      const int64_t offset = tile.q0 + i + s.Lk - s.Lq - (tile.k0 + span.start);
-      for (int64_t j = 0; j < span.len; ++j) zi[j] -= slope * static_cast<T>(std::abs(offset - j));
-    }
+    transform_scores(zi, span.len, scale, opts, slope, tile.q0 + i + s.Lk - s.Lq - (tile.k0 + span.start),
+                     cap_slopes != nullptr ? cap_slopes + i * tile.ld + span.start : nullptr);
     mask.apply(zi, span.len, b, h, tile.q0 + i, tile.k0 + span.start);
   }
   return scores;
+}
+
+// A tile's remaining work after its weights are known (the forward's P.V; the backward's dP,
+// dQ, dK, dV) takes the sparse path when its supported (query, key) pairs number fewer than
+// one in kSparseDensityDivisor of its tq x kn entries, else the dense GEMMs. Per supported
+// pair the sparse path does the GEMMs' multiply-adds (E or Ev of them per product) at a
+// gather's pace instead of a GEMM's. The value is not tuned: the supports measured so far are
+// under 6 % of a tile or all of it (docs/performance.md, "CPU attention").
+constexpr int64_t kSparseDensityDivisor = 8;
+
+inline bool sparse_tile(int64_t support, int64_t tq, int64_t kn) {
+  return support * kSparseDensityDivisor < tq * kn;
+}
+
+// Writes the columns j < n with p[j] > 0, plus offset, to index; returns how many.
+template <bool kAvx2, typename T>
+ENTMAX_FAST_ALWAYS_INLINE int64_t support_columns_body(const T* p, int64_t n, int64_t offset, int32_t* index) {
+  int64_t count = 0;
+  for_each_above_body<kAvx2>(p, n, T(0), [&](int64_t j) { index[count++] = static_cast<int32_t>(j + offset); });
+  return count;
+}
+
+// out[0:Ev] = sum_a p[a] * values[index[a]] (rows of Ev elements).
+template <typename T>
+ENTMAX_FAST_ALWAYS_INLINE void support_values_body(const T* p, const int32_t* index, int64_t count, const T* values,
+                                                   int64_t Ev, T* out) {
+  for (int64_t e = 0; e < Ev; ++e) out[e] = T(0);
+  for (int64_t a = 0; a < count; ++a) {
+    const T w = p[a];
+    const T* value = values + static_cast<int64_t>(index[a]) * Ev;
+#pragma omp simd
+    for (int64_t e = 0; e < Ev; ++e) out[e] += w * value[e];
+  }
+}
+
+// dots[a] = x . rows[index[a]] (rows of E elements).
+template <typename T>
+ENTMAX_FAST_ALWAYS_INLINE void support_dots_body(const T* x, const int32_t* index, int64_t count, const T* rows,
+                                                 int64_t E, T* dots) {
+  for (int64_t a = 0; a < count; ++a) {
+    const T* row = rows + static_cast<int64_t>(index[a]) * E;
+    T sum = T(0);
+#pragma omp simd reduction(+ : sum)
+    for (int64_t e = 0; e < E; ++e) sum += x[e] * row[e];
+    dots[a] = sum;
+  }
+}
+
+// The sparse products of one query row i over its support (key index[a], dz ds[a], weight
+// p[a]): dq_i = sum_a ds[a] k_a, and dk_a += ds[a] q_i, dv_a += p[a] dO_i. The task owns the
+// dk and dv rows it adds to.
+template <typename T>
+ENTMAX_FAST_ALWAYS_INLINE void support_grads_body(const int32_t* index, int64_t count, const T* ds, const T* p,
+                                                  const T* q_i, const T* do_i, const T* keys, T* dk, T* dv,
+                                                  int64_t E, int64_t Ev, T* dq_i) {
+  for (int64_t e = 0; e < E; ++e) dq_i[e] = T(0);
+  for (int64_t a = 0; a < count; ++a) {
+    const int64_t j = index[a];
+    const T d = ds[a], w = p[a];
+    const T* key = keys + j * E;
+    T* dk_j = dk + j * E;
+#pragma omp simd
+    for (int64_t e = 0; e < E; ++e) {
+      dq_i[e] += d * key[e];
+      dk_j[e] += d * q_i[e];
+    }
+    T* dv_j = dv + j * Ev;
+#pragma omp simd
+    for (int64_t e = 0; e < Ev; ++e) dv_j[e] += w * do_i[e];
+  }
+}
+
+#if ENTMAX_FAST_AVX2_KERNELS
+template <typename T>
+ENTMAX_FAST_TARGET_AVX2 int64_t support_columns_avx2(const T* p, int64_t n, int64_t offset, int32_t* index) {
+  return support_columns_body<true>(p, n, offset, index);
+}
+
+template <typename T>
+ENTMAX_FAST_TARGET_AVX2 void support_values_avx2(const T* p, const int32_t* index, int64_t count, const T* values,
+                                                 int64_t Ev, T* out) {
+  support_values_body(p, index, count, values, Ev, out);
+}
+
+template <typename T>
+ENTMAX_FAST_TARGET_AVX2 void support_dots_avx2(const T* x, const int32_t* index, int64_t count, const T* rows,
+                                               int64_t E, T* dots) {
+  support_dots_body(x, index, count, rows, E, dots);
+}
+
+template <typename T>
+ENTMAX_FAST_TARGET_AVX2 void support_grads_avx2(const int32_t* index, int64_t count, const T* ds, const T* p,
+                                                const T* q_i, const T* do_i, const T* keys, T* dk, T* dv, int64_t E,
+                                                int64_t Ev, T* dq_i) {
+  support_grads_body(index, count, ds, p, q_i, do_i, keys, dk, dv, E, Ev, dq_i);
+}
+#endif
+
+template <typename T>
+int64_t count_positive(const T* p, int64_t n) {
+#if ENTMAX_FAST_AVX2_KERNELS
+  if (use_avx2_kernels()) return count_positive_avx2(p, n);
+#endif
+  return count_positive_body(p, n);
+}
+
+template <typename T>
+int64_t support_columns(const T* p, int64_t n, int64_t offset, int32_t* index) {
+#if ENTMAX_FAST_AVX2_KERNELS
+  if (use_avx2_kernels()) return support_columns_avx2(p, n, offset, index);
+#endif
+  return support_columns_body<false>(p, n, offset, index);
+}
+
+template <typename T>
+void support_values(const T* p, const int32_t* index, int64_t count, const T* values, int64_t Ev, T* out) {
+#if ENTMAX_FAST_AVX2_KERNELS
+  if (use_avx2_kernels()) return support_values_avx2(p, index, count, values, Ev, out);
+#endif
+  support_values_body(p, index, count, values, Ev, out);
+}
+
+template <typename T>
+void support_dots(const T* x, const int32_t* index, int64_t count, const T* rows, int64_t E, T* dots) {
+#if ENTMAX_FAST_AVX2_KERNELS
+  if (use_avx2_kernels()) return support_dots_avx2(x, index, count, rows, E, dots);
+#endif
+  support_dots_body(x, index, count, rows, E, dots);
+}
+
+template <typename T>
+void support_grads(const int32_t* index, int64_t count, const T* ds, const T* p, const T* q_i, const T* do_i,
+                   const T* keys, T* dk, T* dv, int64_t E, int64_t Ev, T* dq_i) {
+#if ENTMAX_FAST_AVX2_KERNELS
+  if (use_avx2_kernels()) return support_grads_avx2(index, count, ds, p, q_i, do_i, keys, dk, dv, E, Ev, dq_i);
+#endif
+  support_grads_body(index, count, ds, p, q_i, do_i, keys, dk, dv, E, Ev, dq_i);
 }
 
 template <typename T>
@@ -299,11 +360,19 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
   const ScoreOptions<T> opts(option_tensors);
   const T scale = static_cast<T>(scale_d);
   double* stats_ptr = stats.data_ptr<double>();
+  const T* v_ptr = v.const_data_ptr<T>();
+  T* out_ptr = out.data_ptr<T>();
   const int64_t row_capacity = widest_tile_span(s, is_causal, opts) + opts.sink_columns();
   const int64_t total = s.B * s.H * s.n_tiles;
   at::parallel_for(0, total, 1, at::wrapPropagateTLSState([&](int64_t begin, int64_t end) {
     at::Tensor buffer = at::empty({kQueryTile * row_capacity}, q.options());
     RowWorkspace work(row_capacity);
+    // Per row of the tile: its support, compact (columns from the tile's first key, weights),
+    // and its size; whether the row holds only its scores (its p being the compact lists).
+    std::vector<int32_t> support_index(static_cast<size_t>(kQueryTile * row_capacity));
+    std::vector<T> support_p(static_cast<size_t>(kQueryTile * row_capacity));
+    int64_t support_count[kQueryTile];
+    bool compact_only[kQueryTile];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = (task / s.n_tiles) % s.H;
       const int64_t b = task / (s.n_tiles * s.H);
@@ -321,12 +390,20 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
         continue;
       }
       const EntmaxParams<T> prm(alpha[h]);
+      // Sparsemax and 1.5-entmax rows go from their threshold straight to the compact support;
+      // the other kinds write p over the row first.
+      const bool closed_form = prm.kind == AlphaKind::kSparsemax || prm.kind == AlphaKind::kEntmax15;
       at::Tensor scores = tile_scores<T>(buffer, nullptr, q.select(0, b).select(0, h), k.select(0, b).select(0, hk),
                                          tile, scale, opts, mask_view, s, is_causal, b, h);
       T* z = scores.data_ptr<T>();
+      // Softmax weights are never zero: its tiles stay dense without counting.
+      bool dense = prm.kind == AlphaKind::kSoftmax;
+      int64_t support = 0;
       for (int64_t i = 0; i < tile.tq; ++i) {
         T* zi = z + i * tile.ld;
         const RowSpan span = row_span(tile, i, s, is_causal, opts.window_left, opts.window_right);
+        support_count[i] = 0;
+        compact_only[i] = false;
         if (span.len == 0) {
           // A query without keys: zeros (a sink alone would take the whole row, and its value is zero).
           std::fill(zi, zi + tile.kn, T(0));
@@ -337,14 +414,68 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
         int64_t n = span.len;
         // The sink's entry right after the span: ld leaves room for it past the last span.
         if (opts.has_sink()) zi[span.start + n++] = opts.sinks[h];
-        const RowStats<T> rs = entmax_row_inplace(zi + span.start, n, prm, work);
+        int32_t* index = &support_index[i * row_capacity];
+        T* p = &support_p[i * row_capacity];
+        RowStats<T> rs;
+        if (closed_form) {
+          rs = closed_form_stats(zi + span.start, n, prm, work);
+          st[2 * i] = rs.max;
+          st[2 * i + 1] = rs.mu;
+          if (std::isnan(rs.max)) {
+            // A NaN row's weights are NaN, which the GEMM passes on.
+            std::fill(zi, zi + tile.kn, T(0));
+            std::fill(zi + span.start, zi + span.start + span.len, std::numeric_limits<T>::quiet_NaN());
+            dense = true;
+            continue;
+          }
+          compact_only[i] = true;
+          if (rs.max > -std::numeric_limits<T>::infinity()) {
+            support_count[i] = closed_form_support(zi + span.start, span.len, rs.max, rs.mu, prm, span.start, index,
+                                                   p, static_cast<T*>(nullptr));
+          }
+          support += support_count[i];
+          continue;
+        }
+        rs = entmax_row_inplace(zi + span.start, n, prm, work);
         std::fill(zi, zi + span.start, T(0));
         // Also clears the sink's weight where it sits inside the tile's (tq, kn) view.
         std::fill(zi + span.start + span.len, zi + tile.kn, T(0));
         st[2 * i] = rs.max;
         st[2 * i + 1] = rs.mu;
+        if (std::isnan(rs.max)) dense = true;
+        if (dense) continue;
+        // Counted only: the lists are made once the tile is known to be sparse.
+        support_count[i] = count_positive(zi + span.start, span.len);
+        support += support_count[i];
       }
-      at::mm_out(out_tile, scores, v.select(0, b).select(0, hk).narrow(0, tile.k0, tile.kn));
+      const bool sparse = !dense && sparse_tile(support, tile.tq, tile.kn);
+      for (int64_t i = 0; sparse && !closed_form && i < tile.tq; ++i) {
+        if (support_count[i] == 0) continue;
+        const RowSpan span = row_span(tile, i, s, is_causal, opts.window_left, opts.window_right);
+        const T* zi = z + i * tile.ld;
+        int32_t* index = &support_index[i * row_capacity];
+        T* p = &support_p[i * row_capacity];
+        support_count[i] = support_columns(zi + span.start, span.len, span.start, index);
+        for (int64_t a = 0; a < support_count[i]; ++a) p[a] = zi[index[a]];
+      }
+      if (!sparse) {
+        // The compact rows' p over the tile, zeros elsewhere.
+        for (int64_t i = 0; i < tile.tq; ++i) {
+          if (!compact_only[i]) continue;
+          T* zi = z + i * tile.ld;
+          std::fill(zi, zi + tile.kn, T(0));
+          const int32_t* index = &support_index[i * row_capacity];
+          const T* p = &support_p[i * row_capacity];
+          for (int64_t a = 0; a < support_count[i]; ++a) zi[index[a]] = p[a];
+        }
+        at::mm_out(out_tile, scores, v.select(0, b).select(0, hk).narrow(0, tile.k0, tile.kn));
+        continue;
+      }
+      const T* values = v_ptr + ((b * s.Hk + hk) * s.Lk + tile.k0) * s.Ev;
+      for (int64_t i = 0; i < tile.tq; ++i) {
+        support_values(&support_p[i * row_capacity], &support_index[i * row_capacity], support_count[i], values, s.Ev,
+                       out_ptr + ((b * s.H + h) * s.Lq + tile.q0 + i) * s.Ev);
+      }
     }
   }));
 }
@@ -360,7 +491,8 @@ std::tuple<at::Tensor, at::Tensor> entmax_attention_fwd_cpu(const at::Tensor& qu
                                                             const std::optional<at::Tensor>& sinks) {
   const AttentionShape s = check_attention_args(query, key, value, attn_mask, alpha_in);
   const at::ScalarType ct = compute_type(query.scalar_type());
-  const ScoreOptionTensors options = check_score_options(s, ct, window_size, softcap, alibi_slopes, sinks);
+  const ScoreOptionTensors options = check_score_options("entmax_attention", s.B, s.H, ct, window_size, softcap,
+                                                         alibi_slopes, sinks);
   // detach: the GEMMs below run on worker threads and must never be recorded by autograd.
   const at::Tensor q = query.detach().to(ct).contiguous();
   const at::Tensor k = key.detach().to(ct).contiguous();
@@ -416,7 +548,16 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
   const bool capped = opts.softcap > T(0);
   const T scale = static_cast<T>(scale_d);
   const double* stats_ptr = stats.const_data_ptr<double>();
+  const T* q_ptr = q.const_data_ptr<T>();
+  const T* k_ptr = k.const_data_ptr<T>();
+  const T* v_ptr = v.const_data_ptr<T>();
+  const T* do_ptr = grad_out.const_data_ptr<T>();
+  T* dq_ptr = dq.data_ptr<T>();
+  T* dk_ptr = dk.data_ptr<T>();
+  T* dv_ptr = dv.data_ptr<T>();
   const int64_t row_capacity = widest_tile_span(s, is_causal, opts) + opts.sink_columns();
+  // How a row of a tile enters its gradients.
+  enum class RowState : uint8_t { kNormal, kEmpty, kNaN };
   // One task per (batch, key/value head): the query heads of a GQA group accumulate into
   // the same dK/dV, so they stay in one task and no two tasks write the same memory.
   at::parallel_for(0, s.B * s.Hk, 1, at::wrapPropagateTLSState([&](int64_t begin, int64_t end) {
@@ -424,7 +565,20 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
     at::Tensor grad_buffer = at::empty({kQueryTile * row_capacity}, q.options());
     at::Tensor cap_slope_buffer = capped ? at::empty({kQueryTile * row_capacity}, q.options()) : at::Tensor();
     T* cap_slopes = capped ? cap_slope_buffer.data_ptr<T>() : nullptr;
-    std::vector<T> weights(row_capacity);
+    // The closed-form kinds' Jacobian weights, formed with p while the scores are at hand.
+    std::vector<T> weight_tile(static_cast<size_t>(kQueryTile * row_capacity));
+    // Per row of the tile: its support, compact (columns from the tile's first key, p, and the
+    // closed forms' weights), and its size; for sparsemax and 1.5-entmax rows, which go from
+    // (max, mu) straight to the compact support, the sink's p and weight.
+    std::vector<int32_t> support_index(static_cast<size_t>(kQueryTile * row_capacity));
+    std::vector<T> support_p(static_cast<size_t>(kQueryTile * row_capacity));
+    std::vector<T> support_w(static_cast<size_t>(kQueryTile * row_capacity));
+    int64_t support_count[kQueryTile];
+    T sink_p[kQueryTile], sink_w[kQueryTile];
+    RowState state[kQueryTile];
+    // One row's weights (General kind, dense path), or its support's p, g, weights and dz
+    // (sparse path), the sink last.
+    std::vector<T> weights(row_capacity), sp(row_capacity), sg(row_capacity), sw(row_capacity), sds(row_capacity);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / s.Hk;
       const int64_t hk = task % s.Hk;
@@ -434,6 +588,8 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
       at::Tensor dv_bh = dv.select(0, b).select(0, hk);
       for (int64_t h = hk * s.group; h < (hk + 1) * s.group; ++h) {
         const EntmaxParams<T> prm(alpha[h]);
+        const bool closed_form = prm.kind != AlphaKind::kGeneral;
+        const bool compact = prm.kind == AlphaKind::kSparsemax || prm.kind == AlphaKind::kEntmax15;
         const at::Tensor q_bh = q.select(0, b).select(0, h);
         const at::Tensor do_bh = grad_out.select(0, b).select(0, h);
         at::Tensor dq_bh = dq.select(0, b).select(0, h);
@@ -444,81 +600,196 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
           const double* st = stats_ptr + ((b * s.H + h) * s.Lq + tile.q0) * 2;
           at::Tensor probs = tile_scores<T>(prob_buffer, cap_slopes, q_bh, k_bh, tile, scale, opts, mask_view, s,
                                             is_causal, b, h);
-          at::Tensor dprobs = tile_view(grad_buffer, tile);
-          const at::Tensor do_tile = do_bh.narrow(0, tile.q0, tile.tq);
-          const at::Tensor k_tile = k_bh.narrow(0, tile.k0, tile.kn);
-          at::mm_out(dprobs, do_tile, v_bh.narrow(0, tile.k0, tile.kn).t());
           T* pz = probs.data_ptr<T>();
-          T* gz = dprobs.data_ptr<T>();
+          // p of each row (and the closed forms' weights) from the saved (max, mu), over the
+          // row's span and its sink's entry right after; the support's columns.
+          bool dense = prm.kind == AlphaKind::kSoftmax;
+          int64_t support = 0;
           for (int64_t i = 0; i < tile.tq; ++i) {
-            T* p_row = pz + i * tile.ld;
-            T* g_row = gz + i * tile.ld;
             const RowSpan span = row_span(tile, i, s, is_causal, opts.window_left, opts.window_right);
             const T zmax = static_cast<T>(st[2 * i]);
             const double mu = st[2 * i + 1];
+            support_count[i] = 0;
             if (std::isnan(zmax)) {
-              // A NaN row of the forward (NaN or +inf score) passes NaN on to every gradient
-              // it touches, as softmax attention's backward does.
-              std::fill(p_row, p_row + tile.kn, std::numeric_limits<T>::quiet_NaN());
-              std::fill(g_row, g_row + tile.kn, std::numeric_limits<T>::quiet_NaN());
-              if (need_alpha_grad) dalpha_acc = std::numeric_limits<double>::quiet_NaN();
-              if (opts.has_sink()) dsinks_acc = std::numeric_limits<double>::quiet_NaN();
+              state[i] = RowState::kNaN;
+              dense = true;
               continue;
             }
             if (span.len == 0 || !(zmax > -std::numeric_limits<T>::infinity())) {
               // No key, or every key masked: zero weights (with a sink, a one-hot row on it,
               // whose Jacobian term is zero).
-              std::fill(p_row, p_row + tile.kn, T(0));
-              std::fill(g_row, g_row + tile.kn, T(0));
+              state[i] = RowState::kEmpty;
               continue;
             }
-            T* p = p_row + span.start;
-            T* g = g_row + span.start;
-            int64_t n = span.len;
-            if (opts.has_sink()) {
-              // The sink as the row's last entry; its value is zero, so is its g.
-              p[n] = opts.sinks[h];
-              g[n] = T(0);
-              ++n;
+            state[i] = RowState::kNormal;
+            T* p = pz + i * tile.ld + span.start;
+            int32_t* index = &support_index[i * row_capacity];
+            if (compact) {
+              support_count[i] = closed_form_support(p, span.len, zmax, mu, prm, span.start, index,
+                                                     &support_p[i * row_capacity], &support_w[i * row_capacity]);
+              if (opts.has_sink()) {
+                const T z_sink = opts.sinks[h];
+                sink_p[i] = prm.prob(z_sink, zmax, mu);
+                sink_w[i] = prm.jacobian_weight(z_sink, zmax, mu, sink_p[i]);
+              }
+              support += support_count[i];
+              continue;
             }
-            // p and the Jacobian weights s = p^(2-alpha) from the saved (max, mu), while the
-            // scaled, masked scores are still in the row.
-            double s_total = 0, sg_total = 0;
-            if (prm.kind == AlphaKind::kGeneral) {
-              saved_general_probs(p, n, zmax, mu, prm);
-              std::tie(s_total, sg_total) = general_weights(p, g, weights.data(), n, 2.0 - prm.alpha);
+            int64_t n = span.len;
+            if (opts.has_sink()) p[n++] = opts.sinks[h];
+            if (closed_form) {
+              closed_form_probs(p, &weight_tile[i * tile.ld + span.start], n, zmax, mu, prm);
             } else {
-              for (int64_t j = 0; j < n; ++j) {
-                const T pj = prm.prob(p[j], zmax, mu);
-                weights[j] = prm.jacobian_weight(p[j], zmax, mu, pj);
-                p[j] = pj;
-                s_total += weights[j];
-                sg_total += static_cast<double>(weights[j]) * g[j];
+              saved_general_probs(p, n, zmax, mu, prm);
+            }
+            if (dense) continue;
+            // Counted only: the lists are made once the tile is known to be sparse.
+            support_count[i] = count_positive(p, span.len);
+            support += support_count[i];
+          }
+          const bool sparse = !dense && sparse_tile(support, tile.tq, tile.kn);
+          for (int64_t i = 0; sparse && !compact && i < tile.tq; ++i) {
+            if (state[i] != RowState::kNormal || support_count[i] == 0) continue;
+            const RowSpan span = row_span(tile, i, s, is_causal, opts.window_left, opts.window_right);
+            int32_t* index = &support_index[i * row_capacity];
+            support_count[i] = support_columns(pz + i * tile.ld + span.start, span.len, span.start, index);
+            T* p_compact = &support_p[i * row_capacity];
+            for (int64_t a = 0; a < support_count[i]; ++a) p_compact[a] = pz[i * tile.ld + index[a]];
+          }
+          if (!sparse) {
+            // Dense: the compact rows' p and weights over the tile (zeros elsewhere, the sink's
+            // right after the span), dP = dO.V^T over the tile, dz row by row, three GEMMs.
+            for (int64_t i = 0; compact && i < tile.tq; ++i) {
+              if (state[i] != RowState::kNormal) continue;
+              T* p_row = pz + i * tile.ld;
+              T* w_row = &weight_tile[i * tile.ld];
+              std::fill(p_row, p_row + tile.ld, T(0));
+              std::fill(w_row, w_row + tile.ld, T(0));
+              const int32_t* index = &support_index[i * row_capacity];
+              for (int64_t a = 0; a < support_count[i]; ++a) {
+                p_row[index[a]] = support_p[i * row_capacity + a];
+                w_row[index[a]] = support_w[i * row_capacity + a];
+              }
+              if (opts.has_sink()) {
+                const RowSpan span = row_span(tile, i, s, is_causal, opts.window_left, opts.window_right);
+                p_row[span.start + span.len] = sink_p[i];
+                w_row[span.start + span.len] = sink_w[i];
               }
             }
-            if (need_alpha_grad) dalpha_acc += row_alpha_grad(p, g, n, prm.alpha);
+            at::Tensor dprobs = tile_view(grad_buffer, tile);
+            const at::Tensor do_tile = do_bh.narrow(0, tile.q0, tile.tq);
+            at::mm_out(dprobs, do_tile, v_bh.narrow(0, tile.k0, tile.kn).t());
+            T* gz = dprobs.data_ptr<T>();
+            for (int64_t i = 0; i < tile.tq; ++i) {
+              T* p_row = pz + i * tile.ld;
+              T* g_row = gz + i * tile.ld;
+              if (state[i] == RowState::kNaN) {
+                // A NaN row of the forward (NaN or +inf score) passes NaN on to every gradient
+                // it touches, as softmax attention's backward does.
+                std::fill(p_row, p_row + tile.kn, std::numeric_limits<T>::quiet_NaN());
+                std::fill(g_row, g_row + tile.kn, std::numeric_limits<T>::quiet_NaN());
+                if (need_alpha_grad) dalpha_acc = std::numeric_limits<double>::quiet_NaN();
+                if (opts.has_sink()) dsinks_acc = std::numeric_limits<double>::quiet_NaN();
+                continue;
+              }
+              if (state[i] == RowState::kEmpty) {
+                std::fill(p_row, p_row + tile.kn, T(0));
+                std::fill(g_row, g_row + tile.kn, T(0));
+                continue;
+              }
+              const RowSpan span = row_span(tile, i, s, is_causal, opts.window_left, opts.window_right);
+              T* p = p_row + span.start;
+              T* g = g_row + span.start;
+              int64_t n = span.len;
+              // The sink's value is zero, so is its g.
+              if (opts.has_sink()) g[n++] = T(0);
+              double s_total = 0, sg_total = 0;
+              const T* w = weights.data();
+              if (closed_form) {
+                w = &weight_tile[i * tile.ld + span.start];
+                for (int64_t j = 0; j < n; ++j) {
+                  s_total += w[j];
+                  sg_total += static_cast<double>(w[j]) * g[j];
+                }
+              } else {
+                std::tie(s_total, sg_total) = general_weights(p, g, weights.data(), n, 2.0 - prm.alpha);
+              }
+              if (need_alpha_grad) dalpha_acc += row_alpha_grad(p, g, n, prm.alpha);
+              const double delta_d = s_total > 0 ? sg_total / s_total : 0.0;
+              const T delta = static_cast<T>(delta_d);
+              // The sink's dz = s_sink (g_sink - delta) with g_sink = 0.
+              if (opts.has_sink()) dsinks_acc -= static_cast<double>(w[span.len]) * delta_d;
+              // dZ (docs/attention.md, "Backward"), with the score scale folded in for dQ and
+              // dK, and the cap's slope where the scores were capped.
+              if (capped) {
+                const T* slope = cap_slopes + i * tile.ld + span.start;
+                for (int64_t j = 0; j < span.len; ++j) g[j] = scale * slope[j] * w[j] * (g[j] - delta);
+              } else {
+                for (int64_t j = 0; j < span.len; ++j) g[j] = scale * w[j] * (g[j] - delta);
+              }
+              // Outside the span, the sink's entry included where it lies inside the view.
+              std::fill(p_row, p, T(0));
+              std::fill(p + span.len, p_row + tile.kn, T(0));
+              std::fill(g_row, g, T(0));
+              std::fill(g + span.len, g_row + tile.kn, T(0));
+            }
+            dv_bh.narrow(0, tile.k0, tile.kn).addmm_(probs.t(), do_tile);
+            at::Tensor dq_tile = dq_bh.narrow(0, tile.q0, tile.tq);
+            at::mm_out(dq_tile, dprobs, k_bh.narrow(0, tile.k0, tile.kn));
+            dk_bh.narrow(0, tile.k0, tile.kn).addmm_(dprobs.t(), q_bh.narrow(0, tile.q0, tile.tq));
+            continue;
+          }
+          // Sparse: dP only on the support (dO_i . v_j), dz there, and the products from it.
+          const int64_t kv_row0 = (b * s.Hk + hk) * s.Lk + tile.k0;
+          const T* keys = k_ptr + kv_row0 * s.E;
+          const T* values = v_ptr + kv_row0 * s.Ev;
+          T* dk_tile = dk_ptr + kv_row0 * s.E;
+          T* dv_tile = dv_ptr + kv_row0 * s.Ev;
+          for (int64_t i = 0; i < tile.tq; ++i) {
+            const int64_t row = (b * s.H + h) * s.Lq + tile.q0 + i;
+            T* dq_i = dq_ptr + row * s.E;
+            if (state[i] == RowState::kEmpty) {
+              std::fill(dq_i, dq_i + s.E, T(0));
+              continue;
+            }
+            const RowSpan span = row_span(tile, i, s, is_causal, opts.window_left, opts.window_right);
+            const T* p_row = pz + i * tile.ld;
+            const int32_t* index = &support_index[i * row_capacity];
+            const int64_t count = support_count[i];
+            const T* do_i = do_ptr + row * s.Ev;
+            support_dots(do_i, index, count, values, s.Ev, sg.data());
+            std::copy(&support_p[i * row_capacity], &support_p[i * row_capacity] + count, sp.begin());
+            int64_t n = count;
+            if (opts.has_sink()) {
+              sp[n] = compact ? sink_p[i] : p_row[span.start + span.len];
+              sg[n] = T(0);
+              ++n;
+            }
+            double s_total = 0, sg_total = 0;
+            // Softmax tiles are dense: the closed forms here are sparsemax and 1.5-entmax.
+            if (compact) {
+              std::copy(&support_w[i * row_capacity], &support_w[i * row_capacity] + count, sw.begin());
+              if (opts.has_sink()) sw[count] = sink_w[i];
+              for (int64_t a = 0; a < n; ++a) {
+                s_total += sw[a];
+                sg_total += static_cast<double>(sw[a]) * sg[a];
+              }
+            } else {
+              std::tie(s_total, sg_total) = general_weights(sp.data(), sg.data(), sw.data(), n, 2.0 - prm.alpha);
+            }
+            if (need_alpha_grad) dalpha_acc += row_alpha_grad(sp.data(), sg.data(), n, prm.alpha);
             const double delta_d = s_total > 0 ? sg_total / s_total : 0.0;
             const T delta = static_cast<T>(delta_d);
-            // The sink's dz = s_sink (g_sink - delta) with g_sink = 0.
-            if (opts.has_sink()) dsinks_acc -= static_cast<double>(weights[span.len]) * delta_d;
-            // dZ (docs/attention.md, "Backward"), with the score scale folded in for dQ and dK,
-            // and the cap's slope where the scores were capped.
+            if (opts.has_sink()) dsinks_acc -= static_cast<double>(sw[count]) * delta_d;
             if (capped) {
-              const T* slope = cap_slopes + i * tile.ld + span.start;
-              for (int64_t j = 0; j < span.len; ++j) g[j] = scale * slope[j] * weights[j] * (g[j] - delta);
+              const T* slope = cap_slopes + i * tile.ld;
+              for (int64_t a = 0; a < count; ++a) sds[a] = scale * slope[index[a]] * sw[a] * (sg[a] - delta);
             } else {
-              for (int64_t j = 0; j < span.len; ++j) g[j] = scale * weights[j] * (g[j] - delta);
+              for (int64_t a = 0; a < count; ++a) sds[a] = scale * sw[a] * (sg[a] - delta);
             }
-            // Outside the span, the sink's entry included where it lies inside the view.
-            std::fill(p_row, p, T(0));
-            std::fill(p + span.len, p_row + tile.kn, T(0));
-            std::fill(g_row, g, T(0));
-            std::fill(g + span.len, g_row + tile.kn, T(0));
+            support_grads(index, count, sds.data(), sp.data(), q_ptr + row * s.E, do_i, keys, dk_tile, dv_tile, s.E,
+                          s.Ev, dq_i);
           }
-          dv_bh.narrow(0, tile.k0, tile.kn).addmm_(probs.t(), do_tile);
-          at::Tensor dq_tile = dq_bh.narrow(0, tile.q0, tile.tq);
-          at::mm_out(dq_tile, dprobs, k_tile);
-          dk_bh.narrow(0, tile.k0, tile.kn).addmm_(dprobs.t(), q_bh.narrow(0, tile.q0, tile.tq));
         }
         dalpha_part[b * s.H + h] = dalpha_acc;
         dsinks_part[b * s.H + h] = dsinks_acc;
@@ -541,7 +812,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> entmax_at
               "), got ", grad_out.sizes());
   const at::Tensor stats = checked_stats(stats_in, s, "entmax_attention_backward");
   const at::ScalarType ct = compute_type(query.scalar_type());
-  const ScoreOptionTensors options = check_score_options(s, ct, window_size, softcap, alibi_slopes, sinks);
+  const ScoreOptionTensors options = check_score_options("entmax_attention", s.B, s.H, ct, window_size, softcap,
+                                                         alibi_slopes, sinks);
   const at::Tensor q = query.detach().to(ct).contiguous();
   const at::Tensor k = key.detach().to(ct).contiguous();
   const at::Tensor v = value.detach().to(ct).contiguous();
@@ -631,7 +903,8 @@ at::Tensor entmax_attention_support_cpu(const at::Tensor& query, const at::Tenso
   const AttentionShape s = entmax_fast_cpu::check_attention_args(query, key, key, attn_mask, alpha_in);
   const at::Tensor stats = checked_stats(stats_in, s, "entmax_attention_support");
   const at::ScalarType ct = compute_type(query.scalar_type());
-  const ScoreOptionTensors options = check_score_options(s, ct, window_size, softcap, alibi_slopes, sinks);
+  const ScoreOptionTensors options = check_score_options("entmax_attention", s.B, s.H, ct, window_size, softcap,
+                                                         alibi_slopes, sinks);
   const at::Tensor q = query.detach().to(ct).contiguous();
   const at::Tensor k = key.detach().to(ct).contiguous();
   const at::Tensor alpha = alpha_in.detach().to(at::kDouble).contiguous();
@@ -643,6 +916,40 @@ at::Tensor entmax_attention_support_cpu(const at::Tensor& query, const at::Tenso
     });
   }
   return counts;
+}
+
+// Returns (B, H, number of query tiles) bool: whether each tile of a call of these shapes
+// takes the sparse path (sparse_tile()) given counts (B, H, Lq), the supported keys of each
+// query row (entmax_attention_support's result). Tiles of softmax (alpha 1) attention and
+// tiles holding a row of NaN weights are dense whatever this says.
+at::Tensor entmax_attention_sparse_tiles_cpu(const at::Tensor& counts, int64_t key_length, bool is_causal,
+                                             at::IntArrayRef window_size) {
+  TORCH_CHECK(counts.dim() == 3 && counts.scalar_type() == at::kLong && counts.device().is_cpu(),
+              "entmax_attention_sparse_tiles (cpu): counts must be a (B, H, Lq) int64 CPU tensor, got ",
+              counts.scalar_type(), " of shape ", counts.sizes());
+  TORCH_CHECK(key_length >= 0, "entmax_attention_sparse_tiles (cpu): key_length must be >= 0, got ", key_length);
+  AttentionShape s{};
+  s.B = counts.size(0);
+  s.H = counts.size(1);
+  s.Lq = counts.size(2);
+  s.Lk = key_length;
+  s.n_tiles = (s.Lq + kQueryTile - 1) / kQueryTile;
+  const ScoreOptionTensors option_tensors = check_score_options("entmax_attention_sparse_tiles", s.B, s.H, at::kFloat,
+                                                                window_size, 0.0, std::nullopt, std::nullopt);
+  const ScoreOptions<float> opts(option_tensors);
+  const at::Tensor c = counts.contiguous();
+  const int64_t* count_ptr = c.const_data_ptr<int64_t>();
+  at::Tensor sparse = at::zeros({s.B, s.H, s.n_tiles}, counts.options().dtype(at::kBool));
+  bool* sparse_ptr = sparse.data_ptr<bool>();
+  for (int64_t bh = 0; bh < s.B * s.H; ++bh) {
+    for (int64_t t = 0; t < s.n_tiles; ++t) {
+      const QueryTile tile = query_tile(t, s, is_causal, opts);
+      int64_t support = 0;
+      for (int64_t i = 0; i < tile.tq; ++i) support += count_ptr[bh * s.Lq + tile.q0 + i];
+      sparse_ptr[bh * s.n_tiles + t] = tile.kn > 0 && sparse_tile(support, tile.tq, tile.kn);
+    }
+  }
+  return sparse;
 }
 
 }  // namespace
@@ -664,10 +971,14 @@ TORCH_LIBRARY_FRAGMENT(entmax_fast, m) {
       "entmax_attention_support(Tensor query, Tensor key, Tensor? attn_mask, Tensor stats, Tensor alpha, "
       "float scale, bool is_causal, int[2] window_size=[-1, -1], float softcap=0., Tensor? alibi_slopes=None, "
       "Tensor? sinks=None) -> Tensor");
+  m.def(
+      "entmax_attention_sparse_tiles(Tensor counts, int key_length, bool is_causal, int[2] window_size=[-1, -1]) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(entmax_fast, CPU, m) {
   m.impl("entmax_attention_fwd", &entmax_fast_cpu::entmax_attention_fwd_cpu);
   m.impl("entmax_attention_bwd", &entmax_fast_cpu::entmax_attention_bwd_cpu);
   m.impl("entmax_attention_support", &entmax_fast_cpu::entmax_attention_support_cpu);
+  m.impl("entmax_attention_sparse_tiles", &entmax_fast_cpu::entmax_attention_sparse_tiles_cpu);
 }

@@ -11,18 +11,13 @@
 // read.
 //
 // Work: the rows of one (b, kv head) — its group's heads times Lq queries, consecutive in q —
-// read each key once: a key's dot products with every row of a tile are formed while the key
-// is in cache. A small register-blocked kernel does it rather than at::mm: for a decoding
-// step's few rows a GEMM is a matrix-vector product, and torch.matmul of the (4 x E) rows by
-// each kv head's keys alone took longer (25 ms) than this whole operator (20 ms) at 16k keys
-// (B 1, H 32, Hkv 8, E 128, float32, one thread, loaded 2-core x86-64, commit 7103f80); and a
-// paged block may hold only 16 keys, too few to amortise a GEMM call. The kernel forgoes a
-// GEMM's blocking for many rows, though: a chunked prefill against 4k keys took 0.94x and
-// 0.86x the time of entmax_attention on the cache's slice at Lq 16 and 64, but 1.19x at Lq 256
-// (B 1, H 32, Hkv 8, E 128, float32, two threads, same machine, commit 3c7733b). Each
-// row's threshold is then found by the row-wise solvers (row_solvers.h), and P.V reads only
-// the keys some row of the tile gives a non-zero weight: entmax weights are sparse, and a key
-// outside every row's support costs one comparison per row instead of a value read.
+// read each key once: a register-blocked kernel forms a key's dot products with every row of
+// a tile while the key is in cache, rather than at::mm, which for a decoding step's few rows
+// is a matrix-vector product (torch.matmul alone took 25 ms, this whole operator 20 ms, at 16k
+// keys, B 1, H 32, Hkv 8, E 128, float32, 2-core x86-64, commit 7103f80; docs/performance.md,
+// "CPU attention", has the trade-off for chunked prefill). Each row's threshold is then found
+// by the row-wise solvers (row_solvers.h), and P.V reads only the keys some row of the tile
+// gives a non-zero weight.
 // Buffers are sized by shapes (the cache's capacity, or the window), never by seqlens_k's
 // values.
 //
@@ -43,6 +38,7 @@
 #include <optional>
 #include <vector>
 
+#include "attention_common.h"
 #include "row_solvers.h"
 
 namespace entmax_fast_cpu {
@@ -57,12 +53,10 @@ constexpr int64_t kRowTile = 64;
 constexpr int64_t kKeyChunk = 32;
 
 // Keys the dot products' loop asks the memory for ahead of reading them, two per pair of keys
-// read, crossing into the next paged block. The hardware prefetcher follows a contiguous
-// cache's keys, but each paged block starts at an unrelated address, and its first keys then
-// arrived at memory latency: with block size 16 the paged cache took 1.11-1.25x the contiguous
-// one's time without these requests, 0.95-1.13x with them (commit 7103f80 and its successor,
-// a loaded 2-core x86-64 with AVX2, B 1 and 4, H 32, Hkv 8, E 128, 4k and 16k keys, float32).
-// Requesting a whole block at once instead stalled on the outstanding misses.
+// read, crossing into the next paged block, whose keys the hardware prefetcher cannot foresee:
+// with blocks of 16 the paged cache took 1.11-1.25x the contiguous one's time without these
+// requests, 0.95-1.13x with them (2-core x86-64 AVX2, E 128, 4k-16k keys, commit 7103f80;
+// docs/performance.md, "CPU attention").
 constexpr int64_t kPrefetchKeys = 8;
 
 // Asks for the E elements of `count` keys from `key` on (key_stride apart) to be brought
@@ -84,16 +78,11 @@ struct KvcacheShape {
   bool paged;
 };
 
-// Keys [begin, end) that query i of a sequence with n keys sees.
-struct KeyRange {
-  int64_t begin, end;
-};
-
+// Keys [begin, end) that query i of a sequence with n keys sees: lower-right causal, and the
+// window's left bound.
 inline KeyRange row_keys(int64_t n, int64_t lq, int64_t i, int64_t window_left) {
   const int64_t pos = n - lq + i;
-  const int64_t end = std::clamp<int64_t>(pos + 1, 0, n);
-  const int64_t begin = window_left >= 0 ? std::clamp<int64_t>(pos - window_left, 0, end) : 0;
-  return {begin, end};
+  return key_range(pos, n, pos + 1, window_left, -1);
 }
 
 // A cache read as (b, kv head, key position) -> E contiguous elements, contiguous or through
@@ -265,15 +254,12 @@ void accumulate_values(const A* p, int64_t rows, int64_t ld, const C* values, in
   accumulate_values_body(p, rows, ld, values, value_stride, count, Ev, out);
 }
 
-// The score options, checked, in the compute type A.
+// The score options in the compute type A, with the scale and alpha (H,).
 template <typename A>
 struct KvcacheOptions {
-  int64_t window_left = -1;
-  A scale = A(1), softcap = A(0);
-  const A* alibi = nullptr;  // slope of (b, h) at alibi[b * alibi_batch_stride + h]
-  int64_t alibi_batch_stride = 0;
-  const A* sinks = nullptr;
-  const double* alpha = nullptr;  // (H,)
+  ScoreOptions<A> score;
+  A scale;
+  const double* alpha;
 };
 
 // One task: the rows [r0, r0 + tr) of sequence b's kv head hk (row r is head hk * group +
@@ -293,7 +279,7 @@ RowTile row_tile(int64_t task, const KvcacheShape& s, const int64_t* seqlens, co
   t.n = seqlens[t.b];
   int64_t begin = t.n, end = 0;
   for (int64_t r = t.r0; r < t.r0 + t.tr; ++r) {
-    const KeyRange keys = row_keys(t.n, s.Lq, r % s.Lq, o.window_left);
+    const KeyRange keys = row_keys(t.n, s.Lq, r % s.Lq, o.score.window_left);
     if (keys.end > keys.begin) {
       begin = std::min(begin, keys.begin);
       end = std::max(end, keys.end);
@@ -301,7 +287,7 @@ RowTile row_tile(int64_t task, const KvcacheShape& s, const int64_t* seqlens, co
   }
   t.k0 = end > begin ? begin : 0;
   t.kn = std::max<int64_t>(0, end - begin);
-  t.ld = t.kn + (o.sinks != nullptr ? 1 : 0);
+  t.ld = t.kn + o.score.sink_columns();
   return t;
 }
 
@@ -323,7 +309,7 @@ void row_weights(const RowTile& t, int64_t r, const KvcacheShape& s, const Kvcac
   A* zr = z + (r - t.r0) * t.ld;
   const int64_t i = r % s.Lq;
   const int64_t h = t.hk * s.group + r / s.Lq;
-  const KeyRange keys = row_keys(t.n, s.Lq, i, o.window_left);
+  const KeyRange keys = row_keys(t.n, s.Lq, i, o.score.window_left);
   const int64_t start = keys.begin - t.k0, len = keys.end - keys.begin;
   if (len <= 0) {
     // No key: a zero row, whatever the sink (it would take the whole weight, and its value is zero).
@@ -331,19 +317,11 @@ void row_weights(const RowTile& t, int64_t r, const KvcacheShape& s, const Kvcac
     return;
   }
   A* row = zr + start;
-  if (o.softcap > A(0)) {
-    for (int64_t j = 0; j < len; ++j) row[j] = o.softcap * std::tanh(row[j] * o.scale / o.softcap);
-  } else {
-    for (int64_t j = 0; j < len; ++j) row[j] *= o.scale;
-  }
-  if (o.alibi != nullptr) {
-    const A slope = o.alibi[t.b * o.alibi_batch_stride + h];
-    const int64_t distance_to_first = (t.n - s.Lq + i) - keys.begin;
-    for (int64_t j = 0; j < len; ++j) row[j] -= slope * static_cast<A>(distance_to_first - j);
-  }
+  transform_scores(row, len, o.scale, o.score, o.score.alibi_slope(t.b, h), (t.n - s.Lq + i) - keys.begin,
+                   static_cast<A*>(nullptr));
   int64_t n = len;
   // The sink's entry right after the row's keys: ld leaves room for it past the last key.
-  if (o.sinks != nullptr) row[n++] = o.sinks[h];
+  if (o.score.has_sink()) row[n++] = o.score.sinks[h];
   entmax_row_inplace(row, n, EntmaxParams<A>(o.alpha[h]), work);
   std::fill(zr, row, A(0));
   // Also clears the sink's weight where it lies inside [0, kn).
@@ -369,7 +347,8 @@ void kvcache_forward_impl(const at::Tensor& q, const at::Tensor& k_cache, const 
   A* out_ptr = out.data_ptr<A>();
   // A tile's keys: every key of the cache, or, with a window, the window plus the tile's span
   // of positions (at most Lq).
-  const int64_t widest = o.window_left >= 0 ? std::min(s.capacity, o.window_left + s.Lq) : s.capacity;
+  const int64_t widest =
+      o.score.window_left >= 0 ? std::min(s.capacity, o.score.window_left + s.Lq) : s.capacity;
   const int64_t row_capacity = widest + 1;
   const int64_t buffer_rows = std::min(kRowTile, s.rows);
   const int64_t n_tasks = s.B * s.Hkv * s.n_row_tiles;
@@ -437,8 +416,6 @@ void kvcache_forward_impl(const at::Tensor& q, const at::Tensor& k_cache, const 
     }
   }
 }
-
-at::ScalarType compute_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
 KvcacheShape check_kvcache_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& seqlens_k, const std::optional<at::Tensor>& block_table,
@@ -518,11 +495,9 @@ at::Tensor entmax_attention_kvcache_fwd_cpu(const at::Tensor& query, const at::T
                                             const std::optional<at::Tensor>& alibi_slopes,
                                             const std::optional<at::Tensor>& sinks) {
   const KvcacheShape s = check_kvcache_args(query, k_cache_in, v_cache_in, seqlens_k, block_table, alpha_in);
-  TORCH_CHECK(window_size.size() == 2 && window_size[0] >= -1 && window_size[1] >= -1,
-              "entmax_attention_kvcache (cpu): window_size must be (left, right) with each >= -1, got ", window_size);
-  TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap),
-              "entmax_attention_kvcache (cpu): softcap must be finite and >= 0, got ", softcap);
   const at::ScalarType ct = compute_type(query.scalar_type());
+  const ScoreOptionTensors options = check_score_options("entmax_attention_kvcache", s.B, s.H, ct, window_size,
+                                                         softcap, alibi_slopes, sinks);
   // detach: nothing here is recorded by autograd (the op is forward-only).
   const at::Tensor q = query.detach().to(ct).contiguous();
   // The kernels read a key's E elements at unit stride; any other layout is copied (the
@@ -532,38 +507,13 @@ at::Tensor entmax_attention_kvcache_fwd_cpu(const at::Tensor& query, const at::T
   const at::Tensor seqlens = seqlens_k.to(at::kLong).contiguous();
   const at::Tensor table = s.paged ? block_table->contiguous() : at::Tensor();
   const at::Tensor alpha = alpha_in.detach().to(at::kDouble).contiguous();
-  at::Tensor alibi, sink_values;
-  if (alibi_slopes.has_value()) {
-    const at::Tensor& a = *alibi_slopes;
-    TORCH_CHECK(at::isFloatingType(a.scalar_type()) && a.device().is_cpu() &&
-                    ((a.dim() == 1 && a.size(0) == s.H) || (a.dim() == 2 && a.size(0) == s.B && a.size(1) == s.H)),
-                "entmax_attention_kvcache (cpu): alibi_slopes must be a floating CPU tensor of shape (", s.H,
-                ",) or (", s.B, ", ", s.H, "), got ", a.sizes());
-    alibi = a.detach().to(ct).contiguous();
-  }
-  if (sinks.has_value()) {
-    const at::Tensor& t = *sinks;
-    TORCH_CHECK(at::isFloatingType(t.scalar_type()) && t.device().is_cpu() && t.dim() == 1 && t.size(0) == s.H,
-                "entmax_attention_kvcache (cpu): sinks must be a floating CPU tensor of shape (", s.H, ",), got ",
-                t.sizes());
-    sink_values = t.detach().to(ct).contiguous();
-  }
   const int64_t* seqlens_ptr = seqlens.const_data_ptr<int64_t>();
   check_lengths(s, seqlens_ptr, table, k_cache.size(0));
   at::Tensor out = at::empty({s.B, s.H, s.Lq, s.Ev}, q.options());
   if (out.numel() == 0) return out.to(query.scalar_type());
   AT_DISPATCH_FLOATING_TYPES(ct, "entmax_attention_kvcache_fwd", [&] {
     using A = scalar_t;
-    KvcacheOptions<A> o;
-    o.window_left = window_size[0];
-    o.scale = static_cast<A>(scale);
-    o.softcap = static_cast<A>(softcap);
-    if (alibi.defined()) {
-      o.alibi = alibi.const_data_ptr<A>();
-      o.alibi_batch_stride = alibi.dim() == 2 ? alibi.size(1) : 0;
-    }
-    if (sink_values.defined()) o.sinks = sink_values.const_data_ptr<A>();
-    o.alpha = alpha.const_data_ptr<double>();
+    const KvcacheOptions<A> o{ScoreOptions<A>(options), static_cast<A>(scale), alpha.const_data_ptr<double>()};
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "entmax_attention_kvcache_cache",
                                     [&] {
                                       kvcache_forward_impl<A, scalar_t>(q, k_cache, v_cache, table, seqlens_ptr, o, s,

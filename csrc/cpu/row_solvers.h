@@ -16,6 +16,9 @@
 #include <vector>
 
 #include "../common/kinds.h"
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include "isa_dispatch.h"
 #include "vector_math.h"
 
@@ -86,6 +89,22 @@ struct EntmaxParams {
     throw std::logic_error("EntmaxParams::prob: General rows go through general_mu/general_probs");
   }
 
+  // Scores at or below this value get p = 0 at the row's (max, mu), for sparsemax and
+  // 1.5-entmax (-inf for the other kinds): p > 0 needs u - mu + 1 > 0 (sparsemax) or
+  // 1 + (u - mu)/2 > 0; the cut lies a relative 1e-6 below that bound, beyond the rounding of
+  // u, mu and the cast to T, so that an entry above it still gets its p from prob() exactly.
+  // Rows of wide L are mostly below it: comparing in T skips their double arithmetic.
+  inline T support_cut(T zmax, double mu) const {
+    double offset;
+    switch (kind) {
+      case AlphaKind::kSparsemax: offset = 1.0; break;
+      case AlphaKind::kEntmax15: offset = 2.0; break;
+      default: return -std::numeric_limits<T>::infinity();
+    }
+    const double bound = static_cast<double>(zmax) + mu - offset;
+    return static_cast<T>(bound - 1e-6 * (1.0 + std::abs(bound)));
+  }
+
   // s = p^(2-alpha) on the support (the Jacobian weights of docs/maths.md, "Backward"), 0
   // elsewhere, for the kinds with a closed form (General rows: general_weights).
   inline T jacobian_weight(T z, T zmax, double mu, T p) const {
@@ -108,24 +127,108 @@ struct EntmaxParams {
 // Max of a row, or NaN when the row holds a NaN or +inf (such a row gives an all-NaN p, as
 // torch.softmax does). !(z < inf) is true exactly for NaN and +inf.
 template <typename T>
-inline T row_max(const T* z, int64_t n) {
-  T m0 = -std::numeric_limits<T>::infinity(), m1 = m0, m2 = m0, m3 = m0;
+ENTMAX_FAST_ALWAYS_INLINE T row_max_body(const T* z, int64_t n) {
   constexpr T inf = std::numeric_limits<T>::infinity();
-  bool invalid = false;
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) {
-    m0 = z[j] > m0 ? z[j] : m0;
-    m1 = z[j + 1] > m1 ? z[j + 1] : m1;
-    m2 = z[j + 2] > m2 ? z[j + 2] : m2;
-    m3 = z[j + 3] > m3 ? z[j + 3] : m3;
-    invalid |= !(z[j] < inf) | !(z[j + 1] < inf) | !(z[j + 2] < inf) | !(z[j + 3] < inf);
-  }
-  for (; j < n; ++j) {
-    m0 = z[j] > m0 ? z[j] : m0;
+  T m = -inf;
+  int invalid = 0;
+#pragma omp simd reduction(max : m) reduction(| : invalid)
+  for (int64_t j = 0; j < n; ++j) {
+    m = z[j] > m ? z[j] : m;
     invalid |= !(z[j] < inf);
   }
-  if (invalid) return std::numeric_limits<T>::quiet_NaN();
-  return std::max(std::max(m0, m1), std::max(m2, m3));
+  return invalid ? std::numeric_limits<T>::quiet_NaN() : m;
+}
+
+#if ENTMAX_FAST_AVX2_KERNELS
+template <typename T>
+ENTMAX_FAST_TARGET_AVX2 inline T row_max_avx2(const T* z, int64_t n) {
+  return row_max_body(z, n);
+}
+#endif
+
+template <typename T>
+inline T row_max(const T* z, int64_t n) {
+#if ENTMAX_FAST_AVX2_KERNELS
+  if (use_avx2_kernels()) return row_max_avx2(z, n);
+#endif
+  return row_max_body(z, n);
+}
+
+// Calls fn(j), in order, for the entries j < n with z[j] > cut: a block of entries none of
+// which exceeds the cut costs one vector comparison, and on the rows of attention at long
+// lengths, where a few percent of the entries are candidates, most blocks are such.
+// kAvx2: the caller runs the AVX2 kernels (float rows then visit only a block's hits).
+#if ENTMAX_FAST_AVX2_KERNELS
+template <typename F>
+ENTMAX_FAST_TARGET_AVX2 inline void for_each_above_float_avx2(const float* z, int64_t n, float cut, F&& fn) {
+  const __m256 cuts = _mm256_set1_ps(cut);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    unsigned mask = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(z + j), cuts, _CMP_GT_OQ)));
+    while (mask != 0) {
+      fn(j + __builtin_ctz(mask));
+      mask &= mask - 1;
+    }
+  }
+  for (; j < n; ++j)
+    if (z[j] > cut) fn(j);
+}
+#endif
+
+template <bool kAvx2, typename T, typename F>
+ENTMAX_FAST_ALWAYS_INLINE void for_each_above_body(const T* z, int64_t n, T cut, F&& fn) {
+#if ENTMAX_FAST_AVX2_KERNELS
+  if constexpr (kAvx2 && std::is_same<T, float>::value) return for_each_above_float_avx2(z, n, cut, fn);
+#endif
+  constexpr int64_t kBlock = 16;
+  int64_t j = 0;
+  for (; j + kBlock <= n; j += kBlock) {
+    int hits = 0;
+#pragma omp simd reduction(| : hits)
+    for (int64_t e = 0; e < kBlock; ++e) hits |= z[j + e] > cut;
+    if (!hits) continue;
+    for (int64_t e = 0; e < kBlock; ++e)
+      if (z[j + e] > cut) fn(j + e);
+  }
+  for (; j < n; ++j)
+    if (z[j] > cut) fn(j);
+}
+
+// The entries of a row whose u = factor * (z - zmax), in double, exceeds -1, in order, into
+// work; returns (how many, sum of their u). A float cut a relative 1e-6 below the bound
+// (support_cut's margin) skips the others without their double arithmetic.
+template <bool kAvx2, typename T>
+ENTMAX_FAST_ALWAYS_INLINE std::pair<int64_t, double> gather_above_minus_one_body(const T* z, int64_t n, T zmax,
+                                                                                 double factor, double* work) {
+  const double zmax_d = static_cast<double>(zmax);
+  const double bound = zmax_d - 1.0 / factor;
+  const T cut = static_cast<T>(bound - 1e-6 * (1.0 + std::abs(bound)));
+  int64_t k = 0;
+  double sum = 0;
+  for_each_above_body<kAvx2>(z, n, cut, [&](int64_t j) {
+    const double u = factor * (static_cast<double>(z[j]) - zmax_d);
+    if (u > -1.0) {
+      work[k++] = u;
+      sum += u;
+    }
+  });
+  return {k, sum};
+}
+
+#if ENTMAX_FAST_AVX2_KERNELS
+template <typename T>
+ENTMAX_FAST_TARGET_AVX2 inline std::pair<int64_t, double> gather_above_minus_one_avx2(const T* z, int64_t n, T zmax,
+                                                                                    double factor, double* work) {
+  return gather_above_minus_one_body<true>(z, n, zmax, factor, work);
+}
+#endif
+
+template <typename T>
+inline std::pair<int64_t, double> gather_above_minus_one(const T* z, int64_t n, T zmax, double factor, double* work) {
+#if ENTMAX_FAST_AVX2_KERNELS
+  if (use_avx2_kernels()) return gather_above_minus_one_avx2(z, n, zmax, factor, work);
+#endif
+  return gather_above_minus_one_body<false>(z, n, zmax, factor, work);
 }
 
 // Sparsemax threshold by support iterations (Michelot): t = (sum_S u - 1)/|S|, drop the
@@ -133,17 +236,9 @@ inline T row_max(const T* z, int64_t n) {
 // loop ends, exactly, when no entry is dropped. Returns mu = t + 1.
 template <typename T>
 inline double sparsemax_mu(const T* z, int64_t n, T zmax, double* work) {
-  int64_t k = 0;
-  double sum = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    // In double, as prob() forms p: the threshold must be the root for the u that p uses.
-    const double u = static_cast<double>(z[j]) - static_cast<double>(zmax);
-    // Entries with u <= -1 are outside the support whatever the threshold.
-    if (u > -1.0) {
-      work[k++] = u;
-      sum += u;
-    }
-  }
+  // u in double, as prob() forms p: the threshold must be the root for the u that p uses.
+  // Entries with u <= -1 are outside the support whatever the threshold.
+  auto [k, sum] = gather_above_minus_one(z, n, zmax, 1.0, work);
   double t = (sum - 1.0) / static_cast<double>(k);
   for (;;) {
     int64_t kept = 0;
@@ -170,11 +265,7 @@ inline double sparsemax_mu(const T* z, int64_t n, T zmax, double* work) {
 // entry of S lies above it (then S is the support).
 template <typename T>
 inline double entmax15_mu(const T* z, int64_t n, T zmax, double* work) {
-  int64_t k = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    const double y = 0.5 * (static_cast<double>(z[j]) - static_cast<double>(zmax));
-    if (y > -1.0) work[k++] = y;
-  }
+  int64_t k = gather_above_minus_one(z, n, zmax, 0.5, work).first;
   double t = -1.0;
   for (int iter = 0; iter < 100; ++iter) {
     int64_t kept = 0;
@@ -644,6 +735,108 @@ inline GeneralSolution general_mu(const T* z, int64_t n, T zmax, const EntmaxPar
   }
 }
 
+// p of a sparsemax or 1.5-entmax row from its (max, mu), over its scores z in place, and,
+// where w is not null, the Jacobian weights into w: entries at or below support_cut() get 0
+// (a block of 16 of them at the cost of one vector comparison), the others prob() and
+// jacobian_weight().
+template <typename T>
+ENTMAX_FAST_ALWAYS_INLINE void closed_form_probs_body(T* z, T* w, int64_t n, T zmax, double mu,
+                                                      const EntmaxParams<T>& prm) {
+  const T cut = prm.support_cut(zmax, mu);
+  auto entry = [&](int64_t j) {
+    if (z[j] > cut) {
+      const T pj = prm.prob(z[j], zmax, mu);
+      if (w != nullptr) w[j] = prm.jacobian_weight(z[j], zmax, mu, pj);
+      z[j] = pj;
+    } else {
+      z[j] = T(0);
+      if (w != nullptr) w[j] = T(0);
+    }
+  };
+  constexpr int64_t kBlock = 16;
+  int64_t j = 0;
+  for (; j + kBlock <= n; j += kBlock) {
+    int hits = 0;
+#pragma omp simd reduction(| : hits)
+    for (int64_t e = 0; e < kBlock; ++e) hits |= z[j + e] > cut;
+    if (hits) {
+      for (int64_t e = 0; e < kBlock; ++e) entry(j + e);
+    } else {
+      for (int64_t e = 0; e < kBlock; ++e) z[j + e] = T(0);
+      if (w != nullptr)
+        for (int64_t e = 0; e < kBlock; ++e) w[j + e] = T(0);
+    }
+  }
+  for (; j < n; ++j) entry(j);
+}
+
+#if ENTMAX_FAST_AVX2_KERNELS
+template <typename T>
+ENTMAX_FAST_TARGET_AVX2 inline void closed_form_probs_avx2(T* z, T* w, int64_t n, T zmax, double mu,
+                                                           const EntmaxParams<T>& prm) {
+  closed_form_probs_body(z, w, n, zmax, mu, prm);
+}
+#endif
+
+template <typename T>
+inline void closed_form_probs(T* z, T* w, int64_t n, T zmax, double mu, const EntmaxParams<T>& prm) {
+#if ENTMAX_FAST_AVX2_KERNELS
+  if (use_avx2_kernels()) return closed_form_probs_avx2(z, w, n, zmax, mu, prm);
+#endif
+  closed_form_probs_body(z, w, n, zmax, mu, prm);
+}
+
+// (max, mu) of a sparsemax or 1.5-entmax row, leaving z as it is: max NaN (and mu NaN) for a
+// row holding NaN or +inf, -inf (mu 0) for a row without a finite entry.
+template <typename T>
+inline RowStats<T> closed_form_stats(const T* z, int64_t n, const EntmaxParams<T>& prm, RowWorkspace& work) {
+  const T zmax = row_max(z, n);
+  if (std::isnan(zmax)) return {zmax, std::numeric_limits<double>::quiet_NaN()};
+  if (!(zmax > -std::numeric_limits<T>::infinity())) return {-std::numeric_limits<T>::infinity(), 0.0};
+  const double mu = prm.kind == AlphaKind::kSparsemax ? sparsemax_mu(z, n, zmax, work.values.data())
+                                                      : entmax15_mu(z, n, zmax, work.values.data());
+  return {zmax, mu};
+}
+
+// The support of a sparsemax or 1.5-entmax row at (max, mu), compact: the columns (plus
+// offset) of the entries with p > 0 into index, their p into p and, where w is not null, their
+// Jacobian weights into w, in column order; returns how many. The same p and weights as
+// closed_form_probs, without a pass that writes the zeros.
+template <bool kAvx2, typename T>
+ENTMAX_FAST_ALWAYS_INLINE int64_t closed_form_support_body(const T* z, int64_t n, T zmax, double mu,
+                                                           const EntmaxParams<T>& prm, int64_t offset, int32_t* index,
+                                                           T* p, T* w) {
+  int64_t count = 0;
+  for_each_above_body<kAvx2>(z, n, prm.support_cut(zmax, mu), [&](int64_t j) {
+    const T pj = prm.prob(z[j], zmax, mu);
+    if (pj > T(0)) {
+      index[count] = static_cast<int32_t>(j + offset);
+      p[count] = pj;
+      if (w != nullptr) w[count] = prm.jacobian_weight(z[j], zmax, mu, pj);
+      ++count;
+    }
+  });
+  return count;
+}
+
+#if ENTMAX_FAST_AVX2_KERNELS
+template <typename T>
+ENTMAX_FAST_TARGET_AVX2 inline int64_t closed_form_support_avx2(const T* z, int64_t n, T zmax, double mu,
+                                                                const EntmaxParams<T>& prm, int64_t offset,
+                                                                int32_t* index, T* p, T* w) {
+  return closed_form_support_body<true>(z, n, zmax, mu, prm, offset, index, p, w);
+}
+#endif
+
+template <typename T>
+inline int64_t closed_form_support(const T* z, int64_t n, T zmax, double mu, const EntmaxParams<T>& prm,
+                                   int64_t offset, int32_t* index, T* p, T* w) {
+#if ENTMAX_FAST_AVX2_KERNELS
+  if (use_avx2_kernels()) return closed_form_support_avx2(z, n, zmax, mu, prm, offset, index, p, w);
+#endif
+  return closed_form_support_body<false>(z, n, zmax, mu, prm, offset, index, p, w);
+}
+
 // Solves one row in place: on entry z holds scores (any may be -inf), on exit p.
 // `work` must hold n elements. A row without a finite entry gives zeros and max = -inf; a row
 // holding NaN or +inf gives NaNs and max = mu = NaN.
@@ -667,13 +860,12 @@ inline RowStats<T> entmax_row_inplace(T* z, int64_t n, const EntmaxParams<T>& pr
       return {zmax, mu};
     }
     case AlphaKind::kSparsemax:
-      mu = sparsemax_mu(z, n, zmax, work.values.data());
-      for (int64_t j = 0; j < n; ++j) z[j] = prm.prob(z[j], zmax, mu);
+    case AlphaKind::kEntmax15: {
+      mu = prm.kind == AlphaKind::kSparsemax ? sparsemax_mu(z, n, zmax, work.values.data())
+                                             : entmax15_mu(z, n, zmax, work.values.data());
+      closed_form_probs(z, static_cast<T*>(nullptr), n, zmax, mu, prm);
       return {zmax, mu};
-    case AlphaKind::kEntmax15:
-      mu = entmax15_mu(z, n, zmax, work.values.data());
-      for (int64_t j = 0; j < n; ++j) z[j] = prm.prob(z[j], zmax, mu);
-      return {zmax, mu};
+    }
     default: {
       const GeneralSolution sol = general_mu(z, n, zmax, prm, work);
       const double* probs = work.probs.data();

@@ -15,9 +15,9 @@ from .. import refuse_score_options
 from . import SCORE_OPTIONS_IMPLEMENTED
 
 __all__ = ["entmax_forward", "entmax_backward", "attention_forward", "attention_backward",
-           "attention_kvcache_forward", "attention_support_forward", "fusedmax_forward", "fusedmax_backward",
-           "oscarmax_forward", "oscarmax_backward", "crf_forward", "crf_backward", "sparsemap_forward",
-           "sparsemap_backward"]
+           "attention_kvcache_forward", "attention_support_forward", "attention_sparse_tiles", "fusedmax_forward",
+           "fusedmax_backward", "oscarmax_forward", "oscarmax_backward", "crf_forward", "crf_backward",
+           "sparsemap_forward", "sparsemap_backward"]
 
 
 def _alphas(alpha, count: int, device) -> torch.Tensor:
@@ -89,6 +89,15 @@ def attention_support_forward(query, key, attn_mask, alpha, *, scale, is_causal,
                                                           bool(is_causal), *flat)
     return torch.ops.entmax_fast.entmax_attention_support(query, key, attn_mask, stats, alphas, float(scale),
                                                           bool(is_causal), *flat)
+
+
+def attention_sparse_tiles(counts, key_length, *, is_causal, window_size=(-1, -1)):
+    """(B, H, query tiles) bool: which tiles of a call with these shapes run P.V and the
+    backward as sparse products over their support rather than dense GEMMs, from the
+    supported keys of each query row (``attention_support_forward``'s counts). Tiles of α = 1
+    and tiles holding a NaN row are dense whatever this says."""
+    return torch.ops.entmax_fast.entmax_attention_sparse_tiles(counts, int(key_length), bool(is_causal),
+                                                               [int(bound) for bound in window_size])
 
 
 def fusedmax_forward(x, reg, lengths):
