@@ -743,10 +743,16 @@ def gap(b_u, b_thr, inv_am1, ALPHA_KIND: tl.constexpr):
 NEAR_ONE_INV_AM1 = tl.constexpr(4.0)
 
 
-# A per-head alpha (the general kind) may hold 1 (softmax) and values above 2. Each
-# kernel branches on its program's head once, outside its loops, so that the loops of the
-# heads in (1, 2] stay as they were, and runs that head's passes compiled with an
-# ALPHA_KIND of their own (the other kinds compile no branch: a python False):
+# A per-head alpha (the general kind) may hold 1 (softmax) and values above 2. The general
+# kind's kernels are launched twice (`head_launches`): HEADS_IN_RANGE, the kernels as they
+# are for alpha in (1, 2], whose programs of the other heads return at once, and
+# HEADS_OUTSIDE, compiled apart, whose programs of heads in (1, 2] return at once (dK/dV,
+# whose program sums a group of query heads: each launch takes the groups with none or
+# some of the other heads, and HEADS_OUTSIDE runs all of such a group's heads). Compiled
+# into the same kernel, the other heads' code cost the heads in (1, 2] registers and spills
+# in their loops (sm_90, bf16, E 64: dK/dV's stack 264 -> 592 bytes, its listed-tile loop
+# 68.9 -> 77.1 instructions per score). HEADS_OUTSIDE branches on its program's head once,
+# outside its loops, and runs that head's passes compiled with an ALPHA_KIND of their own:
 # - alpha = 1 (`am1 == 0`), ALPHA_SOFTMAX: no threshold (1/(alpha - 1) is infinite); the
 #   weights are exp(u), u = z - max, and their sensitivities the weights themselves.
 # - alpha > 2, ALPHA_ABOVE_TWO: p = (am1 d)^e with d = [u - tau]_+ in z units (the
@@ -755,6 +761,26 @@ NEAR_ONE_INV_AM1 = tl.constexpr(4.0)
 #   weight by up to (6e-8)^e: 4e-3 at alpha 4). The forward (`attention_fwd._above_two_
 #   threshold`) stores the shift m + tau (rounded) and the small rest of tau instead of m
 #   and tau, so that every kernel forms d near 0 with the precision of the scores.
+
+
+HEADS_ALL, HEADS_IN_RANGE, HEADS_OUTSIDE = 0, 1, 2
+HEADS_ALL_C = tl.constexpr(HEADS_ALL)
+HEADS_IN_RANGE_C = tl.constexpr(HEADS_IN_RANGE)
+HEADS_OUTSIDE_C = tl.constexpr(HEADS_OUTSIDE)
+
+
+def head_launches(alpha_kind):
+    """The HEADS of each launch of an attention kernel compiled for `alpha_kind`, in order
+    ("A per-head alpha" above): one launch for alpha 1.5 and 2, two for the general kind."""
+    if alpha_kind == common.ALPHA_GENERAL:
+        return (HEADS_IN_RANGE, HEADS_OUTSIDE)
+    return (HEADS_ALL,)
+
+
+def head_suffix(heads):
+    """The token an AOT configuration's name takes for its HEADS: none for the launch that
+    runs the heads in (1, 2] (the kernels as they were), "_outside" for the other."""
+    return "_outside" if heads == HEADS_OUTSIDE else ""
 
 
 @triton.jit

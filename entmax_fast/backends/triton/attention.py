@@ -14,6 +14,7 @@ Layers (top to bottom):
 Causal masks are top-left aligned, as drawn in entmax_fast/attention.py. A row whose keys
 are all masked gets zero output and zero gradients.
 """
+import itertools
 from typing import Optional
 
 import torch
@@ -229,8 +230,10 @@ def _launch_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is_c
     candidates = geo.candidate_scratch(slots, q.device)
     score_options, option_args, sinks_arg = _score_option_args(window_left, window_right,
                                                                softcap, alibi_slopes, sinks, q)
-    for launch in attention_common.forward_launches(geo.block_e, geo.dtype_key, mask_kind,
-                                                    int(need_grad)):
+    for launch, heads in itertools.product(
+            attention_common.forward_launches(geo.block_e, geo.dtype_key, mask_kind,
+                                              int(need_grad)),
+            attention_common.head_launches(alpha_kind)):
         options = attention_common.launch_options(launch.maxnreg)
         attention_fwd.entmax_attn_fwd_kernel[grid](
             q, k, v, out, dvec, stats, flags, tiles, candidates, mask, alpha, seed,
@@ -244,7 +247,7 @@ def _launch_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is_c
             BLOCK_EV=geo.block_ev, BLOCK_EC=geo.block_ec["fwd"], ALPHA_KIND=alpha_kind,
             MASK_KIND=mask_kind, OPTIONS=score_options, IS_VARLEN=geo.varlen,
             HAS_DROPOUT=dropout_p > 0.0, NEED_GRAD=launch.need_grad, PHASE=launch.phase,
-            CANDIDATES=slots, num_warps=launch.num_warps,
+            CANDIDATES=slots, HEADS=heads, num_warps=launch.num_warps,
             num_stages=launch.num_stages, **options,
         )
     return out, stats, dvec, flags
@@ -291,22 +294,14 @@ def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha
     dq_mode = _dq_mode(geo, need_alpha_grad or need_sinks_grad)
     score_options, option_args, sinks_arg = _score_option_args(window_left, window_right,
                                                                softcap, alibi_slopes, sinks, q)
+    head_launches = attention_common.head_launches(alpha_kind)
     if dq_mode == attention_common.DQ_KERNEL:
         # dq first: it writes delta = dO . D per row, which the dk/dv kernel reads
-        attention_bwd.entmax_attn_bwd_dq_kernel[geo.query_grid()](
-            q, k, v, o, do, dq, dvec, stats, rows, flags, tiles, mask, alpha, seed, cu_q_arg,
-            cu_k_arg,
-            *geo.q_strides, *geo.k_strides, *geo.v_strides, *geo.token_strides(o),
-            *geo.token_strides(dq), *mask_strides, sb, sh, sstat, rows.stride(0),
-            geo.n_heads, geo.kv_group, geo.seqlen_q, geo.seqlen_k, geo.n_qblocks, geo.n_kblocks,
-            geo.head_e, geo.head_ev, float(scale), float(dropout_p), int(is_causal),
-            *option_args, sinks_arg,
-            BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e,
-            BLOCK_EV=geo.block_ev, BLOCK_EC=geo.block_ec["dq"], ALPHA_KIND=alpha_kind,
-            MASK_KIND=mask_kind, OPTIONS=score_options, IS_VARLEN=geo.varlen,
-            HAS_DROPOUT=dropout_p > 0.0, NEED_DALPHA=bool(need_alpha_grad),
-            **geo.launch["dq"],
-        )
+        for heads in head_launches:
+            _launch_dq(q, k, v, o, do, dq, dvec, stats, rows, flags, tiles, mask, alpha, seed,
+                       cu_q_arg, cu_k_arg, geo, mask_strides, sb, sh, sstat, scale, dropout_p,
+                       is_causal, option_args, sinks_arg, alpha_kind, mask_kind, score_options,
+                       need_alpha_grad, heads)
         dq_acc = _placeholder(q.device, torch.float32)
         locks = turns = cu_dummy
     else:
@@ -320,6 +315,48 @@ def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha
             # a flagged tile's turn: the flagged tiles after it in its query tile's row
             after = flags.flip(-1).cumsum(-1, dtype=torch.int32).flip(-1)
             turns = (after - flags).contiguous()
+    for heads in head_launches:
+        _launch_dkdv(q, k, v, do, dk, dv, stats, rows, flags, tiles, mask, alpha, seed, cu_q_arg,
+                     cu_k_arg, dq_acc, locks, turns, geo, o, mask_strides, sb, sh, sstat, scale,
+                     dropout_p, is_causal, option_args, alpha_kind, mask_kind, score_options,
+                     dq_mode, heads)
+    if dq_mode != attention_common.DQ_KERNEL:
+        # a row whose forward was NaN (its stored shift) gets NaN gradients, as in the dQ kernel
+        row_max = stats[attention_common.STAT_MAX]
+        nan_rows = (row_max.t() if geo.varlen else row_max).isnan().unsqueeze(-1)
+        dq.copy_(torch.where(nan_rows, float("nan"), dq_acc * scale))
+    dalpha, dsinks = (_per_head(rows[row], geo) if need else torch.zeros_like(alpha)
+                      for row, need in ((attention_bwd.ROW_DALPHA, need_alpha_grad),
+                                        (attention_bwd.ROW_DSINK, need_sinks_grad)))
+    return dq, dk, dv, dalpha, dsinks
+
+
+def _launch_dq(q, k, v, o, do, dq, dvec, stats, rows, flags, tiles, mask, alpha, seed, cu_q_arg,
+               cu_k_arg, geo, mask_strides, sb, sh, sstat, scale, dropout_p, is_causal,
+               option_args, sinks_arg, alpha_kind, mask_kind, score_options, need_alpha_grad,
+               heads):
+    """One launch of the dQ kernel, for the heads `heads` (attention_common.head_launches)."""
+    attention_bwd.entmax_attn_bwd_dq_kernel[geo.query_grid()](
+        q, k, v, o, do, dq, dvec, stats, rows, flags, tiles, mask, alpha, seed, cu_q_arg,
+        cu_k_arg,
+        *geo.q_strides, *geo.k_strides, *geo.v_strides, *geo.token_strides(o),
+        *geo.token_strides(dq), *mask_strides, sb, sh, sstat, rows.stride(0),
+        geo.n_heads, geo.kv_group, geo.seqlen_q, geo.seqlen_k, geo.n_qblocks, geo.n_kblocks,
+        geo.head_e, geo.head_ev, float(scale), float(dropout_p), int(is_causal),
+        *option_args, sinks_arg,
+        BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e,
+        BLOCK_EV=geo.block_ev, BLOCK_EC=geo.block_ec["dq"], ALPHA_KIND=alpha_kind,
+        MASK_KIND=mask_kind, OPTIONS=score_options, IS_VARLEN=geo.varlen,
+        HAS_DROPOUT=dropout_p > 0.0, NEED_DALPHA=bool(need_alpha_grad),
+        HEADS=heads, **geo.launch["dq"],
+    )
+
+
+def _launch_dkdv(q, k, v, do, dk, dv, stats, rows, flags, tiles, mask, alpha, seed, cu_q_arg,
+                 cu_k_arg, dq_acc, locks, turns, geo, o, mask_strides, sb, sh, sstat, scale,
+                 dropout_p, is_causal, option_args, alpha_kind, mask_kind, score_options,
+                 dq_mode, heads):
+    """One launch of the dK/dV kernel, for the heads `heads`."""
     attention_bwd.entmax_attn_bwd_dkdv_kernel[geo.key_grid()](
         q, k, v, do, dk, dv, stats, rows, flags, tiles, mask, alpha, seed, cu_q_arg, cu_k_arg,
         dq_acc, locks, turns,
@@ -334,17 +371,8 @@ def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha
         BLOCK_EC=geo.block_ec["dkdv"], ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind,
         OPTIONS=score_options, IS_VARLEN=geo.varlen,
         HAS_DROPOUT=dropout_p > 0.0, DQ_MODE=dq_mode,
-        **geo.launch["dkdv"],
+        HEADS=heads, **geo.launch["dkdv"],
     )
-    if dq_mode != attention_common.DQ_KERNEL:
-        # a row whose forward was NaN (its stored shift) gets NaN gradients, as in the dQ kernel
-        row_max = stats[attention_common.STAT_MAX]
-        nan_rows = (row_max.t() if geo.varlen else row_max).isnan().unsqueeze(-1)
-        dq.copy_(torch.where(nan_rows, float("nan"), dq_acc * scale))
-    dalpha, dsinks = (_per_head(rows[row], geo) if need else torch.zeros_like(alpha)
-                      for row, need in ((attention_bwd.ROW_DALPHA, need_alpha_grad),
-                                        (attention_bwd.ROW_DSINK, need_sinks_grad)))
-    return dq, dk, dv, dalpha, dsinks
 
 
 def _per_head(row_terms, geo):
@@ -367,16 +395,17 @@ def _launch_support(q, k, stats, attn_mask, alpha, alpha_kind, is_causal, scale,
     score_options, option_args, _ = _score_option_args(window_left, window_right, softcap,
                                                        alibi_slopes, None, q)
     num_warps, num_stages, block_ec = attention_support.launch(geo.block_e, geo.dtype_key)
-    attention_support.entmax_attn_support_kernel[geo.query_grid()](
-        q, k, stats, mask, alpha, counts,
-        *geo.q_strides, *geo.k_strides, *mask_strides, *geo.stats_strides(stats),
-        geo.n_heads, geo.kv_group, geo.seqlen_q, geo.seqlen_k, geo.n_qblocks, geo.head_e,
-        float(scale), int(is_causal), *option_args,
-        BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e, BLOCK_EC=block_ec,
-        ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind,
-        OPTIONS=attention_support.kernel_options(score_options),
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    for heads in attention_common.head_launches(alpha_kind):
+        attention_support.entmax_attn_support_kernel[geo.query_grid()](
+            q, k, stats, mask, alpha, counts,
+            *geo.q_strides, *geo.k_strides, *mask_strides, *geo.stats_strides(stats),
+            geo.n_heads, geo.kv_group, geo.seqlen_q, geo.seqlen_k, geo.n_qblocks, geo.head_e,
+            float(scale), int(is_causal), *option_args,
+            BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e, BLOCK_EC=block_ec,
+            ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind,
+            OPTIONS=attention_support.kernel_options(score_options),
+            HEADS=heads, num_warps=num_warps, num_stages=num_stages,
+        )
     return counts
 
 
