@@ -751,8 +751,9 @@ NEAR_ONE_INV_AM1 = tl.constexpr(4.0)
 # some of the other heads, and HEADS_OUTSIDE runs all of such a group's heads). Compiled
 # into the same kernel (commit b972e37), the other heads' code cost the heads in (1, 2]
 # registers and spills in their loops (sm_90, bf16, E 64: dK/dV's stack 264 -> 592 bytes,
-# its listed-tile loop 68.9 -> 77.1 instructions per score). HEADS_OUTSIDE branches on its program's head once,
-# outside its loops, and runs that head's passes compiled with an ALPHA_KIND of their own:
+# its listed-tile loop 68.9 -> 77.1 instructions per score). HEADS_OUTSIDE branches on its
+# program's head once, outside its loops, and runs that head's passes compiled with an
+# ALPHA_KIND of their own:
 # - alpha = 1 (`am1 == 0`), ALPHA_SOFTMAX: no threshold (1/(alpha - 1) is infinite); the
 #   weights are exp(u), u = z - max, and their sensitivities the weights themselves.
 # - alpha > 2, ALPHA_ABOVE_TWO: p = (am1 d)^e with d = [u - tau]_+ in z units (the
