@@ -609,18 +609,16 @@ def entmax_attn_bwd_dkdv_kernel(
     start_n = pid_n * BLOCK_N
     if start_n >= k_len:
         return
-    if HEADS != HEADS_ALL_C:
-        # a group with a head at alpha 1 or above 2 is the HEADS_OUTSIDE launch's
+    if HEADS == HEADS_OUTSIDE_C:
+        # a group with a head at alpha 1 or above 2 is run again, all its heads, by this
+        # launch (the launch for (1, 2] ran it too, compiled as it was: its dK, dV are
+        # replaced here, its shares of dQ dropped by the launcher)
         n_outside = 0
         for i_g in range(0, kv_group):
             am1_g = tl.load(alpha_ptr + i_hk * kv_group + i_g).to(tl.float32) - 1.0
             n_outside += ((am1_g == 0.0) | (am1_g > 1.0)).to(tl.int32)
-        if HEADS == HEADS_IN_RANGE_C:
-            if n_outside > 0:
-                return
-        else:
-            if n_outside == 0:
-                return
+        if n_outside == 0:
+            return
     o_n = start_n + tl.arange(0, BLOCK_N)
     o_e = tl.arange(0, BLOCK_E)
     o_ev = tl.arange(0, BLOCK_EV)

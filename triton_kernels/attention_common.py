@@ -746,9 +746,11 @@ NEAR_ONE_INV_AM1 = tl.constexpr(4.0)
 # A per-head alpha (the general kind) may hold 1 (softmax) and values above 2. The general
 # kind's kernels are launched twice (`head_launches`): HEADS_IN_RANGE, the kernels as they
 # are for alpha in (1, 2], whose programs of the other heads return at once, and
-# HEADS_OUTSIDE, compiled apart, whose programs of heads in (1, 2] return at once (dK/dV,
-# whose program sums a group of query heads: each launch takes the groups with none or
-# some of the other heads, and HEADS_OUTSIDE runs all of such a group's heads). Compiled
+# HEADS_OUTSIDE, compiled apart, whose programs of heads in (1, 2] return at once. dK/dV's
+# program sums a group of query heads: its HEADS_IN_RANGE launch is the kernel as it was
+# (an early return cost its dQ-share loop 140 instructions, sm_90, bf16, E 64) and runs
+# every group, and HEADS_OUTSIDE runs the groups holding a head at 1 or above 2 again, all
+# their heads, replacing their dK and dV (the launcher drops their dQ shares). Compiled
 # into the same kernel (commit b972e37), the other heads' code cost the heads in (1, 2]
 # registers and spills in their loops (sm_90, bf16, E 64: dK/dV's stack 264 -> 592 bytes,
 # its listed-tile loop 68.9 -> 77.1 instructions per score). HEADS_OUTSIDE branches on its

@@ -316,6 +316,17 @@ def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha
             after = flags.flip(-1).cumsum(-1, dtype=torch.int32).flip(-1)
             turns = (after - flags).contiguous()
     for heads in head_launches:
+        if heads == attention_common.HEADS_OUTSIDE and dq_mode != attention_common.DQ_KERNEL:
+            # The dK/dV launch for (1, 2] ran every group of heads (its kernel as it was,
+            # triton_kernels/attention_common.py "A per-head alpha"); the next one runs the
+            # groups holding a head at 1 or above 2 again: their shares of dQ and their
+            # turns so far are dropped first (on the device, no host sync).
+            again = _groups_outside(alpha, geo)
+            dq_acc = torch.where(again.view((1, -1, 1) if geo.varlen else (1, -1, 1, 1)), 0.0,
+                                 dq_acc)
+            if dq_mode == attention_common.DQ_ORDERED:
+                locks = torch.where(again.view(1, -1, 1), 0,
+                                    locks.view(geo.batch, geo.n_heads, -1)).reshape(-1)
         _launch_dkdv(q, k, v, do, dk, dv, stats, rows, flags, tiles, mask, alpha, seed, cu_q_arg,
                      cu_k_arg, dq_acc, locks, turns, geo, o, mask_strides, sb, sh, sstat, scale,
                      dropout_p, is_causal, option_args, alpha_kind, mask_kind, score_options,
@@ -329,6 +340,13 @@ def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha
                       for row, need in ((attention_bwd.ROW_DALPHA, need_alpha_grad),
                                         (attention_bwd.ROW_DSINK, need_sinks_grad)))
     return dq, dk, dv, dalpha, dsinks
+
+
+def _groups_outside(alpha, geo):
+    """(H,) bool: the query heads whose group of heads (one key/value head) holds a head at
+    alpha 1 or above 2, the groups the HEADS_OUTSIDE dK/dV launch runs."""
+    outside = (alpha == 1.0) | (alpha > 2.0)
+    return outside.view(geo.n_kv_heads, geo.kv_group).any(1).repeat_interleave(geo.kv_group)
 
 
 def _launch_dq(q, k, v, o, do, dq, dvec, stats, rows, flags, tiles, mask, alpha, seed, cu_q_arg,
