@@ -789,6 +789,10 @@ DQ_CASES = [
                  id="keypad-E16-a1.25"),
     pytest.param(1, 2, 1, 70, 130, 128, 1.5, True, "bool-empty-rows", 32,
                  id="emptyrows-causal-E128-chunked-a1.5"),
+    # a group of heads in (1, 2] and one with heads at 1 and above 2: each dK/dV launch
+    # takes its groups (attention_common, "A per-head alpha")
+    pytest.param(1, 4, 2, 70, 90, 16, (1.3, 1.7, 1.0, 3.0), True, None, None,
+                 id="causal-gqa-E16-perhead-1-and-3"),
 ]
 
 
@@ -832,6 +836,8 @@ def test_dq_in_the_dkdv_kernel(monkeypatch, dq_mode, b, h, hkv, lq, lk, e, alpha
     float64, with the empty rows' zeros; the chunked case loads k's rows for the dQ product
     apart from the chunked score product."""
     _dq_mode_forced(monkeypatch, dq_mode)
+    if isinstance(alpha, tuple):
+        alpha = torch.tensor(alpha)
     if chunk is not None:
         monkeypatch.setattr(attention_common, "_CHUNKS",
                             {("dkdv", "fp32"): {triton.next_power_of_2(e): chunk}})

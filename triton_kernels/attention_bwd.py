@@ -22,11 +22,15 @@ Both visit only the tiles the forward flagged as holding non-zero weight, the fu
 through a list of them (`listed_tiles`, so that the loops are pipelined), and spend the
 causal, key-end and query-end masks only on the tiles that cross them.
 """
+import itertools
+
 import triton
 import triton.language as tl
 
 from .. import common
 from .attention_common import (DQ_KERNEL, DQ_KERNEL_C, DQ_MAX_POLLS_C, DQ_MODES, DQ_ORDERED_C,
+                               HEADS_ALL_C, HEADS_IN_RANGE_C, HEADS_OUTSIDE_C, head_launches,
+                               head_suffix,
                                NEAR_ONE_INV_AM1, SCORE_ALIBI_C, SCORE_SINK_C, SCORE_SOFTCAP_C,
                                SCORE_WINDOW_C,
                                STAT_ENTROPY_C, STAT_MAX_C, STAT_SUM_C, STAT_TAU_C, arch_chunks,
@@ -219,6 +223,7 @@ def entmax_attn_bwd_dq_kernel(
     MASK_KIND: tl.constexpr, OPTIONS: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     NEED_DALPHA: tl.constexpr,
+    HEADS: tl.constexpr = HEADS_ALL_C,
 ):
     """dQ for one query block; o, do and dvec share strides. dq has its own: q may be a
     view a fresh tensor cannot copy the strides of (a slice of a fused projection).
@@ -272,6 +277,12 @@ def entmax_attn_bwd_dq_kernel(
     alpha = tl.load(alpha_ptr + i_h).to(tl.float32)
     am1 = alpha - 1.0
     inv_am1 = 1.0 / am1
+    if HEADS == HEADS_IN_RANGE_C:
+        if (am1 == 0.0) | (am1 > 1.0):
+            return
+    if HEADS == HEADS_OUTSIDE_C:
+        if (am1 != 0.0) & (am1 <= 1.0):
+            return
     seed = tl.load(seed_ptr)
 
     kv_begin, full_begin, n_full, kv_end, pos_shift, win_left, win_right, slope = query_block_key_tiles(
@@ -286,29 +297,28 @@ def entmax_attn_bwd_dq_kernel(
     # and for a head at alpha 1 (softmax) or above 2 (attention_common, "A per-head alpha")
     near_one = False
     softmax = False
-    above_two = False
     if ALPHA_KIND == ALPHA_GENERAL:
-        near_one = inv_am1 > NEAR_ONE_INV_AM1
-        softmax = am1 == 0.0
-        above_two = am1 > 1.0
-    if above_two:
-        b_dq, b_gh = _dq_pass(
-            b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol, p_mask,
-            stride_mq, stride_mk, p_flags, p_tiles, n_listed, kv_begin, full_begin, n_full,
-            kv_end, o_m, q_len, k_len,
-            head_e, head_ev, scale, am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, pos_shift,
-            win_left, win_right, softcap, slope, seed,
-            pid_bh, seqlen_q, seqlen_k, dropout_p, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
-            BLOCK_EC, ALPHA_ABOVE_TWO, MASK_KIND, OPTIONS, HAS_DROPOUT, NEED_DALPHA, False)
-    elif softmax:
-        b_dq, b_gh = _dq_pass(
-            b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol, p_mask,
-            stride_mq, stride_mk, p_flags, p_tiles, n_listed, kv_begin, full_begin, n_full,
-            kv_end, o_m, q_len, k_len,
-            head_e, head_ev, scale, am1, inv_am1, b_mz, b_tau, b_l, b_delta, is_causal, pos_shift,
-            win_left, win_right, softcap, slope, seed,
-            pid_bh, seqlen_q, seqlen_k, dropout_p, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
-            BLOCK_EC, ALPHA_SOFTMAX, MASK_KIND, OPTIONS, HAS_DROPOUT, NEED_DALPHA, False)
+        if HEADS == HEADS_OUTSIDE_C:
+            softmax = am1 == 0.0
+        else:
+            near_one = inv_am1 > NEAR_ONE_INV_AM1
+    if HEADS == HEADS_OUTSIDE_C:
+        if softmax:
+            b_dq, b_gh = _dq_pass(
+                b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
+                p_mask, stride_mq, stride_mk, p_flags, p_tiles, n_listed, kv_begin, full_begin,
+                n_full, kv_end, o_m, q_len, k_len, head_e, head_ev, scale, am1, inv_am1, b_mz,
+                b_tau, b_l, b_delta, is_causal, pos_shift, win_left, win_right, softcap, slope,
+                seed, pid_bh, seqlen_q, seqlen_k, dropout_p, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
+                BLOCK_EC, ALPHA_SOFTMAX, MASK_KIND, OPTIONS, HAS_DROPOUT, NEED_DALPHA, False)
+        else:
+            b_dq, b_gh = _dq_pass(
+                b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
+                p_mask, stride_mq, stride_mk, p_flags, p_tiles, n_listed, kv_begin, full_begin,
+                n_full, kv_end, o_m, q_len, k_len, head_e, head_ev, scale, am1, inv_am1, b_mz,
+                b_tau, b_l, b_delta, is_causal, pos_shift, win_left, win_right, softcap, slope,
+                seed, pid_bh, seqlen_q, seqlen_k, dropout_p, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV,
+                BLOCK_EC, ALPHA_ABOVE_TWO, MASK_KIND, OPTIONS, HAS_DROPOUT, NEED_DALPHA, False)
     elif near_one:
         b_dq, b_gh = _dq_pass(
             b_q, b_do, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol, p_mask,
@@ -338,16 +348,18 @@ def entmax_attn_bwd_dq_kernel(
         # the forward's statistics include it, so the keys' gradients need nothing more.
         # Its own dz, s_sink (0 - delta), is the row's term of d(sink); NaN on NaN rows.
         b_sink = sink_logit(sinks_ptr, i_h, OPTIONS) - b_mz
-        if softmax:
-            b_gap_sink, b_p_sink, b_s_sink = _row_weights(b_sink[:, None], b_tau, b_l, am1,
-                                                          inv_am1, ALPHA_SOFTMAX)
-            if NEED_DALPHA:
-                # the sink's term of softmax's d(alpha) (`_dq_tile`), its g being 0
-                b_logp_sink = tl.where(b_p_sink > 0, b_gap_sink - tl.log(b_l)[:, None], 0.0)
-                b_gh += 0.5 * tl.sum(b_p_sink * b_logp_sink * b_logp_sink, 1) * b_delta
-        elif above_two:
-            _, _, b_s_sink = _row_weights(b_sink[:, None], b_tau, b_l, am1, inv_am1,
-                                          ALPHA_ABOVE_TWO)
+        if HEADS == HEADS_OUTSIDE_C:
+            if softmax:
+                b_gap_sink, b_p_sink, b_s_sink = _row_weights(b_sink[:, None], b_tau, b_l, am1,
+                                                              inv_am1, ALPHA_SOFTMAX)
+                if NEED_DALPHA:
+                    # the sink's term of softmax's d(alpha) (`_dq_tile`), its g being 0
+                    b_logp_sink = tl.where(b_p_sink > 0, b_gap_sink - tl.log(b_l)[:, None],
+                                           0.0)
+                    b_gh += 0.5 * tl.sum(b_p_sink * b_logp_sink * b_logp_sink, 1) * b_delta
+            else:
+                _, _, b_s_sink = _row_weights(b_sink[:, None], b_tau, b_l, am1, inv_am1,
+                                              ALPHA_ABOVE_TWO)
         else:
             _, _, b_s_sink = _row_weights(b_sink[:, None], b_tau, b_l, am1, inv_am1, ALPHA_KIND)
         b_dsink = tl.where(b_mz != b_mz, float("nan"), -tl.sum(b_s_sink, 1) * b_delta)
@@ -355,11 +367,11 @@ def entmax_attn_bwd_dq_kernel(
     if NEED_DALPHA:
         # dalpha = sum_i g_i dp_i/dalpha with sum g p = dO.o, sum g p~ = delta
         # (docs/attention.md, "Gradient of alpha"); softmax's is the sum itself
-        if softmax:
-            b_dalpha = b_gh
-        else:
-            b_entropy = tl.load(p_stats + STAT_ENTROPY_C * stride_stat, mask=m_m, other=0.0)
-            b_dalpha = (b_gp - b_delta) * inv_am1 * inv_am1 + (b_gh - b_delta * b_entropy) * inv_am1
+        b_entropy = tl.load(p_stats + STAT_ENTROPY_C * stride_stat, mask=m_m, other=0.0)
+        b_dalpha = (b_gp - b_delta) * inv_am1 * inv_am1 + (b_gh - b_delta * b_entropy) * inv_am1
+        if HEADS == HEADS_OUTSIDE_C:
+            if softmax:
+                b_dalpha = b_gh
         tl.store(p_rows + ROW_DALPHA_C * stride_row, b_dalpha, mask=m_m)
 
 
@@ -575,6 +587,7 @@ def entmax_attn_bwd_dkdv_kernel(
     MASK_KIND: tl.constexpr, OPTIONS: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     DQ_MODE: tl.constexpr = DQ_KERNEL_C,
+    HEADS: tl.constexpr = HEADS_ALL_C,
 ):
     """dK, dV for one key block of one key/value head; dk and dv have their own strides.
     With DQ_MODE other than DQ_KERNEL also dQ's shares (dz k, unscaled) in the fp32 sum
@@ -596,6 +609,16 @@ def entmax_attn_bwd_dkdv_kernel(
     start_n = pid_n * BLOCK_N
     if start_n >= k_len:
         return
+    if HEADS == HEADS_OUTSIDE_C:
+        # a group with a head at alpha 1 or above 2 is run again, all its heads, by this
+        # launch (the launch for (1, 2] ran it too, compiled as it was: its dK, dV are
+        # replaced here, its shares of dQ dropped by the launcher)
+        n_outside = 0
+        for i_g in range(0, kv_group):
+            am1_g = tl.load(alpha_ptr + i_hk * kv_group + i_g).to(tl.float32) - 1.0
+            n_outside += ((am1_g == 0.0) | (am1_g > 1.0)).to(tl.int32)
+        if n_outside == 0:
+            return
     o_n = start_n + tl.arange(0, BLOCK_N)
     o_e = tl.arange(0, BLOCK_E)
     o_ev = tl.arange(0, BLOCK_EV)
@@ -632,8 +655,6 @@ def entmax_attn_bwd_dkdv_kernel(
     # the masked query tiles [m_begin, m_masked_end), the full ones from m_full (to
     # m_full_end under a window, whose tiles in [m_full_end, m_end) are masked again)
     m_masked_end = m_full
-    m_full_end = m_full
-    m_end = q_len
     if (SCORE_WINDOW_C & OPTIONS) != 0:
         m_begin, m_full, m_full_end, m_end = window_query_tiles(
             start_n, q_len, m_begin, m_full, pos_shift, win_left, win_right, BLOCK_M, BLOCK_N)
@@ -659,43 +680,107 @@ def entmax_attn_bwd_dkdv_kernel(
         p_dqacc = dqacc_ptr + i_b * stride_ab + i_h * stride_ah + q_start * stride_al
         p_locks = locks_ptr + pid_bh * n_qblocks
         p_turns = turns_ptr + pid_bh * n_qblocks * n_kblocks + pid_n
-        # a head at alpha 1 is softmax, one above 2 has passes of its own (attention_common,
-        # "A per-head alpha")
-        softmax = False
-        above_two = False
-        if ALPHA_KIND == ALPHA_GENERAL:
-            softmax = am1 == 0.0
-            above_two = am1 > 1.0
-        if above_two:
-            b_dk, b_dv = _dkdv_head(
-                b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
-                p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row, p_flags,
-                p_tiles, o_n, start_n, m_begin, m_masked_end, m_full, m_full_end, m_end,
-                q_len, k_len, head_e, head_ev, scale, am1, inv_am1, is_causal, pos_shift,
-                win_left, win_right, softcap, slope, seed, pid_bh, seqlen_q, seqlen_k, dropout_p,
-                b_dk, b_dv, b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks, BLOCK_M,
-                BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_ABOVE_TWO, MASK_KIND, OPTIONS,
-                HAS_DROPOUT, DQ_MODE)
-        elif softmax:
-            b_dk, b_dv = _dkdv_head(
-                b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
-                p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row, p_flags,
-                p_tiles, o_n, start_n, m_begin, m_masked_end, m_full, m_full_end, m_end,
-                q_len, k_len, head_e, head_ev, scale, am1, inv_am1, is_causal, pos_shift,
-                win_left, win_right, softcap, slope, seed, pid_bh, seqlen_q, seqlen_k, dropout_p,
-                b_dk, b_dv, b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks, BLOCK_M,
-                BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_SOFTMAX, MASK_KIND, OPTIONS,
-                HAS_DROPOUT, DQ_MODE)
+        if HEADS == HEADS_OUTSIDE_C:
+            # a head at alpha 1 is softmax, one above 2 has passes of its own, the others
+            # of the group run as in the launch for (1, 2] (attention_common, "A per-head
+            # alpha")
+            full_end = m_full
+            end = q_len
+            if (SCORE_WINDOW_C & OPTIONS) != 0:
+                full_end = m_full_end
+                end = m_end
+            if am1 > 1.0:
+                b_dk, b_dv = _dkdv_head(
+                    b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do,
+                    stride_ol, p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows,
+                    stride_row, p_flags, p_tiles, o_n, start_n, m_begin, m_masked_end, m_full,
+                    full_end, end, q_len, k_len, head_e, head_ev, scale, am1, inv_am1, is_causal,
+                    pos_shift, win_left, win_right, softcap, slope, seed, pid_bh, seqlen_q,
+                    seqlen_k, dropout_p, b_dk, b_dv, b_k, p_dqacc, stride_al, p_locks, p_turns,
+                    n_kblocks, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_ABOVE_TWO,
+                    MASK_KIND, OPTIONS, HAS_DROPOUT, DQ_MODE)
+            elif am1 == 0.0:
+                b_dk, b_dv = _dkdv_head(
+                    b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do,
+                    stride_ol, p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows,
+                    stride_row, p_flags, p_tiles, o_n, start_n, m_begin, m_masked_end, m_full,
+                    full_end, end, q_len, k_len, head_e, head_ev, scale, am1, inv_am1, is_causal,
+                    pos_shift, win_left, win_right, softcap, slope, seed, pid_bh, seqlen_q,
+                    seqlen_k, dropout_p, b_dk, b_dv, b_k, p_dqacc, stride_al, p_locks, p_turns,
+                    n_kblocks, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_SOFTMAX,
+                    MASK_KIND, OPTIONS, HAS_DROPOUT, DQ_MODE)
+            else:
+                b_dk, b_dv = _dkdv_head(
+                    b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do,
+                    stride_ol, p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows,
+                    stride_row, p_flags, p_tiles, o_n, start_n, m_begin, m_masked_end, m_full,
+                    full_end, end, q_len, k_len, head_e, head_ev, scale, am1, inv_am1, is_causal,
+                    pos_shift, win_left, win_right, softcap, slope, seed, pid_bh, seqlen_q,
+                    seqlen_k, dropout_p, b_dk, b_dv, b_k, p_dqacc, stride_al, p_locks, p_turns,
+                    n_kblocks, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND,
+                    MASK_KIND, OPTIONS, HAS_DROPOUT, DQ_MODE)
         else:
-            b_dk, b_dv = _dkdv_head(
-                b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
-                p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row, p_flags,
-                p_tiles, o_n, start_n, m_begin, m_masked_end, m_full, m_full_end, m_end,
-                q_len, k_len, head_e, head_ev, scale, am1, inv_am1, is_causal, pos_shift,
-                win_left, win_right, softcap, slope, seed, pid_bh, seqlen_q, seqlen_k, dropout_p,
-                b_dk, b_dv, b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks, BLOCK_M,
-                BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND, OPTIONS,
-                HAS_DROPOUT, DQ_MODE)
+            for start_m in range(m_begin, m_masked_end, BLOCK_M):
+                if tl.load(p_flags + (start_m // BLOCK_M) * n_kblocks) != 0:
+                    b_dk, b_dv = _dkdv_tile(
+                        b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
+                        p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row,
+                        o_n, start_n, start_m, q_len, k_len, head_e, head_ev, scale, am1, inv_am1,
+                        is_causal, pos_shift, win_left, win_right, softcap, slope, seed, pid_bh,
+                        seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
+                        b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks,
+                        BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND,
+                        OPTIONS,
+                        HAS_DROPOUT, True, DQ_MODE)
+            q_full = (q_len // BLOCK_M) * BLOCK_M
+            # the full query tiles the forward flagged through their list: a pipelined loop
+            # (the list of the previous head of the group is read to the end first)
+            listed_end = q_full
+            if (SCORE_WINDOW_C & OPTIONS) != 0:
+                listed_end = m_full_end
+            tl.debug_barrier()
+            n_listed = listed_tiles(p_flags, n_kblocks, tl.cdiv(m_full, BLOCK_M),
+                                    listed_end // BLOCK_M, p_tiles)
+            tl.debug_barrier()
+            for i in range(n_listed):
+                start_m = tl.load(p_tiles + i) * BLOCK_M
+                b_dk, b_dv = _dkdv_tile(
+                    b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
+                    p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row,
+                    o_n, start_n, start_m, q_len, k_len, head_e, head_ev, scale, am1, inv_am1,
+                    is_causal, pos_shift, win_left, win_right, softcap, slope, seed, pid_bh,
+                    seqlen_q,
+                    seqlen_k, dropout_p, b_dk, b_dv,
+                    b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks,
+                    BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND, OPTIONS,
+                    HAS_DROPOUT, False, DQ_MODE)
+            if (SCORE_WINDOW_C & OPTIONS) != 0:
+                # the tiles that cross the window's trailing edge, the last query tile among
+                # them
+                for start_m in range(m_full_end, m_end, BLOCK_M):
+                    if tl.load(p_flags + (start_m // BLOCK_M) * n_kblocks) != 0:
+                        b_dk, b_dv = _dkdv_tile(
+                            b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do,
+                            stride_ol, p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows,
+                            stride_row, o_n, start_n, start_m, q_len, k_len, head_e, head_ev, scale,
+                            am1, inv_am1, is_causal, pos_shift, win_left, win_right, softcap, slope,
+                            seed, pid_bh, seqlen_q, seqlen_k, dropout_p, b_dk, b_dv, b_k, p_dqacc,
+                            stride_al, p_locks, p_turns, n_kblocks, BLOCK_M, BLOCK_N, BLOCK_E,
+                            BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND, OPTIONS, HAS_DROPOUT, True,
+                            DQ_MODE)
+            else:
+                # a last query tile past m_full that the end of the queries cuts, after the listed
+                # ones (DQ_ORDERED visits a program's query tiles in ascending order)
+                b_dk, b_dv = _dkdv_last_tile(
+                    b_kt, b_vt, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_do, stride_ol,
+                    p_mask, stride_mq, stride_mk, p_stats, stride_stat, p_rows, stride_row, p_flags,
+                    o_n, start_n, m_full, q_full, q_len, k_len, head_e, head_ev, scale, am1,
+                    inv_am1, is_causal, pos_shift, win_left, win_right, softcap, slope, seed,
+                    pid_bh,
+                    seqlen_q, seqlen_k, dropout_p, b_dk, b_dv,
+                    b_k, p_dqacc, stride_al, p_locks, p_turns, n_kblocks,
+                    BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, ALPHA_KIND, MASK_KIND, OPTIONS,
+                    HAS_DROPOUT, DQ_MODE)
     dk_off = i_b * stride_dkb + i_hk * stride_dkh + k_start * stride_dkl
     dv_off = i_b * stride_dvb + i_hk * stride_dvh + k_start * stride_dvl
     tl.store(dk_ptr + dk_off + o_n[:, None] * stride_dkl + o_e[None, :],
@@ -726,11 +811,12 @@ def aot_configs():
         # dK/dV alone, and with dQ's shares (attention_common.backward_dq)
         kernels += [("dkdv", entmax_attn_bwd_dkdv_kernel, {"DQ_MODE": mode},
                      "" if mode == DQ_KERNEL else f"_dq{name}") for name, mode in DQ_MODES.items()]
-        for name, fn, switches, tag in kernels:
+        for (name, fn, switches, tag), heads in itertools.product(kernels,
+                                                                  head_launches(alpha_kind)):
             keywords = backward_launch(name, block_e, dtype_key)
-            configs.append({"name": f"entmax_attn_bwd_{name}_{suffix}{tag}", "fn": fn,
-                            "signature": attention_signature(fn, dtype_key, mask_kind),
-                            "constexprs": dict(constexprs, **switches,
+            configs.append({"name": f"entmax_attn_bwd_{name}_{suffix}{tag}{head_suffix(heads)}",
+                            "fn": fn, "signature": attention_signature(fn, dtype_key, mask_kind),
+                            "constexprs": dict(constexprs, **switches, HEADS=heads,
                                                BLOCK_EC=chunk_width(name, block_e, dtype_key)),
                             "arch_constexprs": arch_chunks(name, block_e, dtype_key),
                             "num_warps": keywords.pop("num_warps"),

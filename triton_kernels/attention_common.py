@@ -42,13 +42,9 @@ CANDIDATE_CHUNK_C = tl.constexpr(CANDIDATE_CHUNK)
 # evaluations over the captured scores (`_candidate_pass`) and their rewrite, at most
 # COMPACT_MIN + (listed tiles) / COMPACT_TILES times per block (a compaction costs about as
 # much as a few tiles; a block that needs more, as on flat scores, takes the passes over
-# the tiles). The float32 emulation of 64-row blocks (N(0, 1) scores, L 4096, causal,
-# alpha 1.5): 2.3 compactions and 32 tile visits for 30 tiles per block, none past the
-# slots. At 3/4 rather than 1/2 of the slots (`tools/attention_passes.py
-# --compact-fill`, rows of 4096 / 16384 keys, N(0, 1)): alpha 1.5 2.0 / 3.0 compactions per
-# block instead of 3.5 / 6.0, alpha 2 0.2 / 1.0 instead of 0.8 / 1.0, about 0.75 more passes
-# over the slots after the pass; at sigma 0.5 and 16384 keys half the alpha 1.5 blocks take
-# the passes over the tiles instead of three quarters.
+# the tiles). COMPACT_FILL 3/4 rather than 1/2: alpha 1.5 2.0 instead of 3.5 compactions
+# per block (the float32 emulation, tools/attention_passes.py --compact-fill, L 4096,
+# N(0, 1) scores; the other figures in docs/performance.md, "Triton kernel decisions").
 COMPACT_SEGMENT_C = tl.constexpr(8)
 COMPACT_FILL = 0.75
 COMPACT_FILL_C = tl.constexpr(COMPACT_FILL)
@@ -63,21 +59,12 @@ COMPACT_MIN_C = tl.constexpr(2)
 COMPACT_TILES_C = tl.constexpr(8)
 # The general kind's blocks capture only where their rows are likely to fit their slots:
 # where no open row has more than CAPTURE_MAX_COLUMN_SHARE of the max pass's column maxima
-# (`_subset_bound`'s subset) above the lower bound that subset gave. A block whose rows do
-# not fit pays the capture and then the passes over the tiles: timed (H100 and H200, bf16,
-# L 4096 E 64 causal, commit 8716bcd), every head capturing in its second pass made
-# alpha 1.25 (hundreds of scores per row above lo) 1.30-1.38x slower and alpha 1.5 (tens)
-# 1.08-1.10x faster. With the first pass capturing above a rising bound, whether a row
-# fits depends on the spread of its scores as much as on alpha; the count of columns tells
-# them apart (a row with S scores above lo spread over BLOCK_N columns occupies about
-# BLOCK_N (1 - exp(-S / BLOCK_N)) of them: 60 of 64 is S ~ 180). The float32 emulation
-# (tools/attention_passes.py, 64-row blocks of N(0, sigma^2) and local scores,
-# L 1024-16384, alpha 1.25-2, sigma 0.5-3): blocks that
-# overflowed had 57-64 of their 64 columns above lo, those that fit 5-61; between 55 and
-# 61 both occur, about two in three fitting, where a fit saves ~50 units of work per score
-# and an overflow costs ~55, so capturing there is still the better bet. Alpha 1.4 at
-# sigma 1 fits at 40-57 columns and then takes 44-47 units per score against 95-114
-# without the capture.
+# (`_subset_bound`'s subset) above the lower bound that subset gave (a row with S scores
+# above lo occupies about BLOCK_N (1 - exp(-S / BLOCK_N)) of the columns). A block whose
+# rows do not fit pays the capture and then the passes over the tiles: every head
+# capturing made alpha 1.25 1.30-1.38x slower (H100 and H200, bf16, L 4096, E 64, causal,
+# commit 8716bcd). 15/16: in the float32 emulation blocks that overflowed had 57-64 of 64
+# columns above lo (the emulation's table: docs/performance.md, "Triton kernel decisions").
 CAPTURE_MAX_COLUMN_SHARE = 15 / 16
 CAPTURE_MAX_COLUMN_SHARE_C = tl.constexpr(CAPTURE_MAX_COLUMN_SHARE)
 
@@ -91,14 +78,11 @@ def candidate_slots(alpha_kind):
     are the second pass's, with no capture in the first pass.
 
     After the first pass, rows of N(0, 1) scores hold tens of scores above the lower bound
-    (the float32 emulation, tools/attention_passes.py: at most 73 per block of 64
-    rows at L 4096 and 98 at L 16384 at alpha 1.5, 22 and 23 at alpha 2, 78 and 103 for the
-    general kind at 1.5), hundreds at alpha 1.25 or on flatter scores (those blocks keep the
-    passes over the tiles). Timed (commit 8716bcd; L 4096 E 64 causal, bf16 forward,
-    `no_capture` of tools/attention_variants.py): 4 % faster at alpha 1.5 on an H100
-    and an H200, 1-6 % at alpha 2, 9-10 % for a learned alpha at 1.5; the general kind's
-    blocks whose rows are unlikely to fit do not capture (CAPTURE_MAX_COLUMN_SHARE). 128
-    slots take 512 bytes of scratch per query row for the duration of the forward call."""
+    (hundreds at alpha 1.25 or on flatter scores: those blocks keep the passes over the
+    tiles). The capture made the forward 4 % faster at alpha 1.5 (H100 and H200, bf16,
+    L 4096, E 64, causal, commit 8716bcd; the other figures in docs/performance.md,
+    "Triton kernel decisions"). 128 slots take 512 bytes of scratch per query row for the
+    duration of the forward call."""
     return CANDIDATE_SLOTS
 
 # Row statistics stored per query row, stacked along the first dimension of `stats`.
@@ -183,17 +167,10 @@ def forward_phases(block_e, dtype_key, mask_kind=common.MASK_NONE):
     with: two programs per SM), though those passes hold one score tile and a few row sums.
     Split, the threshold launch runs at 128 (`register_cap`): four programs per SM.
 
-    Measured on an H100 (commit cac942d; bf16, L 4096, causal, B·L 16384, 4 warps, 3
-    stages): forward without gradients 3.33 ms fused, 3.18 split, 3.06 split with the
-    threshold launch capped at 128 registers (96: 3.17), training step 4.99 / 5.07 / 4.94;
-    alpha 2: 2.96 / 2.93 / 2.73 and 4.80 / 4.83 / 4.71. Over the grid the forward gained
-    5-9 % on random scores (E 128 at L 16384: 2 % slower) and 19-24 % on local ones, a
-    training step 0-4 %. A forward that reads an attn_mask (H100, commit 4a08cac, the
-    causal mask as a bool tensor, α 1.5, E 64): 8.54 ms fused at 8 warps, 6.02 fused at 4
-    warps and 3 stages, 4.81 split so (training step 11.11 / 8.53 / 7.11), though split at
-    4 warps the threshold launch spills (sm_90, bf16: 16 bytes with a bool mask, 104 with a
-    float one; the output launch none). Masked at E 128, fp32 and E 256 forwards are not
-    timed split: they stay fused.
+    Split with the cap, the forward without gradients took 3.06 ms against 3.33 fused (H100,
+    bf16, L 4096, causal, commit cac942d); a masked one 4.81 against 6.02 (commit 4a08cac).
+    Masked at E 128, fp32 and E 256 forwards are not timed split: they stay fused. The
+    other figures: docs/performance.md, "Triton kernel decisions".
     """
     if dtype_key != "fp32" and (block_e <= 64 or (block_e <= 128 and mask_kind == common.MASK_NONE)):
         return (PHASE_THRESHOLD, PHASE_OUTPUT)
@@ -215,14 +192,8 @@ def register_cap(kernel, block_e, dtype_key, mask_kind=common.MASK_NONE,
     E 64, causal, 4.84 against 5.37 ms).
 
     The other launches have no cap: none has been timed with one (`tools/tune_attention.py
-    --caps` times them). Candidates at E 64 (sm_90, bf16, 4 warps, 64x64 tiles, triton
-    3.6), programs per SM uncapped -> capped: the output launch without
-    gradients at 128, 3 -> 4 (154 registers uncapped; no stack either way, its tile loop
-    9.2 -> 9.3 instructions per score), with them at 168, 2 -> 3 (223; 80 bytes of stack,
-    12.2 -> 12.4); dK/dV at 168, 2 -> 3 (255; its listed-tile loop 0.8-1.0 instructions
-    per score more, 13-22 of them spills per tile, alpha 1.5, 2, general); dQ at 128,
-    3 -> 4 (162; 9.0 -> 9.1). At E 128 dK/dV's shared memory (105 KiB) holds it at two
-    programs whatever the cap."""
+    --caps` times them; the candidates' SASS counts are in docs/performance.md, "Triton
+    kernel decisions")."""
     if kernel == "fwd_threshold":
         return 128
     return None
@@ -274,24 +245,12 @@ def launch_config(kernel, block_e, dtype_key, mask_kind=common.MASK_NONE):
     """(num_warps, num_stages) of `kernel` ("fwd", "fwd_threshold", "fwd_output" (the
     `forward_phases` launches), "dq" or "dkdv").
 
-    Measured on an H100 (tools/tune_attention.py, commit 9ece455; B·L 16384, H 16, L 4096,
-    causal, bf16, 64x64 tiles): 4 warps beat 8 in every kernel although 8 halve each
-    thread's share of the [BM, BN] tiles it holds (a row's reductions then cross warps).
-    Forward, 4 warps and 3 stages: 3.55 ms at E 64 (2 stages 3.71, 8 warps 7.0; 2 warps on
-    32x64 tiles 5.2), 4.2 ms at E 128 (8 warps and 2 stages took 9.85 before the tile
-    lists). Backward, 4 warps and 2 stages, its tile loops pipelined (`listed_tiles`):
-    training step 5.27 ms at E 64 (1 stage 5.41, 3 stages 5.27, 8 warps 7.0), 8.12 at E
-    128 (1 stage 8.09).
-    A forward that reads an attn_mask, E 64: 4 warps and 3 stages as without one, split
-    (`forward_phases`, measured). Not timed: a masked forward at E 128 (8 warps, one
-    launch: chosen when the AOT check compiled it with a variable stride_mk, where 4 warps
-    left a 1.8 KB stack frame on sm_90; compiled as it runs (`mask_specialisation`),
-    bf16/fp16 E 128 leaves 0-280 bytes at 8 warps fused, more split at 4 warps:
-    `tune_attention.py --mask bool --head-dims 128` decides),
-    and E 256 (8 warps everywhere; 2 stages
-    where they add no stack on sm_90, the forward and dQ; dK/dV keeps 1, its 2-stage
-    buffers reach A100's shared-memory limit). fp32: 2 stages (dK/dV above E 64 keeps 1:
-    2 add 40-70 bytes of stack there, none elsewhere).
+    4 warps beat 8 in every kernel (a row's reductions would cross warps): the forward at
+    E 64 took 3.55 ms with 4 warps and 3 stages against 7.0 with 8 (H100, bf16, L 4096,
+    causal, tools/tune_attention.py, commit 9ece455). Not timed: a masked forward at E 128
+    (8 warps, one launch), E 256 (8 warps; dK/dV keeps 1 stage, its 2-stage buffers reach
+    A100's shared-memory limit), fp32 (2 stages; dK/dV above E 64 keeps 1, 2 add 40-70
+    bytes of stack). The other figures: docs/performance.md, "Triton kernel decisions".
     """
     if kernel.startswith("fwd"):
         kernel = "fwd"
@@ -785,10 +744,19 @@ def gap(b_u, b_thr, inv_am1, ALPHA_KIND: tl.constexpr):
 NEAR_ONE_INV_AM1 = tl.constexpr(4.0)
 
 
-# A per-head alpha (the general kind) may hold 1 (softmax) and values above 2. Each
-# kernel branches on its program's head once, outside its loops, so that the loops of the
-# heads in (1, 2] stay as they were, and runs that head's passes compiled with an
-# ALPHA_KIND of their own (the other kinds compile no branch: a python False):
+# A per-head alpha (the general kind) may hold 1 (softmax) and values above 2. The general
+# kind's kernels are launched twice (`head_launches`): HEADS_IN_RANGE, the kernels as they
+# are for alpha in (1, 2], whose programs of the other heads return at once, and
+# HEADS_OUTSIDE, compiled apart, whose programs of heads in (1, 2] return at once. dK/dV's
+# program sums a group of query heads: its HEADS_IN_RANGE launch is the kernel as it was
+# (an early return cost its dQ-share loop 140 instructions, sm_90, bf16, E 64) and runs
+# every group, and HEADS_OUTSIDE runs the groups holding a head at 1 or above 2 again, all
+# their heads, replacing their dK and dV (the launcher drops their dQ shares). Compiled
+# into the same kernel (commit b972e37), the other heads' code cost the heads in (1, 2]
+# registers and spills in their loops (sm_90, bf16, E 64: dK/dV's stack 264 -> 592 bytes,
+# its listed-tile loop 68.9 -> 77.1 instructions per score). HEADS_OUTSIDE branches on its
+# program's head once, outside its loops, and runs that head's passes compiled with an
+# ALPHA_KIND of their own:
 # - alpha = 1 (`am1 == 0`), ALPHA_SOFTMAX: no threshold (1/(alpha - 1) is infinite); the
 #   weights are exp(u), u = z - max, and their sensitivities the weights themselves.
 # - alpha > 2, ALPHA_ABOVE_TWO: p = (am1 d)^e with d = [u - tau]_+ in z units (the
@@ -797,6 +765,26 @@ NEAR_ONE_INV_AM1 = tl.constexpr(4.0)
 #   weight by up to (6e-8)^e: 4e-3 at alpha 4). The forward (`attention_fwd._above_two_
 #   threshold`) stores the shift m + tau (rounded) and the small rest of tau instead of m
 #   and tau, so that every kernel forms d near 0 with the precision of the scores.
+
+
+HEADS_ALL, HEADS_IN_RANGE, HEADS_OUTSIDE = 0, 1, 2
+HEADS_ALL_C = tl.constexpr(HEADS_ALL)
+HEADS_IN_RANGE_C = tl.constexpr(HEADS_IN_RANGE)
+HEADS_OUTSIDE_C = tl.constexpr(HEADS_OUTSIDE)
+
+
+def head_launches(alpha_kind):
+    """The HEADS of each launch of an attention kernel compiled for `alpha_kind`, in order
+    ("A per-head alpha" above): one launch for alpha 1.5 and 2, two for the general kind."""
+    if alpha_kind == common.ALPHA_GENERAL:
+        return (HEADS_IN_RANGE, HEADS_OUTSIDE)
+    return (HEADS_ALL,)
+
+
+def head_suffix(heads):
+    """The token an AOT configuration's name takes for its HEADS: none for the launch that
+    runs the heads in (1, 2] (the kernels as they were), "_outside" for the other."""
+    return "_outside" if heads == HEADS_OUTSIDE else ""
 
 
 @triton.jit

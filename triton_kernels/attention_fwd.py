@@ -60,6 +60,8 @@ import triton.language as tl
 
 from .. import common
 from .attention_common import (CANDIDATE_CHUNK_C, CAPTURE_MAX_COLUMN_SHARE_C, COMPACT_FILL_C,
+                               HEADS_ALL_C, HEADS_IN_RANGE_C, HEADS_OUTSIDE_C, head_launches,
+                               head_suffix,
                                COMPACT_MIN_C, COMPACT_SEGMENT_C, COMPACT_STEPS, COMPACT_TILES_C,
                                MAX_TAU_PASSES_C, NEAR_ONE_INV_AM1, PHASE_OUTPUT_C,
                                PHASE_THRESHOLD_C, SCORE_SINK_C, SCORE_WINDOW_C, STAT_ENTROPY_C,
@@ -1328,6 +1330,7 @@ def entmax_attn_fwd_kernel(
     MASK_KIND: tl.constexpr, OPTIONS: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     NEED_GRAD: tl.constexpr, PHASE: tl.constexpr, CANDIDATES: tl.constexpr,
+    HEADS: tl.constexpr = HEADS_ALL_C,
 ):
     pid_bh = tl.program_id(0)
     pid_m = query_block(tl.program_id(1), n_qblocks)
@@ -1354,6 +1357,12 @@ def entmax_attn_fwd_kernel(
     alpha = tl.load(alpha_ptr + i_h).to(tl.float32)
     am1 = alpha - 1.0
     inv_am1 = 1.0 / am1
+    if HEADS == HEADS_IN_RANGE_C:
+        if (am1 == 0.0) | (am1 > 1.0):
+            return
+    if HEADS == HEADS_OUTSIDE_C:
+        if (am1 != 0.0) & (am1 <= 1.0):
+            return
 
     kv_end = k_len
     if is_causal != 0:
@@ -1400,34 +1409,37 @@ def entmax_attn_fwd_kernel(
     # for heads near alpha = 1 and for the others (`log2_base`), so that the passes' loops
     # of the usual heads hold no near-one log (sm_90, bf16, E 64, alpha >= 1.25: the
     # threshold launch's stack 448 -> 168 bytes, a later pass 14.1 instructions per score).
-    # A per-head alpha of 1 (softmax) or above 2 branches here too (attention_common, "A
+    # The launch for the heads at alpha 1 or above 2 (HEADS_OUTSIDE, attention_common "A
     # per-head alpha"): softmax has no threshold (0, its weights exp(u)), above 2 the
     # bracketing search.
     near_one = False
     softmax = False
-    above_two = False
     if ALPHA_KIND == ALPHA_GENERAL:
-        near_one = inv_am1 > NEAR_ONE_INV_AM1
-        softmax = am1 == 0.0
-        above_two = am1 > 1.0
+        if HEADS == HEADS_OUTSIDE_C:
+            softmax = am1 == 0.0
+        else:
+            near_one = inv_am1 > NEAR_ONE_INV_AM1
     if PHASE == PHASE_OUTPUT_C:
         b_tau = tl.load(p_stats + STAT_TAU_C * stride_stat, mask=m_m, other=0.0)
         n_listed = listed_tiles(p_flags, 1, full_begin // BLOCK_N, n_full // BLOCK_N, p_tiles)
     else:
-        if softmax:
-            tl.debug_barrier()
-            n_listed = listed_tiles(p_flags, 1, full_begin // BLOCK_N, n_full // BLOCK_N, p_tiles)
-            b_tau = tl.zeros([BLOCK_M], dtype=tl.float32)
-        elif above_two:
-            b_mz, b_tau, n_listed = _above_two_threshold(
-                b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, kv_begin,
-                full_begin, n_full, q_len, k_len, kv_end, head_e, scale, b_mz, sink, is_causal,
-                pos_shift, win_left, win_right, softcap, slope, m_rows, p_flags, p_tiles, p_cand,
-                am1, inv_am1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, MASK_KIND, OPTIONS)
-            # its shift is the rounded m + tau: kept where the threshold launch leaves the
-            # row maximum, for the output launch
-            b_m = tl.where(m_rows, b_mz, b_m)
-            b_sink = sink - b_mz
+        if HEADS == HEADS_OUTSIDE_C:
+            if softmax:
+                tl.debug_barrier()
+                n_listed = listed_tiles(p_flags, 1, full_begin // BLOCK_N, n_full // BLOCK_N,
+                                        p_tiles)
+                b_tau = tl.zeros([BLOCK_M], dtype=tl.float32)
+            else:
+                b_mz, b_tau, n_listed = _above_two_threshold(
+                    b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m,
+                    kv_begin, full_begin, n_full, q_len, k_len, kv_end, head_e, scale, b_mz, sink,
+                    is_causal, pos_shift, win_left, win_right, softcap, slope, m_rows, p_flags,
+                    p_tiles, p_cand, am1, inv_am1, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC,
+                    MASK_KIND, OPTIONS)
+                # its shift is the rounded m + tau: kept where the threshold launch leaves
+                # the row maximum, for the output launch
+                b_m = tl.where(m_rows, b_mz, b_m)
+                b_sink = sink - b_mz
         elif near_one:
             b_tau, n_listed = _find_threshold(
                 b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, o_m, kv_begin,
@@ -1457,22 +1469,23 @@ def entmax_attn_fwd_kernel(
     # output pass (sparse): the listed tiles; it flags exactly the tiles holding non-zero
     # weight, for the backward
     seed = tl.load(seed_ptr)
-    if softmax:
-        b_sum, b_ssum, b_plogp, b_acc, b_dacc = _output_pass(
-            b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq, stride_mk,
-            o_m, kv_begin, full_begin, n_full, kv_end, n_listed, p_tiles, q_len, k_len, head_e,
-            head_ev, scale, inv_am1, b_mz, b_sink, b_tau, m_rows, is_causal, pos_shift,
-            win_left, win_right, softcap, slope, p_flags, seed, pid_bh, seqlen_q, seqlen_k,
-            dropout_p, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, MASK_KIND, OPTIONS,
-            ALPHA_SOFTMAX, HAS_DROPOUT, NEED_GRAD, False)
-    elif above_two:
-        b_sum, b_ssum, b_plogp, b_acc, b_dacc = _output_pass(
-            b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq, stride_mk,
-            o_m, kv_begin, full_begin, n_full, kv_end, n_listed, p_tiles, q_len, k_len, head_e,
-            head_ev, scale, inv_am1, b_mz, b_sink, b_tau, m_rows, is_causal, pos_shift,
-            win_left, win_right, softcap, slope, p_flags, seed, pid_bh, seqlen_q, seqlen_k,
-            dropout_p, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, MASK_KIND, OPTIONS,
-            ALPHA_ABOVE_TWO, HAS_DROPOUT, NEED_GRAD, False)
+    if HEADS == HEADS_OUTSIDE_C:
+        if softmax:
+            b_sum, b_ssum, b_plogp, b_acc, b_dacc = _output_pass(
+                b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq,
+                stride_mk, o_m, kv_begin, full_begin, n_full, kv_end, n_listed, p_tiles, q_len,
+                k_len, head_e, head_ev, scale, inv_am1, b_mz, b_sink, b_tau, m_rows, is_causal,
+                pos_shift, win_left, win_right, softcap, slope, p_flags, seed, pid_bh, seqlen_q,
+                seqlen_k, dropout_p, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, MASK_KIND,
+                OPTIONS, ALPHA_SOFTMAX, HAS_DROPOUT, NEED_GRAD, False)
+        else:
+            b_sum, b_ssum, b_plogp, b_acc, b_dacc = _output_pass(
+                b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq,
+                stride_mk, o_m, kv_begin, full_begin, n_full, kv_end, n_listed, p_tiles, q_len,
+                k_len, head_e, head_ev, scale, inv_am1, b_mz, b_sink, b_tau, m_rows, is_causal,
+                pos_shift, win_left, win_right, softcap, slope, p_flags, seed, pid_bh, seqlen_q,
+                seqlen_k, dropout_p, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EV, BLOCK_EC, MASK_KIND,
+                OPTIONS, ALPHA_ABOVE_TWO, HAS_DROPOUT, NEED_GRAD, False)
     elif near_one:
         b_sum, b_ssum, b_plogp, b_acc, b_dacc = _output_pass(
             b_q, p_q, stride_ql, p_k, stride_kl, p_v, stride_vl, p_mask, stride_mq, stride_mk,
@@ -1540,14 +1553,17 @@ def aot_configs():
                           **mask_specialisation(mask_kind)}
             suffix = config_suffix(dtype_key, block_e, alpha_kind, mask_kind, varlen, dropout,
                                options)
-            configs.append({
-                "name": f"entmax_attn_{launch.kernel}_{suffix}_g{launch.need_grad}",
-                "options": launch_options(launch.maxnreg),
-                "fn": entmax_attn_fwd_kernel,
-                "signature": attention_signature(entmax_attn_fwd_kernel, dtype_key, mask_kind),
-                "constexprs": constexprs,
-                "arch_constexprs": arch_chunks("fwd", block_e, dtype_key),
-                "num_warps": launch.num_warps,
-                "num_stages": launch.num_stages,
-            })
+            for heads in head_launches(alpha_kind):
+                configs.append({
+                    "name": (f"entmax_attn_{launch.kernel}_{suffix}_g{launch.need_grad}"
+                             + head_suffix(heads)),
+                    "options": launch_options(launch.maxnreg),
+                    "fn": entmax_attn_fwd_kernel,
+                    "signature": attention_signature(entmax_attn_fwd_kernel, dtype_key,
+                                                     mask_kind),
+                    "constexprs": dict(constexprs, HEADS=heads),
+                    "arch_constexprs": arch_chunks("fwd", block_e, dtype_key),
+                    "num_warps": launch.num_warps,
+                    "num_stages": launch.num_stages,
+                })
     return configs

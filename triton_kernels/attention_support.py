@@ -17,7 +17,8 @@ import triton.language as tl
 
 from .attention_bwd import _row_weights
 from .attention_common import (ALPHA_KINDS, BLOCK_ES, FLOAT_PARAMETERS, MASK_KINDS,
-                               NEAR_ONE_INV_AM1, POINTER_TYPES, SCORE_OPTION_SETS,
+                               HEADS_ALL_C, HEADS_IN_RANGE_C, HEADS_OUTSIDE_C, NEAR_ONE_INV_AM1,
+                               POINTER_TYPES, head_launches, head_suffix, SCORE_OPTION_SETS,
                                SCORE_OPTION_TOKENS, SCORE_SINK, SCORE_WINDOW_C, STAT_MAX_C,
                                STAT_SUM_C, STAT_TAU_C, block_sizes, chunk_width, held_cols,
                                held_rows, launch_config, mask_pointer_type, mask_specialisation,
@@ -106,7 +107,7 @@ def entmax_attn_support_kernel(
     alibi_ptr, stride_alibi_b, stride_alibi_h,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_EC: tl.constexpr, ALPHA_KIND: tl.constexpr, MASK_KIND: tl.constexpr,
-    OPTIONS: tl.constexpr,
+    OPTIONS: tl.constexpr, HEADS: tl.constexpr = HEADS_ALL_C,
 ):
     """The support size of each row of one query block, into counts (B, H, Lq) int32
     (contiguous), from the statistics of the forward that ran on q and k with the same
@@ -136,6 +137,12 @@ def entmax_attn_support_kernel(
     alpha = tl.load(alpha_ptr + i_h).to(tl.float32)
     am1 = alpha - 1.0
     inv_am1 = 1.0 / am1
+    if HEADS == HEADS_IN_RANGE_C:
+        if (am1 == 0.0) | (am1 > 1.0):
+            return
+    if HEADS == HEADS_OUTSIDE_C:
+        if (am1 != 0.0) & (am1 <= 1.0):
+            return
 
     kv_begin, full_begin, n_full, kv_end, pos_shift, win_left, win_right, slope = query_block_key_tiles(
         i_b, i_h, start_m, q_len, k_len, is_causal, window_left, window_right, alibi_ptr,
@@ -144,25 +151,26 @@ def entmax_attn_support_kernel(
     # (and a head at alpha 1, softmax, or above 2: attention_common, "A per-head alpha")
     near_one = False
     softmax = False
-    above_two = False
     if ALPHA_KIND == ALPHA_GENERAL:
-        near_one = inv_am1 > NEAR_ONE_INV_AM1
-        softmax = am1 == 0.0
-        above_two = am1 > 1.0
-    if above_two:
-        b_count = _count_pass(
-            b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, kv_begin,
-            full_begin, n_full, kv_end, o_m, q_len, k_len, head_e, scale, am1,
-            inv_am1, b_mz, b_tau, b_l, is_causal, pos_shift, win_left, win_right, softcap,
-            slope, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, ALPHA_ABOVE_TWO, MASK_KIND, OPTIONS,
-            False)
-    elif softmax:
-        b_count = _count_pass(
-            b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, kv_begin,
-            full_begin, n_full, kv_end, o_m, q_len, k_len, head_e, scale, am1,
-            inv_am1, b_mz, b_tau, b_l, is_causal, pos_shift, win_left, win_right, softcap,
-            slope, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, ALPHA_SOFTMAX, MASK_KIND, OPTIONS,
-            False)
+        if HEADS == HEADS_OUTSIDE_C:
+            softmax = am1 == 0.0
+        else:
+            near_one = inv_am1 > NEAR_ONE_INV_AM1
+    if HEADS == HEADS_OUTSIDE_C:
+        if softmax:
+            b_count = _count_pass(
+                b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, kv_begin,
+                full_begin, n_full, kv_end, o_m, q_len, k_len, head_e, scale, am1,
+                inv_am1, b_mz, b_tau, b_l, is_causal, pos_shift, win_left, win_right, softcap,
+                slope, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, ALPHA_SOFTMAX, MASK_KIND, OPTIONS,
+                False)
+        else:
+            b_count = _count_pass(
+                b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, kv_begin,
+                full_begin, n_full, kv_end, o_m, q_len, k_len, head_e, scale, am1,
+                inv_am1, b_mz, b_tau, b_l, is_causal, pos_shift, win_left, win_right, softcap,
+                slope, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_EC, ALPHA_ABOVE_TWO, MASK_KIND, OPTIONS,
+                False)
     elif near_one:
         b_count = _count_pass(
             b_q, p_q, stride_ql, p_k, stride_kl, p_mask, stride_mq, stride_mk, kv_begin,
@@ -201,19 +209,19 @@ def aot_configs():
                     dict(POINTERS, mask_ptr=mask_pointer_type(dtype_key, mask_kind)),
                     floats=FLOAT_PARAMETERS)
                 signature.update(dict.fromkeys(mask_specialisation(mask_kind), "constexpr"))
-                for alpha_kind in ALPHA_KINDS:
+                for alpha_kind, heads in ((a, h) for a in ALPHA_KINDS for h in head_launches(a)):
                     for options in sorted({kernel_options(o) for o in SCORE_OPTION_SETS}):
                         name = (f"entmax_attn_support_{dtype_key}_e{block_e}{chunked}"
                                 f"_a{alpha_kind}_m{mask_kind}"
                                 + "".join(f"_{token}" for bit, token in SCORE_OPTION_TOKENS
-                                          if options & bit))
+                                          if options & bit) + head_suffix(heads))
                         configs.append({
                             "name": name, "fn": entmax_attn_support_kernel,
                             "signature": signature,
                             "constexprs": {"BLOCK_M": block_m, "BLOCK_N": block_n,
                                            "BLOCK_E": block_e, "BLOCK_EC": block_ec,
                                            "ALPHA_KIND": alpha_kind, "MASK_KIND": mask_kind,
-                                           "OPTIONS": options,
+                                           "OPTIONS": options, "HEADS": heads,
                                            **mask_specialisation(mask_kind)},
                             "num_warps": num_warps, "num_stages": num_stages,
                         })

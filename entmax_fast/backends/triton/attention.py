@@ -14,6 +14,7 @@ Layers (top to bottom):
 Causal masks are top-left aligned, as drawn in entmax_fast/attention.py. A row whose keys
 are all masked gets zero output and zero gradients.
 """
+import itertools
 from typing import Optional
 
 import torch
@@ -222,8 +223,10 @@ def _launch_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is_c
     slots = attention_common.candidate_slots(alpha_kind)
     candidates = geo.candidate_scratch(slots, q.device)
     score_bits, option_args, sinks_arg = _score_option_args(score_options, q)
-    for launch in attention_common.forward_launches(geo.block_e, geo.dtype_key, mask_kind,
-                                                    int(need_grad)):
+    for launch, heads in itertools.product(
+            attention_common.forward_launches(geo.block_e, geo.dtype_key, mask_kind,
+                                              int(need_grad)),
+            attention_common.head_launches(alpha_kind)):
         options = attention_common.launch_options(launch.maxnreg)
         attention_fwd.entmax_attn_fwd_kernel[grid](
             q, k, v, out, dvec, stats, flags, tiles, candidates, mask, alpha, seed,
@@ -237,7 +240,7 @@ def _launch_forward(q, k, v, attn_mask, alpha, alpha_kind, seed, dropout_p, is_c
             BLOCK_EV=geo.block_ev, BLOCK_EC=geo.block_ec["fwd"], ALPHA_KIND=alpha_kind,
             MASK_KIND=mask_kind, OPTIONS=score_bits, IS_VARLEN=geo.varlen,
             HAS_DROPOUT=dropout_p > 0.0, NEED_GRAD=launch.need_grad, PHASE=launch.phase,
-            CANDIDATES=slots, num_warps=launch.num_warps,
+            CANDIDATES=slots, HEADS=heads, num_warps=launch.num_warps,
             num_stages=launch.num_stages, **options,
         )
     return out, stats, dvec, flags
@@ -282,22 +285,14 @@ def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha
     need_sinks_grad = need_sinks_grad and score_options.sinks is not None
     dq_mode = _dq_mode(geo, need_alpha_grad or need_sinks_grad)
     score_bits, option_args, sinks_arg = _score_option_args(score_options, q)
+    head_launches = attention_common.head_launches(alpha_kind)
     if dq_mode == attention_common.DQ_KERNEL:
         # dq first: it writes delta = dO . D per row, which the dk/dv kernel reads
-        attention_bwd.entmax_attn_bwd_dq_kernel[geo.query_grid()](
-            q, k, v, o, do, dq, dvec, stats, rows, flags, tiles, mask, alpha, seed, cu_q_arg,
-            cu_k_arg,
-            *geo.q_strides, *geo.k_strides, *geo.v_strides, *geo.token_strides(o),
-            *geo.token_strides(dq), *mask_strides, sb, sh, sstat, rows.stride(0),
-            geo.n_heads, geo.kv_group, geo.seqlen_q, geo.seqlen_k, geo.n_qblocks, geo.n_kblocks,
-            geo.head_e, geo.head_ev, float(scale), float(dropout_p), int(is_causal),
-            *option_args, sinks_arg,
-            BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e,
-            BLOCK_EV=geo.block_ev, BLOCK_EC=geo.block_ec["dq"], ALPHA_KIND=alpha_kind,
-            MASK_KIND=mask_kind, OPTIONS=score_bits, IS_VARLEN=geo.varlen,
-            HAS_DROPOUT=dropout_p > 0.0, NEED_DALPHA=bool(need_alpha_grad),
-            **geo.launch["dq"],
-        )
+        for heads in head_launches:
+            _launch_dq(q, k, v, o, do, dq, dvec, stats, rows, flags, tiles, mask, alpha, seed,
+                       cu_q_arg, cu_k_arg, geo, mask_strides, sb, sh, sstat, scale, dropout_p,
+                       is_causal, option_args, sinks_arg, alpha_kind, mask_kind, score_bits,
+                       need_alpha_grad, heads)
         dq_acc = _placeholder(q.device, torch.float32)
         locks = turns = cu_dummy
     else:
@@ -311,6 +306,66 @@ def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha
             # a flagged tile's turn: the flagged tiles after it in its query tile's row
             after = flags.flip(-1).cumsum(-1, dtype=torch.int32).flip(-1)
             turns = (after - flags).contiguous()
+    for heads in head_launches:
+        if heads == attention_common.HEADS_OUTSIDE and dq_mode != attention_common.DQ_KERNEL:
+            # The dK/dV launch for (1, 2] ran every group of heads (its kernel as it was,
+            # triton_kernels/attention_common.py "A per-head alpha"); the next one runs the
+            # groups holding a head at 1 or above 2 again: their shares of dQ and their
+            # turns so far are dropped first (on the device, no host sync).
+            again = _groups_outside(alpha, geo)
+            dq_acc = torch.where(again.view((1, -1, 1) if geo.varlen else (1, -1, 1, 1)), 0.0,
+                                 dq_acc)
+            if dq_mode == attention_common.DQ_ORDERED:
+                locks = torch.where(again.view(1, -1, 1), 0,
+                                    locks.view(geo.batch, geo.n_heads, -1)).reshape(-1)
+        _launch_dkdv(q, k, v, do, dk, dv, stats, rows, flags, tiles, mask, alpha, seed, cu_q_arg,
+                     cu_k_arg, dq_acc, locks, turns, geo, o, mask_strides, sb, sh, sstat, scale,
+                     dropout_p, is_causal, option_args, alpha_kind, mask_kind, score_bits,
+                     dq_mode, heads)
+    if dq_mode != attention_common.DQ_KERNEL:
+        # a row whose forward was NaN (its stored shift) gets NaN gradients, as in the dQ kernel
+        row_max = stats[attention_common.STAT_MAX]
+        nan_rows = (row_max.t() if geo.varlen else row_max).isnan().unsqueeze(-1)
+        dq.copy_(torch.where(nan_rows, float("nan"), dq_acc * scale))
+    dalpha, dsinks = (_per_head(rows[row], geo) if need else torch.zeros_like(alpha)
+                      for row, need in ((attention_bwd.ROW_DALPHA, need_alpha_grad),
+                                        (attention_bwd.ROW_DSINK, need_sinks_grad)))
+    return dq, dk, dv, dalpha, dsinks
+
+
+def _groups_outside(alpha, geo):
+    """(H,) bool: the query heads whose group of heads (one key/value head) holds a head at
+    alpha 1 or above 2, the groups the HEADS_OUTSIDE dK/dV launch runs."""
+    outside = (alpha == 1.0) | (alpha > 2.0)
+    return outside.view(geo.n_kv_heads, geo.kv_group).any(1).repeat_interleave(geo.kv_group)
+
+
+def _launch_dq(q, k, v, o, do, dq, dvec, stats, rows, flags, tiles, mask, alpha, seed, cu_q_arg,
+               cu_k_arg, geo, mask_strides, sb, sh, sstat, scale, dropout_p, is_causal,
+               option_args, sinks_arg, alpha_kind, mask_kind, score_bits, need_alpha_grad,
+               heads):
+    """One launch of the dQ kernel, for the heads `heads` (attention_common.head_launches)."""
+    attention_bwd.entmax_attn_bwd_dq_kernel[geo.query_grid()](
+        q, k, v, o, do, dq, dvec, stats, rows, flags, tiles, mask, alpha, seed, cu_q_arg,
+        cu_k_arg,
+        *geo.q_strides, *geo.k_strides, *geo.v_strides, *geo.token_strides(o),
+        *geo.token_strides(dq), *mask_strides, sb, sh, sstat, rows.stride(0),
+        geo.n_heads, geo.kv_group, geo.seqlen_q, geo.seqlen_k, geo.n_qblocks, geo.n_kblocks,
+        geo.head_e, geo.head_ev, float(scale), float(dropout_p), int(is_causal),
+        *option_args, sinks_arg,
+        BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e,
+        BLOCK_EV=geo.block_ev, BLOCK_EC=geo.block_ec["dq"], ALPHA_KIND=alpha_kind,
+        MASK_KIND=mask_kind, OPTIONS=score_bits, IS_VARLEN=geo.varlen,
+        HAS_DROPOUT=dropout_p > 0.0, NEED_DALPHA=bool(need_alpha_grad),
+        HEADS=heads, **geo.launch["dq"],
+    )
+
+
+def _launch_dkdv(q, k, v, do, dk, dv, stats, rows, flags, tiles, mask, alpha, seed, cu_q_arg,
+                 cu_k_arg, dq_acc, locks, turns, geo, o, mask_strides, sb, sh, sstat, scale,
+                 dropout_p, is_causal, option_args, alpha_kind, mask_kind, score_bits,
+                 dq_mode, heads):
+    """One launch of the dK/dV kernel, for the heads `heads`."""
     attention_bwd.entmax_attn_bwd_dkdv_kernel[geo.key_grid()](
         q, k, v, do, dk, dv, stats, rows, flags, tiles, mask, alpha, seed, cu_q_arg, cu_k_arg,
         dq_acc, locks, turns,
@@ -325,17 +380,8 @@ def _launch_backward(do, q, k, v, o, dvec, stats, flags, attn_mask, alpha, alpha
         BLOCK_EC=geo.block_ec["dkdv"], ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind,
         OPTIONS=score_bits, IS_VARLEN=geo.varlen,
         HAS_DROPOUT=dropout_p > 0.0, DQ_MODE=dq_mode,
-        **geo.launch["dkdv"],
+        HEADS=heads, **geo.launch["dkdv"],
     )
-    if dq_mode != attention_common.DQ_KERNEL:
-        # a row whose forward was NaN (its stored shift) gets NaN gradients, as in the dQ kernel
-        row_max = stats[attention_common.STAT_MAX]
-        nan_rows = (row_max.t() if geo.varlen else row_max).isnan().unsqueeze(-1)
-        dq.copy_(torch.where(nan_rows, float("nan"), dq_acc * scale))
-    dalpha, dsinks = (_per_head(rows[row], geo) if need else torch.zeros_like(alpha)
-                      for row, need in ((attention_bwd.ROW_DALPHA, need_alpha_grad),
-                                        (attention_bwd.ROW_DSINK, need_sinks_grad)))
-    return dq, dk, dv, dalpha, dsinks
 
 
 def _per_head(row_terms, geo):
@@ -357,16 +403,17 @@ def _launch_support(q, k, stats, attn_mask, alpha, alpha_kind, is_causal, scale,
     mask_kind, mask, mask_strides = _mask_args(attn_mask, geo, q)
     score_bits, option_args, _ = _score_option_args(score_options, q)
     num_warps, num_stages, block_ec = attention_support.launch(geo.block_e, geo.dtype_key)
-    attention_support.entmax_attn_support_kernel[geo.query_grid()](
-        q, k, stats, mask, alpha, counts,
-        *geo.q_strides, *geo.k_strides, *mask_strides, *geo.stats_strides(stats),
-        geo.n_heads, geo.kv_group, geo.seqlen_q, geo.seqlen_k, geo.n_qblocks, geo.head_e,
-        float(scale), int(is_causal), *option_args,
-        BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e, BLOCK_EC=block_ec,
-        ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind,
-        OPTIONS=attention_support.kernel_options(score_bits),
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    for heads in attention_common.head_launches(alpha_kind):
+        attention_support.entmax_attn_support_kernel[geo.query_grid()](
+            q, k, stats, mask, alpha, counts,
+            *geo.q_strides, *geo.k_strides, *mask_strides, *geo.stats_strides(stats),
+            geo.n_heads, geo.kv_group, geo.seqlen_q, geo.seqlen_k, geo.n_qblocks, geo.head_e,
+            float(scale), int(is_causal), *option_args,
+            BLOCK_M=geo.block_m, BLOCK_N=geo.block_n, BLOCK_E=geo.block_e, BLOCK_EC=block_ec,
+            ALPHA_KIND=alpha_kind, MASK_KIND=mask_kind,
+            OPTIONS=attention_support.kernel_options(score_bits),
+            HEADS=heads, num_warps=num_warps, num_stages=num_stages,
+        )
     return counts
 
 
