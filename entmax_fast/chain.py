@@ -193,11 +193,9 @@ def chain_attention(kind: str, query, key, value, transitions, attn_mask=None, i
         raise ValueError(f"kind must be one of {OPS}, got {kind!r}")
     name = f"{kind}_attention"
     mapping = crf_marginals if kind == "crf" else sparsemap_marginals
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"{name}: is_causal must be a bool, got {type(is_causal).__name__}")
     if not isinstance(enable_gqa, bool):
         raise TypeError(f"{name}: enable_gqa must be a bool, got {type(enable_gqa).__name__}")
-    check_attention_args(name, query, key, value, attn_mask, dropout_p, scale, enable_gqa)
+    check_attention_args(name, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     check_floating(f"{name}: transitions", transitions)
     allowed = ((2, 2), (query.shape[-3], 2, 2)) if query.dim() >= 3 else ((2, 2),)
     if tuple(transitions.shape) not in allowed:

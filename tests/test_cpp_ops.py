@@ -9,6 +9,7 @@ import torch
 
 import entmax_fast
 from entmax_fast import dispatch
+from entmax_fast._validation import ScoreOptions
 from entmax_fast.attention import AttentionFunction
 from entmax_fast.backends.cpp import loader
 from entmax_fast.backends.cpp import ops as cpp_ops
@@ -46,7 +47,8 @@ def cpp_attention(query, key, value, attn_mask=None, is_causal=False, enable_gqa
                "enable_gqa": enable_gqa, "need_grad": GRAD_ALPHA}
     with dispatch.use_backend("cpp"):
         # no sinks, no ALiBi slopes
-        return AttentionFunction.apply(query, key, value, attn_mask, alpha, None, None, options, {})
+        return AttentionFunction.apply(query, key, value, attn_mask, alpha, None, None, ScoreOptions(), options,
+                                       {})
 
 ALPHAS = [pytest.param(a, id=f"a{a}") for a in (1.0, 1.5, 2.0, 1.25, 3.0, 0.75)]
 

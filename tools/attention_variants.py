@@ -74,9 +74,9 @@ _BLOCKS_FIRST = ("    pid_m = tl.program_id(0)\n"
 # 3.6 fails to compile: the smallest cap is 2.
 VARIANTS = {
     "kernel": [],
-    "cap2": [(_CAP, "(n_pass < 2)", 2), (_CAP_CAPTURED, "(2 > n_pass)")],
-    "cap3": [(_CAP, "(n_pass < 3)", 2), (_CAP_CAPTURED, "(3 > n_pass)")],
-    "cap4": [(_CAP, "(n_pass < 4)", 2), (_CAP_CAPTURED, "(4 > n_pass)")],
+    "cap2": [(_CAP, "(n_pass < 2)", 3), (_CAP_CAPTURED, "(2 > n_pass)")],
+    "cap3": [(_CAP, "(n_pass < 3)", 3), (_CAP_CAPTURED, "(3 > n_pass)")],
+    "cap4": [(_CAP, "(n_pass < 4)", 3), (_CAP_CAPTURED, "(4 > n_pass)")],
     # (nothing captured either: the passes over captured scores would see none)
     "no_reflag": [(anchor, anchor.replace("True", "False").replace("CANDIDATES,", "0,"))
                   for anchor in _REFLAG],
@@ -99,9 +99,9 @@ VARIANTS = {
     # at a fixed pass count: what a second trial point per later pass costs (against cap3),
     # and what the exactness certificate's min reduction costs (no row is then certified,
     # every block runs to the cap)
-    "cap3_extra_point": [(_CAP, "(n_pass < 3)", 2), (_CAP_CAPTURED, "(3 > n_pass)")]
+    "cap3_extra_point": [(_CAP, "(n_pass < 3)", 3), (_CAP_CAPTURED, "(3 > n_pass)")]
     + _EXTRA_POINT,
-    "cap3_no_dmin": [(_CAP, "(n_pass < 3)", 2), (_CAP_CAPTURED, "(3 > n_pass)"),
+    "cap3_no_dmin": [(_CAP, "(n_pass < 3)", 3), (_CAP_CAPTURED, "(3 > n_pass)"),
                      (_SUPPORT, _SUPPORT + "        b_dmin = b_count * 0.0\n")],
     # no capture of the scores above lo in the second pass (`candidate_slots`): what the
     # capture saves (or costs) per alpha kind
@@ -110,7 +110,7 @@ VARIANTS = {
     # `no_capture` what the capture costs the second pass, against `kernel` what the
     # passes over captured scores save
     "capture_unused": [("        if n_cand <= CANDIDATES:\n", "        if n_cand < 0:\n", 2)],
-    "cap2_no_capture": [(_CAP, "(n_pass < 2)", 2), (_CAP_CAPTURED, "(2 > n_pass)")],
+    "cap2_no_capture": [(_CAP, "(n_pass < 2)", 3), (_CAP_CAPTURED, "(2 > n_pass)")],
     # the first threshold pass without the capture above a rising lower bound: two points
     # over the tiles, then a capture at the lower bound they found: what
     # attention_fwd._running_capture_pass saves per alpha kind
@@ -167,8 +167,8 @@ BACKWARD_VARIANTS = {
     # p and s normalised per score rather than by the row factors of `_row_weights`
     "norm_per_score": [
         (" window_query_tiles)\n", " window_query_tiles, sensitivity, weights)\n"),
-        ("    if ALPHA_KIND == ALPHA_ENTMAX15:\n        b_c = tl.math.rsqrt(b_l)\n",
-         "    if ALPHA_KIND == ALPHA_KIND:\n"
+        ("    elif ALPHA_KIND == ALPHA_ENTMAX15:\n        b_c = tl.math.rsqrt(b_l)\n",
+         "    elif ALPHA_KIND == ALPHA_KIND:\n"
          "        b_g = gap(b_u, b_thr, inv_am1, ALPHA_KIND)\n"
          "        b_p = weights(b_g, inv_am1, ALPHA_KIND) * (1.0 / b_l)[:, None]\n"
          "        b_s = sensitivity(b_g, inv_am1, ALPHA_KIND) * tl.exp2((am1 - 1.0) * "
