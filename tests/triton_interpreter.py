@@ -126,7 +126,7 @@ def _sanitize_overflow_when_asserted(sanitize, self, lhs, rhs, binary_op):
     return None
 
 
-VERIFIED_TRITON = frozenset({"3.9.0"})
+VERIFIED_TRITON = frozenset({"3.8.0", "3.9.0"})
 
 
 def install(triton_version=None):

@@ -488,7 +488,7 @@ def _update_threshold(b_t, b_a, b_b, b_c, b_dmin, b_lo, b_hi, b_tau, m_done, m_t
         # ratio (docs/attention.md, "Certificates"), which gap = 0 makes 0.
         b_gap = tl.maximum(b_root - b_t - b_dmin, 0.0)
         m_exact = m_left & m_real & (
-            b_c * b_gap * b_gap <= 2.0 * TAU_STEP_TOL_C * (b_b - b_c * (b_root - b_t)))
+            b_c * b_gap * b_gap <= (b_b - b_c * (b_root - b_t)) * (2.0 * TAU_STEP_TOL_C))
         b_new_lo = tl.where(m_left, b_t + b_step, tl.maximum(b_root, b_t + b_step))
         b_new_hi = tl.where(m_left, tl.where(m_real, b_root, b_hi), b_t)
     else:
