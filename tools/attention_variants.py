@@ -91,7 +91,7 @@ VARIANTS = {
     # alpha 1.5's roots certified only when no score lies between t and them, without the
     # near-exact certificate (`_update_threshold`): what that certificate saves
     "exact_certificate_only": [
-        ("b_c * b_gap * b_gap <= 2.0 * TAU_STEP_TOL_C * (b_b - b_c * (b_root - b_t)))",
+        ("b_c * b_gap * b_gap <= (b_b - b_c * (b_root - b_t)) * (2.0 * TAU_STEP_TOL_C))",
          "b_gap <= 0.0)")],
     # every tile flagged without the reduction: on random scores, where every tile holds
     # weight anyway, the difference to "kernel" is what the max pass's flags cost
