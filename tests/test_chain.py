@@ -244,6 +244,28 @@ def test_cpp_matches_reference_forward_backward(kind, n, dtype, atol):
     torch.testing.assert_close(T_cpp.grad.double(), T_expected, atol=atol * 10 * n, rtol=1e-4 if dtype == torch.float32 else 0)
 
 
+@needs_cpp
+@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-9), (torch.float32, 1e-6)])
+def test_crf_rows_run_together_match_enumeration(dtype, atol):
+    # The CPU forward runs rows with no masked entry several at a time: plain rows among
+    # masked ones, a row count that leaves a remainder, one transition matrix per row, and
+    # a row whose messages need rescaling (scores of ~100), each against the oracle.
+    gen = torch.Generator().manual_seed(5)
+    rows, L = 11, 8
+    s = torch.randn(rows, L, generator=gen, dtype=torch.float64) * 1.5
+    s[5] *= 100
+    s[2, 3] = s[7, 0] = NEG_INF
+    T = torch.randn(rows, 2, 2, generator=gen, dtype=torch.float64) * 1.5
+    s, T = s.to(dtype), T.to(dtype)
+    out = run("crf", "cpp", s, T)
+    assert out.dtype == dtype
+    for i in range(rows):
+        keep = s[i] != NEG_INF
+        expected = torch.zeros(L, dtype=torch.float64)
+        expected[keep] = oracle_crf(s[i, keep].double(), T[i].double())
+        torch.testing.assert_close(out[i].double(), expected, atol=atol, rtol=0)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_masked_positions_equal_removing_them(kind, backend):

@@ -89,9 +89,13 @@ ENTMAX_FAST_HD void rescale(double& m0, double& m1, double& t0, double& t1) {
 }
 
 // Forward: mu[j] = P(z_j = 1). scratch: 3n doubles (the forward message of each position and
-// its exp(−|s|)).
+// its exp(−|s|)). unary, where given: the two states' unaries of the row, exp(−max(s, 0)) at
+// [0, n) and exp(min(s, 0)) at [n, 2n), computed by the caller (the CPU operators, by a
+// vectorised exp over the row; read rather than chosen by the sign of s, a branch the
+// compiler emits and random scores mispredict half the time); scratch's third part unused.
 template <typename T>
-ENTMAX_FAST_HD void crf_forward_row(const T* x, const T* transitions, T* mu, double* scratch, int64_t n) {
+ENTMAX_FAST_HD void crf_forward_row(const T* x, const T* transitions, T* mu, double* scratch, int64_t n,
+                                    const double* unary = nullptr) {
   const T nan = static_cast<T>(NAN);
   if (row_is_poisoned(x, n)) {
     for (int64_t j = 0; j < n; ++j) mu[j] = nan;
@@ -107,8 +111,15 @@ ENTMAX_FAST_HD void crf_forward_row(const T* x, const T* transitions, T* mu, dou
   for (int64_t j = 0; j < n; ++j) {
     if (is_masked(x[j])) continue;
     const double s = static_cast<double>(x[j]);
-    small[j] = exp(-fabs(s));
-    const double u0 = s > 0 ? small[j] : 1.0, u1 = s > 0 ? 1.0 : small[j];
+    double u0, u1;
+    if (unary) {
+      u0 = unary[j];
+      u1 = unary[n + j];
+    } else {
+      small[j] = exp(-fabs(s));
+      u0 = s > 0 ? small[j] : 1.0;
+      u1 = s > 0 ? 1.0 : small[j];
+    }
     if (started) {
       const double next0 = u0 * (a0 * E[0] + a1 * E[2]);
       a1 = u1 * (a0 * E[1] + a1 * E[3]);
@@ -131,18 +142,76 @@ ENTMAX_FAST_HD void crf_forward_row(const T* x, const T* transitions, T* mu, dou
     const double on = alpha1[j] * b1, off = alpha0[j] * b0;
     mu[j] = static_cast<T>(on / (on + off));
     const bool positive = static_cast<double>(x[j]) > 0;
-    const double v0 = (positive ? small[j] : 1.0) * b0, v1 = (positive ? 1.0 : small[j]) * b1;
+    const double u0 = unary ? unary[j] : (positive ? small[j] : 1.0);
+    const double u1 = unary ? unary[n + j] : (positive ? 1.0 : small[j]);
+    const double v0 = u0 * b0, v1 = u1 * b1;
     b0 = E[0] * v0 + E[1] * v1;
     b1 = E[2] * v0 + E[3] * v1;
     rescale(b0, b1, unused0, unused1);
   }
 }
 
+// Whether a row has only finite entries: no masked position, nothing that poisons it.
+template <typename T>
+ENTMAX_FAST_HD bool row_is_plain(const T* x, int64_t n) {
+  bool plain = true;
+  for (int64_t j = 0; j < n; ++j) plain &= !is_masked(x[j]) & !poisons_row(x[j]);
+  return plain;
+}
+
+// The forward of K plain rows (row_is_plain) at once: crf_forward_row's arithmetic, step for
+// step (the same results to the bit), with the K independent recursions in one loop so that
+// their dependent multiply-adds overlap instead of each waiting on its own previous step.
+// unary: per row the unaries of state 0 then of state 1, exp(−max(s, 0)) and exp(min(s, 0))
+// (2·K·n, filled by the caller: read rather than chosen by the sign of s, a branch that the
+// compiler emits and random scores mispredict half the time); scratch: 2·K·n doubles.
+template <int K, typename T>
+ENTMAX_FAST_HD void crf_forward_plain_rows(const T* const* transitions, T* const* mu, const double* unary,
+                                           double* scratch, int64_t n) {
+  double E[K][4];
+  for (int k = 0; k < K; ++k) {
+    const ChainTransitions tr(transitions[k]);
+    for (int i = 0; i < 4; ++i) E[k][i] = tr.e[i];
+  }
+  double* alpha = scratch;  // [j][k][state]
+  double a0[K], a1[K], b0[K], b1[K], unused0 = 0.0, unused1 = 0.0;
+  for (int k = 0; k < K; ++k) {
+    a0[k] = unary[2 * k * n];
+    a1[k] = unary[(2 * k + 1) * n];
+    rescale(a0[k], a1[k], unused0, unused1);
+    alpha[2 * k] = a0[k];
+    alpha[2 * k + 1] = a1[k];
+  }
+  for (int64_t j = 1; j < n; ++j) {
+    for (int k = 0; k < K; ++k) {
+      const double u0 = unary[2 * k * n + j], u1 = unary[(2 * k + 1) * n + j];
+      const double next0 = u0 * (a0[k] * E[k][0] + a1[k] * E[k][2]);
+      a1[k] = u1 * (a0[k] * E[k][1] + a1[k] * E[k][3]);
+      a0[k] = next0;
+      rescale(a0[k], a1[k], unused0, unused1);
+      alpha[2 * (j * K + k)] = a0[k];
+      alpha[2 * (j * K + k) + 1] = a1[k];
+    }
+  }
+  for (int k = 0; k < K; ++k) b0[k] = b1[k] = 1.0;
+  for (int64_t j = n - 1; j >= 0; --j) {
+    for (int k = 0; k < K; ++k) {
+      const double on = alpha[2 * (j * K + k) + 1] * b1[k], off = alpha[2 * (j * K + k)] * b0[k];
+      mu[k][j] = static_cast<T>(on / (on + off));
+      const double v0 = unary[2 * k * n + j] * b0[k], v1 = unary[(2 * k + 1) * n + j] * b1[k];
+      b0[k] = E[k][0] * v0 + E[k][1] * v1;
+      b1[k] = E[k][2] * v0 + E[k][3] * v1;
+      rescale(b0[k], b1[k], unused0, unused1);
+    }
+  }
+}
+
 // Backward: dx = Cov(z, g·z), dtransitions[ab] = Cov(n_ab, g·z). scratch: 5n doubles (per
-// position the forward message, its tangent along g, scaled alike, and exp(−|s|)).
+// position the forward message, its tangent along g, scaled alike, and exp(−|s|)); with
+// unary, the states' unaries as for the forward (scratch's fifth part then unused).
 template <typename T>
 ENTMAX_FAST_HD void crf_backward_row(const T* x, const T* transitions, const T* g, T* dx, T* dtransitions,
-                                     double* scratch, int64_t n) {
+                                     double* scratch, int64_t n, const double* unary = nullptr) {
   if (row_is_poisoned(x, n)) {
     const T nan = static_cast<T>(NAN);
     for (int64_t j = 0; j < n; ++j) dx[j] = nan;
@@ -163,8 +232,15 @@ ENTMAX_FAST_HD void crf_backward_row(const T* x, const T* transitions, const T* 
   for (int64_t j = 0; j < n; ++j) {
     if (is_masked(x[j])) continue;
     const double s = static_cast<double>(x[j]);
-    small[j] = exp(-fabs(s));
-    const double u0 = s > 0 ? small[j] : 1.0, u1 = s > 0 ? 1.0 : small[j];
+    double u0, u1;
+    if (unary) {
+      u0 = unary[j];
+      u1 = unary[n + j];
+    } else {
+      small[j] = exp(-fabs(s));
+      u0 = s > 0 ? small[j] : 1.0;
+      u1 = s > 0 ? 1.0 : small[j];
+    }
     const double gj = static_cast<double>(g[j]);
     if (started) {
       const double A0 = a0 * E[0] + a1 * E[2], A1 = a0 * E[1] + a1 * E[3];
@@ -203,7 +279,8 @@ ENTMAX_FAST_HD void crf_backward_row(const T* x, const T* transitions, const T* 
     const double inverse_n = 1.0 / (alpha0[j] * b0 + alpha1[j] * b1);
     dx[j] = static_cast<T>((tangent1[j] * b1 + alpha1[j] * r1 - alpha1[j] * b1 * G) * inverse_n);
     const bool positive = static_cast<double>(x[j]) > 0;
-    const double u0 = positive ? small[j] : 1.0, u1 = positive ? 1.0 : small[j];
+    const double u0 = unary ? unary[j] : (positive ? small[j] : 1.0);
+    const double u1 = unary ? unary[n + j] : (positive ? 1.0 : small[j]);
     const double gj = static_cast<double>(g[j]);
     const double v0 = u0 * b0, v1 = u1 * b1;
     const double w0 = u0 * r0, w1 = u1 * (r1 + gj * b1);
