@@ -70,7 +70,8 @@ def site(tmp_path_factory) -> pathlib.Path:
     if importlib.util.find_spec("mkdocs") is None:
         pytest.skip("mkdocs is not installed (bash scripts/docs.sh installs the pinned doc tools and runs this)")
     out = tmp_path_factory.mktemp("site")
-    build = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-d", str(out)],
+    # Not --quiet: it drops the warnings below the error level, which --strict then never counts.
+    build = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)],
                            cwd=ROOT, capture_output=True, text=True, timeout=300,
                            env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert build.returncode == 0, f"mkdocs build failed:\n{build.stdout}\n{build.stderr}"
