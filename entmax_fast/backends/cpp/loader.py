@@ -38,8 +38,8 @@ _LOCK = threading.Lock()
 # (loaded, reason), filled once. Plain module state, so that torch.compile reads it as a
 # constant instead of tracing the loading.
 _STATUS: tuple[bool, str] | None = None
-_STRUCTURED_DEVICES: frozenset | None = None
-_CHAIN_DEVICES: frozenset | None = None
+# Device types with a kernel, per group of operators (read once: every call asks).
+_OPS_DEVICES: dict = {}
 
 
 def status() -> tuple[bool, str]:
@@ -125,32 +125,27 @@ def has_support_op() -> bool:
     return has_entmax_ops() and _has(_SUPPORT_OP)
 
 
-def structured_devices() -> frozenset:
-    """Device types with a fusedmax/oscarmax kernel ("cpu", and "cuda" where built); read
-    once, since every fusedmax/oscarmax call asks."""
-    global _STRUCTURED_DEVICES
-    if _STRUCTURED_DEVICES is None:
-        if status()[0] and all(_has(name) for name in _STRUCTURED_OPS):
-            _STRUCTURED_DEVICES = frozenset(
+def _devices_with(ops: tuple) -> frozenset:
+    """Device types with a kernel for every op of ``ops`` ("cpu", and "cuda" where built;
+    none in an extension built before they existed), read once per group."""
+    if ops not in _OPS_DEVICES:
+        if status()[0] and all(_has(name) for name in ops):
+            _OPS_DEVICES[ops] = frozenset(
                 device for device, key in (("cpu", "CPU"), ("cuda", "CUDA"))
-                if torch._C._dispatch_has_kernel_for_dispatch_key("entmax_fast::fusedmax_forward", key))
+                if torch._C._dispatch_has_kernel_for_dispatch_key(f"entmax_fast::{ops[0]}", key))
         else:
-            _STRUCTURED_DEVICES = frozenset()
-    return _STRUCTURED_DEVICES
+            _OPS_DEVICES[ops] = frozenset()
+    return _OPS_DEVICES[ops]
+
+
+def structured_devices() -> frozenset:
+    """Device types with a fusedmax/oscarmax kernel ("cpu", and "cuda" where built)."""
+    return _devices_with(_STRUCTURED_OPS)
 
 
 def chain_devices() -> frozenset:
-    """Device types with the crf/sparsemap operators ("cpu", and "cuda" where built; none in
-    an extension built before they existed); read once."""
-    global _CHAIN_DEVICES
-    if _CHAIN_DEVICES is None:
-        if status()[0] and all(_has(name) for name in _CHAIN_OPS):
-            _CHAIN_DEVICES = frozenset(
-                device for device, key in (("cpu", "CPU"), ("cuda", "CUDA"))
-                if torch._C._dispatch_has_kernel_for_dispatch_key("entmax_fast::crf_forward", key))
-        else:
-            _CHAIN_DEVICES = frozenset()
-    return _CHAIN_DEVICES
+    """Device types with the crf/sparsemap operators ("cpu", and "cuda" where built)."""
+    return _devices_with(_CHAIN_OPS)
 
 
 def cpu_kernel_set() -> str:
