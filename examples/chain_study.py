@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from entmax_fast import MultiheadEntmaxAttention, crf_marginals, entmax15, sparsemap_marginals
+from entmax_fast import MultiheadEntmaxAttention, backend_info, crf_marginals, entmax15, sparsemap_marginals
 
 LENGTH, VOCAB, WIDTH, HEADS = 32, 16, 32, 2
 SPAN_LENGTHS = (5, 7, 9)
@@ -401,7 +401,11 @@ def main(argv=None):
         torch.set_num_threads(previous_threads)
     print(f"Trained: {LENGTH} tokens, spans of {SPAN_LENGTHS} votes, {NOISE_VOTES} noise votes, {HEADS} heads, "
           f"{n_train} training / {n_test} held-out inputs, {epochs} epochs, {seeds} seed(s) (mean, min-max), "
-          f"{trained_seconds:.0f} s\n")
+          f"{trained_seconds:.0f} s")
+    for op, choice in backend_info()["last_choice"].items():
+        if op in ("attention", "crf", "sparsemap") and choice is not None:
+            print(f"{op} backend: {choice['reason']}")
+    print()
     print(trained_text)
     print(f"\nSynthetic rows, fixed T (c = {args.coupling}):\n")
     print(rows_text)
