@@ -224,8 +224,15 @@ def _mean(values):
     return sum(values) / len(values) if values else None
 
 
-def _number(value, digits=3, sign=""):
-    return "-" if value is None else f"{value:{sign}.{digits}f}"
+def _number(value):
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _w(value):
+    """A learned w: two decimals, or "0 exactly" (the value w0 = 0 keeps on the C++ backend)."""
+    if value is None:
+        return "-"
+    return "0 exactly" if value == 0 else f"{value:+.2f}"
 
 
 def trained_tables(results: dict, seeds: int, all_votes: float) -> str:
@@ -234,7 +241,7 @@ def trained_tables(results: dict, seeds: int, all_votes: float) -> str:
     lines = ["| model | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for config, r in results.items():
         accuracy = f"{r['accuracy']:.3f}" + (f" ({r['accuracy min']:.3f}-{r['accuracy max']:.3f})" if seeds > 1 else "")
-        cells = [accuracy, f"{r['dead heads']} of {seeds * HEADS}", _number(r["span head"]["w"], 2, "+")]
+        cells = [accuracy, f"{r['dead heads']} of {seeds * HEADS}", _w(r["span head"]["w"])]
         cells += [_number(r["span head"][c]) for c in TRAINED_COLUMNS]
         lines.append(f"| {config} | " + " | ".join(cells) + " |")
     lines.append(f"| all votes (rule) | {all_votes:.3f} |" + " |" * (len(columns) - 1))
@@ -243,7 +250,7 @@ def trained_tables(results: dict, seeds: int, all_votes: float) -> str:
     for config, r in results.items():
         for seed, run in enumerate(r["seeds"]):
             for head, measures in enumerate(run["heads"]):
-                w = _number(None if run["w"] is None else run["w"][head], 2, "+")
+                w = _w(None if run["w"] is None else run["w"][head])
                 cells = [w] + (["dead"] + [""] * (len(every) - 2) if measures is None else
                                [_number(measures[c]) for c in every[1:]])
                 lines.append(f"| {config} | {seed} | {head} | {run['accuracy']:.3f} | " + " | ".join(cells) + " |")
