@@ -15,18 +15,21 @@ the chain's transitions see neighbours. ``MultiheadEntmaxAttention(attention="cr
 it at T = (w0/4)·[[1, -1], [-1, 1]] (w = T00 + T11 - T01 - T10 = w0; w0 = 0 is the module's
 initialisation) and reports the learned w per head (> 0: neighbours like to agree).
 
-Measured per head on held-out inputs, means over the rows and over the live heads of every
-seed (a dead head gives every row all-zero weights and is counted apart): support (keys
-with nonzero weight), runs (separate runs of nonzero keys; 1 = one contiguous span), span
+Measured per head on held-out inputs, means over the rows: support (keys with nonzero
+weight), runs (separate runs of nonzero keys; 1 = one contiguous span), span
 recall / precision (of the span inside the support, of the support inside the span), noise
 votes kept (share of the noise votes with nonzero weight), mass on the span (share of the
-weight sum), exact 0 / exact 1 (shares of weights). The "all votes" line is the rule
-"majority of every vote token" applied to the same held-out inputs.
+weight sum), exact 0 / exact 1 (shares of weights). The first table gives per model the
+accuracy over the seeds, the dead heads (all-zero weights on every row) and the mean over
+the seeds of the span head's measures and w (a seed's span head: its live head with the
+largest mass on the span); its "all votes" line is the rule "majority of every vote
+token" applied to the same held-out inputs. The second table gives every head of every
+seed.
 
 **Synthetic rows** (no training): 64 keys, a span of 6 to 16 keys scoring +0.5, the rest
 -0.5, plus N(0, 1) noise; fixed T = [[c, -c], [-c, c]].
 
-    python examples/chain_study.py            # both parts, a few minutes on a 2-core CPU
+    python examples/chain_study.py            # both parts, about a minute on a 2-core CPU
     python examples/chain_study.py --quick    # seconds: a smoke run (the tests run it)
 
 Prints the tables; writes chain_study.png (trained maps) and chain_study_rows.png (synthetic
