@@ -21,15 +21,15 @@ recall / precision (of the span inside the support, of the support inside the sp
 votes kept (share of the noise votes with nonzero weight), mass on the span (share of the
 weight sum), exact 0 / exact 1 (shares of weights). The first table gives per model the
 accuracy over the seeds, the dead heads (all-zero weights on every row) and the mean over
-the seeds of the span head's measures and w (a seed's span head: its live head with the
-largest mass on the span); its "all votes" line is the rule "majority of every vote
+the seeds with a live head of the span head's measures and w (a seed's span head: its
+live head with the largest mass on the span); its "all votes" line is the rule "majority of every vote
 token" applied to the same held-out inputs. The second table gives every head of every
 seed.
 
 **Synthetic rows** (no training): 64 keys, a span of 6 to 16 keys scoring +0.5, the rest
 -0.5, plus N(0, 1) noise; fixed T = [[c, -c], [-c, c]].
 
-    python examples/chain_study.py            # both parts, about a minute on a 2-core CPU
+    python examples/chain_study.py            # both parts, about two minutes on a 2-core CPU
     python examples/chain_study.py --quick    # seconds: a smoke run (the tests run it)
 
 Prints the tables; writes chain_study.png (trained maps) and chain_study_rows.png (synthetic
@@ -192,9 +192,9 @@ TRAINED_COLUMNS = ("support", "runs", "span recall", "span precision", "noise vo
 
 
 def trained_study(n_train: int, n_test: int, epochs: int, seeds: int):
-    """Per model: accuracy over the seeds, dead heads, and the mean over the seeds of the
-    span head's measures and w (the span head of a seed: its live head with the largest
-    mass on the span); every run's per-head measures under "seeds"."""
+    """Per model: accuracy over the seeds, dead heads, and the mean over the seeds with a
+    live head of the span head's measures and w (the span head of a seed: its live head with
+    the largest mass on the span); every run's per-head measures under "seeds"."""
     generator = torch.Generator().manual_seed(0)
     train_data = span_votes(n_train, generator)
     test_data = span_votes(n_test, generator)
@@ -384,7 +384,7 @@ def rows_figure(maps, span, path: str) -> None:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run in seconds (small data, one seed)")
-    parser.add_argument("--seeds", type=int, help="training seeds per model (default 3, quick 1)")
+    parser.add_argument("--seeds", type=int, help="training seeds per model (default 8, quick 1)")
     parser.add_argument("--epochs", type=int, help="training epochs (default 8, quick 2)")
     parser.add_argument("--rows", type=int, help="synthetic rows (default 2000, quick 150)")
     parser.add_argument("--noise", type=float, default=1.0, help="synthetic rows: score noise")
@@ -393,7 +393,7 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--out", default="docs", help="folder for the two figures")
     args = parser.parse_args(argv)
-    seeds = args.seeds or (1 if args.quick else 3)
+    seeds = args.seeds or (1 if args.quick else 8)
     epochs = args.epochs or (2 if args.quick else 8)
     n_train, n_test = (512, 256) if args.quick else (4000, 1000)
     previous_threads = torch.get_num_threads()
