@@ -418,7 +418,8 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
         T* p = &support_p[i * row_capacity];
         RowStats<T> rs;
         if (closed_form) {
-          rs = closed_form_stats(zi + span.start, n, prm, work);
+          int64_t candidates = 0;
+          rs = closed_form_stats(zi + span.start, n, prm, work, &candidates);
           st[2 * i] = rs.max;
           st[2 * i + 1] = rs.mu;
           if (std::isnan(rs.max)) {
@@ -430,8 +431,9 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
           }
           compact_only[i] = true;
           if (rs.max > -std::numeric_limits<T>::infinity()) {
-            support_count[i] = closed_form_support(zi + span.start, span.len, rs.max, rs.mu, prm, span.start, index,
-                                                   p, static_cast<T*>(nullptr));
+            support_count[i] = closed_form_support_among(zi + span.start, span.len, rs.max, rs.mu, prm,
+                                                         work.index.data(), candidates, span.start, index, p,
+                                                         static_cast<T*>(nullptr));
           }
           support += support_count[i];
           continue;
