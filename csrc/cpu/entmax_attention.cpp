@@ -194,19 +194,33 @@ inline at::Tensor tile_view(at::Tensor& buffer, const QueryTile& tile) {
 // softcap, ALiBi, the float or boolean mask (the causal limit and the window are the spans).
 // Entries outside a row's span are left unset: callers read only the span. With
 // cap_slopes, the cap's slope of each entry is stored there, at the entry's place in the
-// tile layout (transform_scores).
+// tile layout (transform_scores). Without a cap the scale multiplies the tile's queries
+// (query_buffer, kQueryTile x E) before the GEMM instead of its tq x kn scores after it: one
+// pass over the scores less, exact where the scale is a power of two (1/sqrt(E) at E 64 or
+// 256), else within a rounding of each product; the forward, the backward and the support
+// count all form the scores here, so they agree.
 template <typename T>
-at::Tensor tile_scores(at::Tensor& buffer, T* cap_slopes, const at::Tensor& q_bh, const at::Tensor& k_bh,
-                       const QueryTile& tile, T scale, const ScoreOptions<T>& opts, const MaskView<T>& mask,
-                       const AttentionShape& s, bool is_causal, int64_t b, int64_t h) {
+at::Tensor tile_scores(at::Tensor& buffer, at::Tensor& query_buffer, T* cap_slopes, const at::Tensor& q_bh,
+                       const at::Tensor& k_bh, const QueryTile& tile, T scale, const ScoreOptions<T>& opts,
+                       const MaskView<T>& mask, const AttentionShape& s, bool is_causal, int64_t b, int64_t h) {
   at::Tensor scores = tile_view(buffer, tile);
-  at::mm_out(scores, q_bh.narrow(0, tile.q0, tile.tq), k_bh.narrow(0, tile.k0, tile.kn).t());
+  const at::Tensor q_tile = q_bh.narrow(0, tile.q0, tile.tq);
+  const at::Tensor keys_t = k_bh.narrow(0, tile.k0, tile.kn).t();
+  T score_scale = scale;
+  if (opts.softcap > T(0)) {
+    at::mm_out(scores, q_tile, keys_t);
+  } else {
+    at::Tensor q_scaled = query_buffer.narrow(0, 0, tile.tq);
+    at::mul_out(q_scaled, q_tile, at::Scalar(scale));
+    at::mm_out(scores, q_scaled, keys_t);
+    score_scale = T(1);
+  }
   T* z = scores.data_ptr<T>();
   const T slope = opts.alibi_slope(b, h);
   for (int64_t i = 0; i < tile.tq; ++i) {
     const RowSpan span = row_span(tile, i, s, is_causal, opts.window_left, opts.window_right);
     T* zi = z + i * tile.ld + span.start;
-    transform_scores(zi, span.len, scale, opts, slope, tile.q0 + i + s.Lk - s.Lq - (tile.k0 + span.start),
+    transform_scores(zi, span.len, score_scale, opts, slope, tile.q0 + i + s.Lk - s.Lq - (tile.k0 + span.start),
                      cap_slopes != nullptr ? cap_slopes + i * tile.ld + span.start : nullptr);
     mask.apply(zi, span.len, b, h, tile.q0 + i, tile.k0 + span.start);
   }
@@ -366,6 +380,7 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t total = s.B * s.H * s.n_tiles;
   at::parallel_for(0, total, 1, at::wrapPropagateTLSState([&](int64_t begin, int64_t end) {
     at::Tensor buffer = at::empty({kQueryTile * row_capacity}, q.options());
+    at::Tensor query_buffer = at::empty({kQueryTile, s.E}, q.options());
     RowWorkspace work(row_capacity);
     // Per row of the tile: its support, compact (columns from the tile's first key, weights),
     // and its size; whether the row holds only its scores (its p being the compact lists).
@@ -393,7 +408,8 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
       // Sparsemax and 1.5-entmax rows go from their threshold straight to the compact support;
       // the other kinds write p over the row first.
       const bool closed_form = prm.kind == AlphaKind::kSparsemax || prm.kind == AlphaKind::kEntmax15;
-      at::Tensor scores = tile_scores<T>(buffer, nullptr, q.select(0, b).select(0, h), k.select(0, b).select(0, hk),
+      at::Tensor scores = tile_scores<T>(buffer, query_buffer, nullptr, q.select(0, b).select(0, h),
+                                         k.select(0, b).select(0, hk),
                                          tile, scale, opts, mask_view, s, is_causal, b, h);
       T* z = scores.data_ptr<T>();
       // Softmax weights are never zero: its tiles stay dense without counting.
@@ -564,6 +580,7 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
   // the same dK/dV, so they stay in one task and no two tasks write the same memory.
   at::parallel_for(0, s.B * s.Hk, 1, at::wrapPropagateTLSState([&](int64_t begin, int64_t end) {
     at::Tensor prob_buffer = at::empty({kQueryTile * row_capacity}, q.options());
+    at::Tensor query_buffer = at::empty({kQueryTile, s.E}, q.options());
     at::Tensor grad_buffer = at::empty({kQueryTile * row_capacity}, q.options());
     at::Tensor cap_slope_buffer = capped ? at::empty({kQueryTile * row_capacity}, q.options()) : at::Tensor();
     T* cap_slopes = capped ? cap_slope_buffer.data_ptr<T>() : nullptr;
@@ -600,7 +617,8 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
           const QueryTile tile = query_tile(tile_index, s, is_causal, opts);
           if (tile.kn == 0) continue;
           const double* st = stats_ptr + ((b * s.H + h) * s.Lq + tile.q0) * 2;
-          at::Tensor probs = tile_scores<T>(prob_buffer, cap_slopes, q_bh, k_bh, tile, scale, opts, mask_view, s,
+          at::Tensor probs = tile_scores<T>(prob_buffer, query_buffer, cap_slopes, q_bh, k_bh, tile, scale, opts,
+                                            mask_view, s,
                                             is_causal, b, h);
           T* pz = probs.data_ptr<T>();
           // p of each row (and the closed forms' weights) from the saved (max, mu), over the
@@ -856,6 +874,7 @@ void attention_support_impl(const at::Tensor& q, const at::Tensor& k, const std:
   const int64_t row_capacity = widest_tile_span(s, is_causal, opts) + opts.sink_columns();
   at::parallel_for(0, s.B * s.H * s.n_tiles, 1, at::wrapPropagateTLSState([&](int64_t begin, int64_t end) {
     at::Tensor buffer = at::empty({kQueryTile * row_capacity}, q.options());
+    at::Tensor query_buffer = at::empty({kQueryTile, s.E}, q.options());
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = (task / s.n_tiles) % s.H;
       const int64_t b = task / (s.n_tiles * s.H);
@@ -866,7 +885,8 @@ void attention_support_impl(const at::Tensor& q, const at::Tensor& k, const std:
       if (tile.kn == 0) continue;
       const double* st = stats_ptr + ((b * s.H + h) * s.Lq + tile.q0) * 2;
       const EntmaxParams<T> prm(alpha[h]);
-      at::Tensor scores = tile_scores<T>(buffer, nullptr, q.select(0, b).select(0, h), k.select(0, b).select(0, hk),
+      at::Tensor scores = tile_scores<T>(buffer, query_buffer, nullptr, q.select(0, b).select(0, h),
+                                         k.select(0, b).select(0, hk),
                                          tile, scale, opts, mask_view, s, is_causal, b, h);
       T* z = scores.data_ptr<T>();
       for (int64_t i = 0; i < tile.tq; ++i) {
