@@ -598,6 +598,7 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
     // One row's weights (General kind, dense path), or its support's p, g, weights and dz
     // (sparse path), the sink last.
     std::vector<T> weights(row_capacity), sp(row_capacity), sg(row_capacity), sw(row_capacity), sds(row_capacity);
+    RowWorkspace work(row_capacity);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / s.Hk;
       const int64_t hk = task % s.Hk;
@@ -646,7 +647,8 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
             int32_t* index = &support_index[i * row_capacity];
             if (compact) {
               support_count[i] = closed_form_support(p, span.len, zmax, mu, prm, span.start, index,
-                                                     &support_p[i * row_capacity], &support_w[i * row_capacity]);
+                                                     &support_p[i * row_capacity], &support_w[i * row_capacity],
+                                                     work);
               if (opts.has_sink()) {
                 const T z_sink = opts.sinks[h];
                 sink_p[i] = prm.prob(z_sink, zmax, mu);

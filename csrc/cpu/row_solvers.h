@@ -966,40 +966,15 @@ inline int64_t closed_form_support_among(const T* z, int64_t n, T zmax, double m
 // The support of a sparsemax or 1.5-entmax row at (max, mu), compact: the columns (plus
 // offset) of the entries with p > 0 into index, their p into p and, where w is not null, their
 // Jacobian weights into w, in column order; returns how many. The same p and weights as
-// closed_form_probs, without a pass that writes the zeros.
-template <bool kAvx2, typename T>
-ENTMAX_FAST_ALWAYS_INLINE int64_t closed_form_support_body(const T* z, int64_t n, T zmax, double mu,
-                                                           const EntmaxParams<T>& prm, int64_t offset, int32_t* index,
-                                                           T* p, T* w) {
-  int64_t count = 0;
-  for_each_above_body<kAvx2>(z, n, prm.support_cut(zmax, mu), [&](int64_t j) {
-    const T pj = prm.prob(z[j], zmax, mu);
-    if (pj > T(0)) {
-      index[count] = static_cast<int32_t>(j + offset);
-      p[count] = pj;
-      if (w != nullptr) w[count] = prm.jacobian_weight(z[j], zmax, mu, pj);
-      ++count;
-    }
-  });
-  return count;
-}
-
-#if ENTMAX_FAST_AVX2_KERNELS
-template <typename T>
-ENTMAX_FAST_TARGET_AVX2 inline int64_t closed_form_support_avx2(const T* z, int64_t n, T zmax, double mu,
-                                                                const EntmaxParams<T>& prm, int64_t offset,
-                                                                int32_t* index, T* p, T* w) {
-  return closed_form_support_body<true>(z, n, zmax, mu, prm, offset, index, p, w);
-}
-#endif
-
+// closed_form_probs, without a pass that writes the zeros: the entries above support_cut()
+// gathered (their y and columns into work), then prob() of those.
 template <typename T>
 inline int64_t closed_form_support(const T* z, int64_t n, T zmax, double mu, const EntmaxParams<T>& prm,
-                                   int64_t offset, int32_t* index, T* p, T* w) {
-#if ENTMAX_FAST_AVX2_KERNELS
-  if (use_avx2_kernels()) return closed_form_support_avx2(z, n, zmax, mu, prm, offset, index, p, w);
-#endif
-  return closed_form_support_body<false>(z, n, zmax, mu, prm, offset, index, p, w);
+                                   int64_t offset, int32_t* index, T* p, T* w, RowWorkspace& work) {
+  // In y = factor * (z - zmax), p > 0 above t = factor * mu - 1: support_cut()'s bound.
+  const double factor = prm.kind == AlphaKind::kSparsemax ? 1.0 : 0.5;
+  const int64_t k = gather_above(z, n, zmax, factor, factor * mu - 1.0, work.values.data(), work.index.data());
+  return closed_form_support_among(z, n, zmax, mu, prm, work.index.data(), k, offset, index, p, w);
 }
 
 // Solves one row in place: on entry z holds scores (any may be -inf), on exit p.
