@@ -135,6 +135,19 @@ def test_rowwise_closed_forms_where_lane_maxima_bound_the_threshold(dtype, atol,
     assert torch.equal(p > 0, oracle > 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("alpha", [pytest.param(1.5, id="a1.5"), pytest.param(2.0, id="a2")])
+@pytest.mark.parametrize("n", [17, 40, 2048])
+def test_rowwise_closed_forms_nan_or_inf_anywhere_gives_a_nan_row(dtype, alpha, n):
+    # In the vectorised blocks and in the tail past the last block of 16.
+    x = torch.randn(4, n, dtype=dtype)
+    x[0, n // 2] = math.nan
+    x[1, n // 2] = INF
+    x[2, n - 1] = math.nan
+    x[3, n - 1] = INF
+    assert cpp_ops.entmax_forward(x, alpha).isnan().all()
+
+
 @pytest.mark.parametrize("dtype,atol", DTYPES[:2])
 def test_rowwise_forward_alpha_per_row(dtype, atol):
     alphas = torch.tensor([1.0, 1.5, 2.0, 1.25, 3.0, 0.75, 1.0001, 1.5, 2.0, 1.7], dtype=torch.float32)

@@ -229,9 +229,42 @@ ENTMAX_FAST_ALWAYS_INLINE T row_max_lanes_body(const T* z, int64_t n, T* lanes) 
 }
 
 #if ENTMAX_FAST_AVX2_KERNELS
+// Float rows: the 16 lanes in two registers, and NaN or +inf (!(x < inf)) noted by a mask
+// OR-ed per block; the portable body's reduction of that flag folds it per block.
+ENTMAX_FAST_TARGET_AVX2 inline float row_max_lanes_float_avx2(const float* z, int64_t n, float* lanes) {
+  static_assert(kMaxLanes == 16, "two registers of 8 lanes");
+  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  __m256 low = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 high = low;
+  __m256 invalid = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + kMaxLanes <= n; j += kMaxLanes) {
+    const __m256 a = _mm256_loadu_ps(z + j);
+    const __m256 b = _mm256_loadu_ps(z + j + 8);
+    low = _mm256_max_ps(a, low);  // a > low ? a : low, as the portable body (a NaN keeps low)
+    high = _mm256_max_ps(b, high);
+    invalid = _mm256_or_ps(invalid, _mm256_or_ps(_mm256_cmp_ps(a, inf, _CMP_NLT_UQ), _mm256_cmp_ps(b, inf, _CMP_NLT_UQ)));
+  }
+  _mm256_storeu_ps(lanes, low);
+  _mm256_storeu_ps(lanes + 8, high);
+  bool bad = _mm256_movemask_ps(invalid) != 0;
+  for (int64_t e = 0; j + e < n; ++e) {
+    const float x = z[j + e];
+    lanes[e] = x > lanes[e] ? x : lanes[e];
+    bad |= !(x < std::numeric_limits<float>::infinity());
+  }
+  float best = -std::numeric_limits<float>::infinity();
+  for (int64_t e = 0; e < kMaxLanes; ++e) best = lanes[e] > best ? lanes[e] : best;
+  return bad ? std::numeric_limits<float>::quiet_NaN() : best;
+}
+
 template <typename T>
 ENTMAX_FAST_TARGET_AVX2 inline T row_max_lanes_avx2(const T* z, int64_t n, T* lanes) {
-  return row_max_lanes_body(z, n, lanes);
+  if constexpr (std::is_same<T, float>::value) {
+    return row_max_lanes_float_avx2(z, n, lanes);
+  } else {
+    return row_max_lanes_body(z, n, lanes);
+  }
 }
 #endif
 
@@ -349,14 +382,17 @@ inline double sparsemax_threshold(double* u, int64_t k) {
   for (int64_t i = 0; i < k; ++i) sum += u[i];
   double t = (sum - 1.0) / static_cast<double>(k);
   for (;;) {
+    // Branch-free compaction: each entry is written at the next free slot, kept by advancing
+    // the count (which entries drop is data-dependent and mispredicted as a branch); the
+    // select()s are bit masks, as a conditional with floating arms compiles to a branch.
     int64_t kept = 0;
     double kept_sum = 0;
     for (int64_t i = 0; i < k; ++i) {
       const double x = u[i];
-      if (x > t) {
-        u[kept++] = x;
-        kept_sum += x;
-      }
+      const bool keep = x > t;
+      u[kept] = x;
+      kept += keep;
+      kept_sum += vecmath::select(keep, x, 0.0);
     }
     // The top entry (u = 0) always stays because t < 0, so kept >= 1.
     if (kept == k) break;
@@ -378,13 +414,15 @@ inline double entmax15_threshold(double* y, int64_t k, double t) {
     double s1 = 0, s2 = 0;
     double ymin = std::numeric_limits<double>::infinity();
     for (int64_t i = 0; i < k; ++i) {
+      // Branch-free, as in sparsemax_threshold.
       const double x = y[i];
-      if (x > t) {
-        y[kept++] = x;
-        s1 += x;
-        s2 += x * x;
-        ymin = std::min(ymin, x);
-      }
+      const bool keep = x > t;
+      y[kept] = x;
+      kept += keep;
+      const double kept_x = vecmath::select(keep, x, 0.0);
+      s1 += kept_x;
+      s2 += kept_x * kept_x;
+      ymin = std::min(ymin, vecmath::select(keep, x, std::numeric_limits<double>::infinity()));
     }
     k = kept;
     const double kd = static_cast<double>(k);
