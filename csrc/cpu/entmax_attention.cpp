@@ -545,12 +545,18 @@ at::Tensor checked_stats(const at::Tensor& stats, const AttentionShape& s, const
 // The p of a General-kind row from its saved (max, mu), written over the row's scores z (the
 // sink's entry included): the forward's kernel at its final mu, renormalised as the forward
 // did, gives the forward's p; scalar pow per entry here cost more than the rest of the backward.
+// Where w is not null, the row's Jacobian weights p^(2-alpha) go there, from the same pass
+// (general_probs): a power per entry less than computing them from p.
 template <typename T>
-void saved_general_probs(T* z, int64_t n, T zmax, double mu, const EntmaxParams<T>& prm) {
-  const double p_total = general_probs(z, n, static_cast<double>(zmax), prm.law(), mu);
+void saved_general_probs(T* z, T* w, int64_t n, T zmax, double mu, const EntmaxParams<T>& prm) {
+  const double p_total = general_probs(z, w, n, static_cast<double>(zmax), prm.law(), mu);
   if (p_total > 0) {
     const T inv = static_cast<T>(1.0 / p_total);
     for (int64_t j = 0; j < n; ++j) z[j] *= inv;
+    if (w != nullptr) {
+      const T weight_scale = static_cast<T>(std::pow(p_total, prm.alpha - 2.0));
+      for (int64_t j = 0; j < n; ++j) w[j] *= weight_scale;
+    }
   }
 }
 
@@ -584,7 +590,7 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
     at::Tensor grad_buffer = at::empty({kQueryTile * row_capacity}, q.options());
     at::Tensor cap_slope_buffer = capped ? at::empty({kQueryTile * row_capacity}, q.options()) : at::Tensor();
     T* cap_slopes = capped ? cap_slope_buffer.data_ptr<T>() : nullptr;
-    // The closed-form kinds' Jacobian weights, formed with p while the scores are at hand.
+    // The rows' Jacobian weights p^(2-alpha), formed with p while the scores are at hand.
     std::vector<T> weight_tile(static_cast<size_t>(kQueryTile * row_capacity));
     // Per row of the tile: its support, compact (columns from the tile's first key, p, and the
     // closed forms' weights), and its size; for sparsemax and 1.5-entmax rows, which go from
@@ -595,9 +601,8 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
     int64_t support_count[kQueryTile];
     T sink_p[kQueryTile], sink_w[kQueryTile];
     RowState state[kQueryTile];
-    // One row's weights (General kind, dense path), or its support's p, g, weights and dz
-    // (sparse path), the sink last.
-    std::vector<T> weights(row_capacity), sp(row_capacity), sg(row_capacity), sw(row_capacity), sds(row_capacity);
+    // One row's support's p, g, weights and dz (sparse path), the sink last.
+    std::vector<T> sp(row_capacity), sg(row_capacity), sw(row_capacity), sds(row_capacity);
     RowWorkspace work(row_capacity);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / s.Hk;
@@ -662,7 +667,7 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
             if (closed_form) {
               closed_form_probs(p, &weight_tile[i * tile.ld + span.start], n, zmax, mu, prm);
             } else {
-              saved_general_probs(p, n, zmax, mu, prm);
+              saved_general_probs(p, &weight_tile[i * tile.ld + span.start], n, zmax, mu, prm);
             }
             if (dense) continue;
             // Counted only: the lists are made once the tile is known to be sparse.
@@ -726,15 +731,11 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
               // The sink's value is zero, so is its g.
               if (opts.has_sink()) g[n++] = T(0);
               double s_total = 0, sg_total = 0;
-              const T* w = weights.data();
-              if (closed_form) {
-                w = &weight_tile[i * tile.ld + span.start];
-                for (int64_t j = 0; j < n; ++j) {
-                  s_total += w[j];
-                  sg_total += static_cast<double>(w[j]) * g[j];
-                }
-              } else {
-                std::tie(s_total, sg_total) = general_weights(p, g, weights.data(), n, 2.0 - prm.alpha);
+              const T* w = &weight_tile[i * tile.ld + span.start];
+#pragma omp simd reduction(+ : s_total, sg_total)
+              for (int64_t j = 0; j < n; ++j) {
+                s_total += static_cast<double>(w[j]);
+                sg_total += static_cast<double>(w[j]) * static_cast<double>(g[j]);
               }
               if (need_alpha_grad) dalpha_acc += row_alpha_grad(p, g, n, prm.alpha);
               const double delta_d = s_total > 0 ? sg_total / s_total : 0.0;
@@ -787,17 +788,20 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
               sg[n] = T(0);
               ++n;
             }
-            double s_total = 0, sg_total = 0;
-            // Softmax tiles are dense: the closed forms here are sparsemax and 1.5-entmax.
+            // Softmax tiles are dense: the rows here are sparsemax and 1.5-entmax (compact) or
+            // General, whose weights saved_general_probs left over the tile.
             if (compact) {
               std::copy(&support_w[i * row_capacity], &support_w[i * row_capacity] + count, sw.begin());
               if (opts.has_sink()) sw[count] = sink_w[i];
-              for (int64_t a = 0; a < n; ++a) {
-                s_total += sw[a];
-                sg_total += static_cast<double>(sw[a]) * sg[a];
-              }
             } else {
-              std::tie(s_total, sg_total) = general_weights(sp.data(), sg.data(), sw.data(), n, 2.0 - prm.alpha);
+              const T* w_row = &weight_tile[i * tile.ld];
+              for (int64_t a = 0; a < count; ++a) sw[a] = w_row[index[a]];
+              if (opts.has_sink()) sw[count] = w_row[span.start + span.len];
+            }
+            double s_total = 0, sg_total = 0;
+            for (int64_t a = 0; a < n; ++a) {
+              s_total += sw[a];
+              sg_total += static_cast<double>(sw[a]) * sg[a];
             }
             if (need_alpha_grad) dalpha_acc += row_alpha_grad(sp.data(), sg.data(), n, prm.alpha);
             const double delta_d = s_total > 0 ? sg_total / s_total : 0.0;
@@ -904,7 +908,7 @@ void attention_support_impl(const at::Tensor& q, const at::Tensor& k, const std:
           int64_t n = span.len;
           // The sink's entry takes part in the renormalisation, as in the forward.
           if (opts.has_sink()) p[n++] = opts.sinks[h];
-          saved_general_probs(p, n, zmax, mu, prm);
+          saved_general_probs(p, static_cast<T*>(nullptr), n, zmax, mu, prm);
           for (int64_t j = 0; j < span.len; ++j) support += p[j] > T(0);
         } else {
           for (int64_t j = 0; j < span.len; ++j) support += prm.prob(p[j], zmax, mu) > T(0);

@@ -630,16 +630,35 @@ ENTMAX_FAST_ALWAYS_INLINE std::pair<double, double> general_weights_body(const T
 // The attention backward's p of a General-kind row from its saved (max, mu), written over
 // the scores z in place: the same q and power method as the forward's final general_sums
 // pass, so that p, rounded to T, is the forward's (before renormalisation). Returns sum p.
+// Where w is not null, p/q of each entry goes there (0 off the support): the Jacobian
+// weight p^(2-alpha) of the row once p is divided by its sum P is (p/q) P^(alpha-2), since
+// p^(2-alpha) = q^((2-alpha)/(alpha-1)) = q^(1/(alpha-1) - 1); no power beyond p's own.
 template <PowerMethod kMethod, bool kFma, typename T>
-ENTMAX_FAST_ALWAYS_INLINE double general_probs_body(T* z, int64_t n, double zmax, const PowerLaw& law_in,
+ENTMAX_FAST_ALWAYS_INLINE double general_probs_body(T* z, T* w, int64_t n, double zmax, const PowerLaw& law_in,
                                                     double mu) {
   const PowerLaw law = law_in;  // a local copy: the stores to z cannot alias it
   double total = 0;
   if constexpr (kMethod == PowerMethod::Std) {
     for (int64_t j = 0; j < n; ++j) {
       const double q = 1.0 + law.am1 * ((static_cast<double>(z[j]) - zmax) - mu);
-      const T p = q > 0.0 ? static_cast<T>(PowerTerms<kMethod, kFma>(q, law).p) : T(0);
+      T p = T(0), p_over_q = T(0);
+      if (q > 0.0) {
+        const PowerTerms<kMethod, kFma> terms(q, law);
+        p = static_cast<T>(terms.p);
+        p_over_q = static_cast<T>(terms.p_over_q);
+      }
       z[j] = p;
+      if (w != nullptr) w[j] = p_over_q;
+      total += static_cast<double>(p);
+    }
+  } else if (w != nullptr) {
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < n; ++j) {
+      const double q = 1.0 + law.am1 * ((static_cast<double>(z[j]) - zmax) - mu);
+      const PowerTerms<kMethod, kFma> terms(q, law);
+      const T p = static_cast<T>(terms.p);
+      z[j] = p;
+      w[j] = static_cast<T>(terms.p_over_q);
       total += static_cast<double>(p);
     }
   } else {
@@ -689,10 +708,10 @@ ENTMAX_FAST_TARGET_AVX2 inline std::pair<double, double> general_weights_avx2(co
 }
 
 template <typename T>
-ENTMAX_FAST_TARGET_AVX2 inline double general_probs_avx2(T* z, int64_t n, double zmax, const PowerLaw& law,
+ENTMAX_FAST_TARGET_AVX2 inline double general_probs_avx2(T* z, T* w, int64_t n, double zmax, const PowerLaw& law,
                                                          double mu) {
-  return law.integer_exponent ? general_probs_body<PowerMethod::Integer, true>(z, n, zmax, law, mu)
-                              : general_probs_body<PowerMethod::Vector, true>(z, n, zmax, law, mu);
+  return law.integer_exponent ? general_probs_body<PowerMethod::Integer, true>(z, w, n, zmax, law, mu)
+                              : general_probs_body<PowerMethod::Vector, true>(z, w, n, zmax, law, mu);
 }
 
 template <typename T>
@@ -738,12 +757,12 @@ inline CandidateCount count_candidates(const T* z, int64_t n, double zmax, doubl
 }
 
 template <typename T>
-inline double general_probs(T* z, int64_t n, double zmax, const PowerLaw& law, double mu) {
+inline double general_probs(T* z, T* w, int64_t n, double zmax, const PowerLaw& law, double mu) {
 #if ENTMAX_FAST_AVX2_KERNELS
-  if (use_avx2_kernels()) return general_probs_avx2(z, n, zmax, law, mu);
+  if (use_avx2_kernels()) return general_probs_avx2(z, w, n, zmax, law, mu);
 #endif
-  return law.integer_exponent ? general_probs_body<PowerMethod::Integer, false>(z, n, zmax, law, mu)
-                              : general_probs_body<PowerMethod::Std, false>(z, n, zmax, law, mu);
+  return law.integer_exponent ? general_probs_body<PowerMethod::Integer, false>(z, w, n, zmax, law, mu)
+                              : general_probs_body<PowerMethod::Std, false>(z, w, n, zmax, law, mu);
 }
 
 template <typename T>
