@@ -174,6 +174,24 @@ MaskView<T> make_mask_view(const std::optional<at::Tensor>& mask, const Attentio
   return view;
 }
 
+// Rows of a (B, H, L, E) tensor whose last dimension is contiguous, at any other strides: the
+// (B, L, H, E) layout of a projection's heads seen as (B, H, L, E), or keys expanded over a
+// GQA group, are read where they lie instead of copied (a copy of each input, and of the
+// output gradient, rose the peak memory above SDPA's on such inputs).
+template <typename T>
+struct Rows {
+  const T* data;
+  int64_t batch_stride, head_stride, row_stride;
+  explicit Rows(const at::Tensor& x)
+      : data(x.const_data_ptr<T>()), batch_stride(x.stride(0)), head_stride(x.stride(1)), row_stride(x.stride(2)) {}
+  const T* row(int64_t b, int64_t h, int64_t l) const { return data + b * batch_stride + h * head_stride + l * row_stride; }
+};
+
+// x itself when its rows are contiguous (what Rows and the GEMMs read), else a contiguous copy.
+inline at::Tensor with_contiguous_rows(const at::Tensor& x) {
+  return x.size(3) <= 1 || x.stride(3) == 1 ? x : x.contiguous();
+}
+
 // The row of query q0 + i within its tile: keys [tile.k0 + start, tile.k0 + start + len).
 struct RowSpan {
   int64_t start, len;
@@ -247,25 +265,25 @@ ENTMAX_FAST_ALWAYS_INLINE int64_t support_columns_body(const T* p, int64_t n, in
   return count;
 }
 
-// out[0:Ev] = sum_a p[a] * values[index[a]] (rows of Ev elements).
+// out[0:Ev] = sum_a p[a] * values[index[a]] (rows of Ev elements, value_stride apart).
 template <typename T>
 ENTMAX_FAST_ALWAYS_INLINE void support_values_body(const T* p, const int32_t* index, int64_t count, const T* values,
-                                                   int64_t Ev, T* out) {
+                                                   int64_t value_stride, int64_t Ev, T* out) {
   for (int64_t e = 0; e < Ev; ++e) out[e] = T(0);
   for (int64_t a = 0; a < count; ++a) {
     const T w = p[a];
-    const T* value = values + static_cast<int64_t>(index[a]) * Ev;
+    const T* value = values + static_cast<int64_t>(index[a]) * value_stride;
 #pragma omp simd
     for (int64_t e = 0; e < Ev; ++e) out[e] += w * value[e];
   }
 }
 
-// dots[a] = x . rows[index[a]] (rows of E elements).
+// dots[a] = x . rows[index[a]] (rows of E elements, row_stride apart).
 template <typename T>
 ENTMAX_FAST_ALWAYS_INLINE void support_dots_body(const T* x, const int32_t* index, int64_t count, const T* rows,
-                                                 int64_t E, T* dots) {
+                                                 int64_t row_stride, int64_t E, T* dots) {
   for (int64_t a = 0; a < count; ++a) {
-    const T* row = rows + static_cast<int64_t>(index[a]) * E;
+    const T* row = rows + static_cast<int64_t>(index[a]) * row_stride;
     T sum = T(0);
 #pragma omp simd reduction(+ : sum)
     for (int64_t e = 0; e < E; ++e) sum += x[e] * row[e];
@@ -275,16 +293,16 @@ ENTMAX_FAST_ALWAYS_INLINE void support_dots_body(const T* x, const int32_t* inde
 
 // The sparse products of one query row i over its support (key index[a], dz ds[a], weight
 // p[a]): dq_i = sum_a ds[a] k_a, and dk_a += ds[a] q_i, dv_a += p[a] dO_i. The task owns the
-// dk and dv rows it adds to.
+// dk and dv rows it adds to (contiguous); the keys' rows are key_stride apart.
 template <typename T>
 ENTMAX_FAST_ALWAYS_INLINE void support_grads_body(const int32_t* index, int64_t count, const T* ds, const T* p,
-                                                  const T* q_i, const T* do_i, const T* keys, T* dk, T* dv,
-                                                  int64_t E, int64_t Ev, T* dq_i) {
+                                                  const T* q_i, const T* do_i, const T* keys, int64_t key_stride,
+                                                  T* dk, T* dv, int64_t E, int64_t Ev, T* dq_i) {
   for (int64_t e = 0; e < E; ++e) dq_i[e] = T(0);
   for (int64_t a = 0; a < count; ++a) {
     const int64_t j = index[a];
     const T d = ds[a], w = p[a];
-    const T* key = keys + j * E;
+    const T* key = keys + j * key_stride;
     T* dk_j = dk + j * E;
 #pragma omp simd
     for (int64_t e = 0; e < E; ++e) {
@@ -305,21 +323,21 @@ ENTMAX_FAST_TARGET_AVX2 int64_t support_columns_avx2(const T* p, int64_t n, int6
 
 template <typename T>
 ENTMAX_FAST_TARGET_AVX2 void support_values_avx2(const T* p, const int32_t* index, int64_t count, const T* values,
-                                                 int64_t Ev, T* out) {
-  support_values_body(p, index, count, values, Ev, out);
+                                                 int64_t value_stride, int64_t Ev, T* out) {
+  support_values_body(p, index, count, values, value_stride, Ev, out);
 }
 
 template <typename T>
 ENTMAX_FAST_TARGET_AVX2 void support_dots_avx2(const T* x, const int32_t* index, int64_t count, const T* rows,
-                                               int64_t E, T* dots) {
-  support_dots_body(x, index, count, rows, E, dots);
+                                               int64_t row_stride, int64_t E, T* dots) {
+  support_dots_body(x, index, count, rows, row_stride, E, dots);
 }
 
 template <typename T>
 ENTMAX_FAST_TARGET_AVX2 void support_grads_avx2(const int32_t* index, int64_t count, const T* ds, const T* p,
-                                                const T* q_i, const T* do_i, const T* keys, T* dk, T* dv, int64_t E,
-                                                int64_t Ev, T* dq_i) {
-  support_grads_body(index, count, ds, p, q_i, do_i, keys, dk, dv, E, Ev, dq_i);
+                                                const T* q_i, const T* do_i, const T* keys, int64_t key_stride, T* dk,
+                                                T* dv, int64_t E, int64_t Ev, T* dq_i) {
+  support_grads_body(index, count, ds, p, q_i, do_i, keys, key_stride, dk, dv, E, Ev, dq_i);
 }
 #endif
 
@@ -340,28 +358,31 @@ int64_t support_columns(const T* p, int64_t n, int64_t offset, int32_t* index) {
 }
 
 template <typename T>
-void support_values(const T* p, const int32_t* index, int64_t count, const T* values, int64_t Ev, T* out) {
+void support_values(const T* p, const int32_t* index, int64_t count, const T* values, int64_t value_stride,
+                    int64_t Ev, T* out) {
 #if ENTMAX_FAST_AVX2_KERNELS
-  if (use_avx2_kernels()) return support_values_avx2(p, index, count, values, Ev, out);
+  if (use_avx2_kernels()) return support_values_avx2(p, index, count, values, value_stride, Ev, out);
 #endif
-  support_values_body(p, index, count, values, Ev, out);
+  support_values_body(p, index, count, values, value_stride, Ev, out);
 }
 
 template <typename T>
-void support_dots(const T* x, const int32_t* index, int64_t count, const T* rows, int64_t E, T* dots) {
+void support_dots(const T* x, const int32_t* index, int64_t count, const T* rows, int64_t row_stride, int64_t E,
+                  T* dots) {
 #if ENTMAX_FAST_AVX2_KERNELS
-  if (use_avx2_kernels()) return support_dots_avx2(x, index, count, rows, E, dots);
+  if (use_avx2_kernels()) return support_dots_avx2(x, index, count, rows, row_stride, E, dots);
 #endif
-  support_dots_body(x, index, count, rows, E, dots);
+  support_dots_body(x, index, count, rows, row_stride, E, dots);
 }
 
 template <typename T>
 void support_grads(const int32_t* index, int64_t count, const T* ds, const T* p, const T* q_i, const T* do_i,
-                   const T* keys, T* dk, T* dv, int64_t E, int64_t Ev, T* dq_i) {
+                   const T* keys, int64_t key_stride, T* dk, T* dv, int64_t E, int64_t Ev, T* dq_i) {
 #if ENTMAX_FAST_AVX2_KERNELS
-  if (use_avx2_kernels()) return support_grads_avx2(index, count, ds, p, q_i, do_i, keys, dk, dv, E, Ev, dq_i);
+  if (use_avx2_kernels())
+    return support_grads_avx2(index, count, ds, p, q_i, do_i, keys, key_stride, dk, dv, E, Ev, dq_i);
 #endif
-  support_grads_body(index, count, ds, p, q_i, do_i, keys, dk, dv, E, Ev, dq_i);
+  support_grads_body(index, count, ds, p, q_i, do_i, keys, key_stride, dk, dv, E, Ev, dq_i);
 }
 
 template <typename T>
@@ -374,7 +395,7 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
   const ScoreOptions<T> opts(option_tensors);
   const T scale = static_cast<T>(scale_d);
   double* stats_ptr = stats.data_ptr<double>();
-  const T* v_ptr = v.const_data_ptr<T>();
+  const Rows<T> value_rows(v);
   T* out_ptr = out.data_ptr<T>();
   const int64_t row_capacity = widest_tile_span(s, is_causal, opts) + opts.sink_columns();
   const int64_t total = s.B * s.H * s.n_tiles;
@@ -489,10 +510,10 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
         at::mm_out(out_tile, scores, v.select(0, b).select(0, hk).narrow(0, tile.k0, tile.kn));
         continue;
       }
-      const T* values = v_ptr + ((b * s.Hk + hk) * s.Lk + tile.k0) * s.Ev;
+      const T* values = value_rows.row(b, hk, tile.k0);
       for (int64_t i = 0; i < tile.tq; ++i) {
-        support_values(&support_p[i * row_capacity], &support_index[i * row_capacity], support_count[i], values, s.Ev,
-                       out_ptr + ((b * s.H + h) * s.Lq + tile.q0 + i) * s.Ev);
+        support_values(&support_p[i * row_capacity], &support_index[i * row_capacity], support_count[i], values,
+                       value_rows.row_stride, s.Ev, out_ptr + ((b * s.H + h) * s.Lq + tile.q0 + i) * s.Ev);
       }
     }
   }));
@@ -512,9 +533,9 @@ std::tuple<at::Tensor, at::Tensor> entmax_attention_fwd_cpu(const at::Tensor& qu
   const ScoreOptionTensors options = check_score_options("entmax_attention", s.B, s.H, ct, window_size, softcap,
                                                          alibi_slopes, sinks);
   // detach: the GEMMs below run on worker threads and must never be recorded by autograd.
-  const at::Tensor q = query.detach().to(ct).contiguous();
-  const at::Tensor k = key.detach().to(ct).contiguous();
-  const at::Tensor v = value.detach().to(ct).contiguous();
+  const at::Tensor q = with_contiguous_rows(query.detach().to(ct));
+  const at::Tensor k = with_contiguous_rows(key.detach().to(ct));
+  const at::Tensor v = with_contiguous_rows(value.detach().to(ct));
   const at::Tensor alpha = alpha_in.detach().to(at::kDouble).contiguous();
   at::Tensor out = at::empty({s.B, s.H, s.Lq, s.Ev}, q.options());
   at::Tensor stats = at::empty({s.B, s.H, s.Lq, 2}, q.options().dtype(at::kDouble));
@@ -572,10 +593,7 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
   const bool capped = opts.softcap > T(0);
   const T scale = static_cast<T>(scale_d);
   const double* stats_ptr = stats.const_data_ptr<double>();
-  const T* q_ptr = q.const_data_ptr<T>();
-  const T* k_ptr = k.const_data_ptr<T>();
-  const T* v_ptr = v.const_data_ptr<T>();
-  const T* do_ptr = grad_out.const_data_ptr<T>();
+  const Rows<T> query_rows(q), key_rows(k), value_rows(v), grad_out_rows(grad_out);
   T* dq_ptr = dq.data_ptr<T>();
   T* dk_ptr = dk.data_ptr<T>();
   T* dv_ptr = dv.data_ptr<T>();
@@ -764,8 +782,8 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
           }
           // Sparse: dP only on the support (dO_i . v_j), dz there, and the products from it.
           const int64_t kv_row0 = (b * s.Hk + hk) * s.Lk + tile.k0;
-          const T* keys = k_ptr + kv_row0 * s.E;
-          const T* values = v_ptr + kv_row0 * s.Ev;
+          const T* keys = key_rows.row(b, hk, tile.k0);
+          const T* values = value_rows.row(b, hk, tile.k0);
           T* dk_tile = dk_ptr + kv_row0 * s.E;
           T* dv_tile = dv_ptr + kv_row0 * s.Ev;
           for (int64_t i = 0; i < tile.tq; ++i) {
@@ -779,8 +797,8 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
             const T* p_row = pz + i * tile.ld;
             const int32_t* index = &support_index[i * row_capacity];
             const int64_t count = support_count[i];
-            const T* do_i = do_ptr + row * s.Ev;
-            support_dots(do_i, index, count, values, s.Ev, sg.data());
+            const T* do_i = grad_out_rows.row(b, h, tile.q0 + i);
+            support_dots(do_i, index, count, values, value_rows.row_stride, s.Ev, sg.data());
             std::copy(&support_p[i * row_capacity], &support_p[i * row_capacity] + count, sp.begin());
             int64_t n = count;
             if (opts.has_sink()) {
@@ -813,8 +831,8 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
             } else {
               for (int64_t a = 0; a < count; ++a) sds[a] = scale * sw[a] * (sg[a] - delta);
             }
-            support_grads(index, count, sds.data(), sp.data(), q_ptr + row * s.E, do_i, keys, dk_tile, dv_tile, s.E,
-                          s.Ev, dq_i);
+            support_grads(index, count, sds.data(), sp.data(), query_rows.row(b, h, tile.q0 + i), do_i, keys,
+                          key_rows.row_stride, dk_tile, dv_tile, s.E, s.Ev, dq_i);
           }
         }
         dalpha_part[b * s.H + h] = dalpha_acc;
@@ -840,14 +858,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> entmax_at
   const at::ScalarType ct = compute_type(query.scalar_type());
   const ScoreOptionTensors options = check_score_options("entmax_attention", s.B, s.H, ct, window_size, softcap,
                                                          alibi_slopes, sinks);
-  const at::Tensor q = query.detach().to(ct).contiguous();
-  const at::Tensor k = key.detach().to(ct).contiguous();
-  const at::Tensor v = value.detach().to(ct).contiguous();
-  const at::Tensor g = grad_out.detach().to(ct).contiguous();
+  const at::Tensor q = with_contiguous_rows(query.detach().to(ct));
+  const at::Tensor k = with_contiguous_rows(key.detach().to(ct));
+  const at::Tensor v = with_contiguous_rows(value.detach().to(ct));
+  const at::Tensor g = with_contiguous_rows(grad_out.detach().to(ct));
   const at::Tensor alpha = alpha_in.detach().to(at::kDouble).contiguous();
-  at::Tensor dq = at::zeros_like(q);
-  at::Tensor dk = at::zeros_like(k);
-  at::Tensor dv = at::zeros_like(v);
+  // Contiguous whatever the inputs' strides: the sparse products index their rows so.
+  at::Tensor dq = at::zeros(q.sizes(), q.options());
+  at::Tensor dk = at::zeros(k.sizes(), k.options());
+  at::Tensor dv = at::zeros(v.sizes(), v.options());
   at::Tensor dalpha_part = at::zeros({s.B, s.H}, q.options().dtype(at::kDouble));
   at::Tensor dsinks_part = at::zeros({s.B, s.H}, q.options().dtype(at::kDouble));
   if (s.Lk > 0 && s.Lq > 0 && s.B > 0) {
@@ -933,8 +952,8 @@ at::Tensor entmax_attention_support_cpu(const at::Tensor& query, const at::Tenso
   const at::ScalarType ct = compute_type(query.scalar_type());
   const ScoreOptionTensors options = check_score_options("entmax_attention", s.B, s.H, ct, window_size, softcap,
                                                          alibi_slopes, sinks);
-  const at::Tensor q = query.detach().to(ct).contiguous();
-  const at::Tensor k = key.detach().to(ct).contiguous();
+  const at::Tensor q = with_contiguous_rows(query.detach().to(ct));
+  const at::Tensor k = with_contiguous_rows(key.detach().to(ct));
   const at::Tensor alpha = alpha_in.detach().to(at::kDouble).contiguous();
   at::Tensor counts = at::zeros({s.B, s.H, s.Lq}, q.options().dtype(at::kLong));
   if (s.Lk > 0 && s.Lq > 0 && s.B > 0 && s.H > 0) {
