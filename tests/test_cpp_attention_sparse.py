@@ -128,3 +128,24 @@ def test_repeated_calls_are_bitwise_equal(dtype):
     for run in runs[1:]:
         for got, first in zip(run, runs[0]):
             assert torch.equal(got, first)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_inputs_in_projection_layout(dtype):
+    """Query, key and value with (B, L, H, E) memory seen as (B, H, L, E), as a projection's
+    heads are (the operator reads them where they lie): against the oracle on tiles of both
+    kinds, and the same as the contiguous inputs' result."""
+    generator = torch.Generator().manual_seed(11)
+    q, k, v = _mixed_inputs(dtype, generator)
+    strided = [t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v)]
+    assert not any(t.is_contiguous() for t in strided)
+    _assert_both_paths(_sparse_tiles(q, k, 1.5))
+    out = _check_against_oracle(*strided, 1.5, {}, dtype)
+    grad_out = torch.randn(out.shape, generator=generator, dtype=torch.float64).to(dtype)
+    grad_out_strided = grad_out.transpose(1, 2).contiguous().transpose(1, 2)
+    results = []
+    for inputs, g in ((strided, grad_out_strided), ((q, k, v), grad_out)):
+        out = _attention_on("cpp", *inputs, alpha=1.5)
+        results.append((out, *torch.autograd.grad(out, inputs, g)))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want)

@@ -102,6 +102,52 @@ def test_rowwise_forward_matches_oracle(dtype, atol, alpha, r, n, scale):
         assert torch.equal(p[2], torch.zeros_like(p[2]))
 
 
+def _lane_rows(n):
+    """Rows for the closed-form threshold's lower bound from the row's 16 lane maxima (the
+    entries j = e mod 16 form lane e): the support all in one lane (a loose bound), exactly
+    one support entry per lane (a bound equal to the threshold), every entry tied, and
+    supports of 1, 15, 16 and 17 entries among -inf and low scores."""
+    rows = []
+    one_lane = torch.full((n,), -3.0, dtype=torch.float64)
+    one_lane[::16] = torch.linspace(2.0, 1.0, len(range(0, n, 16)), dtype=torch.float64)
+    rows.append(one_lane)
+    per_lane = torch.full((n,), -3.0, dtype=torch.float64)
+    per_lane[:16] = 1.0
+    rows.append(per_lane)
+    rows.append(torch.zeros(n, dtype=torch.float64))
+    for support in (1, 15, 16, 17):
+        row = torch.full((n,), -INF, dtype=torch.float64)
+        row[1::3] = -5.0
+        row[torch.randperm(n)[:support]] = torch.rand(support, dtype=torch.float64)
+        rows.append(row)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dtype,atol", DTYPES[:2])
+@pytest.mark.parametrize("alpha", [pytest.param(1.5, id="a1.5"), pytest.param(2.0, id="a2")])
+@pytest.mark.parametrize("n", [17, 40, 2048])
+def test_rowwise_closed_forms_where_lane_maxima_bound_the_threshold(dtype, atol, alpha, n):
+    x = _lane_rows(n).to(dtype)
+    p = cpp_ops.entmax_forward(x, alpha)
+    oracle = oracle_entmax(x.double(), alpha)
+    _assert_close_as_reference(p, reference_forward(x, alpha), oracle, atol)
+    # The supports exactly: no entry dropped by the bound, none kept beyond the threshold.
+    assert torch.equal(p > 0, oracle > 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("alpha", [pytest.param(1.5, id="a1.5"), pytest.param(2.0, id="a2")])
+@pytest.mark.parametrize("n", [17, 40, 2048])
+def test_rowwise_closed_forms_nan_or_inf_anywhere_gives_a_nan_row(dtype, alpha, n):
+    # In the vectorised blocks and in the tail past the last block of 16.
+    x = torch.randn(4, n, dtype=dtype)
+    x[0, n // 2] = math.nan
+    x[1, n // 2] = INF
+    x[2, n - 1] = math.nan
+    x[3, n - 1] = INF
+    assert cpp_ops.entmax_forward(x, alpha).isnan().all()
+
+
 @pytest.mark.parametrize("dtype,atol", DTYPES[:2])
 def test_rowwise_forward_alpha_per_row(dtype, atol):
     alphas = torch.tensor([1.0, 1.5, 2.0, 1.25, 3.0, 0.75, 1.0001, 1.5, 2.0, 1.7], dtype=torch.float32)

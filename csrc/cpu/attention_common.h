@@ -95,7 +95,8 @@ inline KeyRange key_range(int64_t pos, int64_t n_keys, int64_t end_limit, int64_
 // ALiBi's -slope * |distance_to_first - j| (distance_to_first: the query's position minus
 // the first key's). With cap_slopes, the cap's derivative 1/cosh^2(s/softcap) of each entry
 // is stored there (1/cosh^2 rather than 1 - tanh^2, which rounds to 0 where tanh rounds to
-// +-1). Each option is tested once per row, never per score.
+// +-1). Each option is tested once per row, never per score; a scale of 1 (scores formed
+// from scaled queries) costs no pass.
 template <typename T>
 inline void transform_scores(T* z, int64_t len, T scale, const ScoreOptions<T>& o, T slope,
                              int64_t distance_to_first, T* cap_slopes) {
@@ -109,7 +110,7 @@ inline void transform_scores(T* z, int64_t len, T scale, const ScoreOptions<T>& 
         cap_slopes[j] = T(1) / (c * c);
       }
     }
-  } else {
+  } else if (scale != T(1)) {
     for (int64_t j = 0; j < len; ++j) z[j] *= scale;
   }
   if (o.alibi != nullptr) {

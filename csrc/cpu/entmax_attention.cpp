@@ -174,6 +174,24 @@ MaskView<T> make_mask_view(const std::optional<at::Tensor>& mask, const Attentio
   return view;
 }
 
+// Rows of a (B, H, L, E) tensor whose last dimension is contiguous, at any other strides: the
+// (B, L, H, E) layout of a projection's heads seen as (B, H, L, E), or keys expanded over a
+// GQA group, are read where they lie instead of copied (a copy of each input, and of the
+// output gradient, rose the peak memory above SDPA's on such inputs).
+template <typename T>
+struct Rows {
+  const T* data;
+  int64_t batch_stride, head_stride, row_stride;
+  explicit Rows(const at::Tensor& x)
+      : data(x.const_data_ptr<T>()), batch_stride(x.stride(0)), head_stride(x.stride(1)), row_stride(x.stride(2)) {}
+  const T* row(int64_t b, int64_t h, int64_t l) const { return data + b * batch_stride + h * head_stride + l * row_stride; }
+};
+
+// x itself when its rows are contiguous (what Rows and the GEMMs read), else a contiguous copy.
+inline at::Tensor with_contiguous_rows(const at::Tensor& x) {
+  return x.size(3) <= 1 || x.stride(3) == 1 ? x : x.contiguous();
+}
+
 // The row of query q0 + i within its tile: keys [tile.k0 + start, tile.k0 + start + len).
 struct RowSpan {
   int64_t start, len;
@@ -194,19 +212,33 @@ inline at::Tensor tile_view(at::Tensor& buffer, const QueryTile& tile) {
 // softcap, ALiBi, the float or boolean mask (the causal limit and the window are the spans).
 // Entries outside a row's span are left unset: callers read only the span. With
 // cap_slopes, the cap's slope of each entry is stored there, at the entry's place in the
-// tile layout (transform_scores).
+// tile layout (transform_scores). Without a cap the scale multiplies the tile's queries
+// (query_buffer, kQueryTile x E) before the GEMM instead of its tq x kn scores after it: one
+// pass over the scores less, exact where the scale is a power of two (1/sqrt(E) at E 64 or
+// 256), else within a rounding of each product; the forward, the backward and the support
+// count all form the scores here, so they agree.
 template <typename T>
-at::Tensor tile_scores(at::Tensor& buffer, T* cap_slopes, const at::Tensor& q_bh, const at::Tensor& k_bh,
-                       const QueryTile& tile, T scale, const ScoreOptions<T>& opts, const MaskView<T>& mask,
-                       const AttentionShape& s, bool is_causal, int64_t b, int64_t h) {
+at::Tensor tile_scores(at::Tensor& buffer, at::Tensor& query_buffer, T* cap_slopes, const at::Tensor& q_bh,
+                       const at::Tensor& k_bh, const QueryTile& tile, T scale, const ScoreOptions<T>& opts,
+                       const MaskView<T>& mask, const AttentionShape& s, bool is_causal, int64_t b, int64_t h) {
   at::Tensor scores = tile_view(buffer, tile);
-  at::mm_out(scores, q_bh.narrow(0, tile.q0, tile.tq), k_bh.narrow(0, tile.k0, tile.kn).t());
+  const at::Tensor q_tile = q_bh.narrow(0, tile.q0, tile.tq);
+  const at::Tensor keys_t = k_bh.narrow(0, tile.k0, tile.kn).t();
+  T score_scale = scale;
+  if (opts.softcap > T(0)) {
+    at::mm_out(scores, q_tile, keys_t);
+  } else {
+    at::Tensor q_scaled = query_buffer.narrow(0, 0, tile.tq);
+    at::mul_out(q_scaled, q_tile, at::Scalar(scale));
+    at::mm_out(scores, q_scaled, keys_t);
+    score_scale = T(1);
+  }
   T* z = scores.data_ptr<T>();
   const T slope = opts.alibi_slope(b, h);
   for (int64_t i = 0; i < tile.tq; ++i) {
     const RowSpan span = row_span(tile, i, s, is_causal, opts.window_left, opts.window_right);
     T* zi = z + i * tile.ld + span.start;
-    transform_scores(zi, span.len, scale, opts, slope, tile.q0 + i + s.Lk - s.Lq - (tile.k0 + span.start),
+    transform_scores(zi, span.len, score_scale, opts, slope, tile.q0 + i + s.Lk - s.Lq - (tile.k0 + span.start),
                      cap_slopes != nullptr ? cap_slopes + i * tile.ld + span.start : nullptr);
     mask.apply(zi, span.len, b, h, tile.q0 + i, tile.k0 + span.start);
   }
@@ -233,25 +265,25 @@ ENTMAX_FAST_ALWAYS_INLINE int64_t support_columns_body(const T* p, int64_t n, in
   return count;
 }
 
-// out[0:Ev] = sum_a p[a] * values[index[a]] (rows of Ev elements).
+// out[0:Ev] = sum_a p[a] * values[index[a]] (rows of Ev elements, value_stride apart).
 template <typename T>
 ENTMAX_FAST_ALWAYS_INLINE void support_values_body(const T* p, const int32_t* index, int64_t count, const T* values,
-                                                   int64_t Ev, T* out) {
+                                                   int64_t value_stride, int64_t Ev, T* out) {
   for (int64_t e = 0; e < Ev; ++e) out[e] = T(0);
   for (int64_t a = 0; a < count; ++a) {
     const T w = p[a];
-    const T* value = values + static_cast<int64_t>(index[a]) * Ev;
+    const T* value = values + static_cast<int64_t>(index[a]) * value_stride;
 #pragma omp simd
     for (int64_t e = 0; e < Ev; ++e) out[e] += w * value[e];
   }
 }
 
-// dots[a] = x . rows[index[a]] (rows of E elements).
+// dots[a] = x . rows[index[a]] (rows of E elements, row_stride apart).
 template <typename T>
 ENTMAX_FAST_ALWAYS_INLINE void support_dots_body(const T* x, const int32_t* index, int64_t count, const T* rows,
-                                                 int64_t E, T* dots) {
+                                                 int64_t row_stride, int64_t E, T* dots) {
   for (int64_t a = 0; a < count; ++a) {
-    const T* row = rows + static_cast<int64_t>(index[a]) * E;
+    const T* row = rows + static_cast<int64_t>(index[a]) * row_stride;
     T sum = T(0);
 #pragma omp simd reduction(+ : sum)
     for (int64_t e = 0; e < E; ++e) sum += x[e] * row[e];
@@ -261,16 +293,16 @@ ENTMAX_FAST_ALWAYS_INLINE void support_dots_body(const T* x, const int32_t* inde
 
 // The sparse products of one query row i over its support (key index[a], dz ds[a], weight
 // p[a]): dq_i = sum_a ds[a] k_a, and dk_a += ds[a] q_i, dv_a += p[a] dO_i. The task owns the
-// dk and dv rows it adds to.
+// dk and dv rows it adds to (contiguous); the keys' rows are key_stride apart.
 template <typename T>
 ENTMAX_FAST_ALWAYS_INLINE void support_grads_body(const int32_t* index, int64_t count, const T* ds, const T* p,
-                                                  const T* q_i, const T* do_i, const T* keys, T* dk, T* dv,
-                                                  int64_t E, int64_t Ev, T* dq_i) {
+                                                  const T* q_i, const T* do_i, const T* keys, int64_t key_stride,
+                                                  T* dk, T* dv, int64_t E, int64_t Ev, T* dq_i) {
   for (int64_t e = 0; e < E; ++e) dq_i[e] = T(0);
   for (int64_t a = 0; a < count; ++a) {
     const int64_t j = index[a];
     const T d = ds[a], w = p[a];
-    const T* key = keys + j * E;
+    const T* key = keys + j * key_stride;
     T* dk_j = dk + j * E;
 #pragma omp simd
     for (int64_t e = 0; e < E; ++e) {
@@ -291,21 +323,21 @@ ENTMAX_FAST_TARGET_AVX2 int64_t support_columns_avx2(const T* p, int64_t n, int6
 
 template <typename T>
 ENTMAX_FAST_TARGET_AVX2 void support_values_avx2(const T* p, const int32_t* index, int64_t count, const T* values,
-                                                 int64_t Ev, T* out) {
-  support_values_body(p, index, count, values, Ev, out);
+                                                 int64_t value_stride, int64_t Ev, T* out) {
+  support_values_body(p, index, count, values, value_stride, Ev, out);
 }
 
 template <typename T>
 ENTMAX_FAST_TARGET_AVX2 void support_dots_avx2(const T* x, const int32_t* index, int64_t count, const T* rows,
-                                               int64_t E, T* dots) {
-  support_dots_body(x, index, count, rows, E, dots);
+                                               int64_t row_stride, int64_t E, T* dots) {
+  support_dots_body(x, index, count, rows, row_stride, E, dots);
 }
 
 template <typename T>
 ENTMAX_FAST_TARGET_AVX2 void support_grads_avx2(const int32_t* index, int64_t count, const T* ds, const T* p,
-                                                const T* q_i, const T* do_i, const T* keys, T* dk, T* dv, int64_t E,
-                                                int64_t Ev, T* dq_i) {
-  support_grads_body(index, count, ds, p, q_i, do_i, keys, dk, dv, E, Ev, dq_i);
+                                                const T* q_i, const T* do_i, const T* keys, int64_t key_stride, T* dk,
+                                                T* dv, int64_t E, int64_t Ev, T* dq_i) {
+  support_grads_body(index, count, ds, p, q_i, do_i, keys, key_stride, dk, dv, E, Ev, dq_i);
 }
 #endif
 
@@ -326,28 +358,31 @@ int64_t support_columns(const T* p, int64_t n, int64_t offset, int32_t* index) {
 }
 
 template <typename T>
-void support_values(const T* p, const int32_t* index, int64_t count, const T* values, int64_t Ev, T* out) {
+void support_values(const T* p, const int32_t* index, int64_t count, const T* values, int64_t value_stride,
+                    int64_t Ev, T* out) {
 #if ENTMAX_FAST_AVX2_KERNELS
-  if (use_avx2_kernels()) return support_values_avx2(p, index, count, values, Ev, out);
+  if (use_avx2_kernels()) return support_values_avx2(p, index, count, values, value_stride, Ev, out);
 #endif
-  support_values_body(p, index, count, values, Ev, out);
+  support_values_body(p, index, count, values, value_stride, Ev, out);
 }
 
 template <typename T>
-void support_dots(const T* x, const int32_t* index, int64_t count, const T* rows, int64_t E, T* dots) {
+void support_dots(const T* x, const int32_t* index, int64_t count, const T* rows, int64_t row_stride, int64_t E,
+                  T* dots) {
 #if ENTMAX_FAST_AVX2_KERNELS
-  if (use_avx2_kernels()) return support_dots_avx2(x, index, count, rows, E, dots);
+  if (use_avx2_kernels()) return support_dots_avx2(x, index, count, rows, row_stride, E, dots);
 #endif
-  support_dots_body(x, index, count, rows, E, dots);
+  support_dots_body(x, index, count, rows, row_stride, E, dots);
 }
 
 template <typename T>
 void support_grads(const int32_t* index, int64_t count, const T* ds, const T* p, const T* q_i, const T* do_i,
-                   const T* keys, T* dk, T* dv, int64_t E, int64_t Ev, T* dq_i) {
+                   const T* keys, int64_t key_stride, T* dk, T* dv, int64_t E, int64_t Ev, T* dq_i) {
 #if ENTMAX_FAST_AVX2_KERNELS
-  if (use_avx2_kernels()) return support_grads_avx2(index, count, ds, p, q_i, do_i, keys, dk, dv, E, Ev, dq_i);
+  if (use_avx2_kernels())
+    return support_grads_avx2(index, count, ds, p, q_i, do_i, keys, key_stride, dk, dv, E, Ev, dq_i);
 #endif
-  support_grads_body(index, count, ds, p, q_i, do_i, keys, dk, dv, E, Ev, dq_i);
+  support_grads_body(index, count, ds, p, q_i, do_i, keys, key_stride, dk, dv, E, Ev, dq_i);
 }
 
 template <typename T>
@@ -360,12 +395,13 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
   const ScoreOptions<T> opts(option_tensors);
   const T scale = static_cast<T>(scale_d);
   double* stats_ptr = stats.data_ptr<double>();
-  const T* v_ptr = v.const_data_ptr<T>();
+  const Rows<T> value_rows(v);
   T* out_ptr = out.data_ptr<T>();
   const int64_t row_capacity = widest_tile_span(s, is_causal, opts) + opts.sink_columns();
   const int64_t total = s.B * s.H * s.n_tiles;
   at::parallel_for(0, total, 1, at::wrapPropagateTLSState([&](int64_t begin, int64_t end) {
     at::Tensor buffer = at::empty({kQueryTile * row_capacity}, q.options());
+    at::Tensor query_buffer = at::empty({kQueryTile, s.E}, q.options());
     RowWorkspace work(row_capacity);
     // Per row of the tile: its support, compact (columns from the tile's first key, weights),
     // and its size; whether the row holds only its scores (its p being the compact lists).
@@ -393,7 +429,8 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
       // Sparsemax and 1.5-entmax rows go from their threshold straight to the compact support;
       // the other kinds write p over the row first.
       const bool closed_form = prm.kind == AlphaKind::kSparsemax || prm.kind == AlphaKind::kEntmax15;
-      at::Tensor scores = tile_scores<T>(buffer, nullptr, q.select(0, b).select(0, h), k.select(0, b).select(0, hk),
+      at::Tensor scores = tile_scores<T>(buffer, query_buffer, nullptr, q.select(0, b).select(0, h),
+                                         k.select(0, b).select(0, hk),
                                          tile, scale, opts, mask_view, s, is_causal, b, h);
       T* z = scores.data_ptr<T>();
       // Softmax weights are never zero: its tiles stay dense without counting.
@@ -418,7 +455,8 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
         T* p = &support_p[i * row_capacity];
         RowStats<T> rs;
         if (closed_form) {
-          rs = closed_form_stats(zi + span.start, n, prm, work);
+          int64_t candidates = 0;
+          rs = closed_form_stats(zi + span.start, n, prm, work, &candidates);
           st[2 * i] = rs.max;
           st[2 * i + 1] = rs.mu;
           if (std::isnan(rs.max)) {
@@ -430,8 +468,9 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
           }
           compact_only[i] = true;
           if (rs.max > -std::numeric_limits<T>::infinity()) {
-            support_count[i] = closed_form_support(zi + span.start, span.len, rs.max, rs.mu, prm, span.start, index,
-                                                   p, static_cast<T*>(nullptr));
+            support_count[i] = closed_form_support_among(zi + span.start, span.len, rs.max, rs.mu, prm,
+                                                         work.index.data(), candidates, span.start, index, p,
+                                                         static_cast<T*>(nullptr));
           }
           support += support_count[i];
           continue;
@@ -471,10 +510,10 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
         at::mm_out(out_tile, scores, v.select(0, b).select(0, hk).narrow(0, tile.k0, tile.kn));
         continue;
       }
-      const T* values = v_ptr + ((b * s.Hk + hk) * s.Lk + tile.k0) * s.Ev;
+      const T* values = value_rows.row(b, hk, tile.k0);
       for (int64_t i = 0; i < tile.tq; ++i) {
-        support_values(&support_p[i * row_capacity], &support_index[i * row_capacity], support_count[i], values, s.Ev,
-                       out_ptr + ((b * s.H + h) * s.Lq + tile.q0 + i) * s.Ev);
+        support_values(&support_p[i * row_capacity], &support_index[i * row_capacity], support_count[i], values,
+                       value_rows.row_stride, s.Ev, out_ptr + ((b * s.H + h) * s.Lq + tile.q0 + i) * s.Ev);
       }
     }
   }));
@@ -494,9 +533,9 @@ std::tuple<at::Tensor, at::Tensor> entmax_attention_fwd_cpu(const at::Tensor& qu
   const ScoreOptionTensors options = check_score_options("entmax_attention", s.B, s.H, ct, window_size, softcap,
                                                          alibi_slopes, sinks);
   // detach: the GEMMs below run on worker threads and must never be recorded by autograd.
-  const at::Tensor q = query.detach().to(ct).contiguous();
-  const at::Tensor k = key.detach().to(ct).contiguous();
-  const at::Tensor v = value.detach().to(ct).contiguous();
+  const at::Tensor q = with_contiguous_rows(query.detach().to(ct));
+  const at::Tensor k = with_contiguous_rows(key.detach().to(ct));
+  const at::Tensor v = with_contiguous_rows(value.detach().to(ct));
   const at::Tensor alpha = alpha_in.detach().to(at::kDouble).contiguous();
   at::Tensor out = at::empty({s.B, s.H, s.Lq, s.Ev}, q.options());
   at::Tensor stats = at::empty({s.B, s.H, s.Lq, 2}, q.options().dtype(at::kDouble));
@@ -527,12 +566,18 @@ at::Tensor checked_stats(const at::Tensor& stats, const AttentionShape& s, const
 // The p of a General-kind row from its saved (max, mu), written over the row's scores z (the
 // sink's entry included): the forward's kernel at its final mu, renormalised as the forward
 // did, gives the forward's p; scalar pow per entry here cost more than the rest of the backward.
+// Where w is not null, the row's Jacobian weights p^(2-alpha) go there, from the same pass
+// (general_probs): a power per entry less than computing them from p.
 template <typename T>
-void saved_general_probs(T* z, int64_t n, T zmax, double mu, const EntmaxParams<T>& prm) {
-  const double p_total = general_probs(z, n, static_cast<double>(zmax), prm.law(), mu);
+void saved_general_probs(T* z, T* w, int64_t n, T zmax, double mu, const EntmaxParams<T>& prm) {
+  const double p_total = general_probs(z, w, n, static_cast<double>(zmax), prm.law(), mu);
   if (p_total > 0) {
     const T inv = static_cast<T>(1.0 / p_total);
     for (int64_t j = 0; j < n; ++j) z[j] *= inv;
+    if (w != nullptr) {
+      const T weight_scale = static_cast<T>(std::pow(p_total, prm.alpha - 2.0));
+      for (int64_t j = 0; j < n; ++j) w[j] *= weight_scale;
+    }
   }
 }
 
@@ -548,10 +593,7 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
   const bool capped = opts.softcap > T(0);
   const T scale = static_cast<T>(scale_d);
   const double* stats_ptr = stats.const_data_ptr<double>();
-  const T* q_ptr = q.const_data_ptr<T>();
-  const T* k_ptr = k.const_data_ptr<T>();
-  const T* v_ptr = v.const_data_ptr<T>();
-  const T* do_ptr = grad_out.const_data_ptr<T>();
+  const Rows<T> query_rows(q), key_rows(k), value_rows(v), grad_out_rows(grad_out);
   T* dq_ptr = dq.data_ptr<T>();
   T* dk_ptr = dk.data_ptr<T>();
   T* dv_ptr = dv.data_ptr<T>();
@@ -562,10 +604,11 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
   // the same dK/dV, so they stay in one task and no two tasks write the same memory.
   at::parallel_for(0, s.B * s.Hk, 1, at::wrapPropagateTLSState([&](int64_t begin, int64_t end) {
     at::Tensor prob_buffer = at::empty({kQueryTile * row_capacity}, q.options());
+    at::Tensor query_buffer = at::empty({kQueryTile, s.E}, q.options());
     at::Tensor grad_buffer = at::empty({kQueryTile * row_capacity}, q.options());
     at::Tensor cap_slope_buffer = capped ? at::empty({kQueryTile * row_capacity}, q.options()) : at::Tensor();
     T* cap_slopes = capped ? cap_slope_buffer.data_ptr<T>() : nullptr;
-    // The closed-form kinds' Jacobian weights, formed with p while the scores are at hand.
+    // The rows' Jacobian weights p^(2-alpha), formed with p while the scores are at hand.
     std::vector<T> weight_tile(static_cast<size_t>(kQueryTile * row_capacity));
     // Per row of the tile: its support, compact (columns from the tile's first key, p, and the
     // closed forms' weights), and its size; for sparsemax and 1.5-entmax rows, which go from
@@ -576,9 +619,9 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
     int64_t support_count[kQueryTile];
     T sink_p[kQueryTile], sink_w[kQueryTile];
     RowState state[kQueryTile];
-    // One row's weights (General kind, dense path), or its support's p, g, weights and dz
-    // (sparse path), the sink last.
-    std::vector<T> weights(row_capacity), sp(row_capacity), sg(row_capacity), sw(row_capacity), sds(row_capacity);
+    // One row's support's p, g, weights and dz (sparse path), the sink last.
+    std::vector<T> sp(row_capacity), sg(row_capacity), sw(row_capacity), sds(row_capacity);
+    RowWorkspace work(row_capacity);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / s.Hk;
       const int64_t hk = task % s.Hk;
@@ -598,7 +641,8 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
           const QueryTile tile = query_tile(tile_index, s, is_causal, opts);
           if (tile.kn == 0) continue;
           const double* st = stats_ptr + ((b * s.H + h) * s.Lq + tile.q0) * 2;
-          at::Tensor probs = tile_scores<T>(prob_buffer, cap_slopes, q_bh, k_bh, tile, scale, opts, mask_view, s,
+          at::Tensor probs = tile_scores<T>(prob_buffer, query_buffer, cap_slopes, q_bh, k_bh, tile, scale, opts,
+                                            mask_view, s,
                                             is_causal, b, h);
           T* pz = probs.data_ptr<T>();
           // p of each row (and the closed forms' weights) from the saved (max, mu), over the
@@ -626,7 +670,8 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
             int32_t* index = &support_index[i * row_capacity];
             if (compact) {
               support_count[i] = closed_form_support(p, span.len, zmax, mu, prm, span.start, index,
-                                                     &support_p[i * row_capacity], &support_w[i * row_capacity]);
+                                                     &support_p[i * row_capacity], &support_w[i * row_capacity],
+                                                     work);
               if (opts.has_sink()) {
                 const T z_sink = opts.sinks[h];
                 sink_p[i] = prm.prob(z_sink, zmax, mu);
@@ -640,7 +685,7 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
             if (closed_form) {
               closed_form_probs(p, &weight_tile[i * tile.ld + span.start], n, zmax, mu, prm);
             } else {
-              saved_general_probs(p, n, zmax, mu, prm);
+              saved_general_probs(p, &weight_tile[i * tile.ld + span.start], n, zmax, mu, prm);
             }
             if (dense) continue;
             // Counted only: the lists are made once the tile is known to be sparse.
@@ -704,15 +749,11 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
               // The sink's value is zero, so is its g.
               if (opts.has_sink()) g[n++] = T(0);
               double s_total = 0, sg_total = 0;
-              const T* w = weights.data();
-              if (closed_form) {
-                w = &weight_tile[i * tile.ld + span.start];
-                for (int64_t j = 0; j < n; ++j) {
-                  s_total += w[j];
-                  sg_total += static_cast<double>(w[j]) * g[j];
-                }
-              } else {
-                std::tie(s_total, sg_total) = general_weights(p, g, weights.data(), n, 2.0 - prm.alpha);
+              const T* w = &weight_tile[i * tile.ld + span.start];
+#pragma omp simd reduction(+ : s_total, sg_total)
+              for (int64_t j = 0; j < n; ++j) {
+                s_total += static_cast<double>(w[j]);
+                sg_total += static_cast<double>(w[j]) * static_cast<double>(g[j]);
               }
               if (need_alpha_grad) dalpha_acc += row_alpha_grad(p, g, n, prm.alpha);
               const double delta_d = s_total > 0 ? sg_total / s_total : 0.0;
@@ -741,8 +782,8 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
           }
           // Sparse: dP only on the support (dO_i . v_j), dz there, and the products from it.
           const int64_t kv_row0 = (b * s.Hk + hk) * s.Lk + tile.k0;
-          const T* keys = k_ptr + kv_row0 * s.E;
-          const T* values = v_ptr + kv_row0 * s.Ev;
+          const T* keys = key_rows.row(b, hk, tile.k0);
+          const T* values = value_rows.row(b, hk, tile.k0);
           T* dk_tile = dk_ptr + kv_row0 * s.E;
           T* dv_tile = dv_ptr + kv_row0 * s.Ev;
           for (int64_t i = 0; i < tile.tq; ++i) {
@@ -756,8 +797,8 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
             const T* p_row = pz + i * tile.ld;
             const int32_t* index = &support_index[i * row_capacity];
             const int64_t count = support_count[i];
-            const T* do_i = do_ptr + row * s.Ev;
-            support_dots(do_i, index, count, values, s.Ev, sg.data());
+            const T* do_i = grad_out_rows.row(b, h, tile.q0 + i);
+            support_dots(do_i, index, count, values, value_rows.row_stride, s.Ev, sg.data());
             std::copy(&support_p[i * row_capacity], &support_p[i * row_capacity] + count, sp.begin());
             int64_t n = count;
             if (opts.has_sink()) {
@@ -765,17 +806,20 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
               sg[n] = T(0);
               ++n;
             }
-            double s_total = 0, sg_total = 0;
-            // Softmax tiles are dense: the closed forms here are sparsemax and 1.5-entmax.
+            // Softmax tiles are dense: the rows here are sparsemax and 1.5-entmax (compact) or
+            // General, whose weights saved_general_probs left over the tile.
             if (compact) {
               std::copy(&support_w[i * row_capacity], &support_w[i * row_capacity] + count, sw.begin());
               if (opts.has_sink()) sw[count] = sink_w[i];
-              for (int64_t a = 0; a < n; ++a) {
-                s_total += sw[a];
-                sg_total += static_cast<double>(sw[a]) * sg[a];
-              }
             } else {
-              std::tie(s_total, sg_total) = general_weights(sp.data(), sg.data(), sw.data(), n, 2.0 - prm.alpha);
+              const T* w_row = &weight_tile[i * tile.ld];
+              for (int64_t a = 0; a < count; ++a) sw[a] = w_row[index[a]];
+              if (opts.has_sink()) sw[count] = w_row[span.start + span.len];
+            }
+            double s_total = 0, sg_total = 0;
+            for (int64_t a = 0; a < n; ++a) {
+              s_total += sw[a];
+              sg_total += static_cast<double>(sw[a]) * sg[a];
             }
             if (need_alpha_grad) dalpha_acc += row_alpha_grad(sp.data(), sg.data(), n, prm.alpha);
             const double delta_d = s_total > 0 ? sg_total / s_total : 0.0;
@@ -787,8 +831,8 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
             } else {
               for (int64_t a = 0; a < count; ++a) sds[a] = scale * sw[a] * (sg[a] - delta);
             }
-            support_grads(index, count, sds.data(), sp.data(), q_ptr + row * s.E, do_i, keys, dk_tile, dv_tile, s.E,
-                          s.Ev, dq_i);
+            support_grads(index, count, sds.data(), sp.data(), query_rows.row(b, h, tile.q0 + i), do_i, keys,
+                          key_rows.row_stride, dk_tile, dv_tile, s.E, s.Ev, dq_i);
           }
         }
         dalpha_part[b * s.H + h] = dalpha_acc;
@@ -814,14 +858,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> entmax_at
   const at::ScalarType ct = compute_type(query.scalar_type());
   const ScoreOptionTensors options = check_score_options("entmax_attention", s.B, s.H, ct, window_size, softcap,
                                                          alibi_slopes, sinks);
-  const at::Tensor q = query.detach().to(ct).contiguous();
-  const at::Tensor k = key.detach().to(ct).contiguous();
-  const at::Tensor v = value.detach().to(ct).contiguous();
-  const at::Tensor g = grad_out.detach().to(ct).contiguous();
+  const at::Tensor q = with_contiguous_rows(query.detach().to(ct));
+  const at::Tensor k = with_contiguous_rows(key.detach().to(ct));
+  const at::Tensor v = with_contiguous_rows(value.detach().to(ct));
+  const at::Tensor g = with_contiguous_rows(grad_out.detach().to(ct));
   const at::Tensor alpha = alpha_in.detach().to(at::kDouble).contiguous();
-  at::Tensor dq = at::zeros_like(q);
-  at::Tensor dk = at::zeros_like(k);
-  at::Tensor dv = at::zeros_like(v);
+  // Contiguous whatever the inputs' strides: the sparse products index their rows so.
+  at::Tensor dq = at::zeros(q.sizes(), q.options());
+  at::Tensor dk = at::zeros(k.sizes(), k.options());
+  at::Tensor dv = at::zeros(v.sizes(), v.options());
   at::Tensor dalpha_part = at::zeros({s.B, s.H}, q.options().dtype(at::kDouble));
   at::Tensor dsinks_part = at::zeros({s.B, s.H}, q.options().dtype(at::kDouble));
   if (s.Lk > 0 && s.Lq > 0 && s.B > 0) {
@@ -854,6 +899,7 @@ void attention_support_impl(const at::Tensor& q, const at::Tensor& k, const std:
   const int64_t row_capacity = widest_tile_span(s, is_causal, opts) + opts.sink_columns();
   at::parallel_for(0, s.B * s.H * s.n_tiles, 1, at::wrapPropagateTLSState([&](int64_t begin, int64_t end) {
     at::Tensor buffer = at::empty({kQueryTile * row_capacity}, q.options());
+    at::Tensor query_buffer = at::empty({kQueryTile, s.E}, q.options());
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = (task / s.n_tiles) % s.H;
       const int64_t b = task / (s.n_tiles * s.H);
@@ -864,7 +910,8 @@ void attention_support_impl(const at::Tensor& q, const at::Tensor& k, const std:
       if (tile.kn == 0) continue;
       const double* st = stats_ptr + ((b * s.H + h) * s.Lq + tile.q0) * 2;
       const EntmaxParams<T> prm(alpha[h]);
-      at::Tensor scores = tile_scores<T>(buffer, nullptr, q.select(0, b).select(0, h), k.select(0, b).select(0, hk),
+      at::Tensor scores = tile_scores<T>(buffer, query_buffer, nullptr, q.select(0, b).select(0, h),
+                                         k.select(0, b).select(0, hk),
                                          tile, scale, opts, mask_view, s, is_causal, b, h);
       T* z = scores.data_ptr<T>();
       for (int64_t i = 0; i < tile.tq; ++i) {
@@ -880,7 +927,7 @@ void attention_support_impl(const at::Tensor& q, const at::Tensor& k, const std:
           int64_t n = span.len;
           // The sink's entry takes part in the renormalisation, as in the forward.
           if (opts.has_sink()) p[n++] = opts.sinks[h];
-          saved_general_probs(p, n, zmax, mu, prm);
+          saved_general_probs(p, static_cast<T*>(nullptr), n, zmax, mu, prm);
           for (int64_t j = 0; j < span.len; ++j) support += p[j] > T(0);
         } else {
           for (int64_t j = 0; j < span.len; ++j) support += prm.prob(p[j], zmax, mu) > T(0);
@@ -905,8 +952,8 @@ at::Tensor entmax_attention_support_cpu(const at::Tensor& query, const at::Tenso
   const at::ScalarType ct = compute_type(query.scalar_type());
   const ScoreOptionTensors options = check_score_options("entmax_attention", s.B, s.H, ct, window_size, softcap,
                                                          alibi_slopes, sinks);
-  const at::Tensor q = query.detach().to(ct).contiguous();
-  const at::Tensor k = key.detach().to(ct).contiguous();
+  const at::Tensor q = with_contiguous_rows(query.detach().to(ct));
+  const at::Tensor k = with_contiguous_rows(key.detach().to(ct));
   const at::Tensor alpha = alpha_in.detach().to(at::kDouble).contiguous();
   at::Tensor counts = at::zeros({s.B, s.H, s.Lq}, q.options().dtype(at::kLong));
   if (s.Lk > 0 && s.Lq > 0 && s.B > 0 && s.H > 0) {

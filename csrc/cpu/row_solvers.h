@@ -194,108 +194,296 @@ ENTMAX_FAST_ALWAYS_INLINE void for_each_above_body(const T* z, int64_t n, T cut,
     if (z[j] > cut) fn(j);
 }
 
-// The entries of a row whose u = factor * (z - zmax), in double, exceeds -1, in order, into
-// work; returns (how many, sum of their u). A float cut a relative 1e-6 below the bound
-// (support_cut's margin) skips the others without their double arithmetic.
-template <bool kAvx2, typename T>
-ENTMAX_FAST_ALWAYS_INLINE std::pair<int64_t, double> gather_above_minus_one_body(const T* z, int64_t n, T zmax,
-                                                                                 double factor, double* work) {
-  const double zmax_d = static_cast<double>(zmax);
-  const double bound = zmax_d - 1.0 / factor;
-  const T cut = static_cast<T>(bound - 1e-6 * (1.0 + std::abs(bound)));
-  int64_t k = 0;
-  double sum = 0;
-  for_each_above_body<kAvx2>(z, n, cut, [&](int64_t j) {
-    const double u = factor * (static_cast<double>(z[j]) - zmax_d);
-    if (u > -1.0) {
-      work[k++] = u;
-      sum += u;
+// Max of a row (NaN as row_max), with the entries dealt round-robin to kMaxLanes lanes and the
+// largest of each lane into lanes[0, kMaxLanes) (-inf for a lane without entries): distinct
+// entries, among the row's largest, from which closed_form_mu bounds the threshold before it
+// reads the row again.
+constexpr int64_t kMaxLanes = 16;
+
+template <typename T>
+ENTMAX_FAST_ALWAYS_INLINE T row_max_lanes_body(const T* z, int64_t n, T* lanes) {
+  constexpr T inf = std::numeric_limits<T>::infinity();
+  T m[kMaxLanes];
+  for (int64_t e = 0; e < kMaxLanes; ++e) m[e] = -inf;
+  int invalid = 0;
+  int64_t j = 0;
+  for (; j + kMaxLanes <= n; j += kMaxLanes) {
+#pragma omp simd reduction(| : invalid)
+    for (int64_t e = 0; e < kMaxLanes; ++e) {
+      const T x = z[j + e];
+      m[e] = x > m[e] ? x : m[e];
+      invalid |= !(x < inf);
     }
+  }
+  for (int64_t e = 0; j + e < n; ++e) {
+    const T x = z[j + e];
+    m[e] = x > m[e] ? x : m[e];
+    invalid |= !(x < inf);
+  }
+  T best = -inf;
+  for (int64_t e = 0; e < kMaxLanes; ++e) {
+    best = m[e] > best ? m[e] : best;
+    lanes[e] = m[e];
+  }
+  return invalid ? std::numeric_limits<T>::quiet_NaN() : best;
+}
+
+#if ENTMAX_FAST_AVX2_KERNELS
+// Float rows: the 16 lanes in two registers, and NaN or +inf (!(x < inf)) noted by a mask
+// OR-ed per block; the portable body's reduction of that flag folds it per block.
+ENTMAX_FAST_TARGET_AVX2 inline float row_max_lanes_float_avx2(const float* z, int64_t n, float* lanes) {
+  static_assert(kMaxLanes == 16, "two registers of 8 lanes");
+  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  __m256 low = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 high = low;
+  __m256 invalid = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + kMaxLanes <= n; j += kMaxLanes) {
+    const __m256 a = _mm256_loadu_ps(z + j);
+    const __m256 b = _mm256_loadu_ps(z + j + 8);
+    low = _mm256_max_ps(a, low);  // a > low ? a : low, as the portable body (a NaN keeps low)
+    high = _mm256_max_ps(b, high);
+    invalid = _mm256_or_ps(invalid, _mm256_or_ps(_mm256_cmp_ps(a, inf, _CMP_NLT_UQ), _mm256_cmp_ps(b, inf, _CMP_NLT_UQ)));
+  }
+  _mm256_storeu_ps(lanes, low);
+  _mm256_storeu_ps(lanes + 8, high);
+  bool bad = _mm256_movemask_ps(invalid) != 0;
+  for (int64_t e = 0; j + e < n; ++e) {
+    const float x = z[j + e];
+    lanes[e] = x > lanes[e] ? x : lanes[e];
+    bad |= !(x < std::numeric_limits<float>::infinity());
+  }
+  float best = -std::numeric_limits<float>::infinity();
+  for (int64_t e = 0; e < kMaxLanes; ++e) best = lanes[e] > best ? lanes[e] : best;
+  return bad ? std::numeric_limits<float>::quiet_NaN() : best;
+}
+
+template <typename T>
+ENTMAX_FAST_TARGET_AVX2 inline T row_max_lanes_avx2(const T* z, int64_t n, T* lanes) {
+  if constexpr (std::is_same<T, float>::value) {
+    return row_max_lanes_float_avx2(z, n, lanes);
+  } else {
+    return row_max_lanes_body(z, n, lanes);
+  }
+}
+#endif
+
+template <typename T>
+inline T row_max_lanes(const T* z, int64_t n, T* lanes) {
+#if ENTMAX_FAST_AVX2_KERNELS
+  if (use_avx2_kernels()) return row_max_lanes_avx2(z, n, lanes);
+#endif
+  return row_max_lanes_body(z, n, lanes);
+}
+
+// The entries of a row above a cut at or below y = factor * (z - zmax) = floor, in order: y
+// (in double) into y_out, the column into columns; returns how many. The cut lies a relative
+// 1e-6 below the bound (support_cut's margin), so the entries above floor are all there,
+// with a few just below it that the threshold solvers drop on their first pass. y_out and
+// columns need kGatherSlack entries past the last one written.
+constexpr int64_t kGatherSlack = 8;
+
+template <typename T>
+ENTMAX_FAST_ALWAYS_INLINE T gather_cut(T zmax, double factor, double floor) {
+  const double bound = static_cast<double>(zmax) + floor / factor;
+  return static_cast<T>(bound - 1e-6 * (1.0 + std::abs(bound)));
+}
+
+template <bool kAvx2, typename T>
+ENTMAX_FAST_ALWAYS_INLINE int64_t gather_above_body(const T* z, int64_t n, T zmax, double factor, double floor,
+                                                    double* y_out, int64_t* columns) {
+  const double zmax_d = static_cast<double>(zmax);
+  int64_t k = 0;
+  for_each_above_body<kAvx2>(z, n, gather_cut(zmax, factor, floor), [&](int64_t j) {
+    y_out[k] = factor * (static_cast<double>(z[j]) - zmax_d);
+    columns[k++] = j;
   });
-  return {k, sum};
+  return k;
 }
 
 #if ENTMAX_FAST_AVX2_KERNELS
+// For each 8-bit mask, the lanes whose bit is set, in order, then zeros: the permutation that
+// packs a block's hits to its front.
+struct PackTable {
+  alignas(32) int32_t lanes[256][8];
+  constexpr PackTable() : lanes() {
+    for (int mask = 0; mask < 256; ++mask) {
+      int count = 0;
+      for (int lane = 0; lane < 8; ++lane)
+        if (mask & (1 << lane)) lanes[mask][count++] = lane;
+    }
+  }
+};
+inline constexpr PackTable kPackTable{};
+
+// Float rows: per block of 8, the hits packed by one permutation and stored whole (the
+// slack takes the lanes past the hits), without a branch per hit: at L 2048 about one block
+// in six holds a hit, and a loop over its hits mispredicted on most of them.
+ENTMAX_FAST_TARGET_AVX2 inline int64_t gather_above_float_avx2(const float* z, int64_t n, float zmax, double factor,
+                                                               double floor, double* y_out, int64_t* columns) {
+  const float cut = gather_cut(zmax, factor, floor);
+  const __m256 cuts = _mm256_set1_ps(cut);
+  const __m256d zmaxs = _mm256_set1_pd(static_cast<double>(zmax));
+  const __m256d factors = _mm256_set1_pd(factor);
+  int64_t k = 0;
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 values = _mm256_loadu_ps(z + j);
+    const unsigned mask = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(values, cuts, _CMP_GT_OQ)));
+    if (mask == 0) continue;
+    const __m256i lanes = _mm256_load_si256(reinterpret_cast<const __m256i*>(kPackTable.lanes[mask]));
+    const __m256 packed = _mm256_permutevar8x32_ps(values, lanes);
+    const __m256d low = _mm256_cvtps_pd(_mm256_castps256_ps128(packed));
+    const __m256d high = _mm256_cvtps_pd(_mm256_extractf128_ps(packed, 1));
+    _mm256_storeu_pd(y_out + k, _mm256_mul_pd(_mm256_sub_pd(low, zmaxs), factors));
+    _mm256_storeu_pd(y_out + k + 4, _mm256_mul_pd(_mm256_sub_pd(high, zmaxs), factors));
+    const __m256i first = _mm256_set1_epi64x(j);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(columns + k),
+                        _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(lanes)), first));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(columns + k + 4),
+                        _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_extracti128_si256(lanes, 1)), first));
+    k += __builtin_popcount(mask);
+  }
+  for (; j < n; ++j) {
+    if (z[j] > cut) {
+      y_out[k] = factor * (static_cast<double>(z[j]) - static_cast<double>(zmax));
+      columns[k++] = j;
+    }
+  }
+  return k;
+}
+
 template <typename T>
-ENTMAX_FAST_TARGET_AVX2 inline std::pair<int64_t, double> gather_above_minus_one_avx2(const T* z, int64_t n, T zmax,
-                                                                                    double factor, double* work) {
-  return gather_above_minus_one_body<true>(z, n, zmax, factor, work);
+ENTMAX_FAST_TARGET_AVX2 inline int64_t gather_above_avx2(const T* z, int64_t n, T zmax, double factor, double floor,
+                                                         double* y_out, int64_t* columns) {
+  if constexpr (std::is_same<T, float>::value) {
+    return gather_above_float_avx2(z, n, zmax, factor, floor, y_out, columns);
+  } else {
+    return gather_above_body<true>(z, n, zmax, factor, floor, y_out, columns);
+  }
 }
 #endif
 
 template <typename T>
-inline std::pair<int64_t, double> gather_above_minus_one(const T* z, int64_t n, T zmax, double factor, double* work) {
+inline int64_t gather_above(const T* z, int64_t n, T zmax, double factor, double floor, double* y_out,
+                            int64_t* columns) {
 #if ENTMAX_FAST_AVX2_KERNELS
-  if (use_avx2_kernels()) return gather_above_minus_one_avx2(z, n, zmax, factor, work);
+  if (use_avx2_kernels()) return gather_above_avx2(z, n, zmax, factor, floor, y_out, columns);
 #endif
-  return gather_above_minus_one_body<false>(z, n, zmax, factor, work);
+  return gather_above_body<false>(z, n, zmax, factor, floor, y_out, columns);
 }
 
-// Sparsemax threshold by support iterations (Michelot): t = (sum_S u - 1)/|S|, drop the
-// entries <= t, repeat. Starting from a superset of the support t only grows and the
-// loop ends, exactly, when no entry is dropped. Returns mu = t + 1.
-template <typename T>
-inline double sparsemax_mu(const T* z, int64_t n, T zmax, double* work) {
-  // u in double, as prob() forms p: the threshold must be the root for the u that p uses.
-  // Entries with u <= -1 are outside the support whatever the threshold.
-  auto [k, sum] = gather_above_minus_one(z, n, zmax, 1.0, work);
+// Sparsemax threshold t of p = [u - t]_+ over the k entries u (overwritten), a superset of
+// the support, by support iterations (Michelot): t = (sum_S u - 1)/|S|, drop the entries
+// <= t, repeat. Starting from a superset of the support t only grows and the loop ends,
+// exactly, when no entry is dropped.
+inline double sparsemax_threshold(double* u, int64_t k) {
+  double sum = 0;
+  for (int64_t i = 0; i < k; ++i) sum += u[i];
   double t = (sum - 1.0) / static_cast<double>(k);
   for (;;) {
+    // Branch-free compaction: each entry is written at the next free slot, kept by advancing
+    // the count (which entries drop is data-dependent and mispredicted as a branch); the
+    // select()s are bit masks, as a conditional with floating arms compiles to a branch.
     int64_t kept = 0;
     double kept_sum = 0;
     for (int64_t i = 0; i < k; ++i) {
-      const double u = work[i];
-      if (u > t) {
-        work[kept++] = u;
-        kept_sum += u;
-      }
+      const double x = u[i];
+      const bool keep = x > t;
+      u[kept] = x;
+      kept += keep;
+      kept_sum += vecmath::select(keep, x, 0.0);
     }
     // The top entry (u = 0) always stays because t < 0, so kept >= 1.
     if (kept == k) break;
     k = kept;
     t = (kept_sum - 1.0) / static_cast<double>(k);
   }
-  return t + 1.0;
+  return t;
 }
 
-// 1.5-entmax threshold on y = u/2, p = [y - t]_+^2 (t = mu/2 - 1).
-// h(t) = sum [y - t]_+^2 - 1 is convex and decreasing, so Newton steps from t = -1
-// (h >= 0) stay left of the root and shrink the candidate set S = {y > t} monotonically.
-// For the current S the closed-form root of sum_S (y - t)^2 = 1 is exact as soon as every
-// entry of S lies above it (then S is the support).
-template <typename T>
-inline double entmax15_mu(const T* z, int64_t n, T zmax, double* work) {
-  int64_t k = gather_above_minus_one(z, n, zmax, 0.5, work).first;
-  double t = -1.0;
+// 1.5-entmax threshold t of p = [y - t]_+^2 over the k entries y (overwritten; every entry
+// above the threshold among them), from a start t at or left of the root.
+// h(t) = sum [y - t]_+^2 - 1 is convex and decreasing, so Newton steps from the left stay
+// left of the root and shrink the candidate set S = {y > t} monotonically. For the current S
+// the closed-form root of sum_S (y - t)^2 = 1 is exact as soon as every entry of S lies above
+// it (then S is the support). The result is never below the start.
+inline double entmax15_threshold(double* y, int64_t k, double t) {
   for (int iter = 0; iter < 100; ++iter) {
     int64_t kept = 0;
     double s1 = 0, s2 = 0;
     double ymin = std::numeric_limits<double>::infinity();
     for (int64_t i = 0; i < k; ++i) {
-      const double y = work[i];
-      if (y > t) {
-        work[kept++] = y;
-        s1 += y;
-        s2 += y * y;
-        ymin = std::min(ymin, y);
-      }
+      // Branch-free, as in sparsemax_threshold.
+      const double x = y[i];
+      const bool keep = x > t;
+      y[kept] = x;
+      kept += keep;
+      const double kept_x = vecmath::select(keep, x, 0.0);
+      s1 += kept_x;
+      s2 += kept_x * kept_x;
+      ymin = std::min(ymin, vecmath::select(keep, x, std::numeric_limits<double>::infinity()));
     }
     k = kept;
     const double kd = static_cast<double>(k);
     const double mean = s1 / kd;
     const double spread = s2 - kd * mean * mean;  // k * variance of S
     const double closed_form = mean - std::sqrt(std::max(0.0, (1.0 - spread) / kd));
-    if (closed_form <= ymin) {
-      t = std::max(t, closed_form);
-      break;
-    }
+    if (closed_form <= ymin) return std::max(t, closed_form);
     const double h = s2 - 2.0 * t * s1 + kd * t * t - 1.0;
     const double slope = 2.0 * (s1 - kd * t);  // -h'(t) > 0: every y in S exceeds t
     const double next = t + h / slope;
     if (!(next > t)) break;  // rounding floor reached: t is the root to working precision
     t = next;
   }
-  return 2.0 * (t + 1.0);
+  return t;
+}
+
+// Scratch space of one row solve: gathered candidates u (or sparsemax/1.5-entmax's work),
+// their columns, and p of the last pass.
+struct RowWorkspace {
+  std::vector<double> values;
+  std::vector<int64_t> index;
+  std::vector<double> probs;
+  explicit RowWorkspace(int64_t n)
+      : values(static_cast<size_t>(n + kGatherSlack)),
+        index(static_cast<size_t>(n + kGatherSlack)),
+        probs(static_cast<size_t>(n)) {}
+};
+
+// How far below the sub-row's threshold the candidates start: beyond the rounding (~1e-16
+// of O(1) values) of both thresholds, so that an entry left out gets p = 0 from prob().
+constexpr double kThresholdBoundMargin = 1e-9;
+
+// mu of a sparsemax or 1.5-entmax row with finite max zmax, in y = factor * (z - zmax)
+// (factor 1 for sparsemax, 1/2 for 1.5-entmax; mu = (t + 1) / factor): the threshold t of
+// any subset of a row's entries is at most the row's (adding entries only adds mass), so the
+// row's lane maxima (row_max_lanes) give a lower bound t_lo; only entries
+// with y above it are read again: gathered with their columns (work.values, work.index;
+// *candidates of them, a superset of the support at the returned mu, in column order) and
+// solved from there. On Gaussian scores at L 2048 that leaves ~2 % of the row, against the
+// ~8 % above y = -1, the bound without the lanes.
+template <typename T>
+inline double closed_form_mu(const T* z, int64_t n, T zmax, const T* lanes, const EntmaxParams<T>& prm,
+                             RowWorkspace& work, int64_t* candidates) {
+  const bool sparsemax = prm.kind == AlphaKind::kSparsemax;
+  const double factor = sparsemax ? 1.0 : 0.5;
+  const double zmax_d = static_cast<double>(zmax);
+  double sub_row[kMaxLanes];
+  int64_t k = 0;
+  for (int64_t e = 0; e < kMaxLanes; ++e) {
+    const double y = factor * (static_cast<double>(lanes[e]) - zmax_d);
+    if (y > -1.0) sub_row[k++] = y;  // the others have p = 0 whatever the threshold
+  }
+  const double t_sub = sparsemax ? sparsemax_threshold(sub_row, k) : entmax15_threshold(sub_row, k, -1.0);
+  const double t_lo = std::max(-1.0, t_sub - kThresholdBoundMargin);
+  double* y = work.values.data();
+  double* solve = work.probs.data();
+  k = gather_above(z, n, zmax, factor, t_lo - kThresholdBoundMargin, y, work.index.data());
+  *candidates = k;
+  std::copy(y, y + k, solve);
+  const double t = sparsemax ? sparsemax_threshold(solve, k) : entmax15_threshold(solve, k, t_lo);
+  return (t + 1.0) / factor;
 }
 
 // Softmax: returns mu = log sum exp(u) and leaves exp(u) in p.
@@ -442,16 +630,35 @@ ENTMAX_FAST_ALWAYS_INLINE std::pair<double, double> general_weights_body(const T
 // The attention backward's p of a General-kind row from its saved (max, mu), written over
 // the scores z in place: the same q and power method as the forward's final general_sums
 // pass, so that p, rounded to T, is the forward's (before renormalisation). Returns sum p.
+// Where w is not null, p/q of each entry goes there (0 off the support): the Jacobian
+// weight p^(2-alpha) of the row once p is divided by its sum P is (p/q) P^(alpha-2), since
+// p^(2-alpha) = q^((2-alpha)/(alpha-1)) = q^(1/(alpha-1) - 1); no power beyond p's own.
 template <PowerMethod kMethod, bool kFma, typename T>
-ENTMAX_FAST_ALWAYS_INLINE double general_probs_body(T* z, int64_t n, double zmax, const PowerLaw& law_in,
+ENTMAX_FAST_ALWAYS_INLINE double general_probs_body(T* z, T* w, int64_t n, double zmax, const PowerLaw& law_in,
                                                     double mu) {
   const PowerLaw law = law_in;  // a local copy: the stores to z cannot alias it
   double total = 0;
   if constexpr (kMethod == PowerMethod::Std) {
     for (int64_t j = 0; j < n; ++j) {
       const double q = 1.0 + law.am1 * ((static_cast<double>(z[j]) - zmax) - mu);
-      const T p = q > 0.0 ? static_cast<T>(PowerTerms<kMethod, kFma>(q, law).p) : T(0);
+      T p = T(0), p_over_q = T(0);
+      if (q > 0.0) {
+        const PowerTerms<kMethod, kFma> terms(q, law);
+        p = static_cast<T>(terms.p);
+        p_over_q = static_cast<T>(terms.p_over_q);
+      }
       z[j] = p;
+      if (w != nullptr) w[j] = p_over_q;
+      total += static_cast<double>(p);
+    }
+  } else if (w != nullptr) {
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < n; ++j) {
+      const double q = 1.0 + law.am1 * ((static_cast<double>(z[j]) - zmax) - mu);
+      const PowerTerms<kMethod, kFma> terms(q, law);
+      const T p = static_cast<T>(terms.p);
+      z[j] = p;
+      w[j] = static_cast<T>(terms.p_over_q);
       total += static_cast<double>(p);
     }
   } else {
@@ -501,10 +708,10 @@ ENTMAX_FAST_TARGET_AVX2 inline std::pair<double, double> general_weights_avx2(co
 }
 
 template <typename T>
-ENTMAX_FAST_TARGET_AVX2 inline double general_probs_avx2(T* z, int64_t n, double zmax, const PowerLaw& law,
+ENTMAX_FAST_TARGET_AVX2 inline double general_probs_avx2(T* z, T* w, int64_t n, double zmax, const PowerLaw& law,
                                                          double mu) {
-  return law.integer_exponent ? general_probs_body<PowerMethod::Integer, true>(z, n, zmax, law, mu)
-                              : general_probs_body<PowerMethod::Vector, true>(z, n, zmax, law, mu);
+  return law.integer_exponent ? general_probs_body<PowerMethod::Integer, true>(z, w, n, zmax, law, mu)
+                              : general_probs_body<PowerMethod::Vector, true>(z, w, n, zmax, law, mu);
 }
 
 template <typename T>
@@ -550,12 +757,12 @@ inline CandidateCount count_candidates(const T* z, int64_t n, double zmax, doubl
 }
 
 template <typename T>
-inline double general_probs(T* z, int64_t n, double zmax, const PowerLaw& law, double mu) {
+inline double general_probs(T* z, T* w, int64_t n, double zmax, const PowerLaw& law, double mu) {
 #if ENTMAX_FAST_AVX2_KERNELS
-  if (use_avx2_kernels()) return general_probs_avx2(z, n, zmax, law, mu);
+  if (use_avx2_kernels()) return general_probs_avx2(z, w, n, zmax, law, mu);
 #endif
-  return law.integer_exponent ? general_probs_body<PowerMethod::Integer, false>(z, n, zmax, law, mu)
-                              : general_probs_body<PowerMethod::Std, false>(z, n, zmax, law, mu);
+  return law.integer_exponent ? general_probs_body<PowerMethod::Integer, false>(z, w, n, zmax, law, mu)
+                              : general_probs_body<PowerMethod::Std, false>(z, w, n, zmax, law, mu);
 }
 
 template <typename T>
@@ -589,16 +796,6 @@ inline int64_t gather_candidates(const X* x, int64_t k, double shift, double am1
   }
   return kept;
 }
-
-// Scratch space of one row solve: gathered candidates u (or sparsemax/1.5-entmax's work),
-// their columns, and p of the last pass.
-struct RowWorkspace {
-  std::vector<double> values;
-  std::vector<int64_t> index;
-  std::vector<double> probs;
-  explicit RowWorkspace(int64_t n)
-      : values(static_cast<size_t>(n)), index(static_cast<size_t>(n)), probs(static_cast<size_t>(n)) {}
-};
 
 // Where general_mu left the entries that can be in the support: the whole row (gathered =
 // false, k = n), or the first k of the workspace (u = z - max(z), column in index);
@@ -787,27 +984,31 @@ inline void closed_form_probs(T* z, T* w, int64_t n, T zmax, double mu, const En
 }
 
 // (max, mu) of a sparsemax or 1.5-entmax row, leaving z as it is: max NaN (and mu NaN) for a
-// row holding NaN or +inf, -inf (mu 0) for a row without a finite entry.
+// row holding NaN or +inf, -inf (mu 0) for a row without a finite entry. The columns of a
+// superset of the support are left in work.index, *candidates of them (0 for those rows).
 template <typename T>
-inline RowStats<T> closed_form_stats(const T* z, int64_t n, const EntmaxParams<T>& prm, RowWorkspace& work) {
-  const T zmax = row_max(z, n);
+inline RowStats<T> closed_form_stats(const T* z, int64_t n, const EntmaxParams<T>& prm, RowWorkspace& work,
+                                     int64_t* candidates) {
+  T lanes[kMaxLanes];
+  const T zmax = row_max_lanes(z, n, lanes);
+  *candidates = 0;
   if (std::isnan(zmax)) return {zmax, std::numeric_limits<double>::quiet_NaN()};
   if (!(zmax > -std::numeric_limits<T>::infinity())) return {-std::numeric_limits<T>::infinity(), 0.0};
-  const double mu = prm.kind == AlphaKind::kSparsemax ? sparsemax_mu(z, n, zmax, work.values.data())
-                                                      : entmax15_mu(z, n, zmax, work.values.data());
-  return {zmax, mu};
+  return {zmax, closed_form_mu(z, n, zmax, lanes, prm, work, candidates)};
 }
 
-// The support of a sparsemax or 1.5-entmax row at (max, mu), compact: the columns (plus
-// offset) of the entries with p > 0 into index, their p into p and, where w is not null, their
-// Jacobian weights into w, in column order; returns how many. The same p and weights as
-// closed_form_probs, without a pass that writes the zeros.
-template <bool kAvx2, typename T>
-ENTMAX_FAST_ALWAYS_INLINE int64_t closed_form_support_body(const T* z, int64_t n, T zmax, double mu,
-                                                           const EntmaxParams<T>& prm, int64_t offset, int32_t* index,
-                                                           T* p, T* w) {
+// The support of a sparsemax or 1.5-entmax row at (max, mu) among the given columns (a
+// superset of it, in column order), those below n only: the columns (plus offset) of the
+// entries with p > 0 into index, their p into p and, where w is not null, their Jacobian
+// weights into w; returns how many. The p and weights of closed_form_support.
+template <typename T>
+inline int64_t closed_form_support_among(const T* z, int64_t n, T zmax, double mu, const EntmaxParams<T>& prm,
+                                         const int64_t* columns, int64_t n_columns, int64_t offset, int32_t* index,
+                                         T* p, T* w) {
   int64_t count = 0;
-  for_each_above_body<kAvx2>(z, n, prm.support_cut(zmax, mu), [&](int64_t j) {
+  for (int64_t a = 0; a < n_columns; ++a) {
+    const int64_t j = columns[a];
+    if (j >= n) break;
     const T pj = prm.prob(z[j], zmax, mu);
     if (pj > T(0)) {
       index[count] = static_cast<int32_t>(j + offset);
@@ -815,26 +1016,22 @@ ENTMAX_FAST_ALWAYS_INLINE int64_t closed_form_support_body(const T* z, int64_t n
       if (w != nullptr) w[count] = prm.jacobian_weight(z[j], zmax, mu, pj);
       ++count;
     }
-  });
+  }
   return count;
 }
 
-#if ENTMAX_FAST_AVX2_KERNELS
-template <typename T>
-ENTMAX_FAST_TARGET_AVX2 inline int64_t closed_form_support_avx2(const T* z, int64_t n, T zmax, double mu,
-                                                                const EntmaxParams<T>& prm, int64_t offset,
-                                                                int32_t* index, T* p, T* w) {
-  return closed_form_support_body<true>(z, n, zmax, mu, prm, offset, index, p, w);
-}
-#endif
-
+// The support of a sparsemax or 1.5-entmax row at (max, mu), compact: the columns (plus
+// offset) of the entries with p > 0 into index, their p into p and, where w is not null, their
+// Jacobian weights into w, in column order; returns how many. The same p and weights as
+// closed_form_probs, without a pass that writes the zeros: the entries above support_cut()
+// gathered (their y and columns into work), then prob() of those.
 template <typename T>
 inline int64_t closed_form_support(const T* z, int64_t n, T zmax, double mu, const EntmaxParams<T>& prm,
-                                   int64_t offset, int32_t* index, T* p, T* w) {
-#if ENTMAX_FAST_AVX2_KERNELS
-  if (use_avx2_kernels()) return closed_form_support_avx2(z, n, zmax, mu, prm, offset, index, p, w);
-#endif
-  return closed_form_support_body<false>(z, n, zmax, mu, prm, offset, index, p, w);
+                                   int64_t offset, int32_t* index, T* p, T* w, RowWorkspace& work) {
+  // In y = factor * (z - zmax), p > 0 above t = factor * mu - 1: support_cut()'s bound.
+  const double factor = prm.kind == AlphaKind::kSparsemax ? 1.0 : 0.5;
+  const int64_t k = gather_above(z, n, zmax, factor, factor * mu - 1.0, work.values.data(), work.index.data());
+  return closed_form_support_among(z, n, zmax, mu, prm, work.index.data(), k, offset, index, p, w);
 }
 
 // Solves one row in place: on entry z holds scores (any may be -inf), on exit p.
@@ -842,7 +1039,9 @@ inline int64_t closed_form_support(const T* z, int64_t n, T zmax, double mu, con
 // holding NaN or +inf gives NaNs and max = mu = NaN.
 template <typename T>
 inline RowStats<T> entmax_row_inplace(T* z, int64_t n, const EntmaxParams<T>& prm, RowWorkspace& work) {
-  const T zmax = row_max(z, n);
+  const bool closed_form = prm.kind == AlphaKind::kSparsemax || prm.kind == AlphaKind::kEntmax15;
+  T lanes[kMaxLanes];
+  const T zmax = closed_form ? row_max_lanes(z, n, lanes) : row_max(z, n);
   if (std::isnan(zmax)) {
     std::fill(z, z + n, std::numeric_limits<T>::quiet_NaN());
     return {zmax, std::numeric_limits<double>::quiet_NaN()};
@@ -861,9 +1060,15 @@ inline RowStats<T> entmax_row_inplace(T* z, int64_t n, const EntmaxParams<T>& pr
     }
     case AlphaKind::kSparsemax:
     case AlphaKind::kEntmax15: {
-      mu = prm.kind == AlphaKind::kSparsemax ? sparsemax_mu(z, n, zmax, work.values.data())
-                                             : entmax15_mu(z, n, zmax, work.values.data());
-      closed_form_probs(z, static_cast<T*>(nullptr), n, zmax, mu, prm);
+      int64_t k = 0;
+      mu = closed_form_mu(z, n, zmax, lanes, prm, work, &k);
+      // p of the candidates, then zeros over the row and p put back: on long rows, where the
+      // candidates are a few percent, a fill instead of a pass of comparisons.
+      const int64_t* columns = work.index.data();
+      double* probs = work.probs.data();
+      for (int64_t a = 0; a < k; ++a) probs[a] = static_cast<double>(prm.prob(z[columns[a]], zmax, mu));
+      std::fill(z, z + n, T(0));
+      for (int64_t a = 0; a < k; ++a) z[columns[a]] = static_cast<T>(probs[a]);
       return {zmax, mu};
     }
     default: {
