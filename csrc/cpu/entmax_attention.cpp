@@ -228,8 +228,14 @@ at::Tensor tile_scores(at::Tensor& buffer, at::Tensor& query_buffer, T* cap_slop
   if (opts.softcap > T(0)) {
     at::mm_out(scores, q_tile, keys_t);
   } else {
+    // By hand rather than at::mul_out, whose dispatch cost shows on a decoding call's
+    // one-query tiles.
     at::Tensor q_scaled = query_buffer.narrow(0, 0, tile.tq);
-    at::mul_out(q_scaled, q_tile, at::Scalar(scale));
+    T* scaled = q_scaled.data_ptr<T>();
+    const T* rows = q_tile.const_data_ptr<T>();
+    const int64_t E = q_tile.size(1), row_stride = q_tile.stride(0);
+    for (int64_t i = 0; i < tile.tq; ++i)
+      for (int64_t e = 0; e < E; ++e) scaled[i * E + e] = rows[i * row_stride + e] * scale;
     at::mm_out(scores, q_scaled, keys_t);
     score_scale = T(1);
   }
