@@ -18,7 +18,7 @@ import torch
 from entmax_fast.reference.attention import entmax_attention as reference_attention
 from entmax_fast.triton_kernels import attention_common
 from devices import on_test_device, triton_attention
-from oracle import oracle_attention
+from oracle import oracle_attention, oracle_entmax
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -344,3 +344,24 @@ def test_launch_order_model_prints_every_case(capsys):
     for line in lines:
         assert not line.split(" | ")[-1].startswith("-"), line
     assert model.makespan([3.0, 1.0, 1.0, 1.0], 2) == 3.0
+
+
+def test_threshold_candidates_lane_bound_is_between_the_support_and_y_above_minus_one(capsys):
+    """tools/threshold_candidates.py: per α and length, the share of the row above the lane
+    maxima's bound holds the support and is at most the share above y > -1; its thresholds
+    match the float64 oracle's."""
+    tool = load_script("tools/threshold_candidates.py")
+    tool.main(["--lengths", "40", "300", "--rows", "4"])
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert len(lines) == 4
+    for line in lines:
+        lanes, above_minus_one, support = (float(cell.strip().rstrip("%")) for cell in line.split("|")[2:])
+        assert support <= lanes <= above_minus_one, line
+    z = torch.randn(3, 50, dtype=torch.float64)
+    for alpha, factor in ((1.5, 0.5), (2.0, 1.0)):
+        p = oracle_entmax(z, alpha)
+        for row, p_row in zip(z, p):
+            t = tool.threshold(factor * (row - row.max()), alpha)
+            exponent = 2 if alpha == 1.5 else 1
+            expected = torch.clamp(factor * (row - row.max()) - t, min=0) ** exponent
+            torch.testing.assert_close(expected, p_row)
