@@ -12,8 +12,9 @@ the majority of the span's votes. A span vote and a noise vote are the same toke
 row-wise mapping (1.5-entmax), which scores each key on its own, cannot tell them apart;
 the chain's transitions see neighbours. ``MultiheadEntmaxAttention(attention="crf" |
 "sparsemap")`` learns a 2x2 transition T per head (``chain_transitions``); the study starts
-it at T = (w0/4)·[[1, -1], [-1, 1]] (w = T00 + T11 - T01 - T10 = w0; w0 = 0 is the module's
-initialisation) and reports the learned w per head (> 0: neighbours like to agree).
+it at T = (w0/4)·[[1, -1], [-1, 1]] (w = T00 + T11 - T01 - T10 = w0; the module starts the
+CRF at w0 = 0 and SparseMAP at w0 = +0.1) and reports the learned w per head (> 0: neighbours
+like to agree).
 
 Measured per head on held-out inputs, means over the rows: support (keys with nonzero
 weight), runs (separate runs of nonzero keys; 1 = one contiguous span), span
@@ -55,6 +56,7 @@ VOTE_0, VOTE_1, FIRST_DISTRACTOR = 0, 1, 2
 CONFIGS = {
     "1.5-entmax": ("entmax15", None),
     "SparseMAP, w0 = 0": ("sparsemap", 0.0),
+    "SparseMAP, w0 = +0.1": ("sparsemap", 0.1),  # the module's default
     "SparseMAP, w0 = +0.2": ("sparsemap", 0.2),
     "SparseMAP, w0 = -0.2": ("sparsemap", -0.2),
     "CRF, w0 = 0": ("crf", 0.0),
@@ -234,7 +236,7 @@ def _number(value):
 
 
 def _w(value):
-    """A learned w: two decimals, or "0 exactly" (the value w0 = 0 keeps on the C++ backend)."""
+    """A learned w: two decimals, or "0 exactly" (a head that never left w0 = 0)."""
     if value is None:
         return "-"
     return "0 exactly" if value == 0 else f"{value:+.2f}"

@@ -211,6 +211,99 @@ def test_zero_transitions_reduce_to_sigmoid_and_clip(backend):
 
 
 # ---------------------------------------------------------------------------------------
+# SparseMAP at w = T00 + T11 − T01 − T10 = 0: a kink in w.
+
+W_DIRECTION = torch.tensor([[1.0, -1.0], [-1.0, 1.0]], dtype=torch.float64)  # ∂w/∂T; T + (h/4)·it moves w by h
+AT_ZERO_W = [torch.zeros(2, 2, dtype=torch.float64),
+             torch.tensor([[0.25, 0.5], [-0.25, 0.0]], dtype=torch.float64),  # into/outof terms ≠ 0
+             torch.tensor([[1.0, 0.75], [0.0, -0.25]], dtype=torch.float64)]
+
+
+def least_magnitude(left: float, right: float) -> float:
+    low, high = min(left, right), max(left, right)
+    return low if low > 0 else (high if high < 0 else 0.0)
+
+
+def one_sided_w_derivatives(s, T, g, h=2.0 ** -20):
+    """(D−, D+) of g·μ in w at T by one-sided differences of the reference forward (the map is
+    piecewise linear in w on each side; the cases' gaps of 1/64 put its first breakpoints
+    far beyond h)."""
+    def loss(t):
+        return float(g @ R.sparsemap_marginals(s, t))
+
+    base = loss(T)
+    return (base - loss(T - h / 4 * W_DIRECTION)) / h, (loss(T + h / 4 * W_DIRECTION) - base) / h
+
+
+def w_part(dT: torch.Tensor) -> float:
+    """The w-component of a transitions gradient (the other directions are orthogonal to it)."""
+    return float((dT * W_DIRECTION).sum() / 4)
+
+
+def kink_cases(rows=24, L=8, seed=40, clip_edges=True):
+    """Rows of scores on a 1/64 grid (exact ties between neighbours, ties after the flip
+    c_j + c_{j+1} = 1, and with ``clip_edges`` values exactly 0 and 1; without, the grid
+    is shifted by 1/128, which no edge term (multiples of 1/4) brings to 0 or 1), each
+    with its own transitions at w = 0."""
+    gen = torch.Generator().manual_seed(seed)
+    s = (torch.randint(-16, 81, (rows, L), generator=gen).to(torch.float64) + (0.0 if clip_edges else 0.5)) / 64
+    s[0, 2:5] = 0.5 + (0.0 if clip_edges else 1 / 128)  # a tied run
+    s[1, 3], s[1, 4] = 0.25 + 1 / 128, 0.75 - 1 / 128  # tied once flipped
+    if clip_edges:
+        s[2, 1], s[3, 4] = 0.0, 1.0
+    s[4, 2] = NEG_INF  # its neighbours become adjacent
+    T = torch.stack([AT_ZERO_W[r % len(AT_ZERO_W)] for r in range(rows)])
+    g = torch.randint(-4, 5, (rows, L), generator=gen).to(torch.float64)
+    return s, T, g
+
+
+def test_sparsemap_w_kink_check_values():
+    # Two keys, T = 0: w > 0 moves ν = (0.3 + λ, 0.6 − λ); w < 0 flips the second key, ν = (0.3, 0.4)
+    # moves alike, so μ = (0.3 + λ, 0.6 + λ). D+ = (g1 − g2)/2, D− = −(g1 + g2)/2.
+    s = torch.tensor([0.3, 0.6], dtype=torch.float64)
+    zero = torch.zeros(2, 2, dtype=torch.float64)
+    assert R.sparsemap_rates_at_zero(s.tolist(), zero.tolist(), False) == [1.0, -1.0]
+    assert R.sparsemap_rates_at_zero(s.tolist(), zero.tolist(), True) == [1.0, 1.0]
+    # (g, dL/dw): a kink minimum (0), a smooth direction, one-sided values of one sign.
+    for g, expected in (((1.0, 0.0), 0.0), ((2.0, 1.0), 0.0), ((0.0, 1.0), -0.5), ((1.0, 3.0), -1.0),
+                        ((-1.0, -3.0), 1.0)):
+        for backend in [b.values[0] for b in BACKENDS if not b.marks or HAS_CPP]:
+            T = zero.clone().requires_grad_()
+            (dT,) = torch.autograd.grad(run("sparsemap", backend, s, T), T, torch.tensor(g, dtype=torch.float64))
+            assert w_part(dT) == pytest.approx(expected, abs=1e-12), (backend, g)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sparsemap_gradient_at_zero_w_is_the_least_one_sided_derivative(backend):
+    s, T, g = kink_cases()
+    T_grad = T.clone().requires_grad_()
+    (dT,) = torch.autograd.grad(run("sparsemap", backend, s, T_grad), T_grad, g)
+    straddling = one_signed = 0
+    for r in range(s.shape[0]):
+        left, right = one_sided_w_derivatives(s[r], T[r], g[r])
+        expected = least_magnitude(left, right)
+        assert w_part(dT[r]) == pytest.approx(expected, abs=1e-6), (r, left, right)
+        straddling += min(left, right) < -0.1 and max(left, right) > 0.1
+        one_signed += abs(expected) > 0.1
+    assert straddling >= 3 and one_signed >= 3  # both kinds of rows are exercised
+
+
+@needs_cpp
+@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_sparsemap_at_zero_w_cpp_matches_reference(dtype, atol):
+    # Without scores at the clip's edges, where the two routes take different one-sided
+    # derivatives in s (a kink of clip, not of w).
+    s, T, g = kink_cases(rows=30, L=9, seed=41, clip_edges=False)
+    s, T, g = s.to(dtype), T.to(dtype), g.to(dtype)
+    grads = {}
+    for backend in ("reference", "cpp"):
+        s_grad, T_grad = s.clone().requires_grad_(), T.clone().requires_grad_()
+        grads[backend] = torch.autograd.grad(run("sparsemap", backend, s_grad, T_grad), (s_grad, T_grad), g)
+    for cpp, ref in zip(grads["cpp"], grads["reference"]):
+        torch.testing.assert_close(cpp, ref, atol=atol, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------
 # Backends against the reference, masks, shapes.
 
 def ragged(rows: int, n: int, dtype, seed: int, scale: float = 2.0):

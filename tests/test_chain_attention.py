@@ -7,6 +7,7 @@ from torch import nn
 
 import entmax_fast
 from entmax_fast import MultiheadEntmaxAttention, chain, dispatch, replace_attention
+from entmax_fast.multihead import SPARSEMAP_INITIAL_W, initial_chain_transitions
 from entmax_fast.reference import chain as R
 
 NEG_INF = float("-inf")
@@ -157,6 +158,28 @@ def test_module_learns_its_transitions(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_default_transitions_and_their_gradient(kind):
+    # The CRF starts at T = 0; SparseMAP at w = T00 + T11 − T01 − T10 = SPARSEMAP_INITIAL_W > 0
+    # with no shift of the scores, off the kink of its loss at w = 0: every head's w gets a
+    # gradient on a generic batch.
+    torch.manual_seed(2)
+    module = MultiheadEntmaxAttention(16, 4, batch_first=True, attention=kind)
+    T = module.chain_transitions.detach()
+    w = T[:, 0, 0] + T[:, 1, 1] - T[:, 0, 1] - T[:, 1, 0]
+    expected_w = SPARSEMAP_INITIAL_W if kind == "sparsemap" else 0.0
+    assert SPARSEMAP_INITIAL_W > 0
+    torch.testing.assert_close(w, torch.full((4,), expected_w), atol=1e-7, rtol=0)
+    # (w/4)·[[1, −1], [−1, 1]]: the edge terms that shift the scores are 0.
+    torch.testing.assert_close(T, expected_w / 4 * torch.tensor([[1.0, -1.0], [-1.0, 1.0]]).expand(4, 2, 2))
+    x = torch.randn(3, 10, 16)
+    out, _ = module(x, x, x, need_weights=False)
+    (out * torch.randn_like(out)).sum().backward()
+    grad = module.chain_transitions.grad
+    w_grad = grad[:, 0, 0] + grad[:, 1, 1] - grad[:, 0, 1] - grad[:, 1, 0]
+    assert (w_grad.abs() > 1e-6).all(), w_grad
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_replace_attention_and_plain_checkpoints(kind):
     torch.manual_seed(1)
     layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True, dropout=0.1)
@@ -169,7 +192,7 @@ def test_replace_attention_and_plain_checkpoints(kind):
     encoder(torch.randn(2, 5, 16)).sum().backward()  # dropout on the weights in training
     assert attn.chain_transitions.grad is not None
     module = MultiheadEntmaxAttention(16, 2, batch_first=True, attention=kind)
-    module.load_state_dict(plain.state_dict(), strict=True)  # the transitions keep their initial 0
-    assert torch.equal(module.chain_transitions, torch.zeros(2, 2, 2))
+    module.load_state_dict(plain.state_dict(), strict=True)  # the transitions keep their initial value
+    assert torch.equal(module.chain_transitions, initial_chain_transitions(kind, 2))
     with pytest.raises(ValueError, match=f"attention='{kind}' takes none of"):
         MultiheadEntmaxAttention(16, 2, attention=kind, softcap=5.0)

@@ -166,3 +166,29 @@ def test_emulated_launch_plan(emulated_chain):
                               (10 ** 6, 1 << 16, 512), (300, 128, 1)):
         emulated_chain.chain_plan(ctypes.c_int64(rows), ctypes.c_int64(cap), out)
         assert (out[0], out[1]) == (128, blocks)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_emulated_sparsemap_at_zero_w(emulated_chain, dtype, atol):
+    # Rows at w = T00 + T11 − T01 − T10 = 0, where the loss has a kink in w: scores on a grid
+    # shifted off 0 and 1 (c stays inside the clip's open ends), with exact ties between
+    # neighbours and after the flip, masked keys; the gradient in T is the reference's rule.
+    gen = torch.Generator().manual_seed(3)
+    rows, n = 40, 11
+    x = (torch.randint(-16, 81, (rows, n), generator=gen).to(torch.float64) + 0.5) / 64
+    x[0, 2:6] = 0.5 + 1 / 128
+    x[1, 3], x[1, 4] = 0.25 + 1 / 128, 0.75 - 1 / 128
+    x = x.masked_fill(torch.rand(rows, n, generator=gen) < 0.15, float("-inf"))
+    zero_w = [[[0.0, 0.0], [0.0, 0.0]], [[0.25, 0.5], [-0.25, 0.0]], [[1.0, 0.75], [0.0, -0.25]]]
+    T = torch.tensor([zero_w[r % 3] for r in range(rows)], dtype=torch.float64)
+    grad = torch.randint(-4, 5, (rows, n), generator=gen).to(torch.float64)
+    x, T, grad = x.to(dtype).contiguous(), T.to(dtype).contiguous(), grad.to(dtype).contiguous()
+    mu, dx, dt = run_emulated(emulated_chain, "sparsemap", x, T, grad)
+    x64, T64 = x.double().requires_grad_(), T.double().requires_grad_()
+    expected = R.sparsemap_marginals(x64, T64)
+    expected.backward(grad.double())
+    torch.testing.assert_close(mu.double(), expected.detach(), atol=atol, rtol=0)
+    torch.testing.assert_close(dx.double(), x64.grad, atol=atol, rtol=0)
+    torch.testing.assert_close(dt.double(), T64.grad, atol=atol * n, rtol=0)
+    w_part = (dt.double() * torch.tensor([[1.0, -1.0], [-1.0, 1.0]], dtype=torch.float64)).sum((-2, -1)) / 4
+    assert (w_part.abs() > 0.1).sum() >= 3 and (w_part == 0).sum() >= 3  # both kinds of rows

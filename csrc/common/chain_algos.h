@@ -370,11 +370,53 @@ ENTMAX_FAST_HD void sparsemap_forward_row(const T* x, const T* transitions, T* m
   }
 }
 
+// d(g·μ)/dλ at λ = 0+ with w = 0: y holds c (the prox with λ = 0 is the identity), taken
+// flipped (c'_j = 1 − c_j at odd chain index, g alike) when `flip`. The prox's group rule
+// with the groups λ = 0+ starts from: runs of exactly equal c' over consecutive valid
+// positions (equal inputs fuse at once; compared by ==, as the backward groups y), each
+// moving by −(left − right)/size. A group passes its rate where the clip lets it move:
+// strictly inside (0, 1), or at 0 moving up, or at 1 moving down (a one-sided derivative).
+template <typename T>
+ENTMAX_FAST_HD double sparsemap_dlambda_at_zero(const T* x, const T* g, const double* y, int64_t n, bool flip) {
+  double total = 0.0, group_value = 0.0, group_sum = 0.0, group_left = 0.0;
+  int64_t group_size = 0, chain_index = 0;
+  auto close = [&](double right) {
+    const double rate = -(group_left - right) / static_cast<double>(group_size);
+    const bool moves = (group_value > 0.0 && group_value < 1.0) || (group_value == 0.0 && rate > 0.0) ||
+                       (group_value == 1.0 && rate < 0.0);
+    if (moves) total += group_sum * rate;
+  };
+  for (int64_t j = 0; j < n; ++j) {
+    if (is_masked(x[j])) continue;
+    const bool flipped = flip && (chain_index & 1);
+    const double v = flipped ? 1.0 - y[j] : y[j];
+    if (group_size > 0 && v != group_value) {
+      const double right = v > group_value ? 1.0 : -1.0;
+      close(right);
+      group_left = right;
+      group_size = 0;
+    }
+    if (group_size == 0) {
+      group_value = v;
+      group_sum = 0.0;
+    }
+    group_sum += flipped ? -static_cast<double>(g[j]) : static_cast<double>(g[j]);
+    ++group_size;
+    ++chain_index;
+  }
+  if (group_size > 0) close(0.0);
+  return total;
+}
+
 // Backward from the prox output y of the forward (read at valid positions only). Groups:
 // runs of equal y over consecutive valid positions (the TV scan writes one value per group;
 // with lambda = 0 every position is its own group). A group's value v moves with its inputs
 // by their mean, and with lambda by −(left − right)/size, left = sign(v − previous group's
 // value), right = sign(next group's value − v) (0 at the chain's ends).
+// At w = 0 the loss has a kink in w (w > 0 leaves c as is, w < 0 flips it, both with
+// λ = |w|/2 → 0+): dw is the element of least magnitude between the one-sided derivatives
+// D+ = dλ+/2 and D− = −dλ−/2 (docs/maths.md): 0 where they straddle 0, their common value
+// where the loss is smooth.
 template <typename T>
 ENTMAX_FAST_HD void sparsemap_backward_row(const T* x, const T* transitions, const T* g, const double* y, T* dx,
                                            T* dtransitions, int64_t n) {
@@ -431,7 +473,13 @@ ENTMAX_FAST_HD void sparsemap_backward_row(const T* x, const T* transitions, con
     ++chain_index;
   }
   if (group_size > 0) flush(n, 0.0);
-  const double dw = dlambda * k.sign_w / 2;
+  double dw = dlambda * k.sign_w / 2;
+  if (!grouped) {
+    const double right_side = sparsemap_dlambda_at_zero(x, g, y, n, false) / 2;
+    const double left_side = -sparsemap_dlambda_at_zero(x, g, y, n, true) / 2;
+    const double low = fmin(left_side, right_side), high = fmax(left_side, right_side);
+    dw = low > 0.0 ? low : (high < 0.0 ? high : 0.0);
+  }
   const double A = sum_into, B = sum_outof;
   dtransitions[0] = static_cast<T>(-(A + B) / 2 + dw);
   dtransitions[1] = static_cast<T>((A - B) / 2 - dw);

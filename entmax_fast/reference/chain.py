@@ -15,7 +15,9 @@ z ∈ {0,1}^m with the log-potential
   Viterbi (argmax_z θ(z) − z·μ, a MAP with unaries s − μ); the returned μ = M_A ξ_A is
   rebuilt from the input with the final active set A held fixed, ξ_A the solution of the
   equality-constrained KKT system, so autograd yields the closed-form backward (a route
-  independent of the C++ operators, which use the chain's reduction to a TV prox).
+  independent of the C++ operators, which use the chain's reduction to a TV prox). Rows with
+  w = T00 + T11 − T01 − T10 = 0 separate by key (μ = clip(c, 0, 1)) and have a kink in w; their
+  gradient in w is the one-sided derivative of least magnitude (docs/maths.md).
 
 Masking: a score of −inf removes its key from the chain (the valid neighbours on either
 side are linked); it gets weight 0. A row holding NaN or +inf at a valid position gets NaN
@@ -30,7 +32,7 @@ import torch
 from .structured import NanRows, structured_attention
 
 __all__ = ["crf_marginals", "sparsemap_marginals", "crf_attention", "sparsemap_attention", "viterbi",
-           "sparsemap_active_set", "rows_and_transitions"]
+           "sparsemap_active_set", "sparsemap_rates_at_zero", "rows_and_transitions"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -225,9 +227,62 @@ def sparsemap_active_set(s: list, T: list, max_iterations: int | None = None) ->
     raise RuntimeError(f"sparsemap: the active-set method did not converge in {limit} iterations")
 
 
+def sparsemap_rates_at_zero(s: list, T: list, flip: bool) -> list:
+    """dμ_j/dλ at λ = 0+ of one row's valid scores ``s`` when w = T00 + T11 − T01 − T10 is 0,
+    on the side w > 0 (``flip`` False: ν = μ, λ = w/2) or w < 0 (``flip`` True: ν_j = 1 − μ_j
+    at odd j, λ = −w/2); docs/maths.md, "Chain marginals". At λ = 0 the prox is the
+    identity, so the groups the prox starts from are the runs of exactly equal c′ (equal
+    inputs fuse at once), each moving by −(left − right)/size; the clip passes a group's
+    rate inside (0, 1), or at 0 moving up, or at 1 moving down."""
+    t00, t01, t10, t11 = T[0][0], T[0][1], T[1][0], T[1][1]
+    into = (t01 - t00 + t11 - t10) / 2
+    outof = (t10 - t00 + t11 - t01) / 2
+    m = len(s)
+    c = [s[j] + (into if j > 0 else 0.0) + (outof if j + 1 < m else 0.0) for j in range(m)]
+    values = [1.0 - v if flip and j % 2 else v for j, v in enumerate(c)]
+    rates = [0.0] * m
+    start, left = 0, 0.0
+    while start < m:
+        end = start
+        while end + 1 < m and values[end + 1] == values[start]:
+            end += 1
+        right = 0.0 if end + 1 == m else (1.0 if values[end + 1] > values[start] else -1.0)
+        rate = -(left - right) / (end - start + 1)
+        value = values[start]
+        if 0.0 < value < 1.0 or (value == 0.0 and rate > 0) or (value == 1.0 and rate < 0):
+            for j in range(start, end + 1):
+                rates[j] = -rate if flip and j % 2 else rate
+        start, left = end + 1, right
+    return rates
+
+
+class _KinkAtZeroW(torch.autograd.Function):
+    """Adds 0 to a row's marginals; its gradient in w (taken at w = 0) is the element of
+    least magnitude between the one-sided derivatives D+ = ½ g·(dμ/dλ)+ and
+    D− = −½ g·(dμ/dλ)−: 0 where they straddle 0, their common value where the loss is
+    smooth in w. The backward is plain torch ops in g, so it is differentiable again."""
+
+    @staticmethod
+    def forward(ctx, w, above, below):
+        ctx.save_for_backward(above, below)
+        return torch.zeros_like(above)
+
+    @staticmethod
+    def backward(ctx, grad):
+        above, below = ctx.saved_tensors
+        right_side = (grad * above).sum() / 2
+        left_side = -(grad * below).sum() / 2
+        low, high = torch.minimum(left_side, right_side), torch.maximum(left_side, right_side)
+        dw = torch.where(low > 0, low, torch.where(high < 0, high, torch.zeros_like(low)))
+        return dw, None, None
+
+
+_W_DIRECTION = ((1.0, -1.0), (-1.0, 1.0))  # ∂w/∂T
+
+
 def _sparsemap_rows(s: torch.Tensor, T: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """SparseMAP marginals (R, n) of float64 rows, differentiable in s and T through the
-    KKT system of each row's final active set."""
+    KKT system of each row's final active set; rows with w = 0 by _sparsemap_row_at_zero_w."""
     rows, n = s.shape
     s_list, T_list, valid_list = s.detach().cpu().tolist(), T.detach().cpu().tolist(), valid.cpu().tolist()
     out_rows = []
@@ -236,10 +291,15 @@ def _sparsemap_rows(s: torch.Tensor, T: torch.Tensor, valid: torch.Tensor) -> to
         if not positions:
             out_rows.append(s.new_zeros(n))
             continue
-        active = sparsemap_active_set([s_list[r][j] for j in positions], T_list[r])
+        index = torch.tensor(positions, device=s.device)
+        t = T_list[r]
+        if t[0][0] + t[1][1] - t[0][1] - t[1][0] == 0.0:  # w, in the C++ rows' order of operations
+            mu = _sparsemap_row_at_zero_w(s[r, index], T[r], [s_list[r][j] for j in positions], t)
+            out_rows.append(s.new_zeros(n).index_put((index,), mu))
+            continue
+        active = sparsemap_active_set([s_list[r][j] for j in positions], t)
         M = torch.tensor(active, dtype=s.dtype, device=s.device).T  # (m, k)
         counts = torch.tensor([_pair_counts(z) for z in active], dtype=s.dtype, device=s.device)  # (k, 4)
-        index = torch.tensor(positions, device=s.device)
         # Measured from the first configuration's θ, as in sparsemap_active_set: the same ξ,
         # without cancelling huge scores where the configurations agree.
         differs = M - M[:, :1]
@@ -247,6 +307,28 @@ def _sparsemap_rows(s: torch.Tensor, T: torch.Tensor, valid: torch.Tensor) -> to
         weights = _kkt_solve(M, theta, 1.0)[:-1]
         out_rows.append(s.new_zeros(n).index_put((index,), M @ weights))
     return torch.stack(out_rows) if out_rows else s.new_zeros(0, n)
+
+
+def _sparsemap_row_at_zero_w(s: torch.Tensor, T: torch.Tensor, s_list: list, t: list) -> torch.Tensor:
+    """SparseMAP of one row's valid scores where w = 0. The pair term of an edge is then
+    linear in the unary marginals (w multiplies its only other part, the pair marginal
+    μ_{j−1,j}(1, 1)), so the problem separates by key: μ = clip(c, 0, 1), c = s plus the
+    edges' linear terms. Its gradient in s and in the edge terms is that of the clip (passing
+    strictly inside (0, 1), as the C++ rows do); in w the loss has a kink, and its gradient
+    is _KinkAtZeroW's rule. (At w = 0 the active set is degenerate: the KKT route's
+    derivatives depend on which of the equivalent active sets it ends with.)"""
+    m = s.shape[0]
+    into = (T[0, 1] - T[0, 0] + T[1, 1] - T[1, 0]) / 2
+    outof = (T[1, 0] - T[0, 0] + T[1, 1] - T[0, 1]) / 2
+    has_previous = (torch.arange(m, device=s.device) > 0).to(s.dtype)
+    has_next = (torch.arange(m, device=s.device) < m - 1).to(s.dtype)
+    c = s + has_previous * into + has_next * outof
+    mu = torch.where((c > 0) & (c < 1), c, c.detach().clamp(0, 1))
+    direction = torch.tensor(_W_DIRECTION, dtype=s.dtype, device=s.device)
+    w = (T * direction).sum()
+    above, below = (torch.tensor(sparsemap_rates_at_zero(s_list, t, flip), dtype=s.dtype, device=s.device)
+                    for flip in (False, True))
+    return mu + _KinkAtZeroW.apply(w, above, below)
 
 
 # ---------------------------------------------------------------------------------------
