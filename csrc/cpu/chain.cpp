@@ -80,61 +80,23 @@ void crf_state_unaries(const T* x, double* unary, int64_t n) {
   crf_state_unaries_portable(x, unary, n);
 }
 
-// Rows whose CRF forwards run interleaved: the forward of (4096, 1024) float32 rows, one
-// thread, took 57.9 ms one row at a time, 35.9 ms two and 30.4 ms four at a time (x86-64,
-// median of 5, a shared 2-core host at load 3.9; on top of 11d5fda).
-constexpr int kCrfForwardLanes = 4;
-
-// The CRF forward of rows [begin, end): plain rows (chain::row_is_plain) K at a time by
-// chain::crf_forward_plain_rows, the others (and the last < K plain ones) one at a time.
-template <int K, typename T>
-void crf_forward_range(const T* p_x, const T* p_t, T* p_mu, int64_t n, int64_t begin, int64_t end) {
-  // [0, 2Kn): messages; [2Kn, 4Kn): the pending plain rows' unaries; then 5n for a row alone
-  // (crf_forward_row's scratch, and its unaries).
-  std::vector<double> scratch(4 * K * n + 5 * n);
-  double* unary = scratch.data() + 2 * K * n;
-  double* alone = scratch.data() + 4 * K * n;
-  const T* x[K];
-  const T* t[K];
-  T* mu[K];
-  int pending = 0;
-  for (int64_t row = begin; row < end; ++row) {
-    const T* x_row = p_x + row * n;
-    if (K > 1 && row_is_plain(x_row, n)) {
-      x[pending] = x_row;
-      t[pending] = p_t + row * 4;
-      mu[pending] = p_mu + row * n;
-      crf_state_unaries(x_row, unary + 2 * pending * n, n);
-      if (++pending == K) {
-        chain::crf_forward_plain_rows<K>(t, mu, unary, scratch.data(), n);
-        pending = 0;
-      }
-      continue;
-    }
-    crf_state_unaries(x_row, alone + 3 * n, n);
-    chain::crf_forward_row(x_row, p_t + row * 4, p_mu + row * n, alone, n, alone + 3 * n);
-  }
-  for (int k = 0; k < pending; ++k) {
-    chain::crf_forward_row(x[k], t[k], mu[k], alone, n, unary + 2 * k * n);
-  }
-}
-
 // ---------------------------------------------------------------------------------------
-// The CRF backward of K plain rows at once, one SIMD lane per row.
+// The CRF of K plain rows at once, one SIMD lane per row.
 //
-// crf_backward_row one row at a time is bound by its recursions' latency: each step's
-// messages wait on the previous step's multiply-adds. Here the K rows' recursions run in the
-// lanes of one vector of K doubles (GCC's vector extension; AVX2 holds 4, so K = 8 is two
-// independent vectors in flight), with their inputs transposed to position-major order
-// ([j][k]) so that a step reads one vector per quantity. Same float64 arithmetic and the same
-// rescaling rule as crf_backward_row (a message divided by its larger entry when that falls
-// below 2^-256), with two changes that need no division on most steps:
+// One row at a time (chain::crf_forward_row, crf_backward_row) is bound by the recursions'
+// latency: each step's messages wait on the previous step's multiply-adds. Here the K rows'
+// recursions run in the lanes of one vector of K doubles (GCC's vector extension), their
+// inputs transposed to position-major order ([j][k]) so that a step reads one vector per
+// quantity. The same float64 arithmetic and rescaling rule as the one-row functions (a
+// message divided by its larger entry when that falls below 2^-256, here when any lane's
+// does: a branch taken rarely), with two changes in the backward that save work:
 //  - the pair term of the edge (j−1, j) has the normaliser Σ_ab α_{j−1}(a) E_ab u_j(b) β_j(b)
 //    = (α_j·β_j) / c_j, c_j the forward's rescale factor at j (1 on most steps, kept per
 //    position): one division per position serves the key and its edge;
 //  - only the pair term of n_11 is summed: with m chain positions, n_01 + n_11 = Σ_{j≥2} z_j,
 //    n_10 + n_11 = Σ_{j≤m−1} z_j and Σ_ab n_ab = m − 1, so Cov(n_ab, g·z) for the other three
-//    follow from Cov(n_11, g·z) and sums of dx_j = Cov(z_j, g·z).
+//    follow from Cov(n_11, g·z) and the sums of dx_j = Cov(z_j, g·z).
+//
 // (An alias template with a dependent vector_size drops the attribute: one typedef per K.)
 // Vectors are read and written in place through `memory` (unaligned, may alias double) and
 // never passed by value, so that no vector crosses a call in the baseline-ISA build (GCC
@@ -164,9 +126,9 @@ ENTMAX_FAST_ALWAYS_INLINE typename LanesOf<K>::memory& lanes_at(double* p) {
   return *reinterpret_cast<typename LanesOf<K>::memory*>(p);
 }
 
-// Divides each lane's (m0, m1) and tangent (t0, t1) by the lane's larger message entry where
-// that is below chain::kRescaleBelow (chain::rescale per lane); factor: the factors applied
-// (1 elsewhere). A step takes the branch only when some lane needs it: rarely.
+// Divides each lane's message (m0, m1) and tangent (t0, t1) by the lane's larger message
+// entry where that is below chain::kRescaleBelow (chain::rescale per lane); factor: the
+// factors applied (1 elsewhere).
 template <int K>
 ENTMAX_FAST_ALWAYS_INLINE void rescale_lanes(Lanes<K>& m0, Lanes<K>& m1, Lanes<K>& t0, Lanes<K>& t1,
                                              Lanes<K>& factor) {
@@ -183,36 +145,79 @@ ENTMAX_FAST_ALWAYS_INLINE void rescale_lanes(Lanes<K>& m0, Lanes<K>& m1, Lanes<K
   t1 *= factor;
 }
 
-// scratch: 8·K·n doubles. x, g, dx, transitions, dtransitions: the K rows' own pointers.
+// K plain rows (row_is_plain) of one call: scores, transitions, and for the backward the
+// incoming gradient and dtransitions (grad null: the forward); out: mu or dx.
+template <int K, typename T>
+struct PlainRows {
+  const T* x[K];
+  const T* transitions[K];
+  const T* grad[K];
+  T* out[K];
+  T* dtransitions[K];
+};
+
+// scratch: 8·K·n doubles.
 template <int K, bool kFma, typename T>
-ENTMAX_FAST_ALWAYS_INLINE void crf_backward_plain_rows_body(const T* const* x, const T* const* transitions,
-                                                            const T* const* g, T* const* dx, T* const* dtransitions,
-                                                            double* scratch, int64_t n) {
+ENTMAX_FAST_ALWAYS_INLINE void crf_plain_rows_body(const PlainRows<K, T>& rows, double* scratch, int64_t n) {
   using V = Lanes<K>;
+  const bool backward = rows.grad[0] != nullptr;
   const int64_t size = K * n;
-  double* p_scores = scratch;  // [j][k]; dx once the unaries are taken
+  double* p_scores = scratch;        // [j][k]; the output (mu or dx) once the unaries are taken
   double* p_unary = scratch + size;  // state 0 at [0, size), state 1 at [size, 2 size)
-  double* p_grad = scratch + 3 * size;
-  double* p_alpha0 = scratch + 4 * size;
-  double* p_alpha1 = scratch + 5 * size;
-  double* p_tangent1 = scratch + 6 * size;
-  double* p_factor = scratch + 7 * size;  // the forward's rescale factor at each position
+  double* p_alpha0 = scratch + 3 * size;
+  double* p_alpha1 = scratch + 4 * size;
+  double* p_grad = scratch + 5 * size;      // backward only, as the two below
+  double* p_tangent1 = scratch + 6 * size;  // the forward tangent's state 1
+  double* p_factor = scratch + 7 * size;    // the forward's rescale factor at each position
   for (int64_t j = 0; j < n; ++j) {
-    for (int k = 0; k < K; ++k) {
-      p_scores[j * K + k] = static_cast<double>(x[k][j]);
-      p_grad[j * K + k] = static_cast<double>(g[k][j]);
+    for (int k = 0; k < K; ++k) p_scores[j * K + k] = static_cast<double>(rows.x[k][j]);
+  }
+  if (backward) {
+    for (int64_t j = 0; j < n; ++j) {
+      for (int k = 0; k < K; ++k) p_grad[j * K + k] = static_cast<double>(rows.grad[k][j]);
     }
   }
   crf_state_unaries_body<kFma>(p_scores, p_unary, size);
   V E[4];
   for (int k = 0; k < K; ++k) {
-    const chain::ChainTransitions tr(transitions[k]);
+    const chain::ChainTransitions tr(rows.transitions[k]);
     for (int i = 0; i < 4; ++i) E[i][k] = tr.e[i];
   }
-  // Forward with the tangent along g (t0, t1), as crf_backward_row.
   const V zero = V{}, one = V{} + 1.0;
-  V a0 = lanes_at<K>(p_unary), a1 = lanes_at<K>(p_unary + size), t0 = zero, t1 = a1 * lanes_at<K>(p_grad);
+  double* p_out = p_scores;
   V factor;
+  if (!backward) {
+    // crf_forward_row's sweeps.
+    V a0 = lanes_at<K>(p_unary), a1 = lanes_at<K>(p_unary + size), unused0 = zero, unused1 = zero;
+    rescale_lanes<K>(a0, a1, unused0, unused1, factor);
+    lanes_at<K>(p_alpha0) = a0;
+    lanes_at<K>(p_alpha1) = a1;
+    for (int64_t j = 1; j < n; ++j) {
+      const int64_t at = j * K;
+      const V next0 = lanes_at<K>(p_unary + at) * (a0 * E[0] + a1 * E[2]);
+      a1 = lanes_at<K>(p_unary + size + at) * (a0 * E[1] + a1 * E[3]);
+      a0 = next0;
+      rescale_lanes<K>(a0, a1, unused0, unused1, factor);
+      lanes_at<K>(p_alpha0 + at) = a0;
+      lanes_at<K>(p_alpha1 + at) = a1;
+    }
+    V b0 = one, b1 = one;
+    for (int64_t j = n - 1; j >= 0; --j) {
+      const int64_t at = j * K;
+      const V on = lanes_at<K>(p_alpha1 + at) * b1, off = lanes_at<K>(p_alpha0 + at) * b0;
+      lanes_at<K>(p_out + at) = on / (on + off);
+      const V v0 = lanes_at<K>(p_unary + at) * b0, v1 = lanes_at<K>(p_unary + size + at) * b1;
+      b0 = E[0] * v0 + E[1] * v1;
+      b1 = E[2] * v0 + E[3] * v1;
+      rescale_lanes<K>(b0, b1, unused0, unused1, factor);
+    }
+    for (int k = 0; k < K; ++k) {
+      for (int64_t j = 0; j < n; ++j) rows.out[k][j] = static_cast<T>(p_out[j * K + k]);
+    }
+    return;
+  }
+  // crf_backward_row's forward, with the tangent along g (t0, t1).
+  V a0 = lanes_at<K>(p_unary), a1 = lanes_at<K>(p_unary + size), t0 = zero, t1 = a1 * lanes_at<K>(p_grad);
   rescale_lanes<K>(a0, a1, t0, t1, factor);
   lanes_at<K>(p_factor) = factor;
   lanes_at<K>(p_alpha0) = a0;
@@ -237,13 +242,12 @@ ENTMAX_FAST_ALWAYS_INLINE void crf_backward_plain_rows_body(const T* const* x, c
   // Backward: β, its tangent r; dx_j; the n_11 pair terms without the factor E_11.
   V b0 = one, b1 = one, r0 = zero, r1 = zero;
   V pair = zero, pair_tangent = zero, sum_dx = zero, dx_last = zero;
-  double* p_dx = p_scores;
   for (int64_t j = n - 1; j >= 0; --j) {
     const int64_t at = j * K;
     const V alpha1 = lanes_at<K>(p_alpha1 + at);
     const V inverse = 1.0 / (lanes_at<K>(p_alpha0 + at) * b0 + alpha1 * b1);
     const V dx_j = (lanes_at<K>(p_tangent1 + at) * b1 + alpha1 * (r1 - b1 * G)) * inverse;
-    lanes_at<K>(p_dx + at) = dx_j;
+    lanes_at<K>(p_out + at) = dx_j;
     if (j == n - 1) dx_last = dx_j;
     sum_dx += dx_j;
     if (j == 0) break;
@@ -261,82 +265,82 @@ ENTMAX_FAST_ALWAYS_INLINE void crf_backward_plain_rows_body(const T* const* x, c
     r1 = E[2] * w0 + E[3] * w1;
     rescale_lanes<K>(b0, b1, r0, r1, factor);
   }
-  const V dx_first = lanes_at<K>(p_dx);
   const V c11 = E[3] * (pair_tangent - G * pair);
-  const V into = sum_dx - dx_first;  // Cov(Σ_{j≥2} z_j, g·z)
-  const V outof = sum_dx - dx_last;  // Cov(Σ_{j≤m−1} z_j, g·z)
+  const V into = sum_dx - lanes_at<K>(p_out);  // Cov(Σ_{j≥2} z_j, g·z)
+  const V outof = sum_dx - dx_last;            // Cov(Σ_{j≤m−1} z_j, g·z)
   for (int k = 0; k < K; ++k) {
-    for (int64_t j = 0; j < n; ++j) dx[k][j] = static_cast<T>(p_dx[j * K + k]);
-    dtransitions[k][0] = static_cast<T>(c11[k] - into[k] - outof[k]);
-    dtransitions[k][1] = static_cast<T>(into[k] - c11[k]);
-    dtransitions[k][2] = static_cast<T>(outof[k] - c11[k]);
-    dtransitions[k][3] = static_cast<T>(c11[k]);
+    for (int64_t j = 0; j < n; ++j) rows.out[k][j] = static_cast<T>(p_out[j * K + k]);
+    rows.dtransitions[k][0] = static_cast<T>(c11[k] - into[k] - outof[k]);
+    rows.dtransitions[k][1] = static_cast<T>(into[k] - c11[k]);
+    rows.dtransitions[k][2] = static_cast<T>(outof[k] - c11[k]);
+    rows.dtransitions[k][3] = static_cast<T>(c11[k]);
   }
 }
 
 template <int K, typename T>
-void crf_backward_plain_rows_portable(const T* const* x, const T* const* transitions, const T* const* g,
-                                      T* const* dx, T* const* dtransitions, double* scratch, int64_t n) {
-  crf_backward_plain_rows_body<K, false>(x, transitions, g, dx, dtransitions, scratch, n);
+void crf_plain_rows_portable(const PlainRows<K, T>& rows, double* scratch, int64_t n) {
+  crf_plain_rows_body<K, false>(rows, scratch, n);
 }
 
 #if ENTMAX_FAST_AVX2_KERNELS
 template <int K, typename T>
-ENTMAX_FAST_TARGET_AVX2 void crf_backward_plain_rows_avx2(const T* const* x, const T* const* transitions,
-                                                          const T* const* g, T* const* dx, T* const* dtransitions,
-                                                          double* scratch, int64_t n) {
-  crf_backward_plain_rows_body<K, true>(x, transitions, g, dx, dtransitions, scratch, n);
+ENTMAX_FAST_TARGET_AVX2 void crf_plain_rows_avx2(const PlainRows<K, T>& rows, double* scratch, int64_t n) {
+  crf_plain_rows_body<K, true>(rows, scratch, n);
 }
 #endif
 
 template <int K, typename T>
-void crf_backward_plain_rows(const T* const* x, const T* const* transitions, const T* const* g, T* const* dx,
-                             T* const* dtransitions, double* scratch, int64_t n) {
+void crf_plain_rows(const PlainRows<K, T>& rows, double* scratch, int64_t n) {
 #if ENTMAX_FAST_AVX2_KERNELS
-  if (entmax_fast_cpu::use_avx2_kernels())
-    return crf_backward_plain_rows_avx2<K>(x, transitions, g, dx, dtransitions, scratch, n);
+  if (entmax_fast_cpu::use_avx2_kernels()) return crf_plain_rows_avx2<K>(rows, scratch, n);
 #endif
-  crf_backward_plain_rows_portable<K>(x, transitions, g, dx, dtransitions, scratch, n);
+  crf_plain_rows_portable<K>(rows, scratch, n);
 }
 
-constexpr int kCrfBackwardLanes = 4;
+// Rows per SIMD group: LANES_MEASUREMENT_PLACEHOLDER
+constexpr int kCrfLanes = 4;
 
-// The CRF backward of rows [begin, end): plain rows K at a time, the others (and the last
-// < K plain ones) one at a time by chain::crf_backward_row.
+// The CRF forward (p_g null) or backward of rows [begin, end): plain rows K at a time by
+// crf_plain_rows, the others (and the last < K plain ones) one at a time by
+// chain::crf_forward_row / crf_backward_row. out: mu or dx.
 template <int K, typename T>
-void crf_backward_range(const T* p_g, const T* p_x, const T* p_t, T* p_dx, T* p_dt, int64_t n, int64_t begin,
-                        int64_t end) {
-  // [0, 8Kn): crf_backward_plain_rows's scratch; then 7n for a row alone (crf_backward_row's
-  // 5n and its unaries).
+void crf_range(const T* p_x, const T* p_t, const T* p_g, T* p_out, T* p_dt, int64_t n, int64_t begin,
+               int64_t end) {
+  // [0, 8Kn): crf_plain_rows's scratch; then 7n for a row alone (crf_backward_row's 5n, or
+  // crf_forward_row's 3n, and its unaries).
   std::vector<double> scratch(8 * K * n + 7 * n);
   double* alone = scratch.data() + 8 * K * n;
-  const T* x[K];
-  const T* t[K];
-  const T* g[K];
-  T* dx[K];
-  T* dt[K];
-  int pending = 0;
-  auto one_row = [&](const T* x_row, const T* t_row, const T* g_row, T* dx_row, T* dt_row) {
+  auto one_row = [&](const T* x_row, const T* t_row, const T* g_row, T* out_row, T* dt_row) {
     crf_state_unaries(x_row, alone + 5 * n, n);
-    chain::crf_backward_row(x_row, t_row, g_row, dx_row, dt_row, alone, n, alone + 5 * n);
+    if (p_g) {
+      chain::crf_backward_row(x_row, t_row, g_row, out_row, dt_row, alone, n, alone + 5 * n);
+    } else {
+      chain::crf_forward_row(x_row, t_row, out_row, alone, n, alone + 5 * n);
+    }
   };
+  PlainRows<K, T> pending{};
+  int count = 0;
   for (int64_t row = begin; row < end; ++row) {
     const T* x_row = p_x + row * n;
-    if (row_is_plain(x_row, n)) {
-      x[pending] = x_row;
-      t[pending] = p_t + row * 4;
-      g[pending] = p_g + row * n;
-      dx[pending] = p_dx + row * n;
-      dt[pending] = p_dt + row * 4;
-      if (++pending == K) {
-        crf_backward_plain_rows<K>(x, t, g, dx, dt, scratch.data(), n);
-        pending = 0;
-      }
+    const T* g_row = p_g ? p_g + row * n : nullptr;
+    T* dt_row = p_dt ? p_dt + row * 4 : nullptr;
+    if (!row_is_plain(x_row, n)) {
+      one_row(x_row, p_t + row * 4, g_row, p_out + row * n, dt_row);
       continue;
     }
-    one_row(x_row, p_t + row * 4, p_g + row * n, p_dx + row * n, p_dt + row * 4);
+    pending.x[count] = x_row;
+    pending.transitions[count] = p_t + row * 4;
+    pending.grad[count] = g_row;
+    pending.out[count] = p_out + row * n;
+    pending.dtransitions[count] = dt_row;
+    if (++count == K) {
+      crf_plain_rows<K>(pending, scratch.data(), n);
+      count = 0;
+    }
   }
-  for (int k = 0; k < pending; ++k) one_row(x[k], t[k], g[k], dx[k], dt[k]);
+  for (int k = 0; k < count; ++k) {
+    one_row(pending.x[k], pending.transitions[k], pending.grad[k], pending.out[k], pending.dtransitions[k]);
+  }
 }
 
 void forward_rows(ChainKind kind, const at::Tensor& x, const at::Tensor& transitions, at::Tensor& mu,
@@ -348,7 +352,7 @@ void forward_rows(ChainKind kind, const at::Tensor& x, const at::Tensor& transit
     scalar_t* p_mu = mu.data_ptr<scalar_t>();
     double* p_saved = kind == ChainKind::kSparseMAP ? saved.data_ptr<double>() : nullptr;
     at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
-      if (kind == ChainKind::kCRF) return crf_forward_range<kCrfForwardLanes>(p_x, p_t, p_mu, n, begin, end);
+      if (kind == ChainKind::kCRF) return crf_range<kCrfLanes, scalar_t>(p_x, p_t, nullptr, p_mu, nullptr, n, begin, end);
       for (int64_t row = begin; row < end; ++row) {
         chain::sparsemap_forward_row(p_x + row * n, p_t + row * 4, p_mu + row * n, p_saved + row * n, n);
       }
@@ -368,7 +372,7 @@ void backward_rows(ChainKind kind, const at::Tensor& grad, const at::Tensor& x, 
     scalar_t* p_dt = dtransitions.data_ptr<scalar_t>();
     at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
       if (kind == ChainKind::kCRF) {
-        return crf_backward_range<kCrfBackwardLanes>(p_g, p_x, p_t, p_dx, p_dt, n, begin, end);
+        return crf_range<kCrfLanes>(p_x, p_t, p_g, p_dx, p_dt, n, begin, end);
       }
       for (int64_t row = begin; row < end; ++row) {
         chain::sparsemap_backward_row(p_x + row * n, p_t + row * 4, p_g + row * n, p_saved + row * n,
