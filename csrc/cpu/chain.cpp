@@ -108,11 +108,6 @@ struct LanesOf<4> {
   typedef double type __attribute__((vector_size(32)));
   typedef double memory __attribute__((vector_size(32), aligned(8), may_alias));
 };
-template <>
-struct LanesOf<8> {
-  typedef double type __attribute__((vector_size(64)));
-  typedef double memory __attribute__((vector_size(64), aligned(8), may_alias));
-};
 template <int K>
 using Lanes = typename LanesOf<K>::type;
 
@@ -145,6 +140,61 @@ ENTMAX_FAST_ALWAYS_INLINE void rescale_lanes(Lanes<K>& m0, Lanes<K>& m1, Lanes<K
   t1 *= factor;
 }
 
+// Four rows' entries [j, j + 4) as four vectors, and back: a 4x4 transpose by shuffles,
+// so that moving rows to and from position-major order costs a few vector operations per
+// four entries (element by element it took a third of the backward's time).
+template <typename T>
+struct QuadOf;
+template <>
+struct QuadOf<float> {
+  typedef float type __attribute__((vector_size(16), aligned(4), may_alias));
+};
+template <>
+struct QuadOf<double> {
+  typedef double type __attribute__((vector_size(32), aligned(8), may_alias));
+};
+
+ENTMAX_FAST_ALWAYS_INLINE void transpose4(Lanes<4>& r0, Lanes<4>& r1, Lanes<4>& r2, Lanes<4>& r3) {
+  const Lanes<4> t0 = __builtin_shufflevector(r0, r1, 0, 4, 2, 6), t1 = __builtin_shufflevector(r0, r1, 1, 5, 3, 7);
+  const Lanes<4> t2 = __builtin_shufflevector(r2, r3, 0, 4, 2, 6), t3 = __builtin_shufflevector(r2, r3, 1, 5, 3, 7);
+  r0 = __builtin_shufflevector(t0, t2, 0, 1, 4, 5);
+  r1 = __builtin_shufflevector(t1, t3, 0, 1, 4, 5);
+  r2 = __builtin_shufflevector(t0, t2, 2, 3, 6, 7);
+  r3 = __builtin_shufflevector(t1, t3, 2, 3, 6, 7);
+}
+
+// out[j·4 + k] = rows[k][j], as double.
+template <typename T>
+ENTMAX_FAST_ALWAYS_INLINE void rows_to_lanes(const T* const* rows, double* out, int64_t n) {
+  using Quad = typename QuadOf<T>::type;
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    Lanes<4> r[4];
+    for (int k = 0; k < 4; ++k) r[k] = __builtin_convertvector(*reinterpret_cast<const Quad*>(rows[k] + j), Lanes<4>);
+    transpose4(r[0], r[1], r[2], r[3]);
+    for (int i = 0; i < 4; ++i) lanes_at<4>(out + (j + i) * 4) = r[i];
+  }
+  for (; j < n; ++j) {
+    for (int k = 0; k < 4; ++k) out[j * 4 + k] = static_cast<double>(rows[k][j]);
+  }
+}
+
+// rows[k][j] = in[j·4 + k], rounded to T.
+template <typename T>
+ENTMAX_FAST_ALWAYS_INLINE void lanes_to_rows(const double* in, T* const* rows, int64_t n) {
+  using Quad = typename QuadOf<T>::type;
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    Lanes<4> r[4];
+    for (int i = 0; i < 4; ++i) r[i] = lanes_at<4>(in + (j + i) * 4);
+    transpose4(r[0], r[1], r[2], r[3]);
+    for (int k = 0; k < 4; ++k) *reinterpret_cast<Quad*>(rows[k] + j) = __builtin_convertvector(r[k], Quad);
+  }
+  for (; j < n; ++j) {
+    for (int k = 0; k < 4; ++k) rows[k][j] = static_cast<T>(in[j * 4 + k]);
+  }
+}
+
 // K plain rows (row_is_plain) of one call: scores, transitions, and for the backward the
 // incoming gradient and dtransitions (grad null: the forward); out: mu or dx.
 template <int K, typename T>
@@ -159,6 +209,7 @@ struct PlainRows {
 // scratch: 8·K·n doubles.
 template <int K, bool kFma, typename T>
 ENTMAX_FAST_ALWAYS_INLINE void crf_plain_rows_body(const PlainRows<K, T>& rows, double* scratch, int64_t n) {
+  static_assert(K == 4, "the transposes are 4x4");
   using V = Lanes<K>;
   const bool backward = rows.grad[0] != nullptr;
   const int64_t size = K * n;
@@ -169,14 +220,8 @@ ENTMAX_FAST_ALWAYS_INLINE void crf_plain_rows_body(const PlainRows<K, T>& rows, 
   double* p_grad = scratch + 5 * size;      // backward only, as the two below
   double* p_tangent1 = scratch + 6 * size;  // the forward tangent's state 1
   double* p_factor = scratch + 7 * size;    // the forward's rescale factor at each position
-  for (int64_t j = 0; j < n; ++j) {
-    for (int k = 0; k < K; ++k) p_scores[j * K + k] = static_cast<double>(rows.x[k][j]);
-  }
-  if (backward) {
-    for (int64_t j = 0; j < n; ++j) {
-      for (int k = 0; k < K; ++k) p_grad[j * K + k] = static_cast<double>(rows.grad[k][j]);
-    }
-  }
+  rows_to_lanes(rows.x, p_scores, n);
+  if (backward) rows_to_lanes(rows.grad, p_grad, n);
   crf_state_unaries_body<kFma>(p_scores, p_unary, size);
   V E[4];
   for (int k = 0; k < K; ++k) {
@@ -194,8 +239,9 @@ ENTMAX_FAST_ALWAYS_INLINE void crf_plain_rows_body(const PlainRows<K, T>& rows, 
     lanes_at<K>(p_alpha1) = a1;
     for (int64_t j = 1; j < n; ++j) {
       const int64_t at = j * K;
-      const V next0 = lanes_at<K>(p_unary + at) * (a0 * E[0] + a1 * E[2]);
-      a1 = lanes_at<K>(p_unary + size + at) * (a0 * E[1] + a1 * E[3]);
+      const V u0 = lanes_at<K>(p_unary + at), u1 = lanes_at<K>(p_unary + size + at);
+      const V next0 = (u0 * E[0]) * a0 + (u0 * E[2]) * a1;
+      a1 = (u1 * E[1]) * a0 + (u1 * E[3]) * a1;
       a0 = next0;
       rescale_lanes<K>(a0, a1, unused0, unused1, factor);
       lanes_at<K>(p_alpha0 + at) = a0;
@@ -206,14 +252,13 @@ ENTMAX_FAST_ALWAYS_INLINE void crf_plain_rows_body(const PlainRows<K, T>& rows, 
       const int64_t at = j * K;
       const V on = lanes_at<K>(p_alpha1 + at) * b1, off = lanes_at<K>(p_alpha0 + at) * b0;
       lanes_at<K>(p_out + at) = on / (on + off);
-      const V v0 = lanes_at<K>(p_unary + at) * b0, v1 = lanes_at<K>(p_unary + size + at) * b1;
-      b0 = E[0] * v0 + E[1] * v1;
-      b1 = E[2] * v0 + E[3] * v1;
+      const V u0 = lanes_at<K>(p_unary + at), u1 = lanes_at<K>(p_unary + size + at);
+      const V next0 = (E[0] * u0) * b0 + (E[1] * u1) * b1;
+      b1 = (E[2] * u0) * b0 + (E[3] * u1) * b1;
+      b0 = next0;
       rescale_lanes<K>(b0, b1, unused0, unused1, factor);
     }
-    for (int k = 0; k < K; ++k) {
-      for (int64_t j = 0; j < n; ++j) rows.out[k][j] = static_cast<T>(p_out[j * K + k]);
-    }
+    lanes_to_rows(p_out, rows.out, n);
     return;
   }
   // crf_backward_row's forward, with the tangent along g (t0, t1).
@@ -226,12 +271,13 @@ ENTMAX_FAST_ALWAYS_INLINE void crf_plain_rows_body(const PlainRows<K, T>& rows, 
   for (int64_t j = 1; j < n; ++j) {
     const int64_t at = j * K;
     const V u0 = lanes_at<K>(p_unary + at), u1 = lanes_at<K>(p_unary + size + at);
-    const V A0 = a0 * E[0] + a1 * E[2], A1 = a0 * E[1] + a1 * E[3];
-    const V D0 = t0 * E[0] + t1 * E[2], D1 = t0 * E[1] + t1 * E[3];
-    a0 = u0 * A0;
-    a1 = u1 * A1;
-    t0 = u0 * D0;
-    t1 = u1 * (D1 + lanes_at<K>(p_grad + at) * A1);
+    const V e00 = u0 * E[0], e10 = u0 * E[2], e01 = u1 * E[1], e11 = u1 * E[3];
+    const V next_a0 = e00 * a0 + e10 * a1, next_a1 = e01 * a0 + e11 * a1;
+    const V next_t0 = e00 * t0 + e10 * t1;
+    t1 = e01 * t0 + e11 * t1 + lanes_at<K>(p_grad + at) * next_a1;
+    t0 = next_t0;
+    a0 = next_a0;
+    a1 = next_a1;
     rescale_lanes<K>(a0, a1, t0, t1, factor);
     lanes_at<K>(p_factor + at) = factor;
     lanes_at<K>(p_alpha0 + at) = a0;
@@ -252,24 +298,25 @@ ENTMAX_FAST_ALWAYS_INLINE void crf_plain_rows_body(const PlainRows<K, T>& rows, 
     sum_dx += dx_j;
     if (j == 0) break;
     const V u0 = lanes_at<K>(p_unary + at), u1 = lanes_at<K>(p_unary + size + at);
-    const V v0 = u0 * b0, v1 = u1 * b1;
-    const V w0 = u0 * r0, w1 = u1 * (r1 + lanes_at<K>(p_grad + at) * b1);
-    const V inverse_w = lanes_at<K>(p_factor + at) * inverse;
-    const V v1_w = v1 * inverse_w, w1_w = w1 * inverse_w;
+    const V r1_g = r1 + lanes_at<K>(p_grad + at) * b1;  // u1 times it: the tangent of v1 = u1 b1
+    const V inverse_w = lanes_at<K>(p_factor + at) * inverse * u1;
+    const V v1_w = b1 * inverse_w, w1_w = r1_g * inverse_w;
     const V p1 = lanes_at<K>(p_alpha1 + at - K), q1 = lanes_at<K>(p_tangent1 + at - K);
     pair += p1 * v1_w;
     pair_tangent += q1 * v1_w + p1 * w1_w;
-    b0 = E[0] * v0 + E[1] * v1;
-    b1 = E[2] * v0 + E[3] * v1;
-    r0 = E[0] * w0 + E[1] * w1;
-    r1 = E[2] * w0 + E[3] * w1;
+    const V e00 = E[0] * u0, e01 = E[1] * u1, e10 = E[2] * u0, e11 = E[3] * u1;
+    const V next_b0 = e00 * b0 + e01 * b1, next_r0 = e00 * r0 + e01 * r1_g;
+    b1 = e10 * b0 + e11 * b1;
+    r1 = e10 * r0 + e11 * r1_g;
+    b0 = next_b0;
+    r0 = next_r0;
     rescale_lanes<K>(b0, b1, r0, r1, factor);
   }
   const V c11 = E[3] * (pair_tangent - G * pair);
   const V into = sum_dx - lanes_at<K>(p_out);  // Cov(Σ_{j≥2} z_j, g·z)
   const V outof = sum_dx - dx_last;            // Cov(Σ_{j≤m−1} z_j, g·z)
+  lanes_to_rows(p_out, rows.out, n);
   for (int k = 0; k < K; ++k) {
-    for (int64_t j = 0; j < n; ++j) rows.out[k][j] = static_cast<T>(p_out[j * K + k]);
     rows.dtransitions[k][0] = static_cast<T>(c11[k] - into[k] - outof[k]);
     rows.dtransitions[k][1] = static_cast<T>(into[k] - c11[k]);
     rows.dtransitions[k][2] = static_cast<T>(outof[k] - c11[k]);
