@@ -296,14 +296,14 @@ def _rows_and_oracle_gradients(s, T, grad):
 
 
 @needs_cpp
-@pytest.mark.parametrize("L", [1, 2, 8])
+@pytest.mark.parametrize("L", [1, 2, 7, 8])
 @pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-9), (torch.float32, 1e-5)])
 def test_crf_rows_run_together_backward_matches_enumeration(kernel_isa, L, dtype, atol):
-    # The CPU backward runs rows with no masked entry several at a time, one SIMD lane per
-    # row: 19 rows (two groups of 8 and a remainder, four groups of 4 and a remainder) with
-    # a masked row and a NaN row among them, one transition matrix per row, a row whose
-    # messages need rescaling (scores of ~100); every row's marginals and gradients against
-    # the oracle's. float32: the operator's float64 arithmetic rounded to float32 at the end,
+    # The CPU operators run rows with no masked entry four at a time, one SIMD lane per row,
+    # the rows moved in blocks of 4 keys (L = 7: a block and a remainder): 19 rows (four
+    # groups of 4 and a remainder) with a masked row and a NaN row among them, one
+    # transition matrix per row, a row whose messages need rescaling (scores of ~100); every
+    # row's marginals and gradients against the oracle's. float32: the operator's float64 arithmetic rounded to float32 at the end,
     # gradients of at most ~2 here (|g| <= 3, variances <= 1/4 over <= 8 keys).
     gen = torch.Generator().manual_seed(17 + L)
     rows = 19
@@ -330,15 +330,15 @@ def test_crf_rows_run_together_backward_matches_enumeration(kernel_isa, L, dtype
 @needs_cpp
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_crf_long_rows_with_rescaling_match_reference(kernel_isa, dtype):
-    # Rows of 3000 keys, all valid (the CPU operators' several-rows-at-a-time paths), with
+    # Rows of 2999 keys, all valid (the CPU operators' four-rows-at-a-time paths), with
     # transitions of up to ~±60: exp(T − max T) falls to e^-100 and below, so the messages
     # are rescaled every few keys. Against the log-space reference in float64.
     # float64: dx to 1e-9. dT to 1e-7: the semiring's tangents carry E[g·z | prefix], so a
     # near-deterministic chain sums pair terms of size ~n·|E[g·z]| ~ 1e5 whose difference is
-    # dT, each with ~n·eps relative rounding (row 9 here: both the one-row path and the lanes
-    # are 1.2e-8 off). float32 inputs: the same float64 arithmetic, rounded once to float32.
+    # dT, each with ~n·eps relative rounding (with 3000 keys, row 9 here was 1.2e-8 off by
+    # both the one-row path and the lanes). float32 inputs: the same float64 arithmetic, rounded once to float32.
     gen = torch.Generator().manual_seed(23)
-    rows, n = 13, 3000
+    rows, n = 13, 2999
     s = torch.randn(rows, n, generator=gen, dtype=torch.float64) * 3
     T = torch.randn(rows, 2, 2, generator=gen, dtype=torch.float64) * 20
     T[0] = torch.tensor([[0.0, -50.0], [-60.0, 40.0]])

@@ -1,6 +1,7 @@
 // CRF marginals and SparseMAP over a chain, CPU operators: rows in parallel, each row by the
 // shared row functions of csrc/common/chain_algos.h (docs/maths.md, "Chain marginals: CRF
-// and SparseMAP"). The operators take rows x (R, n) and one 2x2 transition matrix per row
+// and SparseMAP"), except the CRF's rows without −inf, NaN or +inf, which run four at a time
+// in the lanes of a vector (crf_plain_rows below). The operators take rows x (R, n) and one 2x2 transition matrix per row
 // (R, 2, 2); the forward returns (mu, saved): for SparseMAP saved is the float64 TV-prox
 // output its backward reads the fused groups from, for the CRF an empty tensor (its backward
 // recomputes the forward messages).
@@ -43,10 +44,10 @@ ENTMAX_FAST_ALWAYS_INLINE void crf_state_unaries_body(const T* x, double* unary,
   }
 }
 
-// Whether a row has only finite entries (chain::row_is_plain: no −inf, NaN or +inf), by
-// integer tests on the exponent field: the loop vectorises, chain::row_is_plain's
-// floating-point compares do not, and took a quarter of the CRF backward's time (4096 rows of
-// 1024 float32, one thread).
+// Whether a row is plain: only finite entries (no −inf, NaN or +inf), by integer tests on the
+// exponent field, a loop that vectorises (the same test by floating-point compares did not,
+// and was a quarter of the CRF backward's perf samples once its recursions ran in lanes:
+// 4096 rows of 1024 float32, one thread, x86-64 with AVX2).
 template <typename T>
 bool row_is_plain(const T* x, int64_t n) {
   using Bits = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
@@ -87,9 +88,11 @@ void crf_state_unaries(const T* x, double* unary, int64_t n) {
 // latency: each step's messages wait on the previous step's multiply-adds. Here the K rows'
 // recursions run in the lanes of one vector of K doubles (GCC's vector extension), their
 // inputs transposed to position-major order ([j][k]) so that a step reads one vector per
-// quantity. The same float64 arithmetic and rescaling rule as the one-row functions (a
-// message divided by its larger entry when that falls below 2^-256, here when any lane's
-// does: a branch taken rarely), with two changes in the backward that save work:
+// quantity. float64 arithmetic and the one-row functions' rescaling rule (a message divided
+// by its larger entry when that falls below 2^-256, here when any lane's does: a branch taken
+// rarely); the products u_b·E_ab are formed first, so that a step of a recursion is one
+// multiply and one multiply-add (the results differ from the one-row functions' by rounding).
+// Two changes in the backward save work:
 //  - the pair term of the edge (j−1, j) has the normaliser Σ_ab α_{j−1}(a) E_ab u_j(b) β_j(b)
 //    = (α_j·β_j) / c_j, c_j the forward's rescale factor at j (1 on most steps, kept per
 //    position): one division per position serves the key and its edge;
@@ -97,7 +100,8 @@ void crf_state_unaries(const T* x, double* unary, int64_t n) {
 //    n_10 + n_11 = Σ_{j≤m−1} z_j and Σ_ab n_ab = m − 1, so Cov(n_ab, g·z) for the other three
 //    follow from Cov(n_11, g·z) and the sums of dx_j = Cov(z_j, g·z).
 //
-// (An alias template with a dependent vector_size drops the attribute: one typedef per K.)
+// (An alias template with a dependent vector_size drops the attribute: one typedef per K;
+// K = 4 only, see kCrfLanes.)
 // Vectors are read and written in place through `memory` (unaligned, may alias double) and
 // never passed by value, so that no vector crosses a call in the baseline-ISA build (GCC
 // warns that such a call's ABI differs without AVX).
@@ -344,7 +348,10 @@ void crf_plain_rows(const PlainRows<K, T>& rows, double* scratch, int64_t n) {
   crf_plain_rows_portable<K>(rows, scratch, n);
 }
 
-// Rows per SIMD group: LANES_MEASUREMENT_PLACEHOLDER
+// Rows per SIMD group: one AVX2 vector of doubles. Eight rows as 64-byte vectors (two AVX2
+// vectors a step) were slower: 4096x1024 float32, one thread, forward 35 against 21 ms and
+// backward 53-56 against 27-34 ms (x86-64, median of 15, shared 2-core host at load ~2,
+// at aa89c7c).
 constexpr int kCrfLanes = 4;
 
 // The CRF forward (p_g null) or backward of rows [begin, end): plain rows K at a time by
