@@ -94,8 +94,9 @@ void crf_state_unaries(const T* x, double* unary, int64_t n) {
 // multiply and one multiply-add (the results differ from the one-row functions' by rounding).
 // Two changes in the backward save work:
 //  - the pair term of the edge (j−1, j) has the normaliser Σ_ab α_{j−1}(a) E_ab u_j(b) β_j(b)
-//    = (α_j·β_j) / c_j, c_j the forward's rescale factor at j (1 on most steps, kept per
-//    position): one division per position serves the key and its edge;
+//    = (α_j·β_j) / c_j, c_j the forward's rescale factor at j (1 but at the few positions
+//    where it rescaled, which it records): one division per position serves the key and its
+//    edge;
 //  - only the pair term of n_11 is summed: with m chain positions, n_01 + n_11 = Σ_{j≥2} z_j,
 //    n_10 + n_11 = Σ_{j≤m−1} z_j and Σ_ab n_ab = m − 1, so Cov(n_ab, g·z) for the other three
 //    follow from Cov(n_11, g·z) and the sums of dx_j = Cov(z_j, g·z).
@@ -127,21 +128,22 @@ ENTMAX_FAST_ALWAYS_INLINE typename LanesOf<K>::memory& lanes_at(double* p) {
 
 // Divides each lane's message (m0, m1) and tangent (t0, t1) by the lane's larger message
 // entry where that is below chain::kRescaleBelow (chain::rescale per lane); factor: the
-// factors applied (1 elsewhere).
+// factors applied (1 elsewhere). Returns whether any lane was rescaled.
 template <int K>
-ENTMAX_FAST_ALWAYS_INLINE void rescale_lanes(Lanes<K>& m0, Lanes<K>& m1, Lanes<K>& t0, Lanes<K>& t1,
+ENTMAX_FAST_ALWAYS_INLINE bool rescale_lanes(Lanes<K>& m0, Lanes<K>& m1, Lanes<K>& t0, Lanes<K>& t1,
                                              Lanes<K>& factor) {
   const Lanes<K> top = m0 > m1 ? m0 : m1;
   const auto below = top < chain::kRescaleBelow;
   long any = 0;
   for (int k = 0; k < K; ++k) any |= below[k];
   factor = Lanes<K>{} + 1.0;
-  if (__builtin_expect(any == 0, 1)) return;
+  if (__builtin_expect(any == 0, 1)) return false;
   factor = below ? factor / top : factor;
   m0 *= factor;
   m1 *= factor;
   t0 *= factor;
   t1 *= factor;
+  return true;
 }
 
 // Four rows' entries [j, j + 4) as four vectors, and back: a 4x4 transpose by shuffles,
@@ -210,9 +212,10 @@ struct PlainRows {
   T* dtransitions[K];
 };
 
-// scratch: 8·K·n doubles.
+// scratch: 8·K·n doubles; rescaled: n positions.
 template <int K, bool kFma, typename T>
-ENTMAX_FAST_ALWAYS_INLINE void crf_plain_rows_body(const PlainRows<K, T>& rows, double* scratch, int64_t n) {
+ENTMAX_FAST_ALWAYS_INLINE void crf_plain_rows_body(const PlainRows<K, T>& rows, double* scratch, int64_t* rescaled,
+                                                   int64_t n) {
   static_assert(K == 4, "the transposes are 4x4");
   using V = Lanes<K>;
   const bool backward = rows.grad[0] != nullptr;
@@ -223,7 +226,9 @@ ENTMAX_FAST_ALWAYS_INLINE void crf_plain_rows_body(const PlainRows<K, T>& rows, 
   double* p_alpha1 = scratch + 4 * size;
   double* p_grad = scratch + 5 * size;      // backward only, as the two below
   double* p_tangent1 = scratch + 6 * size;  // the forward tangent's state 1
-  double* p_factor = scratch + 7 * size;    // the forward's rescale factor at each position
+  // The forward's rescales, rare: the positions (increasing) and their factors.
+  double* p_factor = scratch + 7 * size;
+  int64_t rescales = 0;
   rows_to_lanes(rows.x, p_scores, n);
   if (backward) rows_to_lanes(rows.grad, p_grad, n);
   crf_state_unaries_body<kFma>(p_scores, p_unary, size);
@@ -267,8 +272,10 @@ ENTMAX_FAST_ALWAYS_INLINE void crf_plain_rows_body(const PlainRows<K, T>& rows, 
   }
   // crf_backward_row's forward, with the tangent along g (t0, t1).
   V a0 = lanes_at<K>(p_unary), a1 = lanes_at<K>(p_unary + size), t0 = zero, t1 = a1 * lanes_at<K>(p_grad);
-  rescale_lanes<K>(a0, a1, t0, t1, factor);
-  lanes_at<K>(p_factor) = factor;
+  if (rescale_lanes<K>(a0, a1, t0, t1, factor)) {
+    lanes_at<K>(p_factor) = factor;
+    rescaled[rescales++] = 0;
+  }
   lanes_at<K>(p_alpha0) = a0;
   lanes_at<K>(p_alpha1) = a1;
   lanes_at<K>(p_tangent1) = t1;
@@ -282,8 +289,10 @@ ENTMAX_FAST_ALWAYS_INLINE void crf_plain_rows_body(const PlainRows<K, T>& rows, 
     t0 = next_t0;
     a0 = next_a0;
     a1 = next_a1;
-    rescale_lanes<K>(a0, a1, t0, t1, factor);
-    lanes_at<K>(p_factor + at) = factor;
+    if (rescale_lanes<K>(a0, a1, t0, t1, factor)) {
+      lanes_at<K>(p_factor + rescales * K) = factor;
+      rescaled[rescales++] = j;
+    }
     lanes_at<K>(p_alpha0 + at) = a0;
     lanes_at<K>(p_alpha1 + at) = a1;
     lanes_at<K>(p_tangent1 + at) = t1;
@@ -303,7 +312,11 @@ ENTMAX_FAST_ALWAYS_INLINE void crf_plain_rows_body(const PlainRows<K, T>& rows, 
     if (j == 0) break;
     const V u0 = lanes_at<K>(p_unary + at), u1 = lanes_at<K>(p_unary + size + at);
     const V r1_g = r1 + lanes_at<K>(p_grad + at) * b1;  // u1 times it: the tangent of v1 = u1 b1
-    const V inverse_w = lanes_at<K>(p_factor + at) * inverse * u1;
+    V inverse_w = inverse * u1;
+    if (rescales > 0 && rescaled[rescales - 1] == j) {
+      --rescales;
+      inverse_w *= lanes_at<K>(p_factor + rescales * K);
+    }
     const V v1_w = b1 * inverse_w, w1_w = r1_g * inverse_w;
     const V p1 = lanes_at<K>(p_alpha1 + at - K), q1 = lanes_at<K>(p_tangent1 + at - K);
     pair += p1 * v1_w;
@@ -329,23 +342,24 @@ ENTMAX_FAST_ALWAYS_INLINE void crf_plain_rows_body(const PlainRows<K, T>& rows, 
 }
 
 template <int K, typename T>
-void crf_plain_rows_portable(const PlainRows<K, T>& rows, double* scratch, int64_t n) {
-  crf_plain_rows_body<K, false>(rows, scratch, n);
+void crf_plain_rows_portable(const PlainRows<K, T>& rows, double* scratch, int64_t* rescaled, int64_t n) {
+  crf_plain_rows_body<K, false>(rows, scratch, rescaled, n);
 }
 
 #if ENTMAX_FAST_AVX2_KERNELS
 template <int K, typename T>
-ENTMAX_FAST_TARGET_AVX2 void crf_plain_rows_avx2(const PlainRows<K, T>& rows, double* scratch, int64_t n) {
-  crf_plain_rows_body<K, true>(rows, scratch, n);
+ENTMAX_FAST_TARGET_AVX2 void crf_plain_rows_avx2(const PlainRows<K, T>& rows, double* scratch, int64_t* rescaled,
+                                                 int64_t n) {
+  crf_plain_rows_body<K, true>(rows, scratch, rescaled, n);
 }
 #endif
 
 template <int K, typename T>
-void crf_plain_rows(const PlainRows<K, T>& rows, double* scratch, int64_t n) {
+void crf_plain_rows(const PlainRows<K, T>& rows, double* scratch, int64_t* rescaled, int64_t n) {
 #if ENTMAX_FAST_AVX2_KERNELS
-  if (entmax_fast_cpu::use_avx2_kernels()) return crf_plain_rows_avx2<K>(rows, scratch, n);
+  if (entmax_fast_cpu::use_avx2_kernels()) return crf_plain_rows_avx2<K>(rows, scratch, rescaled, n);
 #endif
-  crf_plain_rows_portable<K>(rows, scratch, n);
+  crf_plain_rows_portable<K>(rows, scratch, rescaled, n);
 }
 
 // Rows per SIMD group: one AVX2 vector of doubles. Eight rows as 64-byte vectors (two AVX2
@@ -363,6 +377,7 @@ void crf_range(const T* p_x, const T* p_t, const T* p_g, T* p_out, T* p_dt, int6
   // [0, 8Kn): crf_plain_rows's scratch; then 7n for a row alone (crf_backward_row's 5n, or
   // crf_forward_row's 3n, and its unaries).
   std::vector<double> scratch(8 * K * n + 7 * n);
+  std::vector<int64_t> rescaled(n);
   double* alone = scratch.data() + 8 * K * n;
   auto one_row = [&](const T* x_row, const T* t_row, const T* g_row, T* out_row, T* dt_row) {
     crf_state_unaries(x_row, alone + 5 * n, n);
@@ -388,7 +403,7 @@ void crf_range(const T* p_x, const T* p_t, const T* p_g, T* p_out, T* p_dt, int6
     pending.out[count] = p_out + row * n;
     pending.dtransitions[count] = dt_row;
     if (++count == K) {
-      crf_plain_rows<K>(pending, scratch.data(), n);
+      crf_plain_rows<K>(pending, scratch.data(), rescaled.data(), n);
       count = 0;
     }
   }
