@@ -210,7 +210,20 @@ struct PlainRows {
   const T* grad[K];
   T* out[K];
   T* dtransitions[K];
+  // The next rows' scores and gradients (bytes 0: none), prefetched during the first sweep:
+  // read only once the compute is done, they would wait on memory.
+  const char* prefetch[2];
+  int64_t prefetch_bytes[2];
 };
+
+// At step j of a sweep, prefetches cache line j/2 of the next rows' scores (even j) or
+// gradients (odd j): K rows of n entries are K·n/16 lines of float, K·n/8 of double, so that
+// a sweep of n steps covers both ranges for K = 4.
+template <int K, typename T>
+ENTMAX_FAST_ALWAYS_INLINE void prefetch_next(const PlainRows<K, T>& rows, int64_t j) {
+  const int64_t offset = (j >> 1) * 64;
+  if (offset < rows.prefetch_bytes[j & 1]) __builtin_prefetch(rows.prefetch[j & 1] + offset, 0, 3);
+}
 
 // scratch: 8·K·n doubles; rescaled: n positions.
 template <int K, bool kFma, typename T>
@@ -248,6 +261,7 @@ ENTMAX_FAST_ALWAYS_INLINE void crf_plain_rows_body(const PlainRows<K, T>& rows, 
     lanes_at<K>(p_alpha1) = a1;
     for (int64_t j = 1; j < n; ++j) {
       const int64_t at = j * K;
+      prefetch_next(rows, j);
       const V u0 = lanes_at<K>(p_unary + at), u1 = lanes_at<K>(p_unary + size + at);
       const V next0 = (u0 * E[0]) * a0 + (u0 * E[2]) * a1;
       a1 = (u1 * E[1]) * a0 + (u1 * E[3]) * a1;
@@ -281,6 +295,7 @@ ENTMAX_FAST_ALWAYS_INLINE void crf_plain_rows_body(const PlainRows<K, T>& rows, 
   lanes_at<K>(p_tangent1) = t1;
   for (int64_t j = 1; j < n; ++j) {
     const int64_t at = j * K;
+    prefetch_next(rows, j);
     const V u0 = lanes_at<K>(p_unary + at), u1 = lanes_at<K>(p_unary + size + at);
     const V e00 = u0 * E[0], e10 = u0 * E[2], e01 = u1 * E[1], e11 = u1 * E[3];
     const V next_a0 = e00 * a0 + e10 * a1, next_a1 = e01 * a0 + e11 * a1;
@@ -403,6 +418,13 @@ void crf_range(const T* p_x, const T* p_t, const T* p_g, T* p_out, T* p_dt, int6
     pending.out[count] = p_out + row * n;
     pending.dtransitions[count] = dt_row;
     if (++count == K) {
+      // The next K rows (plain or not), x and the gradient as one range each where contiguous.
+      const int64_t next_end = std::min(end, row + 1 + K);
+      const T* ranges[2] = {p_x, p_g};
+      for (int i = 0; i < 2; ++i) {
+        pending.prefetch[i] = reinterpret_cast<const char*>(ranges[i] ? ranges[i] + (row + 1) * n : nullptr);
+        pending.prefetch_bytes[i] = ranges[i] ? (next_end - row - 1) * n * static_cast<int64_t>(sizeof(T)) : 0;
+      }
       crf_plain_rows<K>(pending, scratch.data(), rescaled.data(), n);
       count = 0;
     }
