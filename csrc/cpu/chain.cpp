@@ -112,9 +112,28 @@ template <>
 struct LanesOf<4> {
   typedef double type __attribute__((vector_size(32)));
   typedef double memory __attribute__((vector_size(32), aligned(8), may_alias));
+  typedef long long mask __attribute__((vector_size(32)));  // a comparison's lanes: all ones or zero
 };
 template <int K>
 using Lanes = typename LanesOf<K>::type;
+template <int K>
+using LaneMask = typename LanesOf<K>::mask;
+
+// Lanes of a where take_a, else of b (bitwise: no conditional expression on vectors, which
+// not every GCC-compatible compiler accepts).
+template <int K>
+ENTMAX_FAST_ALWAYS_INLINE void select_lanes(const LaneMask<K>& take_a, const Lanes<K>& a, const Lanes<K>& b,
+                                            Lanes<K>& out) {
+  out = (Lanes<K>)(((LaneMask<K>)a & take_a) | ((LaneMask<K>)b & ~take_a));
+}
+
+// Two-vector shuffles: __builtin_shuffle in GCC (__builtin_shufflevector only from GCC 12),
+// __builtin_shufflevector in Clang.
+#if defined(__clang__)
+#define ENTMAX_FAST_SHUFFLE4(a, b, i0, i1, i2, i3) __builtin_shufflevector(a, b, i0, i1, i2, i3)
+#else
+#define ENTMAX_FAST_SHUFFLE4(a, b, i0, i1, i2, i3) __builtin_shuffle(a, b, LaneMask<4>{i0, i1, i2, i3})
+#endif
 
 template <int K>
 ENTMAX_FAST_ALWAYS_INLINE const typename LanesOf<K>::memory& lanes_at(const double* p) {
@@ -132,13 +151,14 @@ ENTMAX_FAST_ALWAYS_INLINE typename LanesOf<K>::memory& lanes_at(double* p) {
 template <int K>
 ENTMAX_FAST_ALWAYS_INLINE bool rescale_lanes(Lanes<K>& m0, Lanes<K>& m1, Lanes<K>& t0, Lanes<K>& t1,
                                              Lanes<K>& factor) {
-  const Lanes<K> top = m0 > m1 ? m0 : m1;
-  const auto below = top < chain::kRescaleBelow;
-  long any = 0;
+  Lanes<K> top;
+  select_lanes<K>((LaneMask<K>)(m0 > m1), m0, m1, top);
+  const LaneMask<K> below = (LaneMask<K>)(top < chain::kRescaleBelow);
+  long long any = 0;
   for (int k = 0; k < K; ++k) any |= below[k];
   factor = Lanes<K>{} + 1.0;
   if (__builtin_expect(any == 0, 1)) return false;
-  factor = below ? factor / top : factor;
+  select_lanes<K>(below, factor / top, factor, factor);
   m0 *= factor;
   m1 *= factor;
   t0 *= factor;
@@ -161,12 +181,12 @@ struct QuadOf<double> {
 };
 
 ENTMAX_FAST_ALWAYS_INLINE void transpose4(Lanes<4>& r0, Lanes<4>& r1, Lanes<4>& r2, Lanes<4>& r3) {
-  const Lanes<4> t0 = __builtin_shufflevector(r0, r1, 0, 4, 2, 6), t1 = __builtin_shufflevector(r0, r1, 1, 5, 3, 7);
-  const Lanes<4> t2 = __builtin_shufflevector(r2, r3, 0, 4, 2, 6), t3 = __builtin_shufflevector(r2, r3, 1, 5, 3, 7);
-  r0 = __builtin_shufflevector(t0, t2, 0, 1, 4, 5);
-  r1 = __builtin_shufflevector(t1, t3, 0, 1, 4, 5);
-  r2 = __builtin_shufflevector(t0, t2, 2, 3, 6, 7);
-  r3 = __builtin_shufflevector(t1, t3, 2, 3, 6, 7);
+  const Lanes<4> t0 = ENTMAX_FAST_SHUFFLE4(r0, r1, 0, 4, 2, 6), t1 = ENTMAX_FAST_SHUFFLE4(r0, r1, 1, 5, 3, 7);
+  const Lanes<4> t2 = ENTMAX_FAST_SHUFFLE4(r2, r3, 0, 4, 2, 6), t3 = ENTMAX_FAST_SHUFFLE4(r2, r3, 1, 5, 3, 7);
+  r0 = ENTMAX_FAST_SHUFFLE4(t0, t2, 0, 1, 4, 5);
+  r1 = ENTMAX_FAST_SHUFFLE4(t1, t3, 0, 1, 4, 5);
+  r2 = ENTMAX_FAST_SHUFFLE4(t0, t2, 2, 3, 6, 7);
+  r3 = ENTMAX_FAST_SHUFFLE4(t1, t3, 2, 3, 6, 7);
 }
 
 // out[j·4 + k] = rows[k][j], as double.
