@@ -1,10 +1,10 @@
 // CRF marginals and SparseMAP over a chain, CPU operators: rows in parallel, each row by the
 // shared row functions of csrc/common/chain_algos.h (docs/maths.md, "Chain marginals: CRF
 // and SparseMAP"), except the CRF's rows without −inf, NaN or +inf, which run four at a time
-// in the lanes of a vector (crf_plain_rows below). The operators take rows x (R, n) and one 2x2 transition matrix per row
-// (R, 2, 2); the forward returns (mu, saved): for SparseMAP saved is the float64 TV-prox
-// output its backward reads the fused groups from, for the CRF an empty tensor (its backward
-// recomputes the forward messages).
+// in the lanes of a vector (crf_plain_rows below). The operators take rows x (R, n) and one
+// 2x2 transition matrix per row (R, 2, 2); the forward returns (mu, saved): for SparseMAP
+// saved is the float64 TV-prox output its backward reads the fused groups from, for the CRF
+// an empty tensor (its backward recomputes the forward messages).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -438,7 +438,7 @@ void crf_range(const T* p_x, const T* p_t, const T* p_g, T* p_out, T* p_dt, int6
     pending.out[count] = p_out + row * n;
     pending.dtransitions[count] = dt_row;
     if (++count == K) {
-      // The next K rows (plain or not), x and the gradient as one range each where contiguous.
+      // The next K rows of this range (plain or not): their scores, and their gradients in the backward.
       const int64_t next_end = std::min(end, row + 1 + K);
       const T* ranges[2] = {p_x, p_g};
       for (int i = 0; i < 2; ++i) {
@@ -463,7 +463,9 @@ void forward_rows(ChainKind kind, const at::Tensor& x, const at::Tensor& transit
     scalar_t* p_mu = mu.data_ptr<scalar_t>();
     double* p_saved = kind == ChainKind::kSparseMAP ? saved.data_ptr<double>() : nullptr;
     at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
-      if (kind == ChainKind::kCRF) return crf_range<kCrfLanes, scalar_t>(p_x, p_t, nullptr, p_mu, nullptr, n, begin, end);
+      if (kind == ChainKind::kCRF) {
+        return crf_range<kCrfLanes, scalar_t>(p_x, p_t, nullptr, p_mu, nullptr, n, begin, end);
+      }
       for (int64_t row = begin; row < end; ++row) {
         chain::sparsemap_forward_row(p_x + row * n, p_t + row * 4, p_mu + row * n, p_saved + row * n, n);
       }
