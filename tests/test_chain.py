@@ -359,6 +359,98 @@ def test_crf_rows_run_together_match_enumeration(dtype, atol):
         torch.testing.assert_close(out[i].double(), expected, atol=atol, rtol=0)
 
 
+@pytest.fixture(params=["auto", "portable"])
+def kernel_isa(request):
+    """The CPU kernel set the C++ operators use: AVX2+FMA where the CPU has it ("auto"), and
+    the baseline ISA's, forced (both are compiled on x86-64)."""
+    active = torch.ops.entmax_fast.cpu_kernel_isa(request.param)
+    yield active
+    torch.ops.entmax_fast.cpu_kernel_isa("auto")
+
+
+def _rows_and_oracle_gradients(s, T, grad):
+    """Per row, the oracle's marginals and gradients (ds, dT) for the incoming ``grad``
+    (masked positions: weight and gradient 0)."""
+    rows, L = s.shape
+    mu, ds, dT = (torch.zeros(rows, L, dtype=torch.float64), torch.zeros(rows, L, dtype=torch.float64),
+                  torch.zeros(rows, 2, 2, dtype=torch.float64))
+    for i in range(rows):
+        keep = s[i] != NEG_INF
+        if not keep.any():  # an empty chain: zeros
+            continue
+        s_i, T_i = s[i, keep].double().requires_grad_(), T[i].double().requires_grad_()
+        out = oracle_crf(s_i, T_i)
+        mu[i, keep] = out.detach()
+        ds_i, dT_i = torch.autograd.grad(out, (s_i, T_i), grad[i, keep].double(), allow_unused=True)
+        ds[i, keep] = ds_i
+        if dT_i is not None:  # a single key: no edge uses T
+            dT[i] = dT_i
+    return mu, ds, dT
+
+
+@needs_cpp
+@pytest.mark.parametrize("L", [1, 2, 7, 8])
+@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-9), (torch.float32, 1e-5)])
+def test_crf_rows_run_together_backward_matches_enumeration(kernel_isa, L, dtype, atol):
+    # The CPU operators run rows with no masked entry four at a time, one SIMD lane per row,
+    # the rows moved in blocks of 4 keys (L = 7: a block and a remainder): 19 rows (four
+    # groups of 4 and a remainder) with a masked row and a NaN row among them, one
+    # transition matrix per row, a row whose messages need rescaling (scores of ~100); every
+    # row's marginals and gradients against the oracle's. float32: the operator's float64 arithmetic rounded to float32 at the end,
+    # gradients of at most ~2 here (|g| <= 3, variances <= 1/4 over <= 8 keys).
+    gen = torch.Generator().manual_seed(17 + L)
+    rows = 19
+    s = torch.randn(rows, L, generator=gen, dtype=torch.float64) * 1.5
+    s[5] *= 100
+    s[2, L - 1] = NEG_INF
+    T = torch.randn(rows, 2, 2, generator=gen, dtype=torch.float64) * 1.5
+    grad = torch.randn(rows, L, generator=gen, dtype=torch.float64)
+    s, T, grad = s.to(dtype), T.to(dtype), grad.to(dtype)
+    poisoned = s.clone()
+    poisoned[11, 0] = float("nan")
+    s_cpp, T_cpp = poisoned.clone().requires_grad_(), T.clone().requires_grad_()
+    out = run("crf", "cpp", s_cpp, T_cpp)
+    out.backward(grad)
+    assert out.dtype == dtype and s_cpp.grad.dtype == dtype
+    assert torch.isnan(out[11]).all() and torch.isnan(s_cpp.grad[11]).all() and torch.isnan(T_cpp.grad[11]).all()
+    keep = torch.arange(rows) != 11
+    mu, ds, dT = _rows_and_oracle_gradients(s[keep], T[keep], grad[keep])
+    torch.testing.assert_close(out[keep].double(), mu, atol=atol, rtol=0)
+    torch.testing.assert_close(s_cpp.grad[keep].double(), ds, atol=atol, rtol=0)
+    torch.testing.assert_close(T_cpp.grad[keep].double(), dT, atol=atol * L, rtol=0)
+
+
+@needs_cpp
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_crf_long_rows_with_rescaling_match_reference(kernel_isa, dtype):
+    # Rows of 2999 keys, all valid (the CPU operators' four-rows-at-a-time paths), with
+    # transitions of up to ~±60: exp(T − max T) falls to e^-100 and below, so the messages
+    # are rescaled every few keys. Against the log-space reference in float64.
+    # float64: dx to 1e-9. dT to 1e-7: the semiring's tangents carry E[g·z | prefix], so a
+    # near-deterministic chain sums pair terms of size ~n·|E[g·z]| ~ 1e5 whose difference is
+    # dT, each with ~n·eps relative rounding (with 3000 keys, row 9 here was 1.2e-8 off by
+    # both the one-row path and the lanes). float32 inputs: the same float64 arithmetic, rounded once to float32.
+    gen = torch.Generator().manual_seed(23)
+    rows, n = 13, 2999
+    s = torch.randn(rows, n, generator=gen, dtype=torch.float64) * 3
+    T = torch.randn(rows, 2, 2, generator=gen, dtype=torch.float64) * 20
+    T[0] = torch.tensor([[0.0, -50.0], [-60.0, 40.0]])
+    grad = torch.randn(rows, n, generator=gen, dtype=torch.float64)
+    s_cpp, T_cpp = s.to(dtype).clone().requires_grad_(), T.to(dtype).clone().requires_grad_()
+    out = run("crf", "cpp", s_cpp, T_cpp)
+    out.backward(grad.to(dtype))
+    s_ref, T_ref = s.to(dtype).double().clone().requires_grad_(), T.to(dtype).double().clone().requires_grad_()
+    expected = R.crf_marginals(s_ref, T_ref)
+    expected.backward(grad.to(dtype).double())
+    if dtype == torch.float64:
+        atol, rtol, atol_transitions = 1e-9, 0.0, 1e-7
+    else:
+        atol, rtol, atol_transitions = 1e-6, 1e-6, 1e-6
+    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=0)
+    torch.testing.assert_close(s_cpp.grad.double(), s_ref.grad, atol=atol, rtol=rtol)
+    torch.testing.assert_close(T_cpp.grad.double(), T_ref.grad, atol=atol_transitions, rtol=rtol)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_masked_positions_equal_removing_them(kind, backend):

@@ -151,61 +151,6 @@ ENTMAX_FAST_HD void crf_forward_row(const T* x, const T* transitions, T* mu, dou
   }
 }
 
-// Whether a row has only finite entries: no masked position, nothing that poisons it.
-template <typename T>
-ENTMAX_FAST_HD bool row_is_plain(const T* x, int64_t n) {
-  bool plain = true;
-  for (int64_t j = 0; j < n; ++j) plain &= !is_masked(x[j]) & !poisons_row(x[j]);
-  return plain;
-}
-
-// The forward of K plain rows (row_is_plain) at once: crf_forward_row's arithmetic, step for
-// step (the same results to the bit), with the K independent recursions in one loop so that
-// their dependent multiply-adds overlap instead of each waiting on its own previous step.
-// unary: per row the unaries of state 0 then of state 1, exp(−max(s, 0)) and exp(min(s, 0))
-// (2·K·n, filled by the caller: read rather than chosen by the sign of s, a branch that the
-// compiler emits and random scores mispredict half the time); scratch: 2·K·n doubles.
-template <int K, typename T>
-ENTMAX_FAST_HD void crf_forward_plain_rows(const T* const* transitions, T* const* mu, const double* unary,
-                                           double* scratch, int64_t n) {
-  double E[K][4];
-  for (int k = 0; k < K; ++k) {
-    const ChainTransitions tr(transitions[k]);
-    for (int i = 0; i < 4; ++i) E[k][i] = tr.e[i];
-  }
-  double* alpha = scratch;  // [j][k][state]
-  double a0[K], a1[K], b0[K], b1[K], unused0 = 0.0, unused1 = 0.0;
-  for (int k = 0; k < K; ++k) {
-    a0[k] = unary[2 * k * n];
-    a1[k] = unary[(2 * k + 1) * n];
-    rescale(a0[k], a1[k], unused0, unused1);
-    alpha[2 * k] = a0[k];
-    alpha[2 * k + 1] = a1[k];
-  }
-  for (int64_t j = 1; j < n; ++j) {
-    for (int k = 0; k < K; ++k) {
-      const double u0 = unary[2 * k * n + j], u1 = unary[(2 * k + 1) * n + j];
-      const double next0 = u0 * (a0[k] * E[k][0] + a1[k] * E[k][2]);
-      a1[k] = u1 * (a0[k] * E[k][1] + a1[k] * E[k][3]);
-      a0[k] = next0;
-      rescale(a0[k], a1[k], unused0, unused1);
-      alpha[2 * (j * K + k)] = a0[k];
-      alpha[2 * (j * K + k) + 1] = a1[k];
-    }
-  }
-  for (int k = 0; k < K; ++k) b0[k] = b1[k] = 1.0;
-  for (int64_t j = n - 1; j >= 0; --j) {
-    for (int k = 0; k < K; ++k) {
-      const double on = alpha[2 * (j * K + k) + 1] * b1[k], off = alpha[2 * (j * K + k)] * b0[k];
-      mu[k][j] = static_cast<T>(on / (on + off));
-      const double v0 = unary[2 * k * n + j] * b0[k], v1 = unary[(2 * k + 1) * n + j] * b1[k];
-      b0[k] = E[k][0] * v0 + E[k][1] * v1;
-      b1[k] = E[k][2] * v0 + E[k][3] * v1;
-      rescale(b0[k], b1[k], unused0, unused1);
-    }
-  }
-}
-
 // Backward: dx = Cov(z, g·z), dtransitions[ab] = Cov(n_ab, g·z). scratch: 5n doubles (per
 // position the forward message, its tangent along g, scaled alike, and exp(−|s|)); with
 // unary, the states' unaries as for the forward (scratch's fifth part then unused).
