@@ -321,8 +321,51 @@ ENTMAX_FAST_HD void sparsemap_forward_row(const T* x, const T* transitions, T* m
 // positions (equal inputs fuse at once; compared by ==, as the backward groups y), each
 // moving by −(left − right)/size. A group passes its rate where the clip lets it move:
 // strictly inside (0, 1), or at 0 moving up, or at 1 moving down (a one-sided derivative).
+// Without two equal neighbours, the usual case, every group is one position and its rate
+// is right - left, both signs of data-dependent differences: formed without a branch. With
+// the group loop's branches the rule took SparseMAP's forward + backward at T = 0 from 52 ms
+// (no rule) to 92 ms, branch-free to 74-77 ms (4096 x 1024 float32, 2 threads, idle 2-core
+// x86-64, bench/bench_structured.py --chain-only). *tie tells the caller to group instead.
+template <typename T>
+ENTMAX_FAST_HD double sparsemap_dlambda_at_zero_singletons(const T* x, const T* g, const double* y, int64_t n,
+                                                           bool flip, bool* tie) {
+  double total = 0.0, previous_value = 0.0, previous_g = 0.0, previous_left = 0.0;
+  bool any_tie = false, started = false;
+  int64_t chain_index = 0;
+  // The previous position's term once its right neighbour's sign is known.
+  auto add = [&](double right) {
+    const double rate = right - previous_left;
+    // & rather than &&: no short-circuit branch.
+    const double inside = static_cast<double>((previous_value > 0.0) & (previous_value < 1.0));
+    const double up = static_cast<double>((previous_value == 0.0) & (rate > 0.0));
+    const double down = static_cast<double>((previous_value == 1.0) & (rate < 0.0));
+    total += previous_g * rate * (inside + up + down);
+  };
+  for (int64_t j = 0; j < n; ++j) {
+    if (is_masked(x[j])) continue;
+    const double sign = 1.0 - 2.0 * static_cast<double>(flip & ((chain_index & 1) != 0));
+    const double v = (1.0 - sign) / 2 + sign * y[j];  // 1 - y[j] where flipped
+    if (started) {
+      const double right = static_cast<double>(v > previous_value) - static_cast<double>(v < previous_value);
+      any_tie |= v == previous_value;
+      add(right);
+      previous_left = right;
+    }
+    previous_value = v;
+    previous_g = sign * static_cast<double>(g[j]);
+    started = true;
+    ++chain_index;
+  }
+  if (started) add(0.0);
+  *tie = any_tie;
+  return total;
+}
+
 template <typename T>
 ENTMAX_FAST_HD double sparsemap_dlambda_at_zero(const T* x, const T* g, const double* y, int64_t n, bool flip) {
+  bool tie = false;
+  const double singletons = sparsemap_dlambda_at_zero_singletons(x, g, y, n, flip, &tie);
+  if (!tie) return singletons;
   double total = 0.0, group_value = 0.0, group_sum = 0.0, group_left = 0.0;
   int64_t group_size = 0, chain_index = 0;
   auto close = [&](double right) {
