@@ -35,6 +35,13 @@ struct RowStats {
   double mu;
 };
 
+// A cut in T a relative 1e-6 below a bound computed in double: beyond the rounding of the
+// bound's terms and of the cast, so that every entry above the bound lies above the cut.
+template <typename T>
+inline T cut_below(double bound) {
+  return static_cast<T>(bound - 1e-6 * (1.0 + std::abs(bound)));
+}
+
 // Everything needed to evaluate p_i and s_i = p_i^(2-alpha) for one alpha.
 template <typename T>
 struct EntmaxParams {
@@ -89,20 +96,18 @@ struct EntmaxParams {
     throw std::logic_error("EntmaxParams::prob: General rows go through general_mu/general_probs");
   }
 
+  // The closed forms' scale of y = scale (z - zmax), in which sparsemax's p is [y - t]_+ and
+  // 1.5-entmax's [y - t]_+^2, t = scale mu - 1: 1 and 1/2 (the threshold solvers work in y).
+  inline double closed_form_scale() const { return kind == AlphaKind::kSparsemax ? 1.0 : 0.5; }
+
   // Scores at or below this value get p = 0 at the row's (max, mu), for sparsemax and
   // 1.5-entmax (-inf for the other kinds): p > 0 needs u - mu + 1 > 0 (sparsemax) or
-  // 1 + (u - mu)/2 > 0; the cut lies a relative 1e-6 below that bound, beyond the rounding of
-  // u, mu and the cast to T, so that an entry above it still gets its p from prob() exactly.
-  // Rows of wide L are mostly below it: comparing in T skips their double arithmetic.
+  // 1 + (u - mu)/2 > 0; the cut lies below that bound (cut_below), so that an entry above it
+  // still gets its p from prob() exactly. Rows of wide L are mostly below it: comparing in T
+  // skips their double arithmetic.
   inline T support_cut(T zmax, double mu) const {
-    double offset;
-    switch (kind) {
-      case AlphaKind::kSparsemax: offset = 1.0; break;
-      case AlphaKind::kEntmax15: offset = 2.0; break;
-      default: return -std::numeric_limits<T>::infinity();
-    }
-    const double bound = static_cast<double>(zmax) + mu - offset;
-    return static_cast<T>(bound - 1e-6 * (1.0 + std::abs(bound)));
+    if (kind != AlphaKind::kSparsemax && kind != AlphaKind::kEntmax15) return -std::numeric_limits<T>::infinity();
+    return cut_below<T>(static_cast<double>(zmax) + mu - 1.0 / closed_form_scale());
   }
 
   // s = p^(2-alpha) on the support (the Jacobian weights of docs/maths.md, "Backward"), 0
@@ -277,16 +282,15 @@ inline T row_max_lanes(const T* z, int64_t n, T* lanes) {
 }
 
 // The entries of a row above a cut at or below y = factor * (z - zmax) = floor, in order: y
-// (in double) into y_out, the column into columns; returns how many. The cut lies a relative
-// 1e-6 below the bound (support_cut's margin), so the entries above floor are all there,
-// with a few just below it that the threshold solvers drop on their first pass. y_out and
-// columns need kGatherSlack entries past the last one written.
+// (in double) into y_out, the column into columns; returns how many. The cut lies below the
+// bound (cut_below), so the entries above floor are all there, with a few just below it that
+// the threshold solvers drop on their first pass. y_out and columns need kGatherSlack entries
+// past the last one written.
 constexpr int64_t kGatherSlack = 8;
 
 template <typename T>
 ENTMAX_FAST_ALWAYS_INLINE T gather_cut(T zmax, double factor, double floor) {
-  const double bound = static_cast<double>(zmax) + floor / factor;
-  return static_cast<T>(bound - 1e-6 * (1.0 + std::abs(bound)));
+  return cut_below<T>(static_cast<double>(zmax) + floor / factor);
 }
 
 template <bool kAvx2, typename T>
@@ -460,16 +464,16 @@ constexpr double kThresholdBoundMargin = 1e-9;
 // (factor 1 for sparsemax, 1/2 for 1.5-entmax; mu = (t + 1) / factor): the threshold t of
 // any subset of a row's entries is at most the row's (adding entries only adds mass), so the
 // row's lane maxima (row_max_lanes) give a lower bound t_lo; only entries
-// with y above it are read again: gathered with their columns (work.values, work.index;
-// *candidates of them, a superset of the support at the returned mu, in column order) and
-// solved from there. On N(0, 1) rows that leaves 2.1 % of a 1.5-entmax row at L 1024 and
+// with y above it are read again: gathered with their columns (work.index: *candidates of
+// them, a superset of the support at the returned mu, in column order) and solved from there
+// (their y, in work.values, are compacted by the solve). On N(0, 1) rows that leaves 2.1 % of a 1.5-entmax row at L 1024 and
 // 1.1 % at L 2048, for supports of 1.8 % and 1.0 %; the bound y > -1 without the lanes left
 // 11.3 % and 8.0 % (tools/threshold_candidates.py, 50 rows per length).
 template <typename T>
 inline double closed_form_mu(const T* z, int64_t n, T zmax, const T* lanes, const EntmaxParams<T>& prm,
                              RowWorkspace& work, int64_t* candidates) {
   const bool sparsemax = prm.kind == AlphaKind::kSparsemax;
-  const double factor = sparsemax ? 1.0 : 0.5;
+  const double factor = prm.closed_form_scale();
   const double zmax_d = static_cast<double>(zmax);
   double sub_row[kMaxLanes];
   int64_t k = 0;
@@ -480,11 +484,9 @@ inline double closed_form_mu(const T* z, int64_t n, T zmax, const T* lanes, cons
   const double t_sub = sparsemax ? sparsemax_threshold(sub_row, k) : entmax15_threshold(sub_row, k, -1.0);
   const double t_lo = std::max(-1.0, t_sub - kThresholdBoundMargin);
   double* y = work.values.data();
-  double* solve = work.probs.data();
   k = gather_above(z, n, zmax, factor, t_lo - kThresholdBoundMargin, y, work.index.data());
   *candidates = k;
-  std::copy(y, y + k, solve);
-  const double t = sparsemax ? sparsemax_threshold(solve, k) : entmax15_threshold(solve, k, t_lo);
+  const double t = sparsemax ? sparsemax_threshold(y, k) : entmax15_threshold(y, k, t_lo);
   return (t + 1.0) / factor;
 }
 
@@ -1031,7 +1033,7 @@ template <typename T>
 inline int64_t closed_form_support(const T* z, int64_t n, T zmax, double mu, const EntmaxParams<T>& prm,
                                    int64_t offset, int32_t* index, T* p, T* w, RowWorkspace& work) {
   // In y = factor * (z - zmax), p > 0 above t = factor * mu - 1: support_cut()'s bound.
-  const double factor = prm.kind == AlphaKind::kSparsemax ? 1.0 : 0.5;
+  const double factor = prm.closed_form_scale();
   const int64_t k = gather_above(z, n, zmax, factor, factor * mu - 1.0, work.values.data(), work.index.data());
   return closed_form_support_among(z, n, zmax, mu, prm, work.index.data(), k, offset, index, p, w);
 }
