@@ -88,6 +88,22 @@ ENTMAX_FAST_HD void rescale(double& m0, double& m1, double& t0, double& t1) {
   }
 }
 
+// The two states' unaries of entry j (score s), exp(−max(s, 0)) and exp(min(s, 0)): read from
+// unary where the caller gave them (see crf_forward_row), else one of them exp(−|s|), which
+// the first sweep over the row forms into small[j] (kForm) and the second reads back.
+template <bool kForm>
+ENTMAX_FAST_HD void state_unaries(double s, const double* unary, double* small, int64_t j, int64_t n, double& u0,
+                                  double& u1) {
+  if (unary) {
+    u0 = unary[j];
+    u1 = unary[n + j];
+    return;
+  }
+  if (kForm) small[j] = exp(-fabs(s));
+  u0 = s > 0 ? small[j] : 1.0;
+  u1 = s > 0 ? 1.0 : small[j];
+}
+
 // Forward: mu[j] = P(z_j = 1). scratch: 3n doubles (the forward message of each position and
 // its exp(−|s|)). unary, where given: the two states' unaries of the row, exp(−max(s, 0)) at
 // [0, n) and exp(min(s, 0)) at [n, 2n), computed by the caller (the CPU operators, by a
@@ -110,16 +126,8 @@ ENTMAX_FAST_HD void crf_forward_row(const T* x, const T* transitions, T* mu, dou
   double a0 = 0.0, a1 = 0.0, unused0 = 0.0, unused1 = 0.0;
   for (int64_t j = 0; j < n; ++j) {
     if (is_masked(x[j])) continue;
-    const double s = static_cast<double>(x[j]);
     double u0, u1;
-    if (unary) {
-      u0 = unary[j];
-      u1 = unary[n + j];
-    } else {
-      small[j] = exp(-fabs(s));
-      u0 = s > 0 ? small[j] : 1.0;
-      u1 = s > 0 ? 1.0 : small[j];
-    }
+    state_unaries<true>(static_cast<double>(x[j]), unary, small, j, n, u0, u1);
     if (started) {
       const double next0 = u0 * (a0 * E[0] + a1 * E[2]);
       a1 = u1 * (a0 * E[1] + a1 * E[3]);
@@ -141,9 +149,8 @@ ENTMAX_FAST_HD void crf_forward_row(const T* x, const T* transitions, T* mu, dou
     }
     const double on = alpha1[j] * b1, off = alpha0[j] * b0;
     mu[j] = static_cast<T>(on / (on + off));
-    const bool positive = static_cast<double>(x[j]) > 0;
-    const double u0 = unary ? unary[j] : (positive ? small[j] : 1.0);
-    const double u1 = unary ? unary[n + j] : (positive ? 1.0 : small[j]);
+    double u0, u1;
+    state_unaries<false>(static_cast<double>(x[j]), unary, small, j, n, u0, u1);
     const double v0 = u0 * b0, v1 = u1 * b1;
     b0 = E[0] * v0 + E[1] * v1;
     b1 = E[2] * v0 + E[3] * v1;
@@ -176,16 +183,8 @@ ENTMAX_FAST_HD void crf_backward_row(const T* x, const T* transitions, const T* 
   int64_t last = -1;
   for (int64_t j = 0; j < n; ++j) {
     if (is_masked(x[j])) continue;
-    const double s = static_cast<double>(x[j]);
     double u0, u1;
-    if (unary) {
-      u0 = unary[j];
-      u1 = unary[n + j];
-    } else {
-      small[j] = exp(-fabs(s));
-      u0 = s > 0 ? small[j] : 1.0;
-      u1 = s > 0 ? 1.0 : small[j];
-    }
+    state_unaries<true>(static_cast<double>(x[j]), unary, small, j, n, u0, u1);
     const double gj = static_cast<double>(g[j]);
     if (started) {
       const double A0 = a0 * E[0] + a1 * E[2], A1 = a0 * E[1] + a1 * E[3];
@@ -223,9 +222,8 @@ ENTMAX_FAST_HD void crf_backward_row(const T* x, const T* transitions, const T* 
     }
     const double inverse_n = 1.0 / (alpha0[j] * b0 + alpha1[j] * b1);
     dx[j] = static_cast<T>((tangent1[j] * b1 + alpha1[j] * r1 - alpha1[j] * b1 * G) * inverse_n);
-    const bool positive = static_cast<double>(x[j]) > 0;
-    const double u0 = unary ? unary[j] : (positive ? small[j] : 1.0);
-    const double u1 = unary ? unary[n + j] : (positive ? 1.0 : small[j]);
+    double u0, u1;
+    state_unaries<false>(static_cast<double>(x[j]), unary, small, j, n, u0, u1);
     const double gj = static_cast<double>(g[j]);
     const double v0 = u0 * b0, v1 = u1 * b1;
     const double w0 = u0 * r0, w1 = u1 * (r1 + gj * b1);
