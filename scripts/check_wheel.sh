@@ -58,20 +58,7 @@ for name in ("torch", "triton"):
 
 # From $work, not the source tree: the import must find the installed package.
 (cd "$work" && "$venv_python" -m entmax_fast.backends.cpp.build)
-(cd "$work" && "$venv_python" - <<'PY'
-import importlib.metadata as metadata
-
-import entmax_fast
-
-versions = {}
-for name in ("torch", "triton"):
-    try:
-        versions[name] = metadata.version(name)
-    except metadata.PackageNotFoundError:
-        versions[name] = "not installed"
-print(f"check_wheel: entmax_fast from {entmax_fast.__file__}; torch {versions['torch']}, triton {versions['triton']}")
-PY
-)
+(cd "$work" && "$venv_python" "$root/scripts/installed.py" check_wheel)
 
 # Run from $work, beside the copy: pytest's own script does not put the working directory on
 # sys.path (python -m pytest would), and the tests' `python -c` subprocesses, which do, find

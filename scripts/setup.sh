@@ -197,18 +197,4 @@ if ! python -m pip check; then
   exit 1
 fi
 
-python - <<'PY'
-import importlib.metadata as metadata
-
-import entmax_fast
-
-versions = {}
-for name in ("torch", "triton"):
-    try:
-        versions[name] = metadata.version(name)
-    except metadata.PackageNotFoundError:
-        versions[name] = "not installed"
-print(f"entmax_fast: torch {versions['torch']}, triton {versions['triton']}")
-for name, info in entmax_fast.backend_info()["backends"].items():
-    print(f"entmax_fast backend {name}: CPU tensors: {info['cpu']}; CUDA tensors: {info['cuda']}")
-PY
+python scripts/installed.py entmax_fast --backends
