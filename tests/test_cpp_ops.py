@@ -564,8 +564,8 @@ def test_opcheck_attention_ops(masked):
     alpha = torch.tensor([1.0, 1.5, 2.0, 1.25], requires_grad=True)
     args = (q, k, v, mask, alpha.detach(), 0.3, not masked)
     torch.library.opcheck(torch.ops.entmax_fast.entmax_attention_fwd, args)
-    _, stats = torch.ops.entmax_fast.entmax_attention_fwd(*(t.detach() if isinstance(t, torch.Tensor) else t
-                                                            for t in args))
+    _, stats, *_ = torch.ops.entmax_fast.entmax_attention_fwd(*(t.detach() if isinstance(t, torch.Tensor) else t
+                                                                for t in args))
     torch.library.opcheck(torch.ops.entmax_fast.entmax_attention_bwd,
                           (torch.randn(2, 4, 9, 5), q.detach(), k.detach(), v.detach(), mask, stats, alpha.detach(),
                            0.3, not masked, True))

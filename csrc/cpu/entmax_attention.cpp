@@ -1,7 +1,9 @@
 // Entmax attention on CPU, memory-bounded: the scores of a tile of queries come from one
 // GEMM into a per-thread buffer and each row's threshold is found while the row is in cache.
-// Only (max, mu) per query row is saved; the backward recomputes the scores (one GEMM) and
-// P from them. Nothing of size B*H*Lq*Lk is ever allocated.
+// (max, mu) per query row is saved; the backward recomputes the scores (one GEMM) and P from
+// them, except on the sparsemax and 1.5-entmax tiles whose supports the forward kept in a
+// bounded pool (SupportLists): those take their supports' columns and scores from it. Nothing
+// of size B*H*Lq*Lk is ever allocated.
 //
 // Cost follows the support: entmax weights are mostly zero (98-99 % at L >= 1024 with
 // Gaussian inputs, alpha 1.5), so once a tile's weights are known the rest of the work is
@@ -263,6 +265,29 @@ inline bool sparse_tile(int64_t support, int64_t tq, int64_t kn) {
   return support * kSparseDensityDivisor < tq * kn;
 }
 
+// The supports the forward keeps for the backward, so that the backward's sparsemax and
+// 1.5-entmax tiles skip their score GEMM and the gather of their support: per query row a
+// share of `capacity` entries, pooled over the rows of its tile, each entry a supported
+// column (from the tile's first key) and its score; `ends` holds where each row's entries end
+// in its tile's pool, or -1 on every row of a tile the forward did not keep (its supports
+// overflow the pool, it holds a NaN row, its scores are capped, whose slopes the backward
+// needs, or its keys span more columns than 16 bits hold): the backward recomputes that
+// tile's scores. capacity 0: nothing kept.
+template <typename T>
+struct SupportLists {
+  int64_t capacity = 0;
+  int16_t* columns = nullptr;
+  T* scores = nullptr;
+  int32_t* ends = nullptr;
+};
+
+constexpr int64_t kMaxKeptTileKeys = int64_t{std::numeric_limits<int16_t>::max()} + 1;
+
+// The entries of row i of a kept tile: [first, last) of its pool.
+inline std::pair<int64_t, int64_t> kept_row(const int32_t* tile_ends, int64_t i) {
+  return {i == 0 ? 0 : tile_ends[i - 1], tile_ends[i]};
+}
+
 // Writes the columns j < n with p[j] > 0, plus offset, to index; returns how many.
 template <bool kAvx2, typename T>
 ENTMAX_FAST_ALWAYS_INLINE int64_t support_columns_body(const T* p, int64_t n, int64_t offset, int32_t* index) {
@@ -395,7 +420,7 @@ template <typename T>
 void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::optional<at::Tensor>& mask, const double* alpha, double scale_d, bool is_causal,
                             const ScoreOptionTensors& option_tensors, const AttentionShape& s, at::Tensor& out,
-                            at::Tensor& stats) {
+                            at::Tensor& stats, const SupportLists<T>& kept) {
   at::Tensor mask_holder;
   const MaskView<T> mask_view = make_mask_view<T>(mask, s, mask_holder);
   const ScoreOptions<T> opts(option_tensors);
@@ -493,6 +518,23 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
         support_count[i] = count_positive(zi + span.start, span.len);
         support += support_count[i];
       }
+      if (kept.capacity > 0 && closed_form && !dense && !(opts.softcap > T(0)) && tile.kn <= kMaxKeptTileKeys &&
+          support <= tile.tq * kept.capacity) {
+        // Before the dense path below writes p over the scores.
+        const int64_t row0 = (b * s.H + h) * s.Lq + tile.q0;
+        int16_t* kept_columns = kept.columns + row0 * kept.capacity;
+        T* kept_scores = kept.scores + row0 * kept.capacity;
+        int64_t at = 0;
+        for (int64_t i = 0; i < tile.tq; ++i) {
+          const int32_t* index = &support_index[i * row_capacity];
+          const T* zi = z + i * tile.ld;
+          for (int64_t a = 0; a < support_count[i]; ++a, ++at) {
+            kept_columns[at] = static_cast<int16_t>(index[a]);
+            kept_scores[at] = zi[index[a]];
+          }
+          kept.ends[row0 + i] = static_cast<int32_t>(at);
+        }
+      }
       const bool sparse = !dense && sparse_tile(support, tile.tq, tile.kn);
       for (int64_t i = 0; sparse && !closed_form && i < tile.tq; ++i) {
         if (support_count[i] == 0) continue;
@@ -526,15 +568,17 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
 }
 
 // Returns (out in the input dtype, stats (B, H, Lq, 2) = (row max, mu) in float64, both over
-// the row with its sink when there is one).
-std::tuple<at::Tensor, at::Tensor> entmax_attention_fwd_cpu(const at::Tensor& query, const at::Tensor& key,
-                                                            const at::Tensor& value,
-                                                            const std::optional<at::Tensor>& attn_mask,
-                                                            const at::Tensor& alpha_in, double scale, bool is_causal,
-                                                            at::IntArrayRef window_size, double softcap,
-                                                            const std::optional<at::Tensor>& alibi_slopes,
-                                                            const std::optional<at::Tensor>& sinks) {
+// the row with its sink when there is one) and, for the backward, the supports it kept
+// (SupportLists): columns (B, H, Lq, support_capacity) int16, scores alike in the compute
+// dtype, ends (B, H, Lq) int32, or (B, H, 0) when support_capacity is 0.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> entmax_attention_fwd_cpu(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask, const at::Tensor& alpha_in, double scale, bool is_causal,
+    at::IntArrayRef window_size, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& sinks, int64_t support_capacity) {
   const AttentionShape s = check_attention_args(query, key, value, attn_mask, alpha_in);
+  TORCH_CHECK(support_capacity >= 0, "entmax_attention (cpu): support_capacity must be >= 0, got ",
+              support_capacity);
   const at::ScalarType ct = compute_type(query.scalar_type());
   const ScoreOptionTensors options = check_score_options("entmax_attention", s.B, s.H, ct, window_size, softcap,
                                                          alibi_slopes, sinks);
@@ -545,6 +589,10 @@ std::tuple<at::Tensor, at::Tensor> entmax_attention_fwd_cpu(const at::Tensor& qu
   const at::Tensor alpha = alpha_in.detach().to(at::kDouble).contiguous();
   at::Tensor out = at::empty({s.B, s.H, s.Lq, s.Ev}, q.options());
   at::Tensor stats = at::empty({s.B, s.H, s.Lq, 2}, q.options().dtype(at::kDouble));
+  // Zeros past each row's entries: the outputs depend on the inputs only.
+  at::Tensor kept_columns = at::zeros({s.B, s.H, s.Lq, support_capacity}, q.options().dtype(at::kShort));
+  at::Tensor kept_scores = at::zeros({s.B, s.H, s.Lq, support_capacity}, q.options());
+  at::Tensor kept_ends = at::full({s.B, s.H, support_capacity > 0 ? s.Lq : 0}, -1, q.options().dtype(at::kInt));
   if (out.numel() > 0 || stats.numel() > 0) {
     if (s.Lk == 0) {
       out.zero_();
@@ -552,12 +600,17 @@ std::tuple<at::Tensor, at::Tensor> entmax_attention_fwd_cpu(const at::Tensor& qu
       stats.select(3, 1).zero_();
     } else {
       AT_DISPATCH_FLOATING_TYPES(ct, "entmax_attention_fwd", [&] {
+        SupportLists<scalar_t> kept;
+        if (support_capacity > 0) {
+          kept = {support_capacity, kept_columns.data_ptr<int16_t>(), kept_scores.data_ptr<scalar_t>(),
+                  kept_ends.data_ptr<int32_t>()};
+        }
         attention_forward_impl<scalar_t>(q, k, v, attn_mask, alpha.const_data_ptr<double>(), scale, is_causal,
-                                         options, s, out, stats);
+                                         options, s, out, stats, kept);
       });
     }
   }
-  return {out.to(query.scalar_type()), stats};
+  return {out.to(query.scalar_type()), stats, kept_columns, kept_scores, kept_ends};
 }
 
 // The forward's saved (B, H, Lq, 2) row statistics, checked against the call's shape, in
@@ -567,6 +620,40 @@ at::Tensor checked_stats(const at::Tensor& stats, const AttentionShape& s, const
                   stats.size(3) == 2,
               op, " (cpu): stats must have shape (", s.B, ", ", s.H, ", ", s.Lq, ", 2), got ", stats.sizes());
   return stats.detach().to(at::kDouble).contiguous();
+}
+
+// The forward's kept supports (SupportLists) as the backward received them: all three or none,
+// checked against the call's shape and compute dtype.
+struct KeptTensors {
+  at::Tensor columns, scores, ends;
+  template <typename T>
+  SupportLists<T> lists() const {
+    if (!columns.defined() || columns.size(3) == 0) return {};
+    return {columns.size(3), columns.data_ptr<int16_t>(), scores.data_ptr<T>(), ends.data_ptr<int32_t>()};
+  }
+};
+
+KeptTensors checked_kept_support(const std::optional<at::Tensor>& columns, const std::optional<at::Tensor>& scores,
+                                 const std::optional<at::Tensor>& ends, const AttentionShape& s, at::ScalarType ct) {
+  const bool any = columns.has_value() || scores.has_value() || ends.has_value();
+  if (!any) return {};
+  TORCH_CHECK(columns.has_value() && scores.has_value() && ends.has_value(),
+              "entmax_attention_backward (cpu): support_columns, support_scores and support_ends come together, "
+              "got only some of them");
+  const int64_t capacity = columns->dim() == 4 ? columns->size(3) : -1;
+  TORCH_CHECK(columns->dim() == 4 && columns->size(0) == s.B && columns->size(1) == s.H && columns->size(2) == s.Lq &&
+                  columns->scalar_type() == at::kShort,
+              "entmax_attention_backward (cpu): support_columns must be int16 of shape (", s.B, ", ", s.H, ", ", s.Lq,
+              ", capacity), got ", columns->scalar_type(), " ", columns->sizes());
+  TORCH_CHECK(scores->sizes() == columns->sizes() && scores->scalar_type() == ct,
+              "entmax_attention_backward (cpu): support_scores must be ", ct, " of shape ", columns->sizes(), ", got ",
+              scores->scalar_type(), " ", scores->sizes());
+  const int64_t rows = capacity > 0 ? s.Lq : 0;
+  TORCH_CHECK(ends->dim() == 3 && ends->size(0) == s.B && ends->size(1) == s.H && ends->size(2) == rows &&
+                  ends->scalar_type() == at::kInt,
+              "entmax_attention_backward (cpu): support_ends must be int32 of shape (", s.B, ", ", s.H, ", ", rows,
+              "), got ", ends->scalar_type(), " ", ends->sizes());
+  return {columns->contiguous(), scores->contiguous(), ends->contiguous()};
 }
 
 // The p of a General-kind row from its saved (max, mu), written over the row's scores z (the
@@ -587,12 +674,29 @@ void saved_general_probs(T* z, T* w, int64_t n, T zmax, double mu, const EntmaxP
   }
 }
 
+// The support of row i of a tile the forward kept, as closed_form_support finds it in the
+// recomputed scores: the kept columns, and p and weights from the kept scores at (max, mu).
+template <typename T>
+int64_t kept_support(const SupportLists<T>& kept, int64_t row0, const int32_t* tile_ends, int64_t i, T zmax,
+                     double mu, const EntmaxParams<T>& prm, int32_t* index, T* p, T* w) {
+  const auto [first, last] = kept_row(tile_ends, i);
+  const int16_t* columns = kept.columns + row0 * kept.capacity + first;
+  const T* z = kept.scores + row0 * kept.capacity + first;
+  for (int64_t a = 0; a < last - first; ++a) {
+    index[a] = columns[a];
+    p[a] = prm.prob(z[a], zmax, mu);
+    w[a] = prm.jacobian_weight(z[a], zmax, mu, p[a]);
+  }
+  return last - first;
+}
+
 template <typename T>
 void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                              const at::Tensor& v, const std::optional<at::Tensor>& mask, const at::Tensor& stats,
                              const double* alpha, double scale_d, bool is_causal, bool need_alpha_grad,
                              const ScoreOptionTensors& option_tensors, const AttentionShape& s, at::Tensor& dq,
-                             at::Tensor& dk, at::Tensor& dv, double* dalpha_part, double* dsinks_part) {
+                             at::Tensor& dk, at::Tensor& dv, double* dalpha_part, double* dsinks_part,
+                             const SupportLists<T>& kept) {
   at::Tensor mask_holder;
   const MaskView<T> mask_view = make_mask_view<T>(mask, s, mask_holder);
   const ScoreOptions<T> opts(option_tensors);
@@ -609,19 +713,31 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
   // One task per (batch, key/value head): the query heads of a GQA group accumulate into
   // the same dK/dV, so they stay in one task and no two tasks write the same memory.
   at::parallel_for(0, s.B * s.Hk, 1, at::wrapPropagateTLSState([&](int64_t begin, int64_t end) {
-    at::Tensor prob_buffer = at::empty({kQueryTile * row_capacity}, q.options());
     at::Tensor query_buffer = at::empty({kQueryTile, s.E}, q.options());
-    at::Tensor grad_buffer = at::empty({kQueryTile * row_capacity}, q.options());
-    at::Tensor cap_slope_buffer = capped ? at::empty({kQueryTile * row_capacity}, q.options()) : at::Tensor();
-    T* cap_slopes = capped ? cap_slope_buffer.data_ptr<T>() : nullptr;
-    // The rows' Jacobian weights p^(2-alpha), formed with p while the scores are at hand.
-    std::vector<T> weight_tile(static_cast<size_t>(kQueryTile * row_capacity));
+    // Tile-wide buffers (kQueryTile x row_capacity each): the recomputed scores or p, dP, the
+    // cap's slopes and the rows' Jacobian weights p^(2-alpha). Only a tile whose scores are
+    // recomputed, or that takes the dense path, uses them: allocated at the first such tile, so
+    // that a backward over tiles the forward kept holds none of them.
+    at::Tensor prob_buffer, grad_buffer, cap_slope_buffer;
+    std::vector<T> weight_tile;
+    T* cap_slopes = nullptr;
+    auto tile_buffers = [&]() {
+      if (prob_buffer.defined()) return;
+      prob_buffer = at::empty({kQueryTile * row_capacity}, q.options());
+      grad_buffer = at::empty({kQueryTile * row_capacity}, q.options());
+      if (capped) {
+        cap_slope_buffer = at::empty({kQueryTile * row_capacity}, q.options());
+        cap_slopes = cap_slope_buffer.data_ptr<T>();
+      }
+      weight_tile.resize(static_cast<size_t>(kQueryTile * row_capacity));
+    };
     // Per row of the tile: its support, compact (columns from the tile's first key, p, and the
-    // closed forms' weights), and its size; for sparsemax and 1.5-entmax rows, which go from
-    // (max, mu) straight to the compact support, the sink's p and weight.
-    std::vector<int32_t> support_index(static_cast<size_t>(kQueryTile * row_capacity));
-    std::vector<T> support_p(static_cast<size_t>(kQueryTile * row_capacity));
-    std::vector<T> support_w(static_cast<size_t>(kQueryTile * row_capacity));
+    // closed forms' weights) from list_at[i] on, and its size; for sparsemax and 1.5-entmax
+    // rows, which go from (max, mu) straight to the compact support, the sink's p and weight.
+    // A kept tile's rows lie as in its pool; the others' at row_capacity apart.
+    std::vector<int32_t> support_index;
+    std::vector<T> support_p, support_w;
+    int64_t list_at[kQueryTile];
     int64_t support_count[kQueryTile];
     T sink_p[kQueryTile], sink_w[kQueryTile];
     RowState state[kQueryTile];
@@ -646,11 +762,26 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
         for (int64_t tile_index = 0; tile_index < s.n_tiles; ++tile_index) {
           const QueryTile tile = query_tile(tile_index, s, is_causal, opts);
           if (tile.kn == 0) continue;
-          const double* st = stats_ptr + ((b * s.H + h) * s.Lq + tile.q0) * 2;
-          at::Tensor probs = tile_scores<T>(prob_buffer, query_buffer, cap_slopes, q_bh, k_bh, tile, scale, opts,
-                                            mask_view, s,
-                                            is_causal, b, h);
-          T* pz = probs.data_ptr<T>();
+          const int64_t row0 = (b * s.H + h) * s.Lq + tile.q0;
+          const double* st = stats_ptr + row0 * 2;
+          // The tile's row ends in its pool where the forward kept its supports: then no scores.
+          const int32_t* kept_ends = compact && kept.capacity > 0 && kept.ends[row0] >= 0 ? kept.ends + row0 : nullptr;
+          at::Tensor probs;
+          T* pz = nullptr;
+          if (kept_ends == nullptr) {
+            tile_buffers();
+            probs = tile_scores<T>(prob_buffer, query_buffer, cap_slopes, q_bh, k_bh, tile, scale, opts, mask_view, s,
+                                   is_causal, b, h);
+            pz = probs.data_ptr<T>();
+          }
+          const int64_t lists = kept_ends != nullptr ? kept_ends[tile.tq - 1] : tile.tq * row_capacity;
+          if (static_cast<int64_t>(support_index.size()) < lists) {
+            support_index.resize(lists);
+            support_p.resize(lists);
+            support_w.resize(lists);
+          }
+          for (int64_t i = 0; i < tile.tq; ++i) list_at[i] = kept_ends != nullptr ? kept_row(kept_ends, i).first
+                                                                                  : i * row_capacity;
           // p of each row (and the closed forms' weights) from the saved (max, mu), over the
           // row's span and its sink's entry right after; the support's columns.
           bool dense = prm.kind == AlphaKind::kSoftmax;
@@ -672,12 +803,14 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
               continue;
             }
             state[i] = RowState::kNormal;
-            T* p = pz + i * tile.ld + span.start;
-            int32_t* index = &support_index[i * row_capacity];
+            int32_t* index = &support_index[list_at[i]];
             if (compact) {
-              support_count[i] = closed_form_support(p, span.len, zmax, mu, prm, span.start, index,
-                                                     &support_p[i * row_capacity], &support_w[i * row_capacity],
-                                                     work);
+              support_count[i] =
+                  kept_ends != nullptr
+                      ? kept_support(kept, row0, kept_ends, i, zmax, mu, prm, index, &support_p[list_at[i]],
+                                     &support_w[list_at[i]])
+                      : closed_form_support(pz + i * tile.ld + span.start, span.len, zmax, mu, prm, span.start,
+                                            index, &support_p[list_at[i]], &support_w[list_at[i]], work);
               if (opts.has_sink()) {
                 const T z_sink = opts.sinks[h];
                 sink_p[i] = prm.prob(z_sink, zmax, mu);
@@ -686,6 +819,7 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
               support += support_count[i];
               continue;
             }
+            T* p = pz + i * tile.ld + span.start;
             int64_t n = span.len;
             if (opts.has_sink()) p[n++] = opts.sinks[h];
             if (closed_form) {
@@ -702,24 +836,29 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
           for (int64_t i = 0; sparse && !compact && i < tile.tq; ++i) {
             if (state[i] != RowState::kNormal || support_count[i] == 0) continue;
             const RowSpan span = row_span(tile, i, s, is_causal, opts.window_left, opts.window_right);
-            int32_t* index = &support_index[i * row_capacity];
+            int32_t* index = &support_index[list_at[i]];
             support_count[i] = support_columns(pz + i * tile.ld + span.start, span.len, span.start, index);
-            T* p_compact = &support_p[i * row_capacity];
+            T* p_compact = &support_p[list_at[i]];
             for (int64_t a = 0; a < support_count[i]; ++a) p_compact[a] = pz[i * tile.ld + index[a]];
           }
           if (!sparse) {
             // Dense: the compact rows' p and weights over the tile (zeros elsewhere, the sink's
             // right after the span), dP = dO.V^T over the tile, dz row by row, three GEMMs.
+            if (!probs.defined()) {
+              tile_buffers();
+              probs = tile_view(prob_buffer, tile);
+              pz = probs.data_ptr<T>();
+            }
             for (int64_t i = 0; compact && i < tile.tq; ++i) {
               if (state[i] != RowState::kNormal) continue;
               T* p_row = pz + i * tile.ld;
               T* w_row = &weight_tile[i * tile.ld];
               std::fill(p_row, p_row + tile.ld, T(0));
               std::fill(w_row, w_row + tile.ld, T(0));
-              const int32_t* index = &support_index[i * row_capacity];
+              const int32_t* index = &support_index[list_at[i]];
               for (int64_t a = 0; a < support_count[i]; ++a) {
-                p_row[index[a]] = support_p[i * row_capacity + a];
-                w_row[index[a]] = support_w[i * row_capacity + a];
+                p_row[index[a]] = support_p[list_at[i] + a];
+                w_row[index[a]] = support_w[list_at[i] + a];
               }
               if (opts.has_sink()) {
                 const RowSpan span = row_span(tile, i, s, is_causal, opts.window_left, opts.window_right);
@@ -800,22 +939,21 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
               continue;
             }
             const RowSpan span = row_span(tile, i, s, is_causal, opts.window_left, opts.window_right);
-            const T* p_row = pz + i * tile.ld;
-            const int32_t* index = &support_index[i * row_capacity];
+            const int32_t* index = &support_index[list_at[i]];
             const int64_t count = support_count[i];
             const T* do_i = grad_out_rows.row(b, h, tile.q0 + i);
             support_dots(do_i, index, count, values, value_rows.row_stride, s.Ev, sg.data());
-            std::copy(&support_p[i * row_capacity], &support_p[i * row_capacity] + count, sp.begin());
+            std::copy(&support_p[list_at[i]], &support_p[list_at[i]] + count, sp.begin());
             int64_t n = count;
             if (opts.has_sink()) {
-              sp[n] = compact ? sink_p[i] : p_row[span.start + span.len];
+              sp[n] = compact ? sink_p[i] : pz[i * tile.ld + span.start + span.len];
               sg[n] = T(0);
               ++n;
             }
             // Softmax tiles are dense: the rows here are sparsemax and 1.5-entmax (compact) or
             // General, whose weights saved_general_probs left over the tile.
             if (compact) {
-              std::copy(&support_w[i * row_capacity], &support_w[i * row_capacity] + count, sw.begin());
+              std::copy(&support_w[list_at[i]], &support_w[list_at[i]] + count, sw.begin());
               if (opts.has_sink()) sw[count] = sink_w[i];
             } else {
               const T* w_row = &weight_tile[i * tile.ld];
@@ -854,7 +992,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> entmax_at
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, const at::Tensor& stats_in, const at::Tensor& alpha_in,
     double scale, bool is_causal, bool need_alpha_grad, at::IntArrayRef window_size, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks, bool need_sinks_grad) {
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks, bool need_sinks_grad,
+    const std::optional<at::Tensor>& support_columns, const std::optional<at::Tensor>& support_scores,
+    const std::optional<at::Tensor>& support_ends) {
   const AttentionShape s = entmax_fast_cpu::check_attention_args(query, key, value, attn_mask, alpha_in);
   TORCH_CHECK(grad_out.dim() == 4 && grad_out.size(0) == s.B && grad_out.size(1) == s.H && grad_out.size(2) == s.Lq &&
                   grad_out.size(3) == s.Ev,
@@ -869,6 +1009,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> entmax_at
   const at::Tensor v = with_contiguous_rows(value.detach().to(ct));
   const at::Tensor g = with_contiguous_rows(grad_out.detach().to(ct));
   const at::Tensor alpha = alpha_in.detach().to(at::kDouble).contiguous();
+  const KeptTensors kept = checked_kept_support(support_columns, support_scores, support_ends, s, ct);
   // Contiguous whatever the inputs' strides: the sparse products index their rows so.
   at::Tensor dq = at::zeros(q.sizes(), q.options());
   at::Tensor dk = at::zeros(k.sizes(), k.options());
@@ -879,7 +1020,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> entmax_at
     AT_DISPATCH_FLOATING_TYPES(ct, "entmax_attention_bwd", [&] {
       attention_backward_impl<scalar_t>(g, q, k, v, attn_mask, stats, alpha.const_data_ptr<double>(), scale,
                                         is_causal, need_alpha_grad, options, s, dq, dk, dv,
-                                        dalpha_part.data_ptr<double>(), dsinks_part.data_ptr<double>());
+                                        dalpha_part.data_ptr<double>(), dsinks_part.data_ptr<double>(),
+                                        kept.lists<scalar_t>());
     });
   }
   const at::ScalarType out_t = query.scalar_type();
@@ -1014,12 +1156,13 @@ TORCH_LIBRARY_FRAGMENT(entmax_fast, m) {
   m.def(
       "entmax_attention_fwd(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, Tensor alpha, float scale, "
       "bool is_causal, int[2] window_size=[-1, -1], float softcap=0., Tensor? alibi_slopes=None, "
-      "Tensor? sinks=None) -> (Tensor, Tensor)");
+      "Tensor? sinks=None, int support_capacity=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "entmax_attention_bwd(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "
       "Tensor stats, Tensor alpha, float scale, bool is_causal, bool need_alpha_grad, "
       "int[2] window_size=[-1, -1], float softcap=0., Tensor? alibi_slopes=None, Tensor? sinks=None, "
-      "bool need_sinks_grad=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "bool need_sinks_grad=False, Tensor? support_columns=None, Tensor? support_scores=None, "
+      "Tensor? support_ends=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "entmax_attention_support(Tensor query, Tensor key, Tensor? attn_mask, Tensor stats, Tensor alpha, "
       "float scale, bool is_causal, int[2] window_size=[-1, -1], float softcap=0., Tensor? alibi_slopes=None, "

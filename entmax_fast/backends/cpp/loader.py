@@ -22,6 +22,7 @@ import warnings
 
 import torch
 
+from ...common import compute_dtype
 from . import build
 
 _ENTMAX_OPS = ("entmax_rowwise_fwd", "entmax_rowwise_bwd", "entmax_attention_fwd", "entmax_attention_bwd")
@@ -163,13 +164,17 @@ def _register_fakes() -> None:
         return torch.empty_like(p, memory_format=torch.contiguous_format), dalpha
 
     def attention_fwd(query, key, value, attn_mask, alpha, scale, is_causal, window_size=(-1, -1), softcap=0.0,
-                      alibi_slopes=None, sinks=None):
+                      alibi_slopes=None, sinks=None, support_capacity=0):
         batch, heads, lq, _ = query.shape
         return (query.new_empty((batch, heads, lq, value.shape[-1])),
-                query.new_empty((batch, heads, lq, 2), dtype=torch.float64))
+                query.new_empty((batch, heads, lq, 2), dtype=torch.float64),
+                query.new_empty((batch, heads, lq, support_capacity), dtype=torch.int16),
+                query.new_empty((batch, heads, lq, support_capacity), dtype=compute_dtype(query.dtype)),
+                query.new_empty((batch, heads, lq if support_capacity > 0 else 0), dtype=torch.int32))
 
     def attention_bwd(grad_out, query, key, value, attn_mask, stats, alpha, scale, is_causal, need_alpha_grad,
-                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, need_sinks_grad=False):
+                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, need_sinks_grad=False,
+                      support_columns=None, support_scores=None, support_ends=None):
         return (torch.empty_like(query, memory_format=torch.contiguous_format),
                 torch.empty_like(key, memory_format=torch.contiguous_format),
                 torch.empty_like(value, memory_format=torch.contiguous_format),
