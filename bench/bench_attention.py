@@ -455,18 +455,26 @@ def _interleaved_ratio(entmax_fn, sdpa_fn, repeats: int) -> tuple:
     return median(entmax_ms), median(sdpa_ms), median(ratios)
 
 
-def _support_shares(q, k, alpha, causal: bool) -> tuple:
+def _support_shares(q, k, v, alpha, causal: bool) -> tuple:
     """(share of the allowed weights that are exactly zero, share of query tiles on the sparse
-    path) of the C++ operator on these inputs, from its own support counts."""
+    path, share of query rows in tiles whose supports the forward keeps for the backward) of the C++
+    operator on these inputs, from its own support counts and kept lists."""
     from entmax_fast.backends.cpp import ops as cpp_ops
+    from entmax_fast.common import GRAD_INPUTS
 
+    gqa = q.shape[1] != k.shape[1]
     counts = cpp_ops.attention_support_forward(q, k, None, alpha, scale=q.shape[-1] ** -0.5, is_causal=causal,
-                                               enable_gqa=q.shape[1] != k.shape[1])
+                                               enable_gqa=gqa)
     lq, lk = q.shape[2], k.shape[2]
     allowed = (torch.arange(lq).clamp(max=lk - 1) + 1).sum().item() if causal else lq * lk
     zeros = 1.0 - counts.sum().item() / (allowed * q.shape[0] * q.shape[1])
     tiles = cpp_ops.attention_sparse_tiles(counts, lk, is_causal=causal)
-    return zeros, tiles.float().mean().item()
+    _, saved = cpp_ops.attention_forward(q, k, v, None, alpha, scale=q.shape[-1] ** -0.5, is_causal=causal,
+                                         dropout_p=0.0, enable_gqa=gqa, need_grad=GRAD_INPUTS)
+    ends = saved[-1]
+    # A kept tile's rows have ends >= 0, the others' -1.
+    kept = (ends >= 0).float().mean().item() if ends.numel() else 0.0
+    return zeros, tiles.float().mean().item(), kept
 
 
 def _recall_attention_inputs(out_dir: str, batch: int) -> tuple:
@@ -519,7 +527,7 @@ def run_sparsity(batch, heads, head_dim, repeats: int, out_dir: str, lengths=Non
                    False))
     rows = []
     for label, q, k, v, grad, alpha, causal in inputs:
-        zeros, sparse_tiles = _support_shares(q, k, alpha, causal)
+        zeros, sparse_tiles, kept_tiles = _support_shares(q, k, v, alpha, causal)
         qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
 
         def entmax_step():
@@ -540,23 +548,26 @@ def run_sparsity(batch, heads, head_dim, repeats: int, out_dir: str, lengths=Non
         entmax_peak, sdpa_peak = _peak_mib(entmax_step), _peak_mib(sdpa_step)
         backend = dispatch.last_choice("attention")
         rows.append({"case": label, "alpha": alpha, "causal": causal, "backend": backend.backend if backend else "?",
-                     "zeros": zeros, "sparse_tiles": sparse_tiles, "fwd_bwd_ms": entmax_ms, "sdpa_fwd_bwd_ms": sdpa_ms,
+                     "zeros": zeros, "sparse_tiles": sparse_tiles, "kept_tiles": kept_tiles, "fwd_bwd_ms": entmax_ms,
+                     "sdpa_fwd_bwd_ms": sdpa_ms,
                      "fwd_bwd_vs_sdpa": ratio, "fwd_ms": forward_ms, "sdpa_fwd_ms": sdpa_forward_ms,
                      "fwd_vs_sdpa": forward_ratio, "peak_mib": entmax_peak, "sdpa_peak_mib": sdpa_peak})
         print(f"{label}: fwd+bwd {ratio:.2f}x SDPA, fwd {forward_ratio:.2f}x, zeros {100 * zeros:.1f}%, "
-              f"sparse tiles {100 * sparse_tiles:.0f}%", flush=True)
+              f"sparse tiles {100 * sparse_tiles:.0f}%, kept tiles {100 * kept_tiles:.0f}%", flush=True)
     return rows
 
 
 def print_sparsity_results(rows: list) -> None:
     table = [{"case": r["case"], "zeros": f"{100 * r['zeros']:.1f}%", "sparse tiles": f"{100 * r['sparse_tiles']:.0f}%",
-              "fwd+bwd ms": r["fwd_bwd_ms"], "x sdpa": r["fwd_bwd_vs_sdpa"], "fwd ms": r["fwd_ms"],
+              "kept tiles": f"{100 * r['kept_tiles']:.0f}%", "fwd+bwd ms": r["fwd_bwd_ms"], "x sdpa": r["fwd_bwd_vs_sdpa"], "fwd ms": r["fwd_ms"],
               "fwd x sdpa": r["fwd_vs_sdpa"], "peak MiB": r["peak_mib"], "sdpa peak MiB": r["sdpa_peak_mib"]}
              for r in rows]
     print_table(table, "entmax attention (C++) against SDPA, same process, interleaved")
     print("zeros: share of the allowed weights that are exactly 0; sparse tiles: share of 64-query tiles whose\n"
-          "P.V and backward run as sparse products; x sdpa: median over repeats of (entmax time / SDPA time),\n"
-          "each repeat timing one call of each back to back; peak MiB: peak memory of fwd+bwd above the inputs.")
+          "P.V and backward run as sparse products; kept tiles: share of query rows in tiles whose supports\n"
+          "the forward keeps, so that the backward skips their score GEMM; x sdpa: median over repeats of\n"
+          "(entmax time / SDPA time), each repeat timing one call of each back to back; peak MiB: peak memory\n"
+          "of fwd+bwd above the inputs.")
 
 
 def plot_sparsity(rows: list, path: str, title: str) -> str:

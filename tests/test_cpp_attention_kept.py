@@ -14,7 +14,7 @@ from entmax_fast.backends.cpp import loader
 from entmax_fast.backends.cpp import ops as cpp_ops
 from entmax_fast.common import GRAD_INPUTS, GRAD_NONE
 from test_cpp_attention_options import ALPHA_HEADS, OPTION_CASES, _attention_on, _check_against_oracle, _option_case
-from test_cpp_attention_sparse import EV, LK, LQ, _mixed_inputs, _sparse_tiles
+from test_cpp_attention_sparse import EV, LK, LQ, _mixed_inputs, _sparse_tiles, mask_case
 
 _AVAILABLE, _REASON = dispatch.availability("cpp")
 _AVAILABLE = _AVAILABLE and loader.has_entmax_ops()
@@ -95,14 +95,7 @@ def test_kept_tiles_with_masks_match_the_oracle(monkeypatch, mask):
     generator = torch.Generator().manual_seed(5)
     q, k, v = _mixed_inputs(torch.float64, generator)
     options = _kept_options("all", torch.float64, generator)
-    masks = {}
-    if mask == "bool":
-        masks["attn_mask"] = torch.rand(2, 1, LQ, LK, generator=generator) > 0.3
-        masks["attn_mask"][:, :, 0] = False
-    elif mask == "float":
-        masks["attn_mask"] = torch.randn(LQ, LK, generator=generator, dtype=torch.float64)
-    else:
-        masks["is_causal"] = True
+    masks = mask_case(mask, generator)
     alpha = torch.tensor(ALPHA_HEADS, dtype=torch.float64, requires_grad=True)
     assert _kept_tiles(q, k, v, alpha, **options, **masks).any()
     _check_against_oracle(q, k, v, alpha, options, torch.float64, **masks)

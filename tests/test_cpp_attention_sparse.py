@@ -78,19 +78,24 @@ def test_sparse_and_dense_tiles_match_the_oracle(dtype, case):
     _check_against_oracle(q, k, v, alpha, options, dtype)
 
 
+def mask_case(mask, generator):
+    """entmax_attention's mask arguments for `mask`: a boolean mask (row 0 without any key), a
+    float mask, or the causal limit."""
+    if mask == "bool":
+        attn_mask = torch.rand(B, 1, LQ, LK, generator=generator) > 0.3
+        attn_mask[:, :, 0] = False
+        return {"attn_mask": attn_mask}
+    if mask == "float":
+        return {"attn_mask": torch.randn(LQ, LK, generator=generator, dtype=torch.float64)}
+    return {"is_causal": True}
+
+
 @pytest.mark.parametrize("mask", ["bool", "float", "is_causal"])
 def test_sparse_and_dense_tiles_with_masks_match_the_oracle(mask):
     generator = torch.Generator().manual_seed(7)
     q, k, v = _mixed_inputs(torch.float64, generator)
     options = _option_case("all", LQ, LK, torch.float64, generator)
-    masks = {}
-    if mask == "bool":
-        masks["attn_mask"] = torch.rand(B, 1, LQ, LK, generator=generator) > 0.3
-        masks["attn_mask"][:, :, 0] = False
-    elif mask == "float":
-        masks["attn_mask"] = torch.randn(LQ, LK, generator=generator, dtype=torch.float64)
-    else:
-        masks["is_causal"] = True
+    masks = mask_case(mask, generator)
     alpha = torch.tensor(ALPHA_HEADS, dtype=torch.float64, requires_grad=True)
     if mask not in ONLY_SPARSE:
         _assert_both_paths(_sparse_tiles(q, k, alpha, **options, **masks))
