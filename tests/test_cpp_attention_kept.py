@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.nn.attention.bias import CausalBias
 
+import entmax_fast
 from entmax_fast import dispatch, entmax15, sparsemax
 from entmax_fast._validation import ScoreOptions
 from entmax_fast.backends.cpp import loader
@@ -216,3 +217,29 @@ def test_operators_with_kept_lists_pass_opcheck():
     torch.library.opcheck(torch.ops.entmax_fast.entmax_attention_bwd,
                           (torch.randn_like(out), q, k, v, None, stats, alpha, 0.3, False, False, [-1, -1], 0.0,
                            None, None, False, *kept))
+
+
+def test_torch_compile_fullgraph_keeps_and_uses_the_supports(monkeypatch):
+    """Traced (fake kernels: the kept lists' shapes follow the capacity), the call keeps its
+    supports and gives the eager call's output and gradients."""
+    _set_capacity(monkeypatch, torch.float32, 16)
+    generator = torch.Generator().manual_seed(6)
+    q, k, v = _mixed_inputs(torch.float32, generator, lq=100, lk=120)
+    alpha = torch.tensor(ALPHA_HEADS, requires_grad=True)
+    assert _kept_tiles(q, k, v, alpha, window_size=(30, -1)).any()
+
+    def model(q, k, v, alpha):
+        with dispatch.use_backend("cpp"):
+            return entmax_fast.entmax_attention(q, k, v, enable_gqa=True, alpha=alpha,
+                                                window_size=(30, -1)).square().sum()
+
+    inputs = (q, k, v, alpha)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    got = compiled(*inputs)
+    assert dispatch.last_choice("attention").backend == "cpp"
+    got_grads = torch.autograd.grad(got, inputs)
+    expected = model(*inputs)
+    expected_grads = torch.autograd.grad(expected, inputs)
+    torch.testing.assert_close(got, expected)
+    for g, e in zip(got_grads, expected_grads):
+        torch.testing.assert_close(g, e)
