@@ -124,6 +124,27 @@ def test_kept_supports_give_the_recomputed_bits(monkeypatch, dtype):
         assert torch.equal(kept, recomputed)
 
 
+def test_a_nan_row_leaves_its_tile_recomputed(monkeypatch):
+    """A query row holding NaN makes its tile's weights NaN (dense): the forward keeps the other
+    tiles only, and the gradients are those of a call keeping nothing, NaN where they were."""
+    generator = torch.Generator().manual_seed(13)
+    q, k, v = _mixed_inputs(torch.float32, generator)
+    with torch.no_grad():
+        q[0, 1, 70, 3] = float("nan")
+    grad_out = torch.randn(2, 4, LQ, EV, generator=generator)
+    runs = []
+    for entries in (POOLS["roomy"], 0):
+        _set_capacity(monkeypatch, torch.float32, entries)
+        if entries:
+            kept = _kept_tiles(q, k, v, 1.5)
+            assert not kept[0, 1, 1] and kept[0, 1, 0] and kept[0, 1, 2]
+        out = _attention_on("cpp", q, k, v, alpha=1.5)
+        runs.append((out, *torch.autograd.grad(out, (q, k, v), grad_out)))
+    assert runs[0][1].isnan().any()
+    for kept, recomputed in zip(*runs):
+        torch.testing.assert_close(kept, recomputed, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("alpha", [1.5, 2.0])
 def test_kept_columns_are_the_support(monkeypatch, alpha):
     """Each kept row's columns are the keys with a nonzero weight (integers, exactly), its scores
