@@ -656,22 +656,39 @@ KeptTensors checked_kept_support(const std::optional<at::Tensor>& columns, const
   return {columns->contiguous(), scores->contiguous(), ends->contiguous()};
 }
 
-// The p of a General-kind row from its saved (max, mu), written over the row's scores z (the
-// sink's entry included): the forward's kernel at its final mu, renormalised as the forward
-// did, gives the forward's p; scalar pow per entry here cost more than the rest of the backward.
-// Where w is not null, the row's Jacobian weights p^(2-alpha) go there, from the same pass
-// (general_probs): a power per entry less than computing them from p.
+// What saved_general_probs leaves besides p: the factor P^(alpha-2) that makes the p/q it
+// wrote into w the row's Jacobian weights p^(2-alpha) (the backward folds it into dz rather
+// than making another pass), and how many of the row's keys have p > 0.
 template <typename T>
-void saved_general_probs(T* z, T* w, int64_t n, T zmax, double mu, const EntmaxParams<T>& prm) {
+struct SavedGeneralRow {
+  T weight_scale = T(1);
+  int64_t support = 0;
+};
+
+// The p of a General-kind row from its saved (max, mu), written over the row's scores z (the
+// sink's entry included, after its `keys` keys): the forward's kernel at its final mu,
+// renormalised as the forward did, gives the forward's p; scalar pow per entry here cost more
+// than the rest of the backward. Where w is not null, p/q goes there from the same pass
+// (general_probs): a power per entry less than computing the weights from p.
+template <typename T>
+SavedGeneralRow<T> saved_general_probs(T* z, T* w, int64_t n, int64_t keys, T zmax, double mu,
+                                       const EntmaxParams<T>& prm) {
   const double p_total = general_probs(z, w, n, static_cast<double>(zmax), prm.law(), mu);
+  SavedGeneralRow<T> row;
   if (p_total > 0) {
     const T inv = static_cast<T>(1.0 / p_total);
-    for (int64_t j = 0; j < n; ++j) z[j] *= inv;
-    if (w != nullptr) {
-      const T weight_scale = static_cast<T>(std::pow(p_total, prm.alpha - 2.0));
-      for (int64_t j = 0; j < n; ++j) w[j] *= weight_scale;
+    int64_t support = 0;
+#pragma omp simd reduction(+ : support)
+    for (int64_t j = 0; j < n; ++j) {
+      z[j] *= inv;
+      support += z[j] > T(0);
     }
+    // The sink's entry is no key.
+    if (n > keys && z[keys] > T(0)) --support;
+    row.weight_scale = static_cast<T>(std::pow(p_total, prm.alpha - 2.0));
+    row.support = support;
   }
+  return row;
 }
 
 // The support of row i of a tile the forward kept, as closed_form_support finds it in the
@@ -740,6 +757,8 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
     int64_t list_at[kQueryTile];
     int64_t support_count[kQueryTile];
     T sink_p[kQueryTile], sink_w[kQueryTile];
+    // Per row: the factor of its weights (saved_general_probs; 1 for the closed forms).
+    T weight_scale[kQueryTile];
     RowState state[kQueryTile];
     // One row's support's p, g, weights and dz (sparse path), the sink last.
     std::vector<T> sp(row_capacity), sg(row_capacity), sw(row_capacity), sds(row_capacity);
@@ -803,6 +822,7 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
               continue;
             }
             state[i] = RowState::kNormal;
+            weight_scale[i] = T(1);
             int32_t* index = &support_index[list_at[i]];
             if (compact) {
               support_count[i] =
@@ -823,13 +843,15 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
             int64_t n = span.len;
             if (opts.has_sink()) p[n++] = opts.sinks[h];
             if (closed_form) {
+              // Softmax: its tiles are dense.
               closed_form_probs(p, &weight_tile[i * tile.ld + span.start], n, zmax, mu, prm);
-            } else {
-              saved_general_probs(p, &weight_tile[i * tile.ld + span.start], n, zmax, mu, prm);
+              continue;
             }
-            if (dense) continue;
+            const SavedGeneralRow<T> row =
+                saved_general_probs(p, &weight_tile[i * tile.ld + span.start], n, span.len, zmax, mu, prm);
+            weight_scale[i] = row.weight_scale;
             // Counted only: the lists are made once the tile is known to be sparse.
-            support_count[i] = count_positive(p, span.len);
+            support_count[i] = row.support;
             support += support_count[i];
           }
           const bool sparse = !dense && sparse_tile(support, tile.tq, tile.kn);
@@ -904,14 +926,15 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
               const double delta_d = s_total > 0 ? sg_total / s_total : 0.0;
               const T delta = static_cast<T>(delta_d);
               // The sink's dz = s_sink (g_sink - delta) with g_sink = 0.
-              if (opts.has_sink()) dsinks_acc -= static_cast<double>(w[span.len]) * delta_d;
-              // dZ (docs/attention.md, "Backward"), with the score scale folded in for dQ and
-              // dK, and the cap's slope where the scores were capped.
+              if (opts.has_sink()) dsinks_acc -= weight_scale[i] * static_cast<double>(w[span.len]) * delta_d;
+              // dZ (docs/attention.md, "Backward"), with the score scale and the weights' scale
+              // folded in for dQ and dK, and the cap's slope where the scores were capped.
+              const T dz_scale = scale * weight_scale[i];
               if (capped) {
                 const T* slope = cap_slopes + i * tile.ld + span.start;
-                for (int64_t j = 0; j < span.len; ++j) g[j] = scale * slope[j] * w[j] * (g[j] - delta);
+                for (int64_t j = 0; j < span.len; ++j) g[j] = dz_scale * slope[j] * w[j] * (g[j] - delta);
               } else {
-                for (int64_t j = 0; j < span.len; ++j) g[j] = scale * w[j] * (g[j] - delta);
+                for (int64_t j = 0; j < span.len; ++j) g[j] = dz_scale * w[j] * (g[j] - delta);
               }
               // Outside the span, the sink's entry included where it lies inside the view.
               std::fill(p_row, p, T(0));
@@ -968,12 +991,13 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
             if (need_alpha_grad) dalpha_acc += row_alpha_grad(sp.data(), sg.data(), n, prm.alpha);
             const double delta_d = s_total > 0 ? sg_total / s_total : 0.0;
             const T delta = static_cast<T>(delta_d);
-            if (opts.has_sink()) dsinks_acc -= static_cast<double>(sw[count]) * delta_d;
+            if (opts.has_sink()) dsinks_acc -= weight_scale[i] * static_cast<double>(sw[count]) * delta_d;
+            const T dz_scale = scale * weight_scale[i];
             if (capped) {
               const T* slope = cap_slopes + i * tile.ld;
-              for (int64_t a = 0; a < count; ++a) sds[a] = scale * slope[index[a]] * sw[a] * (sg[a] - delta);
+              for (int64_t a = 0; a < count; ++a) sds[a] = dz_scale * slope[index[a]] * sw[a] * (sg[a] - delta);
             } else {
-              for (int64_t a = 0; a < count; ++a) sds[a] = scale * sw[a] * (sg[a] - delta);
+              for (int64_t a = 0; a < count; ++a) sds[a] = dz_scale * sw[a] * (sg[a] - delta);
             }
             support_grads(index, count, sds.data(), sp.data(), query_rows.row(b, h, tile.q0 + i), do_i, keys,
                           key_rows.row_stride, dk_tile, dv_tile, s.E, s.Ev, dq_i);
@@ -1075,8 +1099,7 @@ void attention_support_impl(const at::Tensor& q, const at::Tensor& k, const std:
           int64_t n = span.len;
           // The sink's entry takes part in the renormalisation, as in the forward.
           if (opts.has_sink()) p[n++] = opts.sinks[h];
-          saved_general_probs(p, static_cast<T*>(nullptr), n, zmax, mu, prm);
-          for (int64_t j = 0; j < span.len; ++j) support += p[j] > T(0);
+          support += saved_general_probs(p, static_cast<T*>(nullptr), n, span.len, zmax, mu, prm).support;
         } else {
           for (int64_t j = 0; j < span.len; ++j) support += prm.prob(p[j], zmax, mu) > T(0);
         }
