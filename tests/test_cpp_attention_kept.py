@@ -183,6 +183,29 @@ def test_kept_columns_are_the_support(monkeypatch, alpha):
     assert kept_rows > 0
 
 
+@pytest.mark.parametrize("keys", [32768, 32769])
+def test_kept_columns_hold_16_bits(monkeypatch, keys):
+    """A tile's kept columns are int16: a tile over 32768 keys is not kept; one of 32768 keeps
+    its last key's column, 32767, and both give the oracle's gradients."""
+    _set_capacity(monkeypatch, torch.float64, 16)
+    generator = torch.Generator().manual_seed(keys)
+    q = torch.randn(1, 1, 3, 4, generator=generator, dtype=torch.float64)
+    k = torch.randn(1, 1, keys, 4, generator=generator, dtype=torch.float64)
+    v = torch.randn(1, 1, keys, EV, generator=generator, dtype=torch.float64)
+    # The last key aligned with every query: in every row's support.
+    k[0, 0, -1] = q[0, 0].sum(0) * 3
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    _, (_, columns, _, ends) = _forward(q, k, v, 1.5)
+    if keys > 32768:
+        assert (ends == -1).all()
+    else:
+        assert (ends >= 0).all()
+        first = torch.cat([ends.new_zeros(1), ends[0, 0, :-1]])
+        last_columns = columns[0, 0].reshape(-1)[ends[0, 0] - 1]
+        assert (ends[0, 0] > first).all() and (last_columns == keys - 1).all()
+    _check_against_oracle(q, k, v, 1.5, {}, torch.float64)
+
+
 def test_what_is_kept_follows_the_call(monkeypatch):
     """Nothing kept without a gradient, for a float α other than 1.5 and 2, with a softcap, or
     below MIN_KEPT_SUPPORT entries; the kept lists' bytes stay within the share of the output's."""
