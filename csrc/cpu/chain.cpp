@@ -27,11 +27,11 @@ using chain::ChainKind;
 
 int64_t grain_rows(int64_t n) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)); }
 
-// The two states' unaries of a row (chain_algos.h's unary): exp(−max(s, 0)) to unary[0, n),
-// exp(min(s, 0)) to unary[n, 2n): one is 1, the other exp(−|s|), one branch-free vec_exp per
-// entry so that the loop vectorises (masked, −inf, entries get 1 and 0 and are not read).
+// The two states' unaries of n scores (chain_algos.h's unary): exp(−max(s, 0)) to unary0,
+// exp(min(s, 0)) to unary1: one is 1, the other exp(−|s|), one branch-free vec_exp per entry
+// so that the loop vectorises (masked, −inf, entries get 1 and 0 and are not read).
 template <bool kFma, typename T>
-ENTMAX_FAST_ALWAYS_INLINE void crf_state_unaries_body(const T* x, double* unary, int64_t n) {
+ENTMAX_FAST_ALWAYS_INLINE void crf_state_unaries_body(const T* x, double* unary0, double* unary1, int64_t n) {
   using entmax_fast_cpu::vecmath::select;
   for (int64_t j = 0; j < n; ++j) {
     // select(), not a conditional expression: under -ftrapping-math that is a branch, and the
@@ -39,8 +39,8 @@ ENTMAX_FAST_ALWAYS_INLINE void crf_state_unaries_body(const T* x, double* unary,
     const double s = static_cast<double>(x[j]);
     const bool positive = s > 0.0;
     const double small = entmax_fast_cpu::vecmath::vec_exp<kFma>(-std::fabs(s));
-    unary[j] = select(positive, small, 1.0);
-    unary[n + j] = select(positive, 1.0, small);
+    unary0[j] = select(positive, small, 1.0);
+    unary1[j] = select(positive, 1.0, small);
   }
 }
 
@@ -63,16 +63,17 @@ bool row_is_plain(const T* x, int64_t n) {
 
 template <typename T>
 void crf_state_unaries_portable(const T* x, double* unary, int64_t n) {
-  crf_state_unaries_body<false>(x, unary, n);
+  crf_state_unaries_body<false>(x, unary, unary + n, n);
 }
 
 #if ENTMAX_FAST_AVX2_KERNELS
 template <typename T>
 ENTMAX_FAST_TARGET_AVX2 void crf_state_unaries_avx2(const T* x, double* unary, int64_t n) {
-  crf_state_unaries_body<true>(x, unary, n);
+  crf_state_unaries_body<true>(x, unary, unary + n, n);
 }
 #endif
 
+// A row's unaries: state 0 to unary[0, n), state 1 to unary[n, 2n).
 template <typename T>
 void crf_state_unaries(const T* x, double* unary, int64_t n) {
 #if ENTMAX_FAST_AVX2_KERNELS
@@ -189,34 +190,34 @@ ENTMAX_FAST_ALWAYS_INLINE void transpose4(Lanes<4>& r0, Lanes<4>& r1, Lanes<4>& 
   r3 = ENTMAX_FAST_SHUFFLE4(t1, t3, 2, 3, 6, 7);
 }
 
-// out[j·4 + k] = rows[k][j], as double.
+// out[j·4 + k] = rows[k][j], as double, for j in [begin, end).
 template <typename T>
-ENTMAX_FAST_ALWAYS_INLINE void rows_to_lanes(const T* const* rows, double* out, int64_t n) {
+ENTMAX_FAST_ALWAYS_INLINE void rows_to_lanes(const T* const* rows, double* out, int64_t begin, int64_t end) {
   using Quad = typename QuadOf<T>::type;
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) {
+  int64_t j = begin;
+  for (; j + 4 <= end; j += 4) {
     Lanes<4> r[4];
     for (int k = 0; k < 4; ++k) r[k] = __builtin_convertvector(*reinterpret_cast<const Quad*>(rows[k] + j), Lanes<4>);
     transpose4(r[0], r[1], r[2], r[3]);
     for (int i = 0; i < 4; ++i) lanes_at<4>(out + (j + i) * 4) = r[i];
   }
-  for (; j < n; ++j) {
+  for (; j < end; ++j) {
     for (int k = 0; k < 4; ++k) out[j * 4 + k] = static_cast<double>(rows[k][j]);
   }
 }
 
-// rows[k][j] = in[j·4 + k], rounded to T.
+// rows[k][j] = in[j·4 + k], rounded to T, for j in [begin, end).
 template <typename T>
-ENTMAX_FAST_ALWAYS_INLINE void lanes_to_rows(const double* in, T* const* rows, int64_t n) {
+ENTMAX_FAST_ALWAYS_INLINE void lanes_to_rows(const double* in, T* const* rows, int64_t begin, int64_t end) {
   using Quad = typename QuadOf<T>::type;
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) {
+  int64_t j = begin;
+  for (; j + 4 <= end; j += 4) {
     Lanes<4> r[4];
     for (int i = 0; i < 4; ++i) r[i] = lanes_at<4>(in + (j + i) * 4);
     transpose4(r[0], r[1], r[2], r[3]);
     for (int k = 0; k < 4; ++k) *reinterpret_cast<Quad*>(rows[k] + j) = __builtin_convertvector(r[k], Quad);
   }
-  for (; j < n; ++j) {
+  for (; j < end; ++j) {
     for (int k = 0; k < 4; ++k) rows[k][j] = static_cast<T>(in[j * 4 + k]);
   }
 }
@@ -245,11 +246,35 @@ ENTMAX_FAST_ALWAYS_INLINE void prefetch_next(const PlainRows<K, T>& rows, int64_
   if (offset < rows.prefetch_bytes[j & 1]) __builtin_prefetch(rows.prefetch[j & 1] + offset, 0, 3);
 }
 
+// Positions per block of a sweep. The recursions wait on latency (a step on the previous
+// step's multiply-add) and leave execution units idle, so the work that does not depend on
+// them runs beside them, a block at a time: while the first sweep's steps run through one
+// block, the next block's entries move to position-major order and get their unaries (the
+// exps); the second sweep moves each block's outputs back to the rows once its steps are done.
+// A multiple of 4 (the transposes).
+constexpr int64_t kCrfBlock = 8;
+
+// The K plain rows' positions [begin, end) to position-major order, scores (and gradients in
+// the backward), and the scores' unaries.
+template <int K, bool kFma, typename T>
+ENTMAX_FAST_ALWAYS_INLINE void take_block(const PlainRows<K, T>& rows, double* p_scores, double* p_grad,
+                                          double* p_unary0, double* p_unary1, int64_t begin, int64_t end) {
+  rows_to_lanes(rows.x, p_scores, begin, end);
+  if (p_grad) rows_to_lanes(rows.grad, p_grad, begin, end);
+  const int64_t at = begin * K;
+  if (end - begin == kCrfBlock) {  // a constant count: the exp loop unrolled
+    crf_state_unaries_body<kFma>(p_scores + at, p_unary0 + at, p_unary1 + at, K * kCrfBlock);
+  } else {
+    crf_state_unaries_body<kFma>(p_scores + at, p_unary0 + at, p_unary1 + at, K * (end - begin));
+  }
+}
+
 // scratch: 8·K·n doubles; rescaled: n positions.
 template <int K, bool kFma, typename T>
 ENTMAX_FAST_ALWAYS_INLINE void crf_plain_rows_body(const PlainRows<K, T>& rows, double* scratch, int64_t* rescaled,
                                                    int64_t n) {
   static_assert(K == 4, "the transposes are 4x4");
+  static_assert(kCrfBlock % 4 == 0, "blocks of whole 4x4 transposes");
   using V = Lanes<K>;
   const bool backward = rows.grad[0] != nullptr;
   const int64_t size = K * n;
@@ -257,14 +282,16 @@ ENTMAX_FAST_ALWAYS_INLINE void crf_plain_rows_body(const PlainRows<K, T>& rows, 
   double* p_unary = scratch + size;  // state 0 at [0, size), state 1 at [size, 2 size)
   double* p_alpha0 = scratch + 3 * size;
   double* p_alpha1 = scratch + 4 * size;
-  double* p_grad = scratch + 5 * size;      // backward only, as the two below
-  double* p_tangent1 = scratch + 6 * size;  // the forward tangent's state 1
+  double* p_grad = backward ? scratch + 5 * size : nullptr;  // backward only, as the two below
+  double* p_tangent1 = scratch + 6 * size;                   // the forward tangent's state 1
   // The forward's rescales, rare: the positions (increasing) and their factors.
   double* p_factor = scratch + 7 * size;
   int64_t rescales = 0;
-  rows_to_lanes(rows.x, p_scores, n);
-  if (backward) rows_to_lanes(rows.grad, p_grad, n);
-  crf_state_unaries_body<kFma>(p_scores, p_unary, size);
+  // The first sweep's blocks [begin, end), each taking the next block at its start (no lambda:
+  // its body would not get this function's target ISA).
+  take_block<K, kFma>(rows, p_scores, p_grad, p_unary, p_unary + size, 0, std::min(n, kCrfBlock));
+  // The second sweep's blocks, from the last: the first position of the block holding n − 1.
+  const int64_t last_block = (n - 1) / kCrfBlock * kCrfBlock;
   V E[4];
   for (int k = 0; k < K; ++k) {
     const chain::ChainTransitions tr(rows.transitions[k]);
@@ -279,29 +306,36 @@ ENTMAX_FAST_ALWAYS_INLINE void crf_plain_rows_body(const PlainRows<K, T>& rows, 
     rescale_lanes<K>(a0, a1, unused0, unused1, factor);
     lanes_at<K>(p_alpha0) = a0;
     lanes_at<K>(p_alpha1) = a1;
-    for (int64_t j = 1; j < n; ++j) {
-      const int64_t at = j * K;
-      prefetch_next(rows, j);
-      const V u0 = lanes_at<K>(p_unary + at), u1 = lanes_at<K>(p_unary + size + at);
-      const V next0 = (u0 * E[0]) * a0 + (u0 * E[2]) * a1;
-      a1 = (u1 * E[1]) * a0 + (u1 * E[3]) * a1;
-      a0 = next0;
-      rescale_lanes<K>(a0, a1, unused0, unused1, factor);
-      lanes_at<K>(p_alpha0 + at) = a0;
-      lanes_at<K>(p_alpha1 + at) = a1;
+    for (int64_t begin = 0; begin < n; begin += kCrfBlock) {
+      const int64_t end = std::min(n, begin + kCrfBlock);
+      if (end < n) take_block<K, kFma>(rows, p_scores, p_grad, p_unary, p_unary + size, end, std::min(n, end + kCrfBlock));
+      for (int64_t j = std::max<int64_t>(begin, 1); j < end; ++j) {
+        const int64_t at = j * K;
+        prefetch_next(rows, j);
+        const V u0 = lanes_at<K>(p_unary + at), u1 = lanes_at<K>(p_unary + size + at);
+        const V next0 = (u0 * E[0]) * a0 + (u0 * E[2]) * a1;
+        a1 = (u1 * E[1]) * a0 + (u1 * E[3]) * a1;
+        a0 = next0;
+        rescale_lanes<K>(a0, a1, unused0, unused1, factor);
+        lanes_at<K>(p_alpha0 + at) = a0;
+        lanes_at<K>(p_alpha1 + at) = a1;
+      }
     }
     V b0 = one, b1 = one;
-    for (int64_t j = n - 1; j >= 0; --j) {
-      const int64_t at = j * K;
-      const V on = lanes_at<K>(p_alpha1 + at) * b1, off = lanes_at<K>(p_alpha0 + at) * b0;
-      lanes_at<K>(p_out + at) = on / (on + off);
-      const V u0 = lanes_at<K>(p_unary + at), u1 = lanes_at<K>(p_unary + size + at);
-      const V next0 = (E[0] * u0) * b0 + (E[1] * u1) * b1;
-      b1 = (E[2] * u0) * b0 + (E[3] * u1) * b1;
-      b0 = next0;
-      rescale_lanes<K>(b0, b1, unused0, unused1, factor);
+    for (int64_t begin = last_block; begin >= 0; begin -= kCrfBlock) {
+      const int64_t end = std::min(n, begin + kCrfBlock);
+      for (int64_t j = end - 1; j >= begin; --j) {
+        const int64_t at = j * K;
+        const V on = lanes_at<K>(p_alpha1 + at) * b1, off = lanes_at<K>(p_alpha0 + at) * b0;
+        lanes_at<K>(p_out + at) = on / (on + off);
+        const V u0 = lanes_at<K>(p_unary + at), u1 = lanes_at<K>(p_unary + size + at);
+        const V next0 = (E[0] * u0) * b0 + (E[1] * u1) * b1;
+        b1 = (E[2] * u0) * b0 + (E[3] * u1) * b1;
+        b0 = next0;
+        rescale_lanes<K>(b0, b1, unused0, unused1, factor);
+      }
+      lanes_to_rows(p_out, rows.out, begin, end);
     }
-    lanes_to_rows(p_out, rows.out, n);
     return;
   }
   // crf_backward_row's forward, with the tangent along g (t0, t1).
@@ -313,61 +347,68 @@ ENTMAX_FAST_ALWAYS_INLINE void crf_plain_rows_body(const PlainRows<K, T>& rows, 
   lanes_at<K>(p_alpha0) = a0;
   lanes_at<K>(p_alpha1) = a1;
   lanes_at<K>(p_tangent1) = t1;
-  for (int64_t j = 1; j < n; ++j) {
-    const int64_t at = j * K;
-    prefetch_next(rows, j);
-    const V u0 = lanes_at<K>(p_unary + at), u1 = lanes_at<K>(p_unary + size + at);
-    const V e00 = u0 * E[0], e10 = u0 * E[2], e01 = u1 * E[1], e11 = u1 * E[3];
-    const V next_a0 = e00 * a0 + e10 * a1, next_a1 = e01 * a0 + e11 * a1;
-    const V next_t0 = e00 * t0 + e10 * t1;
-    t1 = e01 * t0 + e11 * t1 + lanes_at<K>(p_grad + at) * next_a1;
-    t0 = next_t0;
-    a0 = next_a0;
-    a1 = next_a1;
-    if (rescale_lanes<K>(a0, a1, t0, t1, factor)) {
-      lanes_at<K>(p_factor + rescales * K) = factor;
-      rescaled[rescales++] = j;
+  for (int64_t begin = 0; begin < n; begin += kCrfBlock) {
+    const int64_t end = std::min(n, begin + kCrfBlock);
+    if (end < n) take_block<K, kFma>(rows, p_scores, p_grad, p_unary, p_unary + size, end, std::min(n, end + kCrfBlock));
+    for (int64_t j = std::max<int64_t>(begin, 1); j < end; ++j) {
+      const int64_t at = j * K;
+      prefetch_next(rows, j);
+      const V u0 = lanes_at<K>(p_unary + at), u1 = lanes_at<K>(p_unary + size + at);
+      const V e00 = u0 * E[0], e10 = u0 * E[2], e01 = u1 * E[1], e11 = u1 * E[3];
+      const V next_a0 = e00 * a0 + e10 * a1, next_a1 = e01 * a0 + e11 * a1;
+      const V next_t0 = e00 * t0 + e10 * t1;
+      t1 = e01 * t0 + e11 * t1 + lanes_at<K>(p_grad + at) * next_a1;
+      t0 = next_t0;
+      a0 = next_a0;
+      a1 = next_a1;
+      if (rescale_lanes<K>(a0, a1, t0, t1, factor)) {
+        lanes_at<K>(p_factor + rescales * K) = factor;
+        rescaled[rescales++] = j;
+      }
+      lanes_at<K>(p_alpha0 + at) = a0;
+      lanes_at<K>(p_alpha1 + at) = a1;
+      lanes_at<K>(p_tangent1 + at) = t1;
     }
-    lanes_at<K>(p_alpha0 + at) = a0;
-    lanes_at<K>(p_alpha1 + at) = a1;
-    lanes_at<K>(p_tangent1 + at) = t1;
   }
   const V G = (t0 + t1) / (a0 + a1);  // E[g·z]
   // Backward: β, its tangent r; dx_j; the n_11 pair terms without the factor E_11.
   V b0 = one, b1 = one, r0 = zero, r1 = zero;
   V pair = zero, pair_tangent = zero, sum_dx = zero, dx_last = zero;
-  for (int64_t j = n - 1; j >= 0; --j) {
-    const int64_t at = j * K;
-    const V alpha1 = lanes_at<K>(p_alpha1 + at);
-    const V inverse = 1.0 / (lanes_at<K>(p_alpha0 + at) * b0 + alpha1 * b1);
-    const V dx_j = (lanes_at<K>(p_tangent1 + at) * b1 + alpha1 * (r1 - b1 * G)) * inverse;
-    lanes_at<K>(p_out + at) = dx_j;
-    if (j == n - 1) dx_last = dx_j;
-    sum_dx += dx_j;
-    if (j == 0) break;
-    const V u0 = lanes_at<K>(p_unary + at), u1 = lanes_at<K>(p_unary + size + at);
-    const V r1_g = r1 + lanes_at<K>(p_grad + at) * b1;  // u1 times it: the tangent of v1 = u1 b1
-    V inverse_w = inverse * u1;
-    if (rescales > 0 && rescaled[rescales - 1] == j) {
-      --rescales;
-      inverse_w *= lanes_at<K>(p_factor + rescales * K);
+  for (int64_t begin = last_block; begin >= 0; begin -= kCrfBlock) {
+    const int64_t end = std::min(n, begin + kCrfBlock);
+    for (int64_t j = end - 1; j >= begin; --j) {
+      const int64_t at = j * K;
+      const V alpha1 = lanes_at<K>(p_alpha1 + at);
+      const V inverse = 1.0 / (lanes_at<K>(p_alpha0 + at) * b0 + alpha1 * b1);
+      const V dx_j = (lanes_at<K>(p_tangent1 + at) * b1 + alpha1 * (r1 - b1 * G)) * inverse;
+      lanes_at<K>(p_out + at) = dx_j;
+      if (j == n - 1) dx_last = dx_j;
+      sum_dx += dx_j;
+      if (j == 0) break;
+      const V u0 = lanes_at<K>(p_unary + at), u1 = lanes_at<K>(p_unary + size + at);
+      const V r1_g = r1 + lanes_at<K>(p_grad + at) * b1;  // u1 times it: the tangent of v1 = u1 b1
+      V inverse_w = inverse * u1;
+      if (rescales > 0 && rescaled[rescales - 1] == j) {
+        --rescales;
+        inverse_w *= lanes_at<K>(p_factor + rescales * K);
+      }
+      const V v1_w = b1 * inverse_w, w1_w = r1_g * inverse_w;
+      const V p1 = lanes_at<K>(p_alpha1 + at - K), q1 = lanes_at<K>(p_tangent1 + at - K);
+      pair += p1 * v1_w;
+      pair_tangent += q1 * v1_w + p1 * w1_w;
+      const V e00 = E[0] * u0, e01 = E[1] * u1, e10 = E[2] * u0, e11 = E[3] * u1;
+      const V next_b0 = e00 * b0 + e01 * b1, next_r0 = e00 * r0 + e01 * r1_g;
+      b1 = e10 * b0 + e11 * b1;
+      r1 = e10 * r0 + e11 * r1_g;
+      b0 = next_b0;
+      r0 = next_r0;
+      rescale_lanes<K>(b0, b1, r0, r1, factor);
     }
-    const V v1_w = b1 * inverse_w, w1_w = r1_g * inverse_w;
-    const V p1 = lanes_at<K>(p_alpha1 + at - K), q1 = lanes_at<K>(p_tangent1 + at - K);
-    pair += p1 * v1_w;
-    pair_tangent += q1 * v1_w + p1 * w1_w;
-    const V e00 = E[0] * u0, e01 = E[1] * u1, e10 = E[2] * u0, e11 = E[3] * u1;
-    const V next_b0 = e00 * b0 + e01 * b1, next_r0 = e00 * r0 + e01 * r1_g;
-    b1 = e10 * b0 + e11 * b1;
-    r1 = e10 * r0 + e11 * r1_g;
-    b0 = next_b0;
-    r0 = next_r0;
-    rescale_lanes<K>(b0, b1, r0, r1, factor);
+    lanes_to_rows(p_out, rows.out, begin, end);
   }
   const V c11 = E[3] * (pair_tangent - G * pair);
   const V into = sum_dx - lanes_at<K>(p_out);  // Cov(Σ_{j≥2} z_j, g·z)
   const V outof = sum_dx - dx_last;            // Cov(Σ_{j≤m−1} z_j, g·z)
-  lanes_to_rows(p_out, rows.out, n);
   for (int k = 0; k < K; ++k) {
     rows.dtransitions[k][0] = static_cast<T>(c11[k] - into[k] - outof[k]);
     rows.dtransitions[k][1] = static_cast<T>(into[k] - c11[k]);
