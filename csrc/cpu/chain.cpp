@@ -91,8 +91,9 @@ void crf_state_unaries(const T* x, double* unary, int64_t n) {
 // inputs transposed to position-major order ([j][k]) so that a step reads one vector per
 // quantity. float64 arithmetic and the one-row functions' rescaling rule (a message divided
 // by its larger entry when that falls below 2^-256, here when any lane's does: a branch taken
-// rarely); the products u_b·E_ab are formed first, so that a step of a recursion is one
-// multiply and one multiply-add (the results differ from the one-row functions' by rounding).
+// rarely, its test cheapened per block of steps by note_low); the products u_b·E_ab are
+// formed first, so that a step of a recursion is one multiply and one multiply-add (the
+// results differ from the one-row functions' by rounding).
 // Two changes in the backward save work:
 //  - the pair term of the edge (j−1, j) has the normaliser Σ_ab α_{j−1}(a) E_ab u_j(b) β_j(b)
 //    = (α_j·β_j) / c_j, c_j the forward's rescale factor at j (1 but at the few positions
@@ -331,7 +332,9 @@ ENTMAX_FAST_ALWAYS_INLINE void crf_plain_rows_body(const PlainRows<K, T>& rows, 
     bool exact_rest = false;
     for (int64_t begin = 0; begin < n; begin += kCrfBlock) {
       const int64_t end = std::min(n, begin + kCrfBlock);
-      if (end < n) take_block<K, kFma>(rows, p_scores, p_grad, p_unary, p_unary + size, end, std::min(n, end + kCrfBlock));
+      if (end < n) {
+        take_block<K, kFma>(rows, p_scores, p_grad, p_unary, p_unary + size, end, std::min(n, end + kCrfBlock));
+      }
       const V start0 = a0, start1 = a1;
       for (bool exact = exact_rest;; exact = true) {
         LaneMask<K> low = {};
@@ -398,7 +401,9 @@ ENTMAX_FAST_ALWAYS_INLINE void crf_plain_rows_body(const PlainRows<K, T>& rows, 
   bool exact_rest = false;
   for (int64_t begin = 0; begin < n; begin += kCrfBlock) {
     const int64_t end = std::min(n, begin + kCrfBlock);
-    if (end < n) take_block<K, kFma>(rows, p_scores, p_grad, p_unary, p_unary + size, end, std::min(n, end + kCrfBlock));
+    if (end < n) {
+      take_block<K, kFma>(rows, p_scores, p_grad, p_unary, p_unary + size, end, std::min(n, end + kCrfBlock));
+    }
     const V start_a0 = a0, start_a1 = a1, start_t0 = t0, start_t1 = t1;
     for (bool exact = exact_rest;; exact = true) {
       LaneMask<K> low = {};
@@ -523,7 +528,12 @@ void crf_plain_rows(const PlainRows<K, T>& rows, double* scratch, int64_t* resca
 // Rows per SIMD group: one AVX2 vector of doubles. Eight rows as 64-byte vectors (two AVX2
 // vectors a step) were slower: 4096x1024 float32, one thread, forward 35 against 21 ms and
 // backward 53-56 against 27-34 ms (x86-64, median of 15, shared 2-core host at load ~2,
-// at aa89c7c).
+// at aa89c7c). Two groups of four interleaved step by step would overlap two recursions'
+// latency, but with the exps beside the first sweep and the rescale test per block the steps
+// are no longer latency-bound: with each step's dependence on the previous one removed (a
+// timing experiment, wrong results) the forward took 14.3 ms (15.9 in one run of three)
+// against 14.6-14.8 ms (4096x1024 float32, one thread, median of 7, three alternated runs,
+// x86-64 with AVX2, shared 2-core host at load ~2, at 52cb56a).
 constexpr int kCrfLanes = 4;
 
 // The CRF forward (p_g null) or backward of rows [begin, end): plain rows K at a time by
