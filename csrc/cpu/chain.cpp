@@ -28,8 +28,9 @@ using chain::ChainKind;
 int64_t grain_rows(int64_t n) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)); }
 
 // The two states' unaries of n scores (chain_algos.h's unary): exp(−max(s, 0)) to unary0,
-// exp(min(s, 0)) to unary1: one is 1, the other exp(−|s|), one branch-free vec_exp per entry
-// so that the loop vectorises (masked, −inf, entries get 1 and 0 and are not read).
+// exp(min(s, 0)) to unary1: one is 1, the other exp(−|s|), one branch-free
+// vec_exp_nonpositive per entry so that the loop vectorises (masked, −inf, entries get 1 and
+// 0 and are not read).
 template <bool kFma, typename T>
 ENTMAX_FAST_ALWAYS_INLINE void crf_state_unaries_body(const T* x, double* unary0, double* unary1, int64_t n) {
   using entmax_fast_cpu::vecmath::select;
@@ -38,7 +39,7 @@ ENTMAX_FAST_ALWAYS_INLINE void crf_state_unaries_body(const T* x, double* unary0
     // loop then does not vectorise.
     const double s = static_cast<double>(x[j]);
     const bool positive = s > 0.0;
-    const double small = entmax_fast_cpu::vecmath::vec_exp<kFma>(-std::fabs(s));
+    const double small = entmax_fast_cpu::vecmath::vec_exp_nonpositive<kFma>(-std::fabs(s));
     unary0[j] = select(positive, small, 1.0);
     unary1[j] = select(positive, 1.0, small);
   }
