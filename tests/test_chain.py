@@ -457,7 +457,8 @@ def test_crf_long_rows_with_rescaling_match_reference(kernel_isa, dtype):
 def test_crf_lanes_blocks_and_late_rescales_match_reference(kernel_isa, rows, L):
     # The CPU lanes run each sweep in blocks of 16 keys, first with a cheap test of whether a
     # message fell low and again from the block's start with the rescale test at every step
-    # where it did; the sweep's later blocks then rescale-test at every step. Here: block
+    # where it did; the sweep's later blocks then rescale-test at every step (AVX2 kernels;
+    # the portable ones test at every step, in the same blocks). Here: block
     # boundaries (L = 15, 16, 17, 47, 700), row counts that leave each remainder of the groups
     # of 4 (1 and 3: every row alone), and in the first group a row that needs rescaling only
     # from 3/5 of its length (scores of ±300 alternating against transitions that favour

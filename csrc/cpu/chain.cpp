@@ -323,14 +323,18 @@ ENTMAX_FAST_ALWAYS_INLINE void crf_plain_rows_body(const PlainRows<K, T>& rows, 
   // Each block's steps run with note_low (exact false), and again with rescale_lanes (exact
   // true) from the block's start where note_low held at some step; the sweep's later blocks
   // then run with rescale_lanes at once (exact_rest): rows that rescale every few steps, as
-  // with transitions of ±20 and more, would otherwise run most blocks twice.
+  // with transitions of ±20 and more, would otherwise run most blocks twice. The baseline-ISA
+  // build runs every block with rescale_lanes (kCheapRescaleTest false): there, a vector two
+  // SSE2 halves in 16 registers, the cheap pass made the forward slower, 55 -> 66 ms
+  // (4096x1024 float32, one thread, median of 5, shared 2-core host at load ~3, at 0e4ea17).
+  constexpr bool kCheapRescaleTest = kFma;
   if (!backward) {
     // crf_forward_row's sweeps.
     V a0 = lanes_at<K>(p_unary), a1 = lanes_at<K>(p_unary + size), unused0 = zero, unused1 = zero;
     rescale_lanes<K>(a0, a1, unused0, unused1, factor);
     lanes_at<K>(p_alpha0) = a0;
     lanes_at<K>(p_alpha1) = a1;
-    bool exact_rest = false;
+    bool exact_rest = !kCheapRescaleTest;
     for (int64_t begin = 0; begin < n; begin += kCrfBlock) {
       const int64_t end = std::min(n, begin + kCrfBlock);
       if (end < n) {
@@ -361,7 +365,7 @@ ENTMAX_FAST_ALWAYS_INLINE void crf_plain_rows_body(const PlainRows<K, T>& rows, 
       }
     }
     V b0 = one, b1 = one;
-    exact_rest = false;
+    exact_rest = !kCheapRescaleTest;
     for (int64_t begin = last_block; begin >= 0; begin -= kCrfBlock) {
       const int64_t end = std::min(n, begin + kCrfBlock);
       const V start0 = b0, start1 = b1;
@@ -399,7 +403,7 @@ ENTMAX_FAST_ALWAYS_INLINE void crf_plain_rows_body(const PlainRows<K, T>& rows, 
   lanes_at<K>(p_alpha0) = a0;
   lanes_at<K>(p_alpha1) = a1;
   lanes_at<K>(p_tangent1) = t1;
-  bool exact_rest = false;
+  bool exact_rest = !kCheapRescaleTest;
   for (int64_t begin = 0; begin < n; begin += kCrfBlock) {
     const int64_t end = std::min(n, begin + kCrfBlock);
     if (end < n) {
@@ -441,7 +445,7 @@ ENTMAX_FAST_ALWAYS_INLINE void crf_plain_rows_body(const PlainRows<K, T>& rows, 
   // Backward: β, its tangent r; dx_j; the n_11 pair terms without the factor E_11.
   V b0 = one, b1 = one, r0 = zero, r1 = zero;
   V pair = zero, pair_tangent = zero, sum_dx = zero, dx_last = zero;
-  exact_rest = false;
+  exact_rest = !kCheapRescaleTest;
   for (int64_t begin = last_block; begin >= 0; begin -= kCrfBlock) {
     const int64_t end = std::min(n, begin + kCrfBlock);
     const V start_b0 = b0, start_b1 = b1, start_r0 = r0, start_r1 = r1;
