@@ -451,6 +451,52 @@ def test_crf_long_rows_with_rescaling_match_reference(kernel_isa, dtype):
     torch.testing.assert_close(T_cpp.grad.double(), T_ref.grad, atol=atol_transitions, rtol=rtol)
 
 
+@needs_cpp
+@pytest.mark.parametrize("rows", [1, 3, 5, 7, 9, 13])
+@pytest.mark.parametrize("L", [15, 16, 17, 47, 700])
+def test_crf_lanes_blocks_and_late_rescales_match_reference(kernel_isa, rows, L):
+    # The CPU lanes run each sweep in blocks of 16 keys, first with a cheap test of whether a
+    # message fell low and again from the block's start with the rescale test at every step
+    # where it did; the sweep's later blocks then rescale-test at every step (AVX2 kernels;
+    # the portable ones test at every step, in the same blocks). Here: block
+    # boundaries (L = 15, 16, 17, 47, 700), row counts that leave each remainder of the groups
+    # of 4 (1 and 3: every row alone), and in the first group a row that needs rescaling only
+    # from 3/5 of its length (scores of ±300 alternating against transitions that favour
+    # agreement by 150: its messages fall by ~e^-150 a key there and would underflow within
+    # 5 keys unrescaled; its first blocks run once, one block twice, the rest tested at every
+    # step, in both sweeps) and a row that rescales every few keys from the start (transitions
+    # of ~±30); a NaN row (from 7 rows) and a masked row (from 6), run alone. float64 against
+    # the log-space reference; dT as in the long rows above.
+    gen = torch.Generator().manual_seed(1000 * rows + L)
+    s = torch.randn(rows, L, generator=gen, dtype=torch.float64)
+    T = torch.randn(rows, 2, 2, generator=gen, dtype=torch.float64)
+    grad = torch.randn(rows, L, generator=gen, dtype=torch.float64)
+    late = L * 3 // 5
+    s[0, late:] = 300 * torch.tensor([1.0, -1.0], dtype=torch.float64).repeat(L)[: L - late]
+    T[0] = torch.tensor([[0.0, -150.0], [-150.0, 0.0]])
+    if rows > 1:
+        T[1] *= 30
+    if rows >= 6:
+        s[rows - 1, L // 2] = NEG_INF
+    nan_row = 2 if rows >= 7 else None
+    poisoned = s.clone()
+    if nan_row is not None:
+        poisoned[nan_row, L // 3] = float("nan")
+    s_cpp, T_cpp = poisoned.clone().requires_grad_(), T.clone().requires_grad_()
+    out = run("crf", "cpp", s_cpp, T_cpp)
+    out.backward(grad)
+    keep = torch.ones(rows, dtype=torch.bool)
+    if nan_row is not None:
+        assert torch.isnan(out[nan_row]).all() and torch.isnan(s_cpp.grad[nan_row]).all()
+        keep[nan_row] = False
+    s_ref, T_ref = s[keep].clone().requires_grad_(), T[keep].clone().requires_grad_()
+    expected = R.crf_marginals(s_ref, T_ref)
+    expected.backward(grad[keep])
+    torch.testing.assert_close(out[keep], expected, atol=1e-9, rtol=0)
+    torch.testing.assert_close(s_cpp.grad[keep], s_ref.grad, atol=1e-9, rtol=0)
+    torch.testing.assert_close(T_cpp.grad[keep], T_ref.grad, atol=1e-7, rtol=0)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_masked_positions_equal_removing_them(kind, backend):
