@@ -21,13 +21,16 @@ __all__ = ["entmax_forward", "entmax_backward", "attention_forward", "attention_
 
 # The forward keeps each sparsemax and 1.5-entmax tile's supports for the backward in at most
 # this share of the output's bytes (kept_support_capacity), which lets the backward skip the
-# tile's score GEMM: with it, fwd+bwd at B 2, H 8, E 64, float32, 2 threads took 0.47x SDPA's
-# time at L 1024 and 0.35x at L 2048, peak memory staying below SDPA's (bench_attention.py
-# --sparsity; docs/performance.md, "CPU attention"). At E 64 in float32 that is 32 entries per
-# row, pooled over the tile's 64 rows; N(0,1) rows of 1.5-entmax hold 19 at L 1024.
+# tile's score GEMM: fwd+bwd at B 2, H 8, E 64, float32, 2 threads took 0.47x SDPA's time at
+# L 1024 and 0.35x at L 2048 (0.63x and 0.51x without), peak memory below SDPA's (aaecdec,
+# 2-core x86-64; docs/performance.md, "CPU attention"). At E 64 in float32 that is 32 entries
+# per row, pooled over the tile's 64 rows, where N(0,1) rows of 1.5-entmax hold 19 at L 1024;
+# with the whole output row (42 entries) the peak at L 256 reached SDPA's (5.18 against 5.15
+# MiB in one run, the same machine, 41abd83's code with a share of 1).
 KEPT_SUPPORT_SHARE = 0.75
-# Fewer entries per row than this hold no support of a long row (head dims under 16 in
-# float32): nothing is kept.
+# Fewer entries per row than this (head dims under 16 in float32) are fewer than the rows'
+# supports (the trained recall model of bench_attention.py --sparsity, E 8: 4 entries for
+# supports of 11 on average): nothing is kept.
 MIN_KEPT_SUPPORT = 8
 
 
