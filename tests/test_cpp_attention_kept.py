@@ -14,7 +14,8 @@ from entmax_fast._validation import ScoreOptions
 from entmax_fast.backends.cpp import loader
 from entmax_fast.backends.cpp import ops as cpp_ops
 from entmax_fast.common import GRAD_INPUTS, GRAD_NONE
-from test_cpp_attention_options import ALPHA_HEADS, OPTION_CASES, _attention_on, _check_against_oracle, _option_case
+from test_cpp_attention_options import (ALPHA_HEADS, OPTION_CASES, _attention_on, _check_against_oracle, _option_case,
+                                        assert_compiled_like_eager)
 from test_cpp_attention_sparse import EV, LK, LQ, _mixed_inputs, _sparse_tiles, mask_case
 
 _AVAILABLE, _REASON = dispatch.availability("cpp")
@@ -277,13 +278,4 @@ def test_torch_compile_fullgraph_keeps_and_uses_the_supports(monkeypatch):
             return entmax_fast.entmax_attention(q, k, v, enable_gqa=True, alpha=alpha,
                                                 window_size=(30, -1)).square().sum()
 
-    inputs = (q, k, v, alpha)
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    got = compiled(*inputs)
-    assert dispatch.last_choice("attention").backend == "cpp"
-    got_grads = torch.autograd.grad(got, inputs)
-    expected = model(*inputs)
-    expected_grads = torch.autograd.grad(expected, inputs)
-    torch.testing.assert_close(got, expected)
-    for g, e in zip(got_grads, expected_grads):
-        torch.testing.assert_close(g, e)
+    assert_compiled_like_eager(model, (q, k, v, alpha))

@@ -354,12 +354,17 @@ def test_torch_compile_fullgraph_runs_the_options_on_the_operator():
             return entmax_fast.entmax_attention(q, k, v, bias, enable_gqa=True, window_size=(8, -1), softcap=2.0,
                                                 alibi_slopes=slopes, sinks=sinks).square().sum()
 
-    inputs = (q, k, v, sinks)
+    assert_compiled_like_eager(model, (q, k, v, sinks), bias)
+
+
+def assert_compiled_like_eager(model, inputs, *constants):
+    """model(*inputs, *constants) compiled (fullgraph, aot_eager) runs on the C++ operator and
+    gives the eager call's value and gradients in inputs."""
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    got = compiled(*inputs, bias)
+    got = compiled(*inputs, *constants)
     assert dispatch.last_choice("attention").backend == "cpp"
     got_grads = torch.autograd.grad(got, inputs)
-    expected = model(*inputs, bias)
+    expected = model(*inputs, *constants)
     expected_grads = torch.autograd.grad(expected, inputs)
     torch.testing.assert_close(got, expected)
     for g, e in zip(got_grads, expected_grads):

@@ -187,6 +187,23 @@ ENTMAX_FAST_ALWAYS_INLINE void note_low(const Lanes<K>& m0, const Lanes<K>& m1, 
   low |= (LaneMask<K>)(m0 + m1 < 2.0 * chain::kRescaleBelow);
 }
 
+// One step's test in a block: rescale_lanes where the block runs exactly, else note_low.
+template <int K>
+ENTMAX_FAST_ALWAYS_INLINE void check_step(bool exact, Lanes<K>& m0, Lanes<K>& m1, Lanes<K>& t0, Lanes<K>& t1,
+                                          Lanes<K>& factor, LaneMask<K>& low) {
+  if (exact) {
+    rescale_lanes<K>(m0, m1, t0, t1, factor);
+  } else {
+    note_low<K>(m0, m1, low);
+  }
+}
+
+// Whether a block's run stands: it ran exactly, or no message fell low in it.
+template <int K>
+ENTMAX_FAST_ALWAYS_INLINE bool block_stands(bool exact, const LaneMask<K>& low) {
+  return exact || __builtin_expect(!any_lane<K>(low), 1);
+}
+
 // Four rows' entries [j, j + 4) as four vectors, and back: a 4x4 transpose by shuffles,
 // so that moving rows to and from position-major order costs a few vector operations per
 // four entries (element by element it took a third of the backward's time).
@@ -362,15 +379,11 @@ ENTMAX_FAST_ALWAYS_INLINE void crf_plain_rows_body(const PlainRows<K, T>& rows, 
           const V next0 = (u0 * E[0]) * a0 + (u0 * E[2]) * a1;
           a1 = (u1 * E[1]) * a0 + (u1 * E[3]) * a1;
           a0 = next0;
-          if (exact) {
-            rescale_lanes<K>(a0, a1, unused0, unused1, factor);
-          } else {
-            note_low<K>(a0, a1, low);
-          }
+          check_step<K>(exact, a0, a1, unused0, unused1, factor, low);
           lanes_at<K>(p_alpha0 + at) = a0;
           lanes_at<K>(p_alpha1 + at) = a1;
         }
-        if (exact || __builtin_expect(!any_lane<K>(low), 1)) break;
+        if (block_stands<K>(exact, low)) break;
         exact_rest = true;
         a0 = start0;
         a1 = start1;
@@ -391,13 +404,9 @@ ENTMAX_FAST_ALWAYS_INLINE void crf_plain_rows_body(const PlainRows<K, T>& rows, 
           const V next0 = (E[0] * u0) * b0 + (E[1] * u1) * b1;
           b1 = (E[2] * u0) * b0 + (E[3] * u1) * b1;
           b0 = next0;
-          if (exact) {
-            rescale_lanes<K>(b0, b1, unused0, unused1, factor);
-          } else {
-            note_low<K>(b0, b1, low);
-          }
+          check_step<K>(exact, b0, b1, unused0, unused1, factor, low);
         }
-        if (exact || __builtin_expect(!any_lane<K>(low), 1)) break;
+        if (block_stands<K>(exact, low)) break;
         exact_rest = true;
         b0 = start0;
         b1 = start1;
@@ -445,7 +454,7 @@ ENTMAX_FAST_ALWAYS_INLINE void crf_plain_rows_body(const PlainRows<K, T>& rows, 
         lanes_at<K>(p_alpha1 + at) = a1;
         lanes_at<K>(p_tangent1 + at) = t1;
       }
-      if (exact || __builtin_expect(!any_lane<K>(low), 1)) break;
+      if (block_stands<K>(exact, low)) break;
       exact_rest = true;
       a0 = start_a0;
       a1 = start_a1;
@@ -491,13 +500,9 @@ ENTMAX_FAST_ALWAYS_INLINE void crf_plain_rows_body(const PlainRows<K, T>& rows, 
         r1 = e10 * r0 + e11 * r1_g;
         b0 = next_b0;
         r0 = next_r0;
-        if (exact) {
-          rescale_lanes<K>(b0, b1, r0, r1, factor);
-        } else {
-          note_low<K>(b0, b1, low);
-        }
+        check_step<K>(exact, b0, b1, r0, r1, factor, low);
       }
-      if (exact || __builtin_expect(!any_lane<K>(low), 1)) break;
+      if (block_stands<K>(exact, low)) break;
       exact_rest = true;
       b0 = start_b0;
       b1 = start_b1;
