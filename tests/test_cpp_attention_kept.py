@@ -6,17 +6,15 @@ must match the float64 oracle with every score option, and give bitwise the resu
 that keeps nothing. Skipped, with the reason, when the extension is not built."""
 import pytest
 import torch
-from torch.nn.attention.bias import CausalBias
 
 import entmax_fast
 from entmax_fast import dispatch, entmax15, sparsemax
-from entmax_fast._validation import ScoreOptions
 from entmax_fast.backends.cpp import loader
 from entmax_fast.backends.cpp import ops as cpp_ops
 from entmax_fast.common import GRAD_INPUTS, GRAD_NONE
 from test_cpp_attention_options import (ALPHA_HEADS, OPTION_CASES, _attention_on, _check_against_oracle, _option_case,
                                         assert_compiled_like_eager)
-from test_cpp_attention_sparse import EV, LK, LQ, _mixed_inputs, _sparse_tiles, mask_case
+from test_cpp_attention_sparse import EV, LK, LQ, _mixed_inputs, _sparse_tiles, mask_case, operator_arguments
 
 _AVAILABLE, _REASON = dispatch.availability("cpp")
 _AVAILABLE = _AVAILABLE and loader.has_entmax_ops()
@@ -36,16 +34,11 @@ def _set_capacity(monkeypatch, dtype, entries):
     monkeypatch.setattr(cpp_ops, "MIN_KEPT_SUPPORT", 1)
 
 
-def _forward(q, k, v, alpha, need_grad=GRAD_INPUTS, attn_mask=None, is_causal=False, window_size=(-1, -1),
-             softcap=0.0, alibi_slopes=None, sinks=None):
-    if isinstance(attn_mask, CausalBias):
-        # A lower-right causal bias reaches the operator as the window (-1, 0).
-        attn_mask, window_size = None, (-1, 0)
-    detached = [t.detach() if isinstance(t, torch.Tensor) else t for t in (q, k, v, alpha, alibi_slopes, sinks)]
-    return cpp_ops.attention_forward(*detached[:3], attn_mask, detached[3], scale=q.shape[-1] ** -0.5,
+def _forward(q, k, v, alpha, need_grad=GRAD_INPUTS, is_causal=False, **options):
+    attn_mask, alpha, score_options = operator_arguments(alpha, **options)
+    return cpp_ops.attention_forward(q.detach(), k.detach(), v.detach(), attn_mask, alpha, scale=q.shape[-1] ** -0.5,
                                      is_causal=is_causal, dropout_p=0.0, enable_gqa=True, need_grad=need_grad,
-                                     score_options=ScoreOptions(tuple(window_size), softcap, detached[4],
-                                                                detached[5]))
+                                     score_options=score_options)
 
 
 def _kept_tiles(q, k, v, alpha, **options):

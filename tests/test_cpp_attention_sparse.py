@@ -45,18 +45,23 @@ def _mixed_inputs(dtype, generator, lq=LQ, lk=LK, flat=FLAT):
     return q, k, v
 
 
-def _sparse_tiles(q, k, alpha, *, is_causal=False, attn_mask=None, window_size=(-1, -1), softcap=0.0,
-                  alibi_slopes=None, sinks=None):
-    """(B, H, tiles) bool: which query tiles take the sparse path."""
+def operator_arguments(alpha, attn_mask=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
+    """(attn_mask, alpha, score options) of an entmax_attention call as the C++ operators take
+    them: a lower-right causal bias as the window (-1, 0), tensors detached."""
     if isinstance(attn_mask, CausalBias):
-        # A lower-right causal bias reaches the operator as the window (-1, 0).
         attn_mask, window_size = None, (-1, 0)
-    detached = [t.detach() if isinstance(t, torch.Tensor) else t for t in (alpha, alibi_slopes, sinks)]
-    counts = cpp_ops.attention_support_forward(q.detach(), k.detach(), attn_mask, detached[0], scale=E ** -0.5,
-                                               is_causal=is_causal, enable_gqa=True,
-                                               score_options=ScoreOptions(tuple(window_size), softcap, detached[1],
-                                                                          detached[2]))
-    return cpp_ops.attention_sparse_tiles(counts, k.shape[2], is_causal=is_causal, window_size=window_size)
+    alpha, alibi_slopes, sinks = (t.detach() if isinstance(t, torch.Tensor) else t
+                                  for t in (alpha, alibi_slopes, sinks))
+    return attn_mask, alpha, ScoreOptions(tuple(window_size), softcap, alibi_slopes, sinks)
+
+
+def _sparse_tiles(q, k, alpha, *, is_causal=False, **options):
+    """(B, H, tiles) bool: which query tiles take the sparse path."""
+    attn_mask, alpha, score_options = operator_arguments(alpha, **options)
+    counts = cpp_ops.attention_support_forward(q.detach(), k.detach(), attn_mask, alpha, scale=E ** -0.5,
+                                               is_causal=is_causal, enable_gqa=True, score_options=score_options)
+    return cpp_ops.attention_sparse_tiles(counts, k.shape[2], is_causal=is_causal,
+                                          window_size=score_options.window_size)
 
 
 def _assert_both_paths(tiles, every_head=False):
