@@ -27,7 +27,7 @@ PACKAGES = ["entmax_fast", "entmax_fast.backends", "entmax_fast.backends.cpp", "
 # `triton_kernels` is a top-level folder, installed inside our namespace because the
 # top-level import name `triton_kernels` belongs to another project; `csrc` likewise, as data.
 PACKAGE_DIR = {"entmax_fast.triton_kernels": "triton_kernels", "entmax_fast.csrc": "csrc"}
-PACKAGE_DATA = {"entmax_fast.csrc": ["*.cpp", "**/*.cpp", "**/*.cu", "**/*.h", "**/*.cuh"]}
+PACKAGE_DATA = {"entmax_fast.csrc": ["*.cpp", "**/*.cpp", "**/*.cu", "**/*.h", "**/*.cuh", "**/*.inc"]}
 
 
 def _build_module():

@@ -52,7 +52,7 @@ def backend_info() -> dict:
         >>> info["backends"]["reference"]["reason"]
         'plain torch, always available'
         >>> info["last_choice"]["entmax"]  # doctest: +SKIP
-        {'backend': 'cpp', 'reason': 'cpp: C++ extension, avx2-fma CPU kernels (first choice for CPU tensors)'}
+        {'backend': 'cpp', 'reason': 'cpp: C++ extension, avx512 CPU kernels (first choice for CPU tensors)'}
         >>> info["last_choice"]["entmax"]["backend"] in ("cpp", "reference")
         True
     """

@@ -237,9 +237,9 @@ def test_rowwise_gradcheck_x_and_alpha(alpha):
 
 
 # ------------------------------------------------------------------ General kind (α ∉ {1, 1.5, 2})
-# Its kernels come in two sets: "avx2-fma" (vectorised exp/log, chosen at run time where the
-# CPU has it) and "portable" (std::exp/log); α = 1 + 1/k (k = 3..16) raises to the power k by
-# multiplications in both. Every test here runs once per set.
+# Its kernels come in three sets: "avx512" and "avx2-fma" (vectorised exp/log, the best the
+# CPU has chosen at run time) and "portable" (std::exp/log); α = 1 + 1/k (k = 3..16) raises to
+# the power k by multiplications in all. Every test here runs once per set the CPU has.
 
 INTEGER_EXPONENT_ALPHAS = [pytest.param(1 + 1 / k, id=f"a1+1|{k}") for k in (3, 4, 5, 10, 16)]
 GENERAL_ALPHAS = INTEGER_EXPONENT_ALPHAS + [pytest.param(a, id=f"a{a}") for a in (1.3, 1.7, 3.0, 0.5, 0.75)]
@@ -249,10 +249,12 @@ GENERAL_ALPHAS = INTEGER_EXPONENT_ALPHAS + [pytest.param(a, id=f"a{a}") for a in
 FORWARD_ALPHAS = GENERAL_ALPHAS + [pytest.param(a, id=f"a{a}") for a in (1.02, 0.98, 1.01)]
 
 
-@pytest.fixture(params=["auto", "portable"])
+@pytest.fixture(params=["auto", "avx2-fma", "portable"])
 def kernel_isa(request):
+    if request.param == "avx2-fma" and _AUTO_ISA != "avx512":
+        pytest.skip("the AVX2 kernels are the automatic choice here, or this CPU lacks them")
     active = torch.ops.entmax_fast.cpu_kernel_isa(request.param)
-    assert active == ("portable" if request.param == "portable" else _AUTO_ISA)
+    assert active == (_AUTO_ISA if request.param == "auto" else request.param)
     yield active
     torch.ops.entmax_fast.cpu_kernel_isa("auto")
 
@@ -261,9 +263,19 @@ _AUTO_ISA = torch.ops.entmax_fast.cpu_kernel_isa("auto") if _AVAILABLE else None
 
 
 def test_cpu_kernel_isa_reports_and_rejects():
-    assert _AUTO_ISA in ("avx2-fma", "portable")
-    with pytest.raises(RuntimeError, match="request must be 'auto' or 'portable'"):
+    assert _AUTO_ISA in ("avx512", "avx2-fma", "portable")
+    with pytest.raises(RuntimeError, match="request must be 'auto', 'avx2-fma' or 'portable'"):
         torch.ops.entmax_fast.cpu_kernel_isa("sse9")
+    assert torch.ops.entmax_fast.cpu_kernel_isa() == _AUTO_ISA
+    try:
+        if _AUTO_ISA == "portable":
+            with pytest.raises(RuntimeError, match="request 'avx2-fma' needs a CPU with AVX2 and FMA"):
+                torch.ops.entmax_fast.cpu_kernel_isa("avx2-fma")
+        else:
+            assert torch.ops.entmax_fast.cpu_kernel_isa("avx2-fma") == "avx2-fma"
+        assert torch.ops.entmax_fast.cpu_kernel_isa("portable") == "portable"
+    finally:
+        torch.ops.entmax_fast.cpu_kernel_isa("auto")
     assert torch.ops.entmax_fast.cpu_kernel_isa() == _AUTO_ISA
 
 
@@ -325,18 +337,20 @@ def test_general_alpha_grad_matches_oracle_finite_differences(kernel_isa, alpha)
     _check_alpha_grad_against_finite_differences(300, 50, alpha)
 
 
-@pytest.mark.skipif(_AUTO_ISA != "avx2-fma", reason="this CPU runs only the portable kernels")
+@pytest.mark.skipif(_AUTO_ISA == "portable", reason="this CPU runs only the portable kernels")
 def test_general_kernel_sets_agree():
-    """Both kernel sets give the float64 result to within a few ulps of each other."""
+    """Every kernel set the CPU has gives the float64 result to within a few ulps of the portable one."""
     x = torch.randn(8, 517, dtype=torch.float64) * 3
     alphas = torch.tensor([1.25, 1.3, 1.7, 3.0, 0.75, 1.1, 1.01, 2.5], dtype=torch.float64)
-    vectorised = cpp_ops.entmax_forward(x, alphas)
+    results = {}
     try:
-        torch.ops.entmax_fast.cpu_kernel_isa("portable")
-        portable = cpp_ops.entmax_forward(x, alphas)
+        for isa in ("portable", "avx2-fma", "auto"):
+            results[torch.ops.entmax_fast.cpu_kernel_isa(isa)] = cpp_ops.entmax_forward(x, alphas)
     finally:
         torch.ops.entmax_fast.cpu_kernel_isa("auto")
-    torch.testing.assert_close(vectorised, portable, atol=1e-14, rtol=0)
+    assert set(results) == {"portable", "avx2-fma", _AUTO_ISA}
+    for isa, p in results.items():
+        torch.testing.assert_close(p, results["portable"], atol=1e-14, rtol=0, msg=isa)
 
 
 # ------------------------------------------------------------------ attention

@@ -373,14 +373,6 @@ ENTMAX_FAST_TARGET_AVX2 void support_grads_avx2(const int32_t* index, int64_t co
 #endif
 
 template <typename T>
-int64_t count_positive(const T* p, int64_t n) {
-#if ENTMAX_FAST_AVX2_KERNELS
-  if (use_avx2_kernels()) return count_positive_avx2(p, n);
-#endif
-  return count_positive_body(p, n);
-}
-
-template <typename T>
 int64_t support_columns(const T* p, int64_t n, int64_t offset, int32_t* index) {
 #if ENTMAX_FAST_AVX2_KERNELS
   if (use_avx2_kernels()) return support_columns_avx2(p, n, offset, index);

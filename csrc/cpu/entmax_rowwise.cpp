@@ -141,9 +141,14 @@ std::tuple<at::Tensor, at::Tensor> entmax_rowwise_bwd_cpu(const at::Tensor& p_in
 
 std::string cpu_kernel_isa(std::optional<std::string> request) {
   if (request) {
-    TORCH_CHECK(*request == "auto" || *request == "portable",
-                "cpu_kernel_isa: request must be 'auto' or 'portable', got '", *request, "'");
-    kernel_isa_request().store(static_cast<int>(*request == "auto" ? KernelIsa::Auto : KernelIsa::Portable));
+    TORCH_CHECK(*request == "auto" || *request == "avx2-fma" || *request == "portable",
+                "cpu_kernel_isa: request must be 'auto', 'avx2-fma' or 'portable', got '", *request, "'");
+    TORCH_CHECK(*request != "avx2-fma" || cpu_has_avx2_fma(),
+                "cpu_kernel_isa: request 'avx2-fma' needs a CPU with AVX2 and FMA, which this one lacks");
+    const KernelIsa isa = *request == "auto" ? KernelIsa::Auto
+                          : *request == "avx2-fma" ? KernelIsa::Avx2
+                                                   : KernelIsa::Portable;
+    kernel_isa_request().store(static_cast<int>(isa));
   }
   return active_kernel_isa();
 }
@@ -152,8 +157,9 @@ std::string cpu_kernel_isa(std::optional<std::string> request) {
 
 TORCH_LIBRARY_FRAGMENT(entmax_fast, m) {
   m.def("entmax_rowwise_fwd(Tensor x, Tensor alpha) -> Tensor");
-  // Which kernels the General kind (alpha not in {1, 1.5, 2}) runs: returns "avx2-fma" or
-  // "portable"; request "portable" forces the baseline kernels, "auto" restores the choice.
+  // Which kernels the General kind (alpha not in {1, 1.5, 2}) runs: returns "avx512",
+  // "avx2-fma" or "portable"; a request forces a set ("avx2-fma" where the CPU has it,
+  // "portable" anywhere), "auto" restores the best one.
   m.def("cpu_kernel_isa(str? request=None) -> str", &entmax_fast_cpu::cpu_kernel_isa);
   m.def("entmax_rowwise_bwd(Tensor p, Tensor grad, Tensor alpha, bool need_alpha_grad) -> (Tensor, Tensor)");
 }

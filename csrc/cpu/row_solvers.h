@@ -144,21 +144,6 @@ ENTMAX_FAST_ALWAYS_INLINE T row_max_body(const T* z, int64_t n) {
   return invalid ? std::numeric_limits<T>::quiet_NaN() : m;
 }
 
-#if ENTMAX_FAST_AVX2_KERNELS
-template <typename T>
-ENTMAX_FAST_TARGET_AVX2 inline T row_max_avx2(const T* z, int64_t n) {
-  return row_max_body(z, n);
-}
-#endif
-
-template <typename T>
-inline T row_max(const T* z, int64_t n) {
-#if ENTMAX_FAST_AVX2_KERNELS
-  if (use_avx2_kernels()) return row_max_avx2(z, n);
-#endif
-  return row_max_body(z, n);
-}
-
 // Calls fn(j), in order, for the entries j < n with z[j] > cut: a block of entries none of
 // which exceeds the cut costs one vector comparison, and on the rows of attention at long
 // lengths, where a few percent of the entries are candidates, most blocks are such.
@@ -685,47 +670,9 @@ ENTMAX_FAST_ALWAYS_INLINE int64_t count_positive_body(const T* p, int64_t n) {
   return count;
 }
 
-#if ENTMAX_FAST_AVX2_KERNELS
-template <typename T, typename X>
-ENTMAX_FAST_TARGET_AVX2 inline GeneralSums general_sums_avx2(const X* x, int64_t k, double shift, const PowerLaw& law,
-                                                             double mu, double* p_out) {
-  return law.integer_exponent ? general_sums_body<PowerMethod::Integer, true, T>(x, k, shift, law, mu, p_out)
-                              : general_sums_body<PowerMethod::Vector, true, T>(x, k, shift, law, mu, p_out);
-}
-
-template <typename X>
-ENTMAX_FAST_TARGET_AVX2 inline GeneralSums general_sums_float_avx2(const X* x, int64_t k, double shift,
-                                                                   const PowerLaw& law, double mu) {
-  return law.integer_exponent ? general_sums_float_body<true>(x, k, shift, law, mu)
-                              : general_sums_float_body<false>(x, k, shift, law, mu);
-}
-
-template <typename T>
-ENTMAX_FAST_TARGET_AVX2 inline CandidateCount count_candidates_avx2(const T* z, int64_t n, double zmax, double am1) {
-  return count_candidates_body(z, n, zmax, am1);
-}
-
-template <typename T>
-ENTMAX_FAST_TARGET_AVX2 inline std::pair<double, double> general_weights_avx2(const T* p, const T* g, T* s,
-                                                                              int64_t n, double beta) {
-  return general_weights_body<PowerMethod::Vector, true>(p, g, s, n, beta);
-}
-
-template <typename T>
-ENTMAX_FAST_TARGET_AVX2 inline double general_probs_avx2(T* z, T* w, int64_t n, double zmax, const PowerLaw& law,
-                                                         double mu) {
-  return law.integer_exponent ? general_probs_body<PowerMethod::Integer, true>(z, w, n, zmax, law, mu)
-                              : general_probs_body<PowerMethod::Vector, true>(z, w, n, zmax, law, mu);
-}
-
-template <typename T>
-ENTMAX_FAST_TARGET_AVX2 inline int64_t count_positive_avx2(const T* p, int64_t n) {
-  return count_positive_body(p, n);
-}
-
 // (sum p, number of p > 0) of a row in one pass.
 template <typename T>
-ENTMAX_FAST_TARGET_AVX2 inline std::pair<double, int64_t> total_and_support_avx2(const T* p, int64_t n) {
+ENTMAX_FAST_ALWAYS_INLINE std::pair<double, int64_t> total_and_support_body(const T* p, int64_t n) {
   double total = 0;
   int64_t count = 0;
 #pragma omp simd reduction(+ : total, count)
@@ -735,6 +682,24 @@ ENTMAX_FAST_TARGET_AVX2 inline std::pair<double, int64_t> total_and_support_avx2
   }
   return {total, count};
 }
+
+template <typename T>
+ENTMAX_FAST_ALWAYS_INLINE double row_alpha_grad_vector_body(const T* p, const T* g, int64_t n, double alpha,
+                                                            double p_total);
+
+#if ENTMAX_FAST_AVX2_KERNELS
+// The General kind's vector passes, once per vector instruction set.
+namespace avx2 {
+#define ENTMAX_FAST_ISA_TARGET ENTMAX_FAST_TARGET_AVX2
+#include "general_kernels.inc"
+#undef ENTMAX_FAST_ISA_TARGET
+}  // namespace avx2
+
+namespace avx512 {
+#define ENTMAX_FAST_ISA_TARGET ENTMAX_FAST_TARGET_AVX512
+#include "general_kernels.inc"
+#undef ENTMAX_FAST_ISA_TARGET
+}  // namespace avx512
 #endif
 
 // The method general_sums uses for `law` on this machine.
@@ -743,19 +708,39 @@ inline PowerMethod power_method(const PowerLaw& law) {
   return use_avx2_kernels() ? PowerMethod::Vector : PowerMethod::Std;
 }
 
+template <typename T>
+inline T row_max(const T* z, int64_t n) {
+#if ENTMAX_FAST_AVX2_KERNELS
+  if (use_avx512_kernels()) return avx512::row_max(z, n);
+  if (use_avx2_kernels()) return avx2::row_max(z, n);
+#endif
+  return row_max_body(z, n);
+}
+
 template <typename T, typename X>
 inline GeneralSums general_sums(const X* x, int64_t k, double shift, const PowerLaw& law, double mu, double* p_out) {
 #if ENTMAX_FAST_AVX2_KERNELS
-  if (use_avx2_kernels()) return general_sums_avx2<T>(x, k, shift, law, mu, p_out);
+  if (use_avx512_kernels()) return avx512::general_sums<T>(x, k, shift, law, mu, p_out);
+  if (use_avx2_kernels()) return avx2::general_sums<T>(x, k, shift, law, mu, p_out);
 #endif
   return law.integer_exponent ? general_sums_body<PowerMethod::Integer, false, T>(x, k, shift, law, mu, p_out)
                               : general_sums_body<PowerMethod::Std, false, T>(x, k, shift, law, mu, p_out);
 }
 
+#if ENTMAX_FAST_AVX2_KERNELS
+// general_sums in float precision; only where the vector kernels run (use_avx2_kernels()).
+template <typename X>
+inline GeneralSums general_sums_float(const X* x, int64_t k, double shift, const PowerLaw& law, double mu) {
+  if (use_avx512_kernels()) return avx512::general_sums_float(x, k, shift, law, mu);
+  return avx2::general_sums_float(x, k, shift, law, mu);
+}
+#endif
+
 template <typename T>
 inline CandidateCount count_candidates(const T* z, int64_t n, double zmax, double am1) {
 #if ENTMAX_FAST_AVX2_KERNELS
-  if (use_avx2_kernels()) return count_candidates_avx2(z, n, zmax, am1);
+  if (use_avx512_kernels()) return avx512::count_candidates(z, n, zmax, am1);
+  if (use_avx2_kernels()) return avx2::count_candidates(z, n, zmax, am1);
 #endif
   return count_candidates_body(z, n, zmax, am1);
 }
@@ -763,20 +748,42 @@ inline CandidateCount count_candidates(const T* z, int64_t n, double zmax, doubl
 template <typename T>
 inline double general_probs(T* z, T* w, int64_t n, double zmax, const PowerLaw& law, double mu) {
 #if ENTMAX_FAST_AVX2_KERNELS
-  if (use_avx2_kernels()) return general_probs_avx2(z, w, n, zmax, law, mu);
+  if (use_avx512_kernels()) return avx512::general_probs(z, w, n, zmax, law, mu);
+  if (use_avx2_kernels()) return avx2::general_probs(z, w, n, zmax, law, mu);
 #endif
   return law.integer_exponent ? general_probs_body<PowerMethod::Integer, false>(z, w, n, zmax, law, mu)
                               : general_probs_body<PowerMethod::Std, false>(z, w, n, zmax, law, mu);
 }
 
 template <typename T>
+inline int64_t count_positive(const T* p, int64_t n) {
+#if ENTMAX_FAST_AVX2_KERNELS
+  if (use_avx512_kernels()) return avx512::count_positive(p, n);
+  if (use_avx2_kernels()) return avx2::count_positive(p, n);
+#endif
+  return count_positive_body(p, n);
+}
+
+template <typename T>
+inline std::pair<double, int64_t> total_and_support(const T* p, int64_t n) {
+#if ENTMAX_FAST_AVX2_KERNELS
+  if (use_avx512_kernels()) return avx512::total_and_support(p, n);
+  if (use_avx2_kernels()) return avx2::total_and_support(p, n);
+#endif
+  return total_and_support_body(p, n);
+}
+
+template <typename T>
 inline std::pair<double, double> general_weights(const T* p, const T* g, T* s, int64_t n, double beta) {
 #if ENTMAX_FAST_AVX2_KERNELS
   if (use_avx2_kernels()) {
-    // A lane costs ~1/8 (float) or ~1/4 (double) of a pow call, which the portable loop
-    // spends on the support only: on sparse rows that loop is the faster one.
-    const int64_t support = count_positive_avx2(p, n);
-    if ((std::is_same<T, float>::value ? 8 : 4) * support > n) return general_weights_avx2(p, g, s, n, beta);
+    // A lane costs ~1/8 (float) or ~1/4 (double) of a pow call at AVX2's width, which the
+    // portable loop spends on the support only: on sparse rows that loop is the faster one.
+    const int64_t support = count_positive(p, n);
+    if ((std::is_same<T, float>::value ? 8 : 4) * support > n) {
+      if (use_avx512_kernels()) return avx512::general_weights(p, g, s, n, beta);
+      return avx2::general_weights(p, g, s, n, beta);
+    }
   }
 #endif
   return general_weights_body<PowerMethod::Std, false>(p, g, s, n, beta);
@@ -910,7 +917,7 @@ inline GeneralSolution general_mu(const T* z, int64_t n, T zmax, const EntmaxPar
     const double last_step_from = float_last_step_from(am1);
     for (int iter = 0; iter < kMaxFloatSteps; ++iter) {
       const GeneralSums sums =
-          gathered ? general_sums_float_avx2(u, k, 0.0, law, mu) : general_sums_float_avx2(z, n, zmax_d, law, mu);
+          gathered ? general_sums_float(u, k, 0.0, law, mu) : general_sums_float(z, n, zmax_d, law, mu);
       const double f = sums.mass - 1.0;
       const double err = (2.0 * std::abs(law.exponent) + 8.0 + static_cast<double>(k) / 8.0) * 0x1p-24 *
                          std::max(1.0, sums.mass);
@@ -1149,11 +1156,11 @@ inline double row_alpha_grad_portable(const T* p, const T* g, int64_t n, double 
   return acc;
 }
 
-#if ENTMAX_FAST_AVX2_KERNELS
-// row_alpha_grad_portable with vec_log/vec_exp, branch-free (0 < p enters through masks).
+// row_alpha_grad_portable with vec_log/vec_exp, branch-free (0 < p enters through masks); for
+// the vector kernel sets (FMA).
 template <typename T>
-ENTMAX_FAST_TARGET_AVX2 inline double row_alpha_grad_avx2(const T* p, const T* g, int64_t n, double alpha,
-                                                          double p_total) {
+ENTMAX_FAST_ALWAYS_INLINE double row_alpha_grad_vector_body(const T* p, const T* g, int64_t n, double alpha,
+                                                            double p_total) {
   using vecmath::select;
   const double inv_total = 1.0 / p_total;
   if (alpha == 1.0) {
@@ -1195,17 +1202,19 @@ ENTMAX_FAST_TARGET_AVX2 inline double row_alpha_grad_avx2(const T* p, const T* g
   }
   return acc;
 }
-#endif
 
 template <typename T>
 inline double row_alpha_grad(const T* p, const T* g, int64_t n, double alpha) {
 #if ENTMAX_FAST_AVX2_KERNELS
   if (use_avx2_kernels()) {
-    const auto [p_total, support] = total_and_support_avx2(p, n);
+    const auto [p_total, support] = total_and_support(p, n);
     if (!(p_total > 0)) return 0.0;
     // As in general_weights: the portable loop skips p = 0 by a branch, and its pow and log
     // on the support cost ~8x what the vector loop spends on every entry.
-    if (8 * support > n) return row_alpha_grad_avx2(p, g, n, alpha, p_total);
+    if (8 * support > n) {
+      if (use_avx512_kernels()) return avx512::row_alpha_grad(p, g, n, alpha, p_total);
+      return avx2::row_alpha_grad(p, g, n, alpha, p_total);
+    }
     return row_alpha_grad_portable(p, g, n, alpha, p_total);
   }
 #endif

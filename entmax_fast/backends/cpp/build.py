@@ -37,7 +37,7 @@ CXX_FLAGS = ["-O3", "-std=c++20", "-fopenmp"]
 NVCC_FLAGS = ["-O3", "-std=c++17"]
 LD_FLAGS = ["-fopenmp"]
 CUDA_DEFINE = "-DENTMAX_FAST_WITH_CUDA"
-SOURCE_SUFFIXES = (".cpp", ".cu", ".h", ".cuh")
+SOURCE_SUFFIXES = (".cpp", ".cu", ".h", ".cuh", ".inc")
 LIBRARY_NAME = "entmax_fast_C"
 # Raised when the way of building changes, so that libraries built the old way are not reused.
 BUILDER_VERSION = "1"

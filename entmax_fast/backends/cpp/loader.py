@@ -79,7 +79,8 @@ def _load() -> tuple[bool, str]:
         origin = f"built on first use, as {why_not_packaged}: {library}"
     _register_fakes()
     # The row-wise kernels' instruction set: "portable" (scalar std:: maths) is the slower
-    # fallback on CPUs without AVX2+FMA, worth knowing when timing.
+    # fallback on CPUs without AVX2+FMA, and "avx2-fma" slower than "avx512" for α outside
+    # {1, 1.5, 2}: worth knowing when timing.
     kernels = f"CPU kernels: {cpu_kernel_set()}" if _has("cpu_kernel_isa") else "no CPU entmax kernels"
     return True, f"entmax_fast._C loaded ({origin}; {kernels}; {_cuda_operators(cuda_absent)})"
 
@@ -150,8 +151,10 @@ def chain_devices() -> frozenset:
 
 
 def cpu_kernel_set() -> str:
-    """The C++ CPU kernels in use: "avx2-fma", or "portable" (CPUs without AVX2+FMA, or
-    forced with ``torch.ops.entmax_fast.cpu_kernel_isa("portable")``)."""
+    """The C++ CPU kernels in use: "avx512" (the General kind's passes on CPUs with AVX-512,
+    the other kernels then run their AVX2 version), "avx2-fma", or "portable" (CPUs without
+    AVX2+FMA); a lower set can be forced with ``torch.ops.entmax_fast.cpu_kernel_isa("avx2-fma")``
+    or ``("portable")``, and ``("auto")`` restores the best."""
     return torch.ops.entmax_fast.cpu_kernel_isa()
 
 
