@@ -498,7 +498,11 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
           support += support_count[i];
           continue;
         }
-        rs = entmax_row_inplace(zi + span.start, n, prm, work);
+        // Counted only (not in dense tiles): the lists are made once the tile is known to be
+        // sparse. The sink's entry is no key.
+        int64_t row_support = 0;
+        rs = entmax_row_inplace(zi + span.start, n, prm, work, dense ? nullptr : &row_support);
+        if (opts.has_sink() && zi[span.start + span.len] > T(0)) --row_support;
         std::fill(zi, zi + span.start, T(0));
         // Also clears the sink's weight where it sits inside the tile's (tq, kn) view.
         std::fill(zi + span.start + span.len, zi + tile.kn, T(0));
@@ -506,8 +510,7 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
         st[2 * i + 1] = rs.mu;
         if (std::isnan(rs.max)) dense = true;
         if (dense) continue;
-        // Counted only: the lists are made once the tile is known to be sparse.
-        support_count[i] = count_positive(zi + span.start, span.len);
+        support_count[i] = row_support;
         support += support_count[i];
       }
       if (kept.capacity > 0 && closed_form && !dense && !(opts.softcap > T(0)) && tile.kn <= kMaxKeptTileKeys &&

@@ -130,18 +130,27 @@ struct EntmaxParams {
 };
 
 // Max of a row, or NaN when the row holds a NaN or +inf (such a row gives an all-NaN p, as
-// torch.softmax does). !(z < inf) is true exactly for NaN and +inf.
+// torch.softmax does), and how many entries are finite (not -inf), which the General kind's
+// bracket needs. !(z < inf) is true exactly for NaN and +inf.
 template <typename T>
-ENTMAX_FAST_ALWAYS_INLINE T row_max_body(const T* z, int64_t n) {
+struct RowMax {
+  T max;
+  int64_t finite;
+};
+
+template <typename T>
+ENTMAX_FAST_ALWAYS_INLINE RowMax<T> row_max_body(const T* z, int64_t n) {
   constexpr T inf = std::numeric_limits<T>::infinity();
   T m = -inf;
   int invalid = 0;
-#pragma omp simd reduction(max : m) reduction(| : invalid)
+  int64_t finite = 0;
+#pragma omp simd reduction(max : m) reduction(| : invalid) reduction(+ : finite)
   for (int64_t j = 0; j < n; ++j) {
     m = z[j] > m ? z[j] : m;
     invalid |= !(z[j] < inf);
+    finite += z[j] != -inf;
   }
-  return invalid ? std::numeric_limits<T>::quiet_NaN() : m;
+  return {invalid ? std::numeric_limits<T>::quiet_NaN() : m, finite};
 }
 
 // Calls fn(j), in order, for the entries j < n with z[j] > cut: a block of entries none of
@@ -564,22 +573,16 @@ ENTMAX_FAST_ALWAYS_INLINE GeneralSums general_sums_float_body(const X* x, int64_
   return {mass, slope, curvature, outside};
 }
 
-// Finite entries and candidates (u > -1/(alpha-1) for alpha > 1) of a row, counted.
-struct CandidateCount {
-  int64_t finite = 0, candidates = 0;
-};
-
+// The candidates of a row (finite, and u > -1/(alpha-1) for alpha > 1), counted.
 template <typename T>
-ENTMAX_FAST_ALWAYS_INLINE CandidateCount count_candidates_body(const T* z, int64_t n, double zmax, double am1) {
+ENTMAX_FAST_ALWAYS_INLINE int64_t count_candidates_body(const T* z, int64_t n, double zmax, double am1) {
   const T minus_inf = -std::numeric_limits<T>::infinity();
-  int64_t finite = 0, candidates = 0;
-#pragma omp simd reduction(+ : finite, candidates)
+  int64_t candidates = 0;
+#pragma omp simd reduction(+ : candidates)
   for (int64_t j = 0; j < n; ++j) {
-    const bool is_finite = z[j] != minus_inf;
-    finite += is_finite;
-    candidates += is_finite & ((am1 < 0) | (am1 * (static_cast<double>(z[j]) - zmax) > -1.0));
+    candidates += (z[j] != minus_inf) & ((am1 < 0) | (am1 * (static_cast<double>(z[j]) - zmax) > -1.0));
   }
-  return {finite, candidates};
+  return candidates;
 }
 
 // Jacobian weights s = p^beta (beta = 2 - alpha) of a normalised row p (0 off the support);
@@ -670,6 +673,24 @@ ENTMAX_FAST_ALWAYS_INLINE int64_t count_positive_body(const T* p, int64_t n) {
   return count;
 }
 
+// z = p / sum p, rounded to T, from a row's p in double (each already rounded to T); returns
+// how many are > 0.
+template <typename T>
+ENTMAX_FAST_ALWAYS_INLINE int64_t normalised_probs_body(const double* p, int64_t n, T* z) {
+  double total = 0;
+#pragma omp simd reduction(+ : total)
+  for (int64_t j = 0; j < n; ++j) total += p[j];
+  const T inv = static_cast<T>(1.0 / total);
+  int64_t positive = 0;
+#pragma omp simd reduction(+ : positive)
+  for (int64_t j = 0; j < n; ++j) {
+    const T pj = static_cast<T>(p[j]) * inv;
+    z[j] = pj;
+    positive += pj > T(0);
+  }
+  return positive;
+}
+
 // (sum p, number of p > 0) of a row in one pass.
 template <typename T>
 ENTMAX_FAST_ALWAYS_INLINE std::pair<double, int64_t> total_and_support_body(const T* p, int64_t n) {
@@ -709,7 +730,7 @@ inline PowerMethod power_method(const PowerLaw& law) {
 }
 
 template <typename T>
-inline T row_max(const T* z, int64_t n) {
+inline RowMax<T> row_max(const T* z, int64_t n) {
 #if ENTMAX_FAST_AVX2_KERNELS
   if (use_avx512_kernels()) return avx512::row_max(z, n);
   if (use_avx2_kernels()) return avx2::row_max(z, n);
@@ -737,7 +758,7 @@ inline GeneralSums general_sums_float(const X* x, int64_t k, double shift, const
 #endif
 
 template <typename T>
-inline CandidateCount count_candidates(const T* z, int64_t n, double zmax, double am1) {
+inline int64_t count_candidates(const T* z, int64_t n, double zmax, double am1) {
 #if ENTMAX_FAST_AVX2_KERNELS
   if (use_avx512_kernels()) return avx512::count_candidates(z, n, zmax, am1);
   if (use_avx2_kernels()) return avx2::count_candidates(z, n, zmax, am1);
@@ -762,6 +783,15 @@ inline int64_t count_positive(const T* p, int64_t n) {
   if (use_avx2_kernels()) return avx2::count_positive(p, n);
 #endif
   return count_positive_body(p, n);
+}
+
+template <typename T>
+inline int64_t normalised_probs(const double* p, int64_t n, T* z) {
+#if ENTMAX_FAST_AVX2_KERNELS
+  if (use_avx512_kernels()) return avx512::normalised_probs(p, n, z);
+  if (use_avx2_kernels()) return avx2::normalised_probs(p, n, z);
+#endif
+  return normalised_probs_body(p, n, z);
 }
 
 template <typename T>
@@ -847,22 +877,34 @@ inline double float_last_step_from(double am1) {
   return am1 <= 1.0 ? 0.01 : 0.0;
 }
 
+// finite: how many of the row's entries are finite (row_max).
 template <typename T>
-inline GeneralSolution general_mu(const T* z, int64_t n, T zmax, const EntmaxParams<T>& prm, RowWorkspace& work) {
+inline GeneralSolution general_mu(const T* z, int64_t n, int64_t finite, T zmax, const EntmaxParams<T>& prm,
+                                  RowWorkspace& work) {
   const PowerLaw law = prm.law();
   const double am1 = prm.am1;
   const double zmax_d = static_cast<double>(zmax);
   double* u = work.values.data();
   int64_t* index = work.index.data();
   double* probs = work.probs.data();
-  const CandidateCount count = count_candidates(z, n, zmax_d, am1);
   // Per entry, an Integer pass costs about what a gather does, a Vector pass ~3x, a Std pass
   // ~10x (but skips entries outside the support by a branch); a compaction pays when the
   // entries it drops would cost more in the two or three passes left.
   const PowerMethod method = power_method(law);
-  const int64_t non_candidates = n - count.candidates;
-  bool gathered = method == PowerMethod::Std || (method == PowerMethod::Vector ? 8 * non_candidates > n
-                                                                               : 4 * count.candidates < n);
+  bool float_steps = false;
+#if ENTMAX_FAST_AVX2_KERNELS
+  float_steps = method != PowerMethod::Std && std::abs(law.exponent) <= kMaxFloatExponent && use_avx2_kernels();
+#endif
+  // Which entries the passes read first: Std passes always a gathered copy of the candidates;
+  // for alpha > 1 with float steps, the row, until the first step's count of the entries
+  // outside the support at mu = 0 (the candidates' complement) decides, as compact() below;
+  // otherwise a pass that counts the candidates decides.
+  const bool gather_on_first_step = float_steps && am1 > 0;
+  bool gathered = method == PowerMethod::Std;
+  if (!gathered && !gather_on_first_step) {
+    const int64_t candidates = count_candidates(z, n, zmax_d, am1);
+    gathered = method == PowerMethod::Vector ? 8 * (n - candidates) > n : 4 * candidates < n;
+  }
   int64_t k = gathered ? gather_candidates(z, n, zmax_d, am1, 0.0, true, u, index) : n;
   auto compaction_pays = [&](double outside) {
     switch (method) {
@@ -872,7 +914,7 @@ inline GeneralSolution general_mu(const T* z, int64_t n, T zmax, const EntmaxPar
     }
   };
   double lo = 0.0;
-  double hi = (1.0 - std::pow(static_cast<double>(count.finite), -am1)) / am1;
+  double hi = (1.0 - std::pow(static_cast<double>(finite), -am1)) / am1;
   double mu = 0.0;
   // After the bracket's left end moved to mu: entries outside the support there are out for
   // good.
@@ -910,7 +952,7 @@ inline GeneralSolution general_mu(const T* z, int64_t n, T zmax, const EntmaxPar
     return next;
   };
 #if ENTMAX_FAST_AVX2_KERNELS
-  if (method != PowerMethod::Std && std::abs(law.exponent) <= kMaxFloatExponent && use_avx2_kernels()) {
+  if (float_steps) {
     // Float-precision steps first, ~3x cheaper than the double ones; the double steps then
     // need about two passes. Per term: q's rounding times |e|, the power's few ulps; the float
     // sums add up to k/8 roundings per lane.
@@ -921,10 +963,13 @@ inline GeneralSolution general_mu(const T* z, int64_t n, T zmax, const EntmaxPar
       const double f = sums.mass - 1.0;
       const double err = (2.0 * std::abs(law.exponent) + 8.0 + static_cast<double>(k) / 8.0) * 0x1p-24 *
                          std::max(1.0, sums.mass);
+      // mu = 0 = lo on the first step, whatever f says.
+      const bool first_gather = iter == 0 && gather_on_first_step;
+      if (first_gather) compact(sums);
       if (std::abs(f) <= std::max(kFloatStepsEnd, 4.0 * err)) break;
       if (f > 16.0 * err) {
         lo = mu;
-        compact(sums);
+        if (!first_gather) compact(sums);
       } else if (f < -16.0 * err) {
         hi = mu;
       }
@@ -936,7 +981,7 @@ inline GeneralSolution general_mu(const T* z, int64_t n, T zmax, const EntmaxPar
   // Converged to double precision even for float rows: Newton's last steps are cheap and
   // the float output then only carries its own rounding.
   const double eps = std::numeric_limits<double>::epsilon();
-  const double tol = 2.0 * eps * static_cast<double>(std::max<int64_t>(count.finite, 1));
+  const double tol = 2.0 * eps * static_cast<double>(std::max<int64_t>(finite, 1));
   const double resolution = 4.0 * eps;
   constexpr int kMaxSteps = 400;
   for (int iter = 0;; ++iter) {
@@ -1059,14 +1104,25 @@ inline int64_t closed_form_support(const T* z, int64_t n, T zmax, double mu, con
   return closed_form_support_among(z, n, zmax, mu, prm, work.index.data(), k, offset, index, p, w);
 }
 
-// Solves one row in place: on entry z holds scores (any may be -inf), on exit p.
+// Solves one row in place: on entry z holds scores (any may be -inf), on exit p; where
+// support is not null, it receives how many entries have p > 0.
 // `work` must hold n elements. A row without a finite entry gives zeros and max = -inf; a row
 // holding NaN or +inf gives NaNs and max = mu = NaN.
 template <typename T>
-inline RowStats<T> entmax_row_inplace(T* z, int64_t n, const EntmaxParams<T>& prm, RowWorkspace& work) {
+inline RowStats<T> entmax_row_inplace(T* z, int64_t n, const EntmaxParams<T>& prm, RowWorkspace& work,
+                                      int64_t* support = nullptr) {
   const bool closed_form = prm.kind == AlphaKind::kSparsemax || prm.kind == AlphaKind::kEntmax15;
+  int64_t unused_support;
+  int64_t& positive = support != nullptr ? *support : unused_support;
+  positive = 0;
   T lanes[kMaxLanes];
-  const T zmax = closed_form ? row_max_lanes(z, n, lanes) : row_max(z, n);
+  RowMax<T> row{T(0), n};
+  if (closed_form) {
+    row.max = row_max_lanes(z, n, lanes);
+  } else {
+    row = row_max(z, n);
+  }
+  const T zmax = row.max;
   if (std::isnan(zmax)) {
     std::fill(z, z + n, std::numeric_limits<T>::quiet_NaN());
     return {zmax, std::numeric_limits<double>::quiet_NaN()};
@@ -1081,6 +1137,7 @@ inline RowStats<T> entmax_row_inplace(T* z, int64_t n, const EntmaxParams<T>& pr
       mu = softmax_mu(z, n, zmax, z);
       const T inv = static_cast<T>(std::exp(-mu));
       for (int64_t j = 0; j < n; ++j) z[j] *= inv;
+      if (support != nullptr) positive = count_positive(z, n);
       return {zmax, mu};
     }
     case AlphaKind::kSparsemax:
@@ -1093,22 +1150,29 @@ inline RowStats<T> entmax_row_inplace(T* z, int64_t n, const EntmaxParams<T>& pr
       double* probs = work.probs.data();
       for (int64_t a = 0; a < k; ++a) probs[a] = static_cast<double>(prm.prob(z[columns[a]], zmax, mu));
       std::fill(z, z + n, T(0));
-      for (int64_t a = 0; a < k; ++a) z[columns[a]] = static_cast<T>(probs[a]);
+      for (int64_t a = 0; a < k; ++a) {
+        z[columns[a]] = static_cast<T>(probs[a]);
+        positive += probs[a] > 0.0;
+      }
       return {zmax, mu};
     }
     default: {
-      const GeneralSolution sol = general_mu(z, n, zmax, prm, work);
+      const GeneralSolution sol = general_mu(z, n, row.finite, zmax, prm, work);
       const double* probs = work.probs.data();
       // Exact normalisation on the found support: the Newton tolerance never shows in sum p.
-      double total = 0;
-#pragma omp simd reduction(+ : total)
-      for (int64_t i = 0; i < sol.k; ++i) total += probs[i];
-      const T inv = static_cast<T>(1.0 / total);
       if (sol.gathered) {
+        double total = 0;
+#pragma omp simd reduction(+ : total)
+        for (int64_t i = 0; i < sol.k; ++i) total += probs[i];
+        const T inv = static_cast<T>(1.0 / total);
         std::fill(z, z + n, T(0));
-        for (int64_t i = 0; i < sol.k; ++i) z[work.index[i]] = static_cast<T>(probs[i]) * inv;
+        for (int64_t i = 0; i < sol.k; ++i) {
+          const T p = static_cast<T>(probs[i]) * inv;
+          z[work.index[i]] = p;
+          positive += p > T(0);
+        }
       } else {
-        for (int64_t j = 0; j < n; ++j) z[j] = static_cast<T>(probs[j]) * inv;
+        positive = normalised_probs(probs, n, z);
       }
       return {zmax, sol.mu};
     }
