@@ -518,6 +518,38 @@ def test_attention_backward_general_alpha_matches_reference(kernel_isa, dtype, a
         assert torch.equal(grads[0][0][:, :, 0], torch.zeros_like(grads[0][0][:, :, 0]))
 
 
+@pytest.mark.parametrize("alpha", [1.25, 1.3, 1.75, 3.0])
+@pytest.mark.parametrize("scale", [pytest.param(0.4, id="flat"), pytest.param(8.0, id="unit")])
+def test_attention_saved_threshold_is_the_root(kernel_isa, alpha, scale):
+    """The forward's saved mu of general-α rows lies within the solver's resolution, 4 eps
+    max(1, |mu|) (q = 1 + (α-1)(u - mu) carries an absolute rounding), of the root of sum p = 1
+    found in 40 digits for the scores the kernel saw: one query, E = 1 and scale 1, so that the
+    scores are the keys themselves, each row a random subset of them. Near-uniform rows at α 3
+    end the solver's steps up to 11 eps off, and the backward's weights at the support's edge
+    amplify that; the saved threshold takes one more Newton step there."""
+    mpmath = pytest.importorskip("mpmath")
+    mpmath.mp.dps = 40
+    generator = torch.Generator().manual_seed(3)
+    rows, keys = 20, 300
+    key = torch.randn(1, 1, keys, 1, generator=generator, dtype=torch.float64) * scale
+    query = torch.ones(1, 1, rows, 1, dtype=torch.float64)
+    keep = torch.rand(1, 1, rows, keys, generator=generator) < 0.9
+    _, saved = cpp_ops.attention_forward(query, key, key.clone(), keep, torch.tensor([alpha], dtype=torch.float64),
+                                         scale=1.0, is_causal=False, dropout_p=0.0, enable_gqa=False,
+                                         need_grad=GRAD_ALPHA, score_options=ScoreOptions())
+    am1 = mpmath.mpf(alpha) - 1
+    for i in range(rows):
+        z = key[0, 0, :, 0][keep[0, 0, i]]
+        u = [mpmath.mpf(float(x)) for x in z - z.max()]
+        mu = saved[0][0, 0, i, 1].item()
+
+        def mass_minus_one(m):
+            return sum(max(1 + am1 * (x - m), 0) ** (1 / am1) for x in u) - 1
+
+        root = mpmath.findroot(mass_minus_one, (mpmath.mpf(mu) - 1e-9, mpmath.mpf(mu) + 1e-9), solver="anderson")
+        assert abs(mpmath.mpf(mu) - root) <= 4 * torch.finfo(torch.float64).eps * max(1.0, abs(mu)), (i, mu, root)
+
+
 def test_attention_3d_inputs_and_masked_keys_invariance():
     q, k, v = torch.randn(3, 10, 8), torch.randn(3, 12, 8), torch.randn(3, 12, 5)
     keep = torch.ones(12, dtype=torch.bool)

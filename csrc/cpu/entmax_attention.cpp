@@ -661,9 +661,10 @@ struct SavedGeneralRow {
 };
 
 // The p of a General-kind row from its saved (max, mu), written over the row's scores z (the
-// sink's entry included, after its `keys` keys): the forward's kernel at its final mu,
-// renormalised as the forward did, gives the forward's p; scalar pow per entry here cost more
-// than the rest of the backward. Where w is not null, p/q goes there from the same pass
+// sink's entry included, after its `keys` keys): the forward's kernel at the saved mu (the
+// root general_mu returns), renormalised as the forward did, gives the forward's p to within
+// its rounding (general_mu says where not); scalar pow per entry here cost more than the rest
+// of the backward. Where w is not null, p/q goes there from the same pass
 // (general_probs): a power per entry less than computing the weights from p.
 template <typename T>
 SavedGeneralRow<T> saved_general_probs(T* z, T* w, int64_t n, int64_t keys, T zmax, double mu,

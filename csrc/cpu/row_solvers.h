@@ -840,9 +840,11 @@ inline int64_t gather_candidates(const X* x, int64_t k, double shift, double am1
 
 // Where general_mu left the entries that can be in the support: the whole row (gathered =
 // false, k = n), or the first k of the workspace (u = z - max(z), column in index);
-// work.probs[0..k) holds their p at mu, rounded to T.
+// work.probs[0..k) holds their p at mu, rounded to T. root: mu one Newton step on, the threshold
+// to save (see general_mu).
 struct GeneralSolution {
   double mu;
+  double root;
   int64_t k;
   bool gathered;
 };
@@ -993,9 +995,22 @@ inline GeneralSolution general_mu(const T* z, int64_t n, int64_t finite, T zmax,
     } else {
       hi = mu;
     }
-    // Ends on an evaluated mu, whose p the pass just left in probs.
-    if (std::abs(f) <= tol || hi - lo <= resolution * std::max(1.0, std::abs(mu)) || iter == kMaxSteps) {
-      return {mu, k, gathered};
+    // Ends on an evaluated mu, whose p the pass just left in probs. Within the tolerance mu
+    // may still be a few ulps off the root, which the backward's weights p^(2-alpha) of entries
+    // at the support's edge (q -> 0) amplify by (2-alpha) q^((2-alpha)/(alpha-1) - 1) for
+    // alpha < 2 (1.6e3 at q = 2e-6, alpha 1.75: a float64 dq 3e-12 off). The saved threshold
+    // is then one more Newton step on, from the sums this pass has, where that step exceeds the
+    // resolution the bracket's stop uses (smaller ones are within f's rounding) and stays in
+    // the bracket. p at it differs from the p left here by a relative dmu/q per entry: below
+    // p's rounding except at that edge.
+    const double mu_resolution = resolution * std::max(1.0, std::abs(mu));
+    if (std::abs(f) <= tol || hi - lo <= mu_resolution || iter == kMaxSteps) {
+      double root = mu;
+      if (sums.slope > 0) {
+        const double step = am1 < kLogNewtonBelow ? std::log(sums.mass) * sums.mass / sums.slope : f / sums.slope;
+        if (std::abs(step) > mu_resolution && mu + step >= lo && mu + step <= hi) root = mu + step;
+      }
+      return {mu, root, k, gathered};
     }
     if (f > 0) compact(sums);
     mu = next_mu(sums, iter);
@@ -1174,7 +1189,7 @@ inline RowStats<T> entmax_row_inplace(T* z, int64_t n, const EntmaxParams<T>& pr
       } else {
         positive = normalised_probs(probs, n, z);
       }
-      return {zmax, sol.mu};
+      return {zmax, sol.root};
     }
   }
 }
