@@ -346,6 +346,37 @@ ENTMAX_FAST_ALWAYS_INLINE void support_grads_body(const int32_t* index, int64_t 
   }
 }
 
+// A dense row's (sum w, sum w g), in double: its Jacobian weights w and dP row g.
+template <typename T>
+ENTMAX_FAST_ALWAYS_INLINE std::pair<double, double> weight_sums_body(const T* w, const T* g, int64_t n) {
+  double w_total = 0, wg_total = 0;
+#pragma omp simd reduction(+ : w_total, wg_total)
+  for (int64_t j = 0; j < n; ++j) {
+    w_total += static_cast<double>(w[j]);
+    wg_total += static_cast<double>(w[j]) * static_cast<double>(g[j]);
+  }
+  return {w_total, wg_total};
+}
+
+// A dense row's dz over its dP row g: scale w (g - delta).
+template <typename T>
+ENTMAX_FAST_ALWAYS_INLINE void row_dz_body(T* g, const T* w, int64_t n, T scale, T delta) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) g[j] = scale * w[j] * (g[j] - delta);
+}
+
+// z *= factor over a row; returns how many entries are then > 0.
+template <typename T>
+ENTMAX_FAST_ALWAYS_INLINE int64_t scale_and_count_body(T* z, int64_t n, T factor) {
+  int64_t positive = 0;
+#pragma omp simd reduction(+ : positive)
+  for (int64_t j = 0; j < n; ++j) {
+    z[j] *= factor;
+    positive += z[j] > T(0);
+  }
+  return positive;
+}
+
 #if ENTMAX_FAST_AVX2_KERNELS
 template <typename T>
 ENTMAX_FAST_TARGET_AVX2 int64_t support_columns_avx2(const T* p, int64_t n, int64_t offset, int32_t* index) {
@@ -369,6 +400,21 @@ ENTMAX_FAST_TARGET_AVX2 void support_grads_avx2(const int32_t* index, int64_t co
                                                 const T* q_i, const T* do_i, const T* keys, int64_t key_stride, T* dk,
                                                 T* dv, int64_t E, int64_t Ev, T* dq_i) {
   support_grads_body(index, count, ds, p, q_i, do_i, keys, key_stride, dk, dv, E, Ev, dq_i);
+}
+
+template <typename T>
+ENTMAX_FAST_TARGET_AVX2 std::pair<double, double> weight_sums_avx2(const T* w, const T* g, int64_t n) {
+  return weight_sums_body(w, g, n);
+}
+
+template <typename T>
+ENTMAX_FAST_TARGET_AVX2 void row_dz_avx2(T* g, const T* w, int64_t n, T scale, T delta) {
+  row_dz_body(g, w, n, scale, delta);
+}
+
+template <typename T>
+ENTMAX_FAST_TARGET_AVX2 int64_t scale_and_count_avx2(T* z, int64_t n, T factor) {
+  return scale_and_count_body(z, n, factor);
 }
 #endif
 
@@ -406,6 +452,30 @@ void support_grads(const int32_t* index, int64_t count, const T* ds, const T* p,
     return support_grads_avx2(index, count, ds, p, q_i, do_i, keys, key_stride, dk, dv, E, Ev, dq_i);
 #endif
   support_grads_body(index, count, ds, p, q_i, do_i, keys, key_stride, dk, dv, E, Ev, dq_i);
+}
+
+template <typename T>
+std::pair<double, double> weight_sums(const T* w, const T* g, int64_t n) {
+#if ENTMAX_FAST_AVX2_KERNELS
+  if (use_avx2_kernels()) return weight_sums_avx2(w, g, n);
+#endif
+  return weight_sums_body(w, g, n);
+}
+
+template <typename T>
+void row_dz(T* g, const T* w, int64_t n, T scale, T delta) {
+#if ENTMAX_FAST_AVX2_KERNELS
+  if (use_avx2_kernels()) return row_dz_avx2(g, w, n, scale, delta);
+#endif
+  row_dz_body(g, w, n, scale, delta);
+}
+
+template <typename T>
+int64_t scale_and_count(T* z, int64_t n, T factor) {
+#if ENTMAX_FAST_AVX2_KERNELS
+  if (use_avx2_kernels()) return scale_and_count_avx2(z, n, factor);
+#endif
+  return scale_and_count_body(z, n, factor);
 }
 
 template <typename T>
@@ -672,13 +742,7 @@ SavedGeneralRow<T> saved_general_probs(T* z, T* w, int64_t n, int64_t keys, T zm
   const double p_total = general_probs(z, w, n, static_cast<double>(zmax), prm.law(), mu);
   SavedGeneralRow<T> row;
   if (p_total > 0) {
-    const T inv = static_cast<T>(1.0 / p_total);
-    int64_t support = 0;
-#pragma omp simd reduction(+ : support)
-    for (int64_t j = 0; j < n; ++j) {
-      z[j] *= inv;
-      support += z[j] > T(0);
-    }
+    int64_t support = scale_and_count(z, n, static_cast<T>(1.0 / p_total));
     // The sink's entry is no key.
     if (n > keys && z[keys] > T(0)) --support;
     row.weight_scale = static_cast<T>(std::pow(p_total, prm.alpha - 2.0));
@@ -911,13 +975,8 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
               int64_t n = span.len;
               // The sink's value is zero, so is its g.
               if (opts.has_sink()) g[n++] = T(0);
-              double s_total = 0, sg_total = 0;
               const T* w = &weight_tile[i * tile.ld + span.start];
-#pragma omp simd reduction(+ : s_total, sg_total)
-              for (int64_t j = 0; j < n; ++j) {
-                s_total += static_cast<double>(w[j]);
-                sg_total += static_cast<double>(w[j]) * static_cast<double>(g[j]);
-              }
+              const auto [s_total, sg_total] = weight_sums(w, g, n);
               if (need_alpha_grad) dalpha_acc += row_alpha_grad(p, g, n, prm.alpha);
               const double delta_d = s_total > 0 ? sg_total / s_total : 0.0;
               const T delta = static_cast<T>(delta_d);
@@ -930,7 +989,7 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
                 const T* slope = cap_slopes + i * tile.ld + span.start;
                 for (int64_t j = 0; j < span.len; ++j) g[j] = dz_scale * slope[j] * w[j] * (g[j] - delta);
               } else {
-                for (int64_t j = 0; j < span.len; ++j) g[j] = dz_scale * w[j] * (g[j] - delta);
+                row_dz(g, w, span.len, dz_scale, delta);
               }
               // Outside the span, the sink's entry included where it lies inside the view.
               std::fill(p_row, p, T(0));
