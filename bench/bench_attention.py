@@ -36,6 +36,9 @@ and bench/out/attention_sparsity.png.
 
     python bench/bench_attention.py --sparsity --threads 2
 
+``--cpu-kernels avx2-fma`` (or ``portable``) times a lower C++ kernel set than the CPU's best,
+as a CPU without AVX-512 (or AVX2) would run.
+
 Why ``fwd+bwd`` is not ``fwd + bwd``: the three columns are three separate medians. ``fwd+bwd``
 times a forward and its backward together, which is what a training step pays, and is the
 figure to compare; ``bwd`` times repeated backward passes through one retained graph
@@ -368,6 +371,9 @@ def main(argv=None) -> list:
                              "weights and of query tiles on the sparse path, on random inputs and on the attention "
                              "of a small trained model (B=2 H=8 by default; --lengths picks rows)")
     parser.add_argument("--repeats", type=int, default=7, help="with --sparsity, interleaved repeats per row")
+    parser.add_argument("--cpu-kernels", choices=["auto", "avx2-fma", "portable"], default="auto",
+                        help="with --sparsity, the C++ kernel set to time (torch.ops.entmax_fast.cpu_kernel_isa): "
+                             "the CPU's best by default, or a lower one forced")
     parser.add_argument("--out", default=OUT_DIR)
     args = parser.parse_args(argv)
     if args.threads:
@@ -600,8 +606,10 @@ def _main_sparsity(args) -> list:
     if ON_GPU or not dispatch.availability("cpp")[0]:
         raise SystemExit("--sparsity times the C++ CPU operator: it needs the built extension and no GPU")
     batch, heads = args.batch or 2, args.heads or 8
+    kernels = torch.ops.entmax_fast.cpu_kernel_isa(args.cpu_kernels)
     header = (f"{machine()}\n{_versions()}\nC++ entmax attention vs SDPA: B={batch} H={heads} E={args.head_dim} "
-              f"float32, threads {torch.get_num_threads()}, {args.repeats} interleaved repeats; load {_load()}")
+              f"float32, {kernels} kernels, threads {torch.get_num_threads()}, {args.repeats} interleaved repeats; "
+              f"load {_load()}")
     print(header)
     rows = run_sparsity(batch, heads, args.head_dim, args.repeats, args.out, args.lengths)
     print_sparsity_results(rows)
