@@ -519,7 +519,7 @@ def test_attention_backward_general_alpha_matches_reference(kernel_isa, dtype, a
 
 
 @pytest.mark.parametrize("alpha", [1.25, 1.3, 1.75, 3.0])
-@pytest.mark.parametrize("scale", [pytest.param(0.4, id="flat"), pytest.param(8.0, id="unit")])
+@pytest.mark.parametrize("scale", [pytest.param(0.4, id="flat"), pytest.param(8.0, id="peaked")])
 def test_attention_saved_threshold_is_the_root(kernel_isa, alpha, scale):
     """The forward's saved mu of general-α rows lies within the solver's resolution, 4 eps
     max(1, |mu|) (q = 1 + (α-1)(u - mu) carries an absolute rounding), of the root of sum p = 1

@@ -572,7 +572,7 @@ void attention_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::
         // sparse. The sink's entry is no key.
         int64_t row_support = 0;
         rs = entmax_row_inplace(zi + span.start, n, prm, work, dense ? nullptr : &row_support);
-        if (opts.has_sink() && zi[span.start + span.len] > T(0)) --row_support;
+        if (!dense && opts.has_sink() && zi[span.start + span.len] > T(0)) --row_support;
         std::fill(zi, zi + span.start, T(0));
         // Also clears the sink's weight where it sits inside the tile's (tq, kn) view.
         std::fill(zi + span.start + span.len, zi + tile.kn, T(0));
@@ -734,8 +734,8 @@ struct SavedGeneralRow {
 // sink's entry included, after its `keys` keys): the forward's kernel at the saved mu (the
 // root general_mu returns), renormalised as the forward did, gives the forward's p to within
 // its rounding (general_mu says where not); scalar pow per entry here cost more than the rest
-// of the backward. Where w is not null, p/q goes there from the same pass
-// (general_probs): a power per entry less than computing the weights from p.
+// of the backward. Where w is not null, p/q goes there from the same pass (general_probs): a
+// power per entry less than computing the weights from p.
 template <typename T>
 SavedGeneralRow<T> saved_general_probs(T* z, T* w, int64_t n, int64_t keys, T zmax, double mu,
                                        const EntmaxParams<T>& prm) {

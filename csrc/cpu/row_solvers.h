@@ -957,7 +957,7 @@ inline GeneralSolution general_mu(const T* z, int64_t n, int64_t finite, T zmax,
   if (float_steps) {
     // Float-precision steps first, ~3x cheaper than the double ones; the double steps then
     // need about two passes. Per term: q's rounding times |e|, the power's few ulps; the float
-    // sums add up to k/8 roundings per lane.
+    // sums add up to k/8 roundings per lane (8 lanes or more).
     const double last_step_from = float_last_step_from(am1);
     for (int iter = 0; iter < kMaxFloatSteps; ++iter) {
       const GeneralSums sums =
@@ -965,7 +965,8 @@ inline GeneralSolution general_mu(const T* z, int64_t n, int64_t finite, T zmax,
       const double f = sums.mass - 1.0;
       const double err = (2.0 * std::abs(law.exponent) + 8.0 + static_cast<double>(k) / 8.0) * 0x1p-24 *
                          std::max(1.0, sums.mass);
-      // mu = 0 = lo on the first step, whatever f says.
+      // The first step's mu = 0 is the bracket's left end whatever f's rounding says: the
+      // entries outside the support there are out for good.
       const bool first_gather = iter == 0 && gather_on_first_step;
       if (first_gather) compact(sums);
       if (std::abs(f) <= std::max(kFloatStepsEnd, 4.0 * err)) break;
