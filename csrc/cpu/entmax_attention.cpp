@@ -820,8 +820,8 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
     // Per row: the factor of its weights (saved_general_probs; 1 for the closed forms).
     T weight_scale[kQueryTile];
     RowState state[kQueryTile];
-    // One row's support's p, g, weights and dz (sparse path), the sink last.
-    std::vector<T> sp(row_capacity), sg(row_capacity), sw(row_capacity), sds(row_capacity);
+    // One row's support's p, g (then its dz) and weights (sparse path), the sink last.
+    std::vector<T> sp(row_capacity), sg(row_capacity), sw(row_capacity);
     RowWorkspace work(row_capacity);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / s.Hk;
@@ -1038,23 +1038,20 @@ void attention_backward_impl(const at::Tensor& grad_out, const at::Tensor& q, co
               for (int64_t a = 0; a < count; ++a) sw[a] = w_row[index[a]];
               if (opts.has_sink()) sw[count] = w_row[span.start + span.len];
             }
-            double s_total = 0, sg_total = 0;
-            for (int64_t a = 0; a < n; ++a) {
-              s_total += sw[a];
-              sg_total += static_cast<double>(sw[a]) * sg[a];
-            }
+            const auto [s_total, sg_total] = weight_sums(sw.data(), sg.data(), n);
             if (need_alpha_grad) dalpha_acc += row_alpha_grad(sp.data(), sg.data(), n, prm.alpha);
             const double delta_d = s_total > 0 ? sg_total / s_total : 0.0;
             const T delta = static_cast<T>(delta_d);
             if (opts.has_sink()) dsinks_acc -= weight_scale[i] * static_cast<double>(sw[count]) * delta_d;
             const T dz_scale = scale * weight_scale[i];
+            // dz over g, as the dense rows' (row_dz).
             if (capped) {
               const T* slope = cap_slopes + i * tile.ld;
-              for (int64_t a = 0; a < count; ++a) sds[a] = dz_scale * slope[index[a]] * sw[a] * (sg[a] - delta);
+              for (int64_t a = 0; a < count; ++a) sg[a] = dz_scale * slope[index[a]] * sw[a] * (sg[a] - delta);
             } else {
-              for (int64_t a = 0; a < count; ++a) sds[a] = dz_scale * sw[a] * (sg[a] - delta);
+              row_dz(sg.data(), sw.data(), count, dz_scale, delta);
             }
-            support_grads(index, count, sds.data(), sp.data(), query_rows.row(b, h, tile.q0 + i), do_i, keys,
+            support_grads(index, count, sg.data(), sp.data(), query_rows.row(b, h, tile.q0 + i), do_i, keys,
                           key_rows.row_stride, dk_tile, dv_tile, s.E, s.Ev, dq_i);
           }
         }
