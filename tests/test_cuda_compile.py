@@ -15,10 +15,18 @@ import sysconfig
 import pytest
 import torch.utils.cpp_extension as cpp_extension
 
+from entmax_fast.backends.cpp import build
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CUDA_SOURCES = sorted(ROOT.glob("csrc/**/*.cu"))
 CUDA_HOST_SOURCES = sorted(path for path in ROOT.glob("csrc/**/*.cpp") if "ENTMAX_FAST_WITH_CUDA" in path.read_text())
 ARCHS = ("80", "90")
+
+
+def _standard(flags):
+    """The -std= flag of a build's flags: the tests compile as the build does (torch's own
+    headers need C++20 from torch 2.14 on)."""
+    return next(flag for flag in flags if flag.startswith("-std="))
 
 
 def find_nvcc():
@@ -64,7 +72,7 @@ def test_there_are_cuda_sources():
 @pytest.mark.parametrize("source", CUDA_SOURCES, ids=[str(p.relative_to(ROOT)) for p in CUDA_SOURCES])
 def test_nvcc_compiles_for_sm80_and_sm90(source, nvcc, include_flags, tmp_path):
     gencode = [flag for arch in ARCHS for flag in ("-gencode", f"arch=compute_{arch},code=sm_{arch}")]
-    command = [nvcc, "-c", "-std=c++17", "-O3", "-DENTMAX_FAST_WITH_CUDA", *gencode, *include_flags,
+    command = [nvcc, "-c", _standard(build.NVCC_FLAGS), "-O3", "-DENTMAX_FAST_WITH_CUDA", *gencode, *include_flags,
                str(source), "-o", str(tmp_path / "out.o")]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, f"nvcc failed for {source.name} (sm_{'/sm_'.join(ARCHS)}):\n{result.stderr[-6000:]}"
@@ -81,7 +89,7 @@ def test_cuda_host_code_compiles(source, nvcc, include_flags):
     cuda_include = next((path for path in includes if (path / "cuda_runtime.h").exists()), None)
     if cuda_include is None:
         pytest.fail(f"nvcc found at {nvcc} but no cuda_runtime.h under {[str(p) for p in includes]}")
-    command = [compiler, "-fsyntax-only", "-std=c++17", "-DENTMAX_FAST_WITH_CUDA", *include_flags,
+    command = [compiler, "-fsyntax-only", _standard(build.CXX_FLAGS), "-DENTMAX_FAST_WITH_CUDA", *include_flags,
                f"-I{cuda_include}", f"-I{sysconfig.get_paths()['include']}", str(source)]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, f"{source.name} with ENTMAX_FAST_WITH_CUDA:\n{result.stderr[-6000:]}"
